@@ -1,0 +1,38 @@
+# corp-deploy developer tasks. `make setup` makes .venv; every other target uses it.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+EXTRAS  ?= onnx,dev
+
+.PHONY: setup demo test lint bench-prune bench-prune-gpu clean
+
+setup: $(BIN)/corp-deploy
+
+$(BIN)/corp-deploy: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	@touch $@
+
+# The offline smoke run: random weights and noise calibration (structure and timing, not accuracy).
+demo: setup
+	$(BIN)/corp-deploy prune deit_small --weights random --calib synthetic --num-calib 64 \
+	    --sparsity 0.5 --out runs/demo-deit_small-s50 --overwrite
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check corp_deploy bench tests
+	$(BIN)/ruff format --check corp_deploy bench tests
+
+# Pruning time and memory (docs/BENCHMARKS.md). CPU figure: deit_small, 256 images.
+bench-prune: setup
+	$(BIN)/python -m bench.prune_time deit_small --num-calib 256
+
+# GPU target: deit_base, 4000 images, <= 30 s on one H100-class GPU.
+bench-prune-gpu: setup
+	$(BIN)/python -m bench.prune_time deit_base --num-calib 4000 --calib-batch-size 128 --device cuda
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

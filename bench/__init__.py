@@ -1,0 +1,1 @@
+"""Benchmarks: measured speed and memory, recorded in docs/BENCHMARKS.md (never timed unit tests)."""

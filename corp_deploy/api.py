@@ -1,0 +1,145 @@
+"""The Python API: everything the CLI does, callable directly.
+
+model = corp_deploy.create_model("deit_small", weights="random")
+batches, total = corp_deploy.calibration_batches(model, "photos/", num=256)
+result = corp_deploy.prune(model, batches, corp_deploy.PruneConfig(sparsity=0.5), total=total)
+corp_deploy.save(result, "runs/deit_small-s50")
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+from torch import Tensor, nn
+
+import corp_deploy
+from corp_deploy.artifact import save_pruned
+from corp_deploy.data import folder_batches, list_images, sample, synthetic_batches
+from corp_deploy.errors import CorpError
+from corp_deploy.models import data_config, input_size
+from corp_deploy.pruner import PruneConfig, Timer, calibrate, plan_widths, prune_model
+from corp_deploy.report import model_size, peak_memory
+
+SYNTHETIC = "synthetic"
+
+
+@dataclass
+class PruneResult:
+    """The pruned model (in place of the dense one) and the report that goes into ``corp.json``."""
+
+    model: nn.Module
+    report: dict[str, Any]
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto`` is the GPU when there is one; asking for ``cuda`` without one is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CorpError("--device cuda asked for, but no CUDA GPU is visible; use --device cpu or auto")
+    if name not in ("cpu",) and not name.startswith("cuda"):
+        raise CorpError(f"--device must be auto, cpu or cuda[:N], got {name!r}")
+    return torch.device(name)
+
+
+def calibration_batches(
+    model: nn.Module,
+    source: str | Path,
+    num: int = 4000,
+    batch_size: int = 64,
+    seed: int = 0,
+    workers: int | None = None,
+) -> tuple[Iterable[tuple[Tensor, int]], int]:
+    """Batches of (images, skipped) from a folder, or noise when ``source == "synthetic"``.
+
+    Returns the batches and the number of images they will cover.
+    """
+    if num < 1 or batch_size < 1:
+        raise CorpError("--num-calib and --calib-batch-size must be >= 1")
+    if str(source) == SYNTHETIC:
+        warnings.warn(
+            "--calib synthetic: calibrating on NOISE images. Use only for smoke tests; the pruned "
+            "model's accuracy is meaningless. Pass --calib-dir with real images for real use.",
+            stacklevel=2,
+        )
+        return synthetic_batches(num, batch_size, input_size(model), seed), num
+    files = sample(list_images(source), num, seed)
+    workers = min(8, os.cpu_count() or 1) if workers is None else workers
+    return folder_batches(files, data_config(model), batch_size, workers), len(files)
+
+
+def prune(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, int]],
+    config: PruneConfig | None = None,
+    device: str | torch.device = "auto",
+    total: int | None = None,
+    progress: bool = True,
+) -> PruneResult:
+    """Calibrate ``model`` once, then prune and compensate it in place; measure what changed."""
+    config = config or PruneConfig()
+    device = resolve_device(device) if isinstance(device, str) else device
+    plan_widths(model, config)  # an impossible sparsity fails here, not after calibration
+    dense = model_size(model)
+    model.to(device).eval()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timer = Timer()
+    start = time.perf_counter()
+    stats = calibrate(model, batches, config, device, total=total, progress=progress)
+    timer.add("calibration", start)
+    blocks = prune_model(model, stats, config, timer)
+    report = {
+        "config": config.to_dict(),
+        "device": device_name(device),
+        "calibration": {"images": stats.images, "skipped": stats.skipped},
+        "seconds": timer.seconds,
+        "memory": {"statistics_mib": stats.nbytes() / 2**20, **peak_memory(device)},
+        "dense": dense,
+        "pruned": model_size(model),
+        "blocks": blocks,
+    }
+    return PruneResult(model, report)
+
+
+def save(
+    result: PruneResult,
+    out: str | Path,
+    model_name: str,
+    model_args: dict | None = None,
+    weights: str = "unknown",
+    overwrite: bool = False,
+) -> Path:
+    """Write the artifact folder (``model.safetensors`` + ``corp.json``) atomically."""
+    meta = {
+        "model": {"name": model_name, "args": model_args or {}, "weights": weights},
+        "versions": versions(),
+        "report": result.report,
+    }
+    return save_pruned(result.model, out, meta, overwrite=overwrite)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def versions() -> dict[str, str]:
+    return {
+        "corp_deploy": corp_deploy.__version__,
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "python": sys.version.split()[0],
+        "cuda": torch.version.cuda or "none",
+    }

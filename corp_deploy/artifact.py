@@ -1,0 +1,108 @@
+"""The prune artifact: ``model.safetensors`` + ``corp.json``, written atomically, reloadable alone.
+
+``corp.json`` records the timm name, model args and per-block widths, which is everything needed to
+rebuild the module tree; the weights then load strictly. No calibration data, no surgery replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from corp_deploy.errors import CorpError
+from corp_deploy.surgery import apply_widths, block_widths
+
+FORMAT = "corp-deploy/pruned-vit"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+META_FILE = "corp.json"
+
+
+def check_writable(out: str | Path, overwrite: bool) -> None:
+    """Fail before any work when ``out`` exists and may not be replaced."""
+    if Path(out).exists() and not overwrite:
+        raise CorpError(f"output {out} already exists; choose another --out or pass --overwrite")
+
+
+@contextmanager
+def atomic_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling folder that becomes ``out`` only if the block completes.
+
+    On any failure the temporary folder is removed and an existing ``out`` is left untouched.
+    """
+    out = Path(out)
+    check_writable(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        _chmod_default(tmp)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _chmod_default(folder: Path) -> None:
+    """mkdtemp makes private folders; give the finished artifact the permissions the umask allows."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for f in folder.iterdir():
+        os.chmod(f, 0o666 & ~umask)
+
+
+def save_pruned(model: nn.Module, out: str | Path, meta: dict[str, Any], overwrite: bool = False) -> Path:
+    """Write ``model`` and its description to ``out`` atomically.
+
+    ``meta`` must hold ``model: {name, args}``; the per-block widths are taken from the model itself.
+    """
+    record = {"format": FORMAT, "format_version": FORMAT_VERSION, **meta, "structure": block_widths(model)}
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    with atomic_dir(out, overwrite) as tmp:
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+        (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return Path(out)
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """``corp.json`` of an artifact folder, checked to be one this version can load."""
+    meta_path = Path(path) / META_FILE
+    if not meta_path.is_file():
+        raise CorpError(f"{path} is not a corp-deploy prune artifact (no {META_FILE}); run `corp-deploy prune` first")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CorpError(f"{meta_path} is corrupt ({e}); re-run `corp-deploy prune`") from None
+    if meta.get("format") != FORMAT or meta.get("format_version", 0) > FORMAT_VERSION:
+        raise CorpError(f"{meta_path} is not a prune artifact this corp-deploy version reads; upgrade or re-prune")
+    return meta
+
+
+def load_pruned(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild a pruned model (eval mode) from an artifact folder, without calibration data."""
+    meta = read_meta(path)
+    model = timm.create_model(meta["model"]["name"], pretrained=False, **meta["model"].get("args", {}))
+    apply_widths(model, meta["structure"])
+    try:
+        model.load_state_dict(load_file(str(Path(path) / WEIGHTS_FILE)))
+    except (RuntimeError, OSError) as e:
+        raise CorpError(f"weights in {path} do not match its {META_FILE}: {str(e).splitlines()[0]}") from None
+    return model.to(device).eval()

@@ -1,0 +1,156 @@
+"""CORP's closed-form compensation as pure tensor functions (tensors in, tensors out).
+
+Everything here is float64 and works on *statistics*, never on raw activations, so it is cheap,
+exact for the calibration set, and independent of how the statistics were gathered.
+
+MLP (paper eq. 9): predict the pruned hidden channels from the kept ones, ``x_P ~ B x_S + c``,
+and fold the prediction into fc2.
+
+Attention (paper eq. 44/45): per head, find ``M`` so that ``Q_S M K_S^T ~ Q_P K_P^T`` summed over
+images, then factor ``I + M`` by SVD into the query and key projections. The system is built from
+the packed 4th-order moment ``T[i,k,j,l] = sum_b (Q_b^T Q_b)[i,k] (K_b^T K_b)[j,l]`` (see
+``stats.AttnStats``), so one calibration pass serves every sparsity.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def ridge_solve(gram: Tensor, rhs: Tensor, alpha: float) -> Tensor:
+    """Solve ``(gram + lam I) X = rhs`` with ``lam = alpha * mean(diag(gram))``.
+
+    Damping relative to the system's own scale is what keeps this meaningful: real ViT Q/K systems
+    have condition numbers of 1e10-1e12 and entries summed over tens of thousands of tokens, so an
+    absolute lambda would be no regularisation at all. ``alpha = 0`` gives the minimum-norm
+    least-squares solution (used to check the closed form against a direct fit).
+    """
+    n = gram.shape[-1]
+    lam = alpha * torch.diagonal(gram, dim1=-2, dim2=-1).mean(-1).clamp_min(0)
+    eye = torch.eye(n, dtype=gram.dtype, device=gram.device)
+    system = gram + lam[..., None, None] * eye
+    chol, info = torch.linalg.cholesky_ex(system)
+    if alpha > 0 and not bool(info.any()):
+        return torch.cholesky_solve(rhs, chol)
+    return torch.linalg.pinv(system, hermitian=True) @ rhs
+
+
+# ----------------------------------------------------------------------------------------- MLP
+
+
+def mlp_affine(mean: Tensor, second: Tensor, keep: Tensor, prune: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
+    """Ridge fit of ``x_P ~ B x_S + c`` from token statistics (paper eq. 9).
+
+    ``mean = E[x]`` and ``second = E[x x^T]`` over all calibration tokens. Returns ``B`` (|P| x |S|)
+    and ``c`` (|P|).
+    """
+    cov = second - torch.outer(mean, mean)
+    cov_ss = cov[keep][:, keep]
+    cov_sp = cov[keep][:, prune]
+    b = ridge_solve(cov_ss, cov_sp, alpha).T
+    c = mean[prune] - b @ mean[keep]
+    return b, c
+
+
+def fold_mlp(w2: Tensor, b2: Tensor, keep: Tensor, prune: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """Fold the affine prediction into fc2: ``W_S + W_P B`` and ``b + W_P c``."""
+    w_p = w2[:, prune]
+    return w2[:, keep] + w_p @ b, b2 + w_p @ c
+
+
+def mlp_output_error(
+    mean: Tensor, second: Tensor, w2: Tensor, b2: Tensor, keep: Tensor, prune: Tensor, b: Tensor, c: Tensor
+) -> Tensor:
+    """Relative fc2 output error ``E||y - y_hat||^2 / E||y||^2`` on the calibration tokens.
+
+    ``y_hat`` uses the prediction ``x_P ~ B x_S + c``; ``B = 0, c = 0`` is plain removal and
+    ``B = 0, c = mu_P`` is VBP's mean shift. Exact, from second moments only.
+    """
+    # residual r = D x - c with D = [-B | I] acting on (x_S, x_P); error = E||W_P r||^2.
+    order = torch.cat([keep, prune])
+    mu, r2 = mean[order], second[order][:, order]
+    w_p = w2[:, prune]
+    wd = torch.cat([-w_p @ b, w_p], dim=1)
+    wc = w_p @ c
+    err = ((wd @ r2) * wd).sum() - 2 * torch.dot(wd @ mu, wc) + torch.dot(wc, wc)
+    signal = ((w2 @ second) * w2).sum() + 2 * torch.dot(b2, w2 @ mean) + torch.dot(b2, b2)
+    return err.clamp_min(0) / signal
+
+
+# ----------------------------------------------------------------------------------- attention
+
+
+def packed_index(d: int, device: torch.device | str | None = None) -> Tensor:
+    """(d, d) map from a symmetric matrix's entry (i, k) to its upper-triangle packed position."""
+    rows, cols = torch.triu_indices(d, d, device=device)
+    idx = torch.empty(d, d, dtype=torch.long, device=device)
+    pos = torch.arange(rows.numel(), device=device)
+    idx[rows, cols] = pos
+    idx[cols, rows] = pos
+    return idx
+
+
+def logit_energy(moment: Tensor, idx: Tensor) -> Tensor:
+    """Per-dimension logit energy ``sum_b ||q_j,b||^2 ||k_j,b||^2`` (paper sec. 3.3): T[j,j,j,j].
+
+    ``moment``: packed moments (..., P, P). Returns (..., d).
+    """
+    diag = idx.diagonal()
+    return moment[..., diag, diag]
+
+
+def logit_system(moment: Tensor, idx: Tensor, keep: Tensor, prune: Tensor) -> tuple[Tensor, Tensor]:
+    """The summed ridge system of paper eq. 44 in row-major form, for one head.
+
+    ``sum_b GQ_b M GK_b = R`` with ``GQ_b = Q_S,b^T Q_S,b``: element (i, j) of the left side is
+    ``sum_{k,l} T[i,k,l,j] M[k,l]``, so with ``m = M.flatten()`` (row-major) the matrix is
+    ``A[(i,j),(k,l)] = T[i,k,j,l]`` (GK is symmetric). ``R[i,j] = sum_{p in P} T[i,p,p,j]``.
+    Returns ``A`` (d'^2 x d'^2) and ``R`` (d' x d').
+    """
+    s, p = keep.numel(), prune.numel()
+    ss = idx[keep][:, keep].reshape(-1)
+    a = moment[ss][:, ss].reshape(s, s, s, s).permute(0, 2, 1, 3).reshape(s * s, s * s)
+    if p == 0:
+        return a, torch.zeros(s, s, dtype=moment.dtype, device=moment.device)
+    sp = idx[keep][:, prune].reshape(-1)
+    ps = idx[prune][:, keep].reshape(-1)
+    r = torch.einsum("ippj->ij", moment[sp][:, ps].reshape(s, p, p, s))
+    return a, r
+
+
+def pair_energy(moment: Tensor, idx: Tensor, dims: Tensor) -> Tensor:
+    """``sum_b ||Q_D,b K_D,b^T||_F^2`` for the dimension subset D: the diagonal of T over D x D."""
+    pairs = idx[dims][:, dims].reshape(-1)
+    return moment[pairs, pairs].sum()
+
+
+def solve_logit_compensation(a: Tensor, r: Tensor, alpha: float) -> Tensor:
+    """M (d' x d') minimising ``sum_b ||Q_P K_P^T - Q_S M K_S^T||^2 + lam ||M||^2``."""
+    s = r.shape[0]
+    return ridge_solve(a, r.reshape(s * s, 1), alpha).reshape(s, s)
+
+
+def logit_error(a: Tensor, r: Tensor, removed_energy: Tensor, m: Tensor) -> Tensor:
+    """``sum_b ||Q_P K_P^T - Q_S M K_S^T||^2`` = E0 - 2 <R, M> + m^T A m (exact, from moments)."""
+    v = m.reshape(-1)
+    return (removed_energy - 2 * (r * m).sum() + v @ (a @ v)).clamp_min(0)
+
+
+def qk_factors(m: Tensor) -> tuple[Tensor, Tensor]:
+    """Factor ``I + M = F_q F_k^T`` by SVD, splitting the singular values evenly (paper eq. 46).
+
+    ``I + M`` is factored as it is: M is not symmetric, and symmetrising it changes the logits.
+    """
+    u, sig, vh = torch.linalg.svd(torch.eye(m.shape[0], dtype=m.dtype, device=m.device) + m)
+    root = sig.sqrt()
+    return u * root, vh.T * root
+
+
+def fold_projection(weight: Tensor, bias: Tensor | None, factor: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Right-multiply a projection's outputs by ``factor``: ``q' = q_S F`` for ``q_S = x W^T + b``.
+
+    As a Linear layer that is ``W' = F^T W`` and ``b' = F^T b``: the bias must be transformed too, or
+    ``q' k'^T`` is not ``q_S (I + M) k_S^T``.
+    """
+    return factor.T @ weight, None if bias is None else factor.T @ bias

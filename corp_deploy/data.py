@@ -1,0 +1,88 @@
+"""Calibration images: a folder of unlabeled images (or noise, for smoke tests only).
+
+Batches are ``(images, skipped)`` pairs: unreadable files are dropped from the batch and counted,
+so one corrupt JPEG in 4000 costs one image, not the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import timm.data
+import torch
+from PIL import Image
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from corp_deploy.errors import CorpError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+
+
+def list_images(root: str | Path) -> list[Path]:
+    """Image files under ``root`` (an ImageFolder tree or a flat folder), recursive, sorted."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CorpError(f"calibration folder {root} does not exist or is not a folder")
+    files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if not files:
+        raise CorpError(
+            f"no images ({', '.join(IMAGE_SUFFIXES)}) under {root}; point --calib-dir at a folder of images"
+        )
+    return files
+
+
+def sample(files: list[Path], num: int, seed: int) -> list[Path]:
+    """A seeded random subset of ``num`` files (all of them if there are fewer), in a fixed order."""
+    if num >= len(files):
+        return files
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(len(files), generator=g)[:num].sort().values
+    return [files[i] for i in pick.tolist()]
+
+
+class ImageFiles(Dataset):
+    """Decoded, preprocessed images; ``None`` for a file PIL cannot read."""
+
+    def __init__(self, files: list[Path], transform: Any) -> None:
+        self.files, self.transform = files, transform
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> Tensor | None:
+        try:
+            with Image.open(self.files[i]) as im:
+                return self.transform(im.convert("RGB"))
+        except Exception:  # truncated, corrupt or mislabelled files are skipped and counted
+            return None
+
+
+def _collate(items: list[Tensor | None]) -> tuple[Tensor, int]:
+    good = [t for t in items if t is not None]
+    skipped = len(items) - len(good)
+    if not good:
+        return torch.empty(0), skipped
+    return torch.stack(good), skipped
+
+
+def folder_batches(files: list[Path], data_config: dict[str, Any], batch_size: int, workers: int) -> DataLoader:
+    """Batches of (images, skipped) preprocessed with the model's own timm eval transform."""
+    transform = timm.data.create_transform(**data_config, is_training=False)
+    return DataLoader(
+        ImageFiles(files, transform),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=workers,
+        collate_fn=_collate,
+        pin_memory=torch.cuda.is_available(),
+    )
+
+
+def synthetic_batches(num: int, batch_size: int, size: tuple[int, int, int], seed: int) -> Iterator[tuple[Tensor, int]]:
+    """Standard-normal noise images: exercises the whole pipeline, says nothing about accuracy."""
+    g = torch.Generator().manual_seed(seed)
+    for start in range(0, num, batch_size):
+        yield torch.randn(min(batch_size, num - start), *size, generator=g), 0

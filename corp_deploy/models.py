@@ -1,0 +1,212 @@
+"""Model names, weights and the check that a model is one CORP can prune."""
+
+from __future__ import annotations
+
+import difflib
+import socket
+import warnings
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+from timm.layers import Mlp
+from timm.models.vision_transformer import Attention, VisionTransformer
+from torch import nn
+
+from corp_deploy.errors import CorpError
+
+ALIASES: dict[str, str] = {
+    "deit_tiny": "deit_tiny_patch16_224",
+    "deit_small": "deit_small_patch16_224",
+    "deit_base": "deit_base_patch16_224",
+    "deit_tiny_distilled": "deit_tiny_distilled_patch16_224",
+    "deit_small_distilled": "deit_small_distilled_patch16_224",
+    "deit_base_distilled": "deit_base_distilled_patch16_224",
+    "deit3_small": "deit3_small_patch16_224",
+    "deit3_medium": "deit3_medium_patch16_224",
+    "deit3_base": "deit3_base_patch16_224",
+    "deit3_large": "deit3_large_patch16_224",
+    "deit3_huge": "deit3_huge_patch14_224",
+    "vit_tiny": "vit_tiny_patch16_224",
+    "vit_small": "vit_small_patch16_224",
+    "vit_base": "vit_base_patch16_224",
+    "vit_large": "vit_large_patch16_224",
+    "vit_huge": "vit_huge_patch14_224",
+    "dinov2_small": "vit_small_patch14_dinov2",
+    "dinov2_base": "vit_base_patch14_dinov2",
+    "dinov2_large": "vit_large_patch14_dinov2",
+}
+"""Short names users type, mapped to timm model names (the paper's DeiT family first)."""
+
+WEIGHTS = ("pretrained", "random")
+
+SUPPORTED = (
+    "timm VisionTransformer-family models whose blocks use timm's Attention (no qk_norm) and Mlp "
+    "(ViT, DeiT, DeiT III, DINOv2, register-token ViTs, ...)"
+)
+
+
+def resolve_name(name: str) -> str:
+    """Alias or timm name -> timm name; unknown names get the closest suggestions."""
+    full = ALIASES.get(name, name)
+    if full in timm.list_models():
+        return full
+    candidates = list(ALIASES) + timm.list_models()
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see `timm.list_models()` for names"
+    raise CorpError(f"unknown model {name!r}{hint}")
+
+
+def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``["img_size=224", "num_classes=0"]`` -> kwargs for ``timm.create_model``."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise CorpError(f"--model-arg expects key=value, got {pair!r}")
+        out[key] = _literal(raw)
+    return out
+
+
+def _literal(raw: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(raw.lower(), raw)
+
+
+def create_model(
+    name: str, weights: str = "pretrained", checkpoint: str | Path | None = None, model_args: dict | None = None
+) -> nn.Module:
+    """A supported timm model in eval mode, with weights from the hub, a checkpoint, or random init."""
+    full = resolve_name(name)
+    model_args = dict(model_args or {})
+    if checkpoint is not None:
+        model = _build(full, model_args, pretrained=False)
+        load_checkpoint(model, checkpoint, full)
+    elif weights == "pretrained":
+        model = _pretrained(full, model_args)
+    elif weights == "random":
+        warnings.warn(
+            "--weights random: accuracy of this model is meaningless (fine for structure and latency)", stacklevel=2
+        )
+        model = _build(full, model_args, pretrained=False)
+    else:
+        raise CorpError(f"unknown --weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
+    check_supported(model, full)
+    return model.eval()
+
+
+def _build(name: str, model_args: dict, pretrained: bool) -> nn.Module:
+    try:
+        return timm.create_model(name, pretrained=pretrained, **model_args)
+    except TypeError as e:
+        raise CorpError(f"--model-arg not accepted by {name}: {e}") from None
+
+
+def _pretrained(name: str, model_args: dict) -> nn.Module:
+    hub_reachable = _resolves("huggingface.co")
+    if not hub_reachable:
+        # Offline: look in the local cache only instead of retrying the network for a minute.
+        import huggingface_hub.constants
+
+        huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        return _build(name, model_args, pretrained=True)
+    except CorpError:
+        raise
+    except Exception as e:  # hub, cache and download errors come in many types
+        where = "the model hub is unreachable and they are not in the local cache" if not hub_reachable else str(e)
+        raise CorpError(
+            f"cannot load pretrained weights for {name} ({where}); "
+            "pass --checkpoint PATH, or --weights random for structure/latency work"
+        ) from None
+
+
+def _resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, 443)
+        return True
+    except OSError:
+        return False
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Tensors from .safetensors, or .pth/.pt/.bin via ``torch.load(weights_only=True)`` (never unpickles code)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CorpError(f"checkpoint {path} does not exist")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CorpError(f"cannot read checkpoint {path}: {str(e).splitlines()[0]}") from None
+    for key in ("model", "state_dict", "model_ema"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+            break
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CorpError(f"checkpoint {path} holds no state dict of tensors")
+    return state
+
+
+def load_checkpoint(model: nn.Module, path: str | Path, name: str) -> None:
+    """Load ``path`` strictly; a mismatch says how it does not fit instead of a tensor dump."""
+    state = read_state_dict(path)
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    mismatched = [k for k in own if k in state and state[k].shape != own[k].shape]
+    if missing or unexpected or mismatched:
+        parts = []
+        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape-mismatched", mismatched)):
+            if keys:
+                parts.append(f"{len(keys)} {label} (e.g. {keys[0]})")
+        raise CorpError(
+            f"checkpoint {path} does not fit {name}: {', '.join(parts)}; "
+            "check the model name and --model-arg (e.g. img_size, num_classes)"
+        )
+    model.load_state_dict(state)
+
+
+def check_supported(model: nn.Module, name: str) -> None:
+    """Raise unless every block has timm's plain Attention and Mlp, which CORP's surgery assumes."""
+    if not isinstance(model, VisionTransformer):
+        raise CorpError(f"{name} ({type(model).__name__}) is not supported; corp-deploy prunes {SUPPORTED}")
+    for i, block in enumerate(model.blocks):
+        attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+        problem = None
+        if type(attn) is not Attention:
+            problem = f"attention is {type(attn).__name__}"
+        elif not isinstance(attn.q_norm, nn.Identity):
+            problem = "attention uses qk_norm (a norm over the Q/K head dim cannot be pruned exactly)"
+        elif type(mlp) is not Mlp:
+            problem = f"MLP is {type(mlp).__name__} (gated/SwiGLU MLPs are not supported)"
+        elif not isinstance(mlp.norm, nn.Identity):
+            problem = "MLP has a norm over its hidden channels"
+        if problem:
+            raise CorpError(f"{name} is not supported: block {i} {problem}; corp-deploy prunes {SUPPORTED}")
+
+
+def input_size(model: nn.Module) -> tuple[int, int, int]:
+    """(C, H, W) the instantiated model expects.
+
+    Taken from the model itself: timm's data config reports the pretrained config's size (518 for
+    DINOv2) even when the model was built with ``img_size=224``.
+    """
+    h, w = model.patch_embed.img_size
+    return (model.patch_embed.proj.in_channels, h, w)
+
+
+def data_config(model: nn.Module) -> dict[str, Any]:
+    """timm preprocessing config of ``model`` with the input size it was actually built for."""
+    cfg = timm.data.resolve_model_data_config(model)
+    cfg["input_size"] = input_size(model)
+    return cfg

@@ -1,0 +1,92 @@
+"""What pruning bought and cost: parameters, FLOPs, reconstruction error, time, memory."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from corp_deploy.models import input_size
+
+
+def model_size(model: nn.Module) -> dict[str, Any]:
+    """Parameters and MACs for one image, in total and per block.
+
+    MACs are measured by tracing a real forward pass (FlopCounterMode counts FLOPs = 2 x MACs),
+    so attention's token-token products and the pruned Q/K width are included as they run.
+    MACs are what the ViT literature (and the CORP paper) call "FLOPs".
+    """
+    param = next(model.parameters())
+    x = torch.zeros(1, *input_size(model), device=param.device, dtype=param.dtype)
+    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+        model(x)
+    flops = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    prefix = f"{type(model).__name__}.blocks."
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "macs": flops["Global"] // 2,
+        "blocks": [
+            {"params": sum(p.numel() for p in block.parameters()), "macs": flops.get(f"{prefix}{i}", 0) // 2}
+            for i, block in enumerate(model.blocks)
+        ],
+    }
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """Peak process RSS (always) and peak CUDA allocation (on a GPU), in MiB."""
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    out = {"host_rss_mib": rss_kib / (1024 * 1024 if sys.platform == "darwin" else 1024)}
+    if device.type == "cuda":
+        out["cuda_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
+
+
+def _pct(after: float, before: float) -> str:
+    return f"{100 * (after / before - 1):+.1f}%" if before else "-"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The terminal table: per-block widths and errors, then model totals, time and memory."""
+    dense, pruned = report["dense"], report["pruned"]
+    lines = [
+        f"{'block':>5} {'mlp kept':>10} {'mlp err none/mean/corp':>24} {'qk kept':>8} {'logit err none/corp':>20}"
+        f" {'MMACs':>15}",
+    ]
+    for entry, d_blk, p_blk in zip(report["blocks"], dense["blocks"], pruned["blocks"], strict=True):
+        mlp, attn = entry.get("mlp"), entry.get("attn")
+        mlp_cols = ("-", "-")
+        if mlp:
+            e = mlp["rel_error"]
+            mlp_cols = (f"{mlp['kept']}/{mlp['width']}", f"{e['none']:.3f}/{e['mean']:.3f}/{e['corp']:.3f}")
+        attn_cols = ("-", "-")
+        if attn:
+            e = attn["rel_error"]
+            attn_cols = (f"{attn['kept']}/{attn['head_dim']}", f"{e['none']:.3f}/{e['corp']:.3f}")
+        macs = f"{d_blk['macs'] / 1e6:.1f}->{p_blk['macs'] / 1e6:.1f}"
+        lines.append(
+            f"{entry['block']:>5} {mlp_cols[0]:>10} {mlp_cols[1]:>24} {attn_cols[0]:>8} {attn_cols[1]:>20} {macs:>15}"
+        )
+    lines.append("(errors: relative reconstruction error on the calibration data; mlp = fc2 output, logit = Q K^T)")
+    params = _pct(pruned["params"], dense["params"])
+    lines.append(
+        f"params {dense['params'] / 1e6:.2f}M -> {pruned['params'] / 1e6:.2f}M ({params})"
+        f"   MACs {dense['macs'] / 1e9:.3f}G -> {pruned['macs'] / 1e9:.3f}G ({_pct(pruned['macs'], dense['macs'])})"
+    )
+    t = report["seconds"]
+    lines.append(
+        f"time {sum(t.values()):.1f}s = "
+        + " + ".join(f"{k} {v:.2f}s" for k, v in t.items())
+        + f"   on {report['device']}, {report['calibration']['images']} calibration images"
+        + (f" ({report['calibration']['skipped']} unreadable, skipped)" if report["calibration"]["skipped"] else "")
+    )
+    mem = report["memory"]
+    lines.append(
+        "memory: statistics "
+        + f"{mem['statistics_mib']:.0f} MiB, peak host RSS {mem['host_rss_mib']:.0f} MiB"
+        + (f", peak CUDA {mem['cuda_peak_mib']:.0f} MiB" if "cuda_peak_mib" in mem else "")
+    )
+    return "\n".join(lines)

@@ -1,0 +1,184 @@
+"""Calibration statistics: mergeable sums, and the one forward pass that fills them.
+
+Every statistic is a plain sum (count, sum, sum of outer products, ...) kept in float64, so
+statistics from disjoint image shards merge by addition (``+=``, or an all-reduce of
+``tensors()``) and give the same result as one pass over all images. None of them depends on the
+sparsity: a sweep collects once and prunes many times.
+
+Per-batch products run in float32 (fast GEMMs) and are added into the float64 sums. The MLP outer
+products are formed on batch-centred activations and the batch mean is added back in float64,
+which avoids the cancellation of ``E[xx^T] - mu mu^T`` when means are large against variances.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from corp_deploy.compensation import packed_index
+
+ACTIVE_EPS = 1e-3
+"""Threshold of the ``active`` ranker: a hidden channel is active on a token when ``|x| > eps``."""
+
+
+def _at_least_fp32(t: Tensor) -> Tensor:
+    """Per-batch products run in fp32 (fp64 inputs stay fp64); half-precision activations are upcast."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+class MlpStats:
+    """Token statistics of an MLP's hidden activation (the input of fc2)."""
+
+    def __init__(self, width: int, device: torch.device | str = "cpu") -> None:
+        f64 = {"dtype": torch.float64, "device": device}
+        self.count = torch.zeros((), **f64)
+        self.sum = torch.zeros(width, **f64)
+        self.outer = torch.zeros(width, width, **f64)
+        self.active = torch.zeros(width, **f64)
+
+    def update(self, x: Tensor) -> None:
+        x = _at_least_fp32(x.reshape(-1, x.shape[-1]))
+        n = x.shape[0]
+        mu = x.mean(0)
+        xc = x - mu
+        self.count += n
+        self.sum += x.sum(0, dtype=torch.float64)
+        self.outer += (xc.T @ xc).double() + n * torch.outer(mu.double(), mu.double())
+        self.active += (x.abs() > ACTIVE_EPS).sum(0, dtype=torch.float64)
+
+    def mean(self) -> Tensor:
+        return self.sum / self.count
+
+    def second_moment(self) -> Tensor:
+        return self.outer / self.count
+
+    def tensors(self) -> list[Tensor]:
+        return [self.count, self.sum, self.outer, self.active]
+
+    def __iadd__(self, other: MlpStats) -> MlpStats:
+        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
+            mine += theirs.to(mine.device)
+        return self
+
+
+class AttnStats:
+    """Per-head packed 4th-order Q/K moment of one attention layer, summed over images.
+
+    ``moment[h, p, q] = sum_b GQ_b[h][p] GK_b[h][q]`` where ``GQ_b = Q_b^T Q_b`` (d x d, symmetric)
+    is stored as its upper triangle of ``P = d (d + 1) / 2`` entries. Ranking (its diagonal), the
+    Kronecker ridge system and its right-hand side for ANY kept set all follow from it, so one pass
+    serves every sparsity. Size: ``heads * P^2`` float64, e.g. 415 MB per DeiT-Base layer.
+    """
+
+    def __init__(self, heads: int, head_dim: int, device: torch.device | str = "cpu") -> None:
+        self.heads, self.head_dim = heads, head_dim
+        self.index = packed_index(head_dim, device=device)
+        self.rows, self.cols = torch.triu_indices(head_dim, head_dim, device=device)
+        p = self.rows.numel()
+        self.count = torch.zeros((), dtype=torch.float64, device=device)
+        self.moment = torch.zeros(heads, p, p, dtype=torch.float64, device=device)
+
+    def update(self, q: Tensor, k: Tensor) -> None:
+        """q, k: (batch, tokens, heads, head_dim) for the same images."""
+        q, k = _at_least_fp32(q), _at_least_fp32(k)
+        gq = torch.einsum("bnhd,bnhe->bhde", q, q)[..., self.rows, self.cols]
+        gk = torch.einsum("bnhd,bnhe->bhde", k, k)[..., self.rows, self.cols]
+        self.count += q.shape[0]
+        self.moment += torch.einsum("bhp,bhq->hpq", gq, gk).double()
+
+    def tensors(self) -> list[Tensor]:
+        return [self.count, self.moment]
+
+    def __iadd__(self, other: AttnStats) -> AttnStats:
+        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
+            mine += theirs.to(mine.device)
+        return self
+
+
+@dataclass
+class CalibrationStats:
+    """Everything CORP needs from the calibration data, per transformer block."""
+
+    mlp: dict[int, MlpStats] = field(default_factory=dict)
+    attn: dict[int, AttnStats] = field(default_factory=dict)
+    images: int = 0
+    skipped: int = 0
+
+    def tensors(self) -> list[Tensor]:
+        """All sums in a fixed order, for an all-reduce across processes."""
+        out: list[Tensor] = []
+        for i in sorted(self.mlp):
+            out += self.mlp[i].tensors()
+        for i in sorted(self.attn):
+            out += self.attn[i].tensors()
+        return out
+
+    def __iadd__(self, other: CalibrationStats) -> CalibrationStats:
+        for i, s in other.mlp.items():
+            self.mlp[i] += s
+        for i, s in other.attn.items():
+            self.attn[i] += s
+        self.images += other.images
+        self.skipped += other.skipped
+        return self
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _split_qk(out: Tensor, heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """timm's fused qkv output (B, N, 3*H*d) -> q, k as (B, N, H, d)."""
+    qkv = out.unflatten(-1, (3, heads, head_dim))
+    return qkv[..., 0, :, :], qkv[..., 1, :, :]
+
+
+def empty_stats(model: nn.Module, mlp: bool, attn: bool, device: torch.device | str) -> CalibrationStats:
+    """Zeroed accumulators for every block of a supported ViT."""
+    stats = CalibrationStats()
+    for i, block in enumerate(model.blocks):
+        if mlp:
+            stats.mlp[i] = MlpStats(block.mlp.fc2.in_features, device)
+        if attn:
+            stats.attn[i] = AttnStats(block.attn.num_heads, block.attn.head_dim, device)
+    return stats
+
+
+def collect(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, int]],
+    stats: CalibrationStats,
+    device: torch.device | str,
+    total: int | None = None,
+    progress: bool = True,
+) -> CalibrationStats:
+    """Run the model once over ``batches`` of (images, skipped-count), accumulating into ``stats``.
+
+    Hooks read the input of each ``mlp.fc2`` and the output of each ``attn.qkv``; they are removed
+    however the pass ends.
+    """
+    handles = []
+    for i, s in stats.mlp.items():
+        handles.append(model.blocks[i].mlp.fc2.register_forward_pre_hook(lambda _m, args, s=s: s.update(args[0])))
+    for i, s in stats.attn.items():
+
+        def on_qkv(_m: nn.Module, _args: tuple, out: Tensor, s: AttnStats = s) -> None:
+            s.update(*_split_qk(out, s.heads, s.head_dim))
+
+        handles.append(model.blocks[i].attn.qkv.register_forward_hook(on_qkv))
+    try:
+        model.eval()
+        with torch.inference_mode(), tqdm(total=total, unit="img", desc="calibration", disable=not progress) as bar:
+            for images, skipped in batches:
+                stats.skipped += skipped
+                if images.shape[0]:
+                    model(images.to(device, non_blocking=True))
+                    stats.images += images.shape[0]
+                bar.update(images.shape[0] + skipped)
+    finally:
+        for h in handles:
+            h.remove()
+    return stats

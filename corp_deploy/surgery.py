@@ -1,0 +1,135 @@
+"""Module surgery: physically smaller, ordinary ``nn.Module`` trees.
+
+The builders here only create modules of the pruned shapes; the pruner fills them with
+compensated weights and ``load_pruned`` fills them from a checkpoint. Both go through the same
+builders, so a saved artifact always reloads into exactly the structure that was pruned.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Mlp
+from timm.models.vision_transformer import Attention
+from torch import Tensor, nn
+
+
+class PrunedAttention(nn.Module):
+    """Multi-head self-attention whose Q/K head width differs from the V head width.
+
+    One fused ``qkv`` Linear with ``2*H*qk_dim + H*v_dim`` outputs (one GEMM), laid out
+    ``[q heads | k heads | v heads]``. ``scale`` stays that of the ORIGINAL head dim: CORP's
+    compensation reproduces the original logits, so rescaling by ``qk_dim ** -0.5`` would be wrong.
+    Reshapes use -1 so that no batch or sequence size is baked into exported graphs.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        qk_dim: int,
+        v_dim: int,
+        scale: float,
+        qkv_bias: bool = True,
+        proj_bias: bool = True,
+        dim_out: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.qk_dim, self.v_dim, self.scale = num_heads, qk_dim, v_dim, scale
+        self.qkv = nn.Linear(dim, num_heads * (2 * qk_dim + v_dim), bias=qkv_bias)
+        self.norm: nn.Module = nn.Identity()
+        self.gate: nn.Linear | None = None
+        self.proj = nn.Linear(num_heads * v_dim, dim_out or dim, bias=proj_bias)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        b, n, _ = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        qk_width = self.num_heads * self.qk_dim
+        q, k, v = self.qkv(x).split([qk_width, qk_width, self.num_heads * self.v_dim], dim=-1)
+        q = q.reshape(b, n, self.num_heads, -1).transpose(1, 2)
+        k = k.reshape(b, n, self.num_heads, -1).transpose(1, 2)
+        v = v.reshape(b, n, self.num_heads, -1).transpose(1, 2)
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale)
+        x = self.norm(x.transpose(1, 2).reshape(b, n, -1))
+        if gate is not None:
+            x = x * gate
+        return self.proj(x)
+
+
+def pruned_attention_like(attn: Attention | PrunedAttention, qk_dim: int) -> PrunedAttention:
+    """An (unfilled) PrunedAttention with ``attn``'s shapes but ``qk_dim`` Q/K dims per head.
+
+    ``norm`` (scale_norm) and ``gate`` act on the V width, which pruning leaves alone, so they are
+    carried over as they are; so is ``proj``.
+    """
+    v_dim = attn.v_dim if isinstance(attn, PrunedAttention) else attn.head_dim
+    new = PrunedAttention(
+        dim=attn.qkv.in_features,
+        num_heads=attn.num_heads,
+        qk_dim=qk_dim,
+        v_dim=v_dim,
+        scale=float(attn.scale),
+        qkv_bias=attn.qkv.bias is not None,
+        proj_bias=attn.proj.bias is not None,
+        dim_out=attn.proj.out_features,
+    )
+    new.norm, new.gate, new.proj = attn.norm, attn.gate, attn.proj
+    return new.to(attn.qkv.weight.device, attn.qkv.weight.dtype)
+
+
+def shrink_mlp(mlp: Mlp, hidden: int) -> None:
+    """Replace ``fc1``/``fc2`` in place by (unfilled) Linears with ``hidden`` channels."""
+    fc1, fc2 = mlp.fc1, mlp.fc2
+    kw = {"device": fc1.weight.device, "dtype": fc1.weight.dtype}
+    mlp.fc1 = nn.Linear(fc1.in_features, hidden, bias=fc1.bias is not None, **kw)
+    mlp.fc2 = nn.Linear(hidden, fc2.out_features, bias=fc2.bias is not None, **kw)
+
+
+def apply_widths(model: nn.Module, blocks: list[dict[str, int]]) -> None:
+    """Give every block the recorded widths (``mlp_hidden``, ``qk_dim``); weights are left unfilled."""
+    for block, widths in zip(model.blocks, blocks, strict=True):
+        if widths["mlp_hidden"] != block.mlp.fc1.out_features:
+            shrink_mlp(block.mlp, widths["mlp_hidden"])
+        if widths["qk_dim"] != block.attn.head_dim:
+            block.attn = pruned_attention_like(block.attn, widths["qk_dim"])
+
+
+def block_widths(model: nn.Module) -> list[dict[str, int]]:
+    """Per-block widths as recorded in ``corp.json``."""
+    out = []
+    for block in model.blocks:
+        attn = block.attn
+        qk = attn.qk_dim if isinstance(attn, PrunedAttention) else attn.head_dim
+        out.append({"mlp_hidden": block.mlp.fc1.out_features, "qk_dim": qk, "heads": attn.num_heads})
+    return out
+
+
+@torch.no_grad()
+def fill_mlp(mlp: Mlp, keep: Tensor, w2: Tensor, b2: Tensor | None) -> None:
+    """Shrink ``mlp`` to the kept channels: fc1 keeps rows ``keep``, fc2 gets the folded weights."""
+    fc1_w = mlp.fc1.weight[keep].clone()
+    fc1_b = None if mlp.fc1.bias is None else mlp.fc1.bias[keep].clone()
+    shrink_mlp(mlp, keep.numel())
+    mlp.fc1.weight.copy_(fc1_w)
+    mlp.fc2.weight.copy_(w2)
+    if fc1_b is not None:
+        mlp.fc1.bias.copy_(fc1_b)
+    if b2 is not None:
+        mlp.fc2.bias.copy_(b2)
+
+
+@torch.no_grad()
+def fill_attention(
+    attn: Attention, q_w: Tensor, q_b: Tensor | None, k_w: Tensor, k_b: Tensor | None
+) -> PrunedAttention:
+    """A PrunedAttention with the given per-head query/key projections and ``attn``'s values.
+
+    ``q_w``/``k_w``: (heads, qk_dim, in_features); biases (heads, qk_dim) or None.
+    """
+    heads, qk_dim, _ = q_w.shape
+    new = pruned_attention_like(attn, qk_dim)
+    v_rows = slice(2 * attn.attn_dim, 3 * attn.attn_dim)
+    new.qkv.weight.copy_(torch.cat([q_w.flatten(0, 1), k_w.flatten(0, 1), attn.qkv.weight[v_rows]]))
+    if new.qkv.bias is not None:
+        new.qkv.bias.copy_(torch.cat([q_b.flatten(), k_b.flatten(), attn.qkv.bias[v_rows]]))
+    return new

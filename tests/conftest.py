@@ -1,0 +1,42 @@
+"""Tiny models and image folders built in the test: no hub, no real weights, seconds per test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from timm.models.vision_transformer import VisionTransformer
+
+TINY = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 4, "mlp_ratio": 2.0}
+"""A ViT small enough for CPU tests: 4 heads of dim 16, MLP hidden 128, 17 tokens."""
+
+TINY_CLI_ARGS = [f"--model-arg={k}={v}" for k, v in {**TINY, "num_classes": 10}.items()]
+"""The same architecture through the CLI, as ``deit_tiny`` with overridden timm arguments."""
+
+
+def tiny_vit(seed: int = 0, **overrides) -> VisionTransformer:
+    torch.manual_seed(seed)
+    return VisionTransformer(**{**TINY, "num_classes": 10, **overrides}).eval()
+
+
+def tiny_batches(n: int = 48, batch: int = 16, seed: int = 1) -> list[tuple[torch.Tensor, int]]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 32, 32, generator=g)
+    return [(x[i : i + batch], 0) for i in range(0, n, batch)]
+
+
+@pytest.fixture
+def image_dir(tmp_path: Path) -> Path:
+    """An ImageFolder-style tree of 12 small real image files (jpg, png, webp) plus a non-image."""
+    rng = np.random.default_rng(0)
+    root = tmp_path / "images"
+    for i in range(12):
+        cls = root / f"class{i % 2}"
+        cls.mkdir(parents=True, exist_ok=True)
+        arr = rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)
+        Image.fromarray(arr).save(cls / f"img{i}.{('jpg', 'png', 'webp')[i % 3]}")
+    (root / "notes.txt").write_text("not an image")
+    return root
