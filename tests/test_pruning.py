@@ -173,3 +173,34 @@ def test_save_then_load_gives_identical_outputs(tmp_path) -> None:
     torch.testing.assert_close(loaded(x), result.model(x), rtol=0, atol=0)
     assert result.report["pruned"]["params"] < result.report["dense"]["params"]
     assert result.report["pruned"]["macs"] < result.report["dense"]["macs"]
+
+
+def test_pruned_model_exports_to_onnx_with_dynamic_batch(tmp_path) -> None:
+    """The pruned attention (Q/K width != V width, explicit scale) through torch.onnx and onnxruntime."""
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
+    pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
+    pruned, _ = pruned_copy(tiny_vit(), PruneConfig(sparsity=0.5, round_to=4))
+    path = tmp_path / "pruned.onnx"
+    torch.onnx.export(
+        pruned,
+        (torch.randn(2, 3, 32, 32),),
+        str(path),
+        input_names=["x"],
+        dynamic_shapes={"x": {0: torch.export.Dim("batch", max=64)}},
+        dynamo=True,
+        external_data=False,
+    )
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch in (1, 7):
+        x = torch.randn(batch, 3, 32, 32)
+        (got,) = session.run(None, {"x": x.numpy()})
+        with torch.no_grad():
+            torch.testing.assert_close(torch.from_numpy(got), pruned(x), rtol=1e-4, atol=1e-4)
+
+
+def test_pruned_model_compiles() -> None:
+    pruned, _ = pruned_copy(tiny_vit(), PruneConfig(sparsity=0.5, round_to=4))
+    compiled = torch.compile(pruned, backend="aot_eager", dynamic=True)
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), pruned(x), rtol=1e-5, atol=1e-5)
