@@ -22,7 +22,7 @@ from corp_deploy.surgery import fill_attention, fill_mlp
 
 TARGETS = ("mlp", "attn", "both")
 COMPENSATIONS = ("corp", "mean", "none")
-DEFAULT_RIDGE = 1e-2
+DEFAULT_RIDGE = 1e-3
 """Relative ridge damping alpha: lam = alpha * mean(diag(system)); see docs/BENCHMARKS.md."""
 
 
