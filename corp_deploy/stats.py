@@ -30,7 +30,19 @@ def _at_least_fp32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 
-class MlpStats:
+class _Sums:
+    """Merging is adding every sum: shards of the calibration set combine exactly."""
+
+    def tensors(self) -> list[Tensor]:
+        raise NotImplementedError
+
+    def __iadd__(self, other: _Sums) -> _Sums:
+        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
+            mine += theirs.to(mine.device)
+        return self
+
+
+class MlpStats(_Sums):
     """Token statistics of an MLP's hidden activation (the input of fc2)."""
 
     def __init__(self, width: int, device: torch.device | str = "cpu") -> None:
@@ -59,13 +71,8 @@ class MlpStats:
     def tensors(self) -> list[Tensor]:
         return [self.count, self.sum, self.outer, self.active]
 
-    def __iadd__(self, other: MlpStats) -> MlpStats:
-        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
-            mine += theirs.to(mine.device)
-        return self
 
-
-class AttnStats:
+class AttnStats(_Sums):
     """Per-head packed 4th-order Q/K moment of one attention layer, summed over images.
 
     ``moment[h, p, q] = sum_b GQ_b[h][p] GK_b[h][q]`` where ``GQ_b = Q_b^T Q_b`` (d x d, symmetric)
@@ -92,11 +99,6 @@ class AttnStats:
 
     def tensors(self) -> list[Tensor]:
         return [self.count, self.moment]
-
-    def __iadd__(self, other: AttnStats) -> AttnStats:
-        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
-            mine += theirs.to(mine.device)
-        return self
 
 
 @dataclass

@@ -126,8 +126,7 @@ def fill_attention(
 
     ``q_w``/``k_w``: (heads, qk_dim, in_features); biases (heads, qk_dim) or None.
     """
-    heads, qk_dim, _ = q_w.shape
-    new = pruned_attention_like(attn, qk_dim)
+    new = pruned_attention_like(attn, q_w.shape[1])
     v_rows = slice(2 * attn.attn_dim, 3 * attn.attn_dim)
     new.qkv.weight.copy_(torch.cat([q_w.flatten(0, 1), k_w.flatten(0, 1), attn.qkv.weight[v_rows]]))
     if new.qkv.bias is not None:
