@@ -23,8 +23,8 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check corp_deploy bench tests tools
-	$(BIN)/ruff format --check corp_deploy bench tests tools
+	$(BIN)/ruff check corp_deploy exporters bench tests tools
+	$(BIN)/ruff format --check corp_deploy exporters bench tests tools
 
 # Pruning time and memory (docs/BENCHMARKS.md). CPU figure: deit_small, 256 images.
 bench-prune: setup

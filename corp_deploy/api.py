@@ -23,12 +23,13 @@ import torch
 from torch import Tensor, nn
 
 import corp_deploy
-from corp_deploy.artifact import save_pruned
+from corp_deploy.artifact import META_FILE, load_pruned, read_meta, save_pruned
 from corp_deploy.data import folder_batches, list_images, sample, synthetic_batches
 from corp_deploy.errors import CorpError
-from corp_deploy.models import data_config, input_size
+from corp_deploy.models import create_model, data_config, input_size, resolve_name
 from corp_deploy.pruner import PruneConfig, Timer, calibrate, plan_widths, prune_model
 from corp_deploy.report import model_size, peak_memory
+from corp_deploy.surgery import block_widths
 
 SYNTHETIC = "synthetic"
 
@@ -127,6 +128,36 @@ def save(
         "report": result.report,
     }
     return save_pruned(result.model, out, meta, overwrite=overwrite)
+
+
+def load_source(
+    source: str | Path,
+    weights: str = "pretrained",
+    checkpoint: str | Path | None = None,
+    model_args: dict | None = None,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """A prune artifact folder or a timm model name -> (model in eval mode, ``describe(model)``)."""
+    if Path(source, META_FILE).is_file():
+        meta = read_meta(source)
+        model = load_pruned(source)
+        return model, describe(model, meta["model"]["name"], meta["model"].get("args", {}), "corp-pruned")
+    model = create_model(str(source), weights=weights, checkpoint=checkpoint, model_args=model_args)
+    origin = f"checkpoint:{Path(checkpoint).name}" if checkpoint else weights
+    return model, describe(model, resolve_name(str(source)), model_args or {}, origin)
+
+
+def describe(model: nn.Module, name: str, model_args: dict, weights: str) -> dict[str, Any]:
+    """What an exported file needs to say about its model: name, weights, widths, input, preprocessing."""
+    cfg = data_config(model)
+    return {
+        "model": name,
+        "model_args": model_args,
+        "weights": weights,
+        "structure": block_widths(model),
+        "input_size": list(cfg["input_size"]),
+        "preprocessing": {k: cfg[k] for k in ("mean", "std", "interpolation", "crop_pct") if k in cfg},
+        "corp_deploy": corp_deploy.__version__,
+    }
 
 
 def device_name(device: torch.device) -> str:

@@ -36,28 +36,53 @@ def check_writable(out: str | Path, overwrite: bool) -> None:
 
 
 @contextmanager
-def atomic_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling folder that becomes ``out`` only if the block completes.
+def staged(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder beside ``out``; what is written there moves next to ``out`` on success.
 
-    On any failure the temporary folder is removed and an existing ``out`` is left untouched.
+    For a file with companions (``x.onnx`` + ``x.onnx.data`` + ``x.onnx.json``, an engine and its
+    sidecar): write them under their final names; the companions move first and ``out`` last, so
+    ``out`` never appears without them. On failure nothing moves, the folder is removed, and an
+    existing ``out`` is left untouched.
     """
     out = Path(out)
     check_writable(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        yield stage
+        if not (stage / out.name).exists():
+            raise RuntimeError(f"staged output {out.name} was not written")
+        _chmod_default(stage)
+        for f in sorted(stage.iterdir(), key=lambda f: f.name == out.name):
+            _replace(f, out.parent / f.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _replace(src: Path, dst: Path) -> None:
+    """``os.replace`` that also replaces an existing folder (moved aside first, then deleted)."""
+    if not (dst.is_dir() and not dst.is_symlink()):
+        os.replace(src, dst)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+    os.replace(dst, old / dst.name)
+    os.replace(src, dst)
+    shutil.rmtree(old)
+
+
+@contextmanager
+def atomic_file(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary path that becomes ``out`` only if the block completes."""
+    with staged(out, overwrite) as stage:
+        yield stage / Path(out).name
+
+
+@contextmanager
+def atomic_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder that becomes ``out`` only if the block completes."""
+    with atomic_file(out, overwrite) as tmp:
+        tmp.mkdir()
         yield tmp
-        _chmod_default(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _chmod_default(folder: Path) -> None:
@@ -65,8 +90,8 @@ def _chmod_default(folder: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(folder, 0o777 & ~umask)
-    for f in folder.iterdir():
-        os.chmod(f, 0o666 & ~umask)
+    for f in folder.rglob("*"):
+        os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
 
 
 def save_pruned(model: nn.Module, out: str | Path, meta: dict[str, Any], overwrite: bool = False) -> Path:

@@ -6,17 +6,33 @@ traceback; outputs appear only when complete.
 
 from __future__ import annotations
 
+import copy
+import json
 import sys
 import warnings
+from pathlib import Path
+from typing import NamedTuple
 
 import click
+from torch import nn
 
 from corp_deploy import api
-from corp_deploy.artifact import check_writable
+from corp_deploy.artifact import atomic_dir, check_writable, staged
 from corp_deploy.errors import CorpError
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.pruner import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.report import format_report
+from exporters.compare import FP16, FP32, Tolerance
+from exporters.onnx_export import DEFAULT_OPSET, graph_precision, load_onnx, sha256
+from exporters.pipeline import (
+    VerifyOptions,
+    convert_verified,
+    engine_verified,
+    export_run,
+    export_verified,
+    format_summary,
+)
+from exporters.tensorrt_engine import PRECISIONS, BuildOptions, import_tensorrt, parse_profile, tensorrt_missing
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -25,35 +41,93 @@ def cli() -> None:
     """Prune vision transformers with CORP and export them for deployment."""
 
 
-@cli.command()
-@click.argument("model")
-@click.option("--weights", default="pretrained", show_default=True, help="pretrained (timm hub) or random.")
-@click.option("--checkpoint", type=click.Path(dir_okay=False), help="Weights file (.safetensors or .pth/.pt).")
-@click.option("--model-arg", multiple=True, metavar="KEY=VALUE", help="Extra timm.create_model argument (repeatable).")
-@click.option("--calib-dir", type=click.Path(), help="Folder of unlabeled calibration images (recursive).")
-@click.option("--calib", type=str, help="'synthetic': noise images, for smoke tests only.")
-@click.option("--num-calib", default=4000, show_default=True, help="Calibration images to use (paper: 4000).")
-@click.option("--calib-batch-size", default=64, show_default=True)
-@click.option("--workers", type=int, help="Image decoding processes [default: min(8, CPUs)].")
-@click.option("--seed", default=0, show_default=True, help="Seed of the calibration subset.")
-@click.option("--device", default="auto", show_default=True, help="auto (GPU if present), cpu or cuda[:N].")
-@click.option("--sparsity", default=0.5, show_default=True, help="Fraction of channels to remove, in [0, 1).")
-@click.option("--mlp-sparsity", type=float, help="Override --sparsity for MLP hidden channels.")
-@click.option("--attn-sparsity", type=float, help="Override --sparsity for attention Q/K dims.")
-@click.option("--target", default="both", show_default=True, help="mlp, attn or both.")
-@click.option("--ranker", default="combined", show_default=True, help="energy, magnitude, combined or active.")
-@click.option(
-    "--compensation",
-    default="corp",
-    show_default=True,
-    help="corp (closed form), mean (VBP mean shift) or none (plain removal).",
+def _options(*decorators):
+    """Apply a list of click options as one decorator, so commands share them without copies."""
+
+    def apply(f):
+        for decorator in reversed(decorators):
+            f = decorator(f)
+        return f
+
+    return apply
+
+
+model_options = _options(
+    click.option("--weights", default="pretrained", show_default=True, help="pretrained (timm hub) or random."),
+    click.option("--checkpoint", type=click.Path(dir_okay=False), help="Weights file (.safetensors or .pth/.pt)."),
+    click.option(
+        "--model-arg", multiple=True, metavar="KEY=VALUE", help="Extra timm.create_model argument (repeatable)."
+    ),
 )
-@click.option("--ridge", default=DEFAULT_RIDGE, show_default=True, help="Relative ridge damping alpha.")
-@click.option("--round-to", default=8, show_default=True, help="Kept widths are multiples of this.")
+
+prune_options = _options(
+    click.argument("model"),
+    model_options,
+    click.option("--calib-dir", type=click.Path(), help="Folder of unlabeled calibration images (recursive)."),
+    click.option("--calib", type=str, help="'synthetic': noise images, for smoke tests only."),
+    click.option("--num-calib", default=4000, show_default=True, help="Calibration images to use (paper: 4000)."),
+    click.option("--calib-batch-size", default=64, show_default=True),
+    click.option("--workers", type=int, help="Image decoding processes [default: min(8, CPUs)]."),
+    click.option("--seed", default=0, show_default=True, help="Seed of the calibration subset."),
+    click.option("--device", default="auto", show_default=True, help="auto (GPU if present), cpu or cuda[:N]."),
+    click.option("--sparsity", default=0.5, show_default=True, help="Fraction of channels to remove, in [0, 1)."),
+    click.option("--mlp-sparsity", type=float, help="Override --sparsity for MLP hidden channels."),
+    click.option("--attn-sparsity", type=float, help="Override --sparsity for attention Q/K dims."),
+    click.option("--target", default="both", show_default=True, help="mlp, attn or both."),
+    click.option("--ranker", default="combined", show_default=True, help="energy, magnitude, combined or active."),
+    click.option(
+        "--compensation",
+        default="corp",
+        show_default=True,
+        help="corp (closed form), mean (VBP mean shift) or none (plain removal).",
+    ),
+    click.option("--ridge", default=DEFAULT_RIDGE, show_default=True, help="Relative ridge damping alpha."),
+    click.option("--round-to", default=8, show_default=True, help="Kept widths are multiples of this."),
+    click.option("--quiet", is_flag=True, help="No progress bar."),
+)
+
+verify_options = _options(
+    click.option("--verify-batches", default="1,4", show_default=True, help="Batch sizes compared (two or more)."),
+    click.option("--tol-cosine", type=float, help=f"Minimum cosine vs the reference [fp32 {FP32.min_cosine}]."),
+    click.option("--tol-rel", type=float, help=f"Maximum max-abs error / max |reference| [fp32 {FP32.max_rel_error}]."),
+)
+
+onnx_options = _options(
+    click.option("--opset", default=DEFAULT_OPSET, show_default=True, help="ONNX opset (18..23)."),
+    click.option("--simplify", is_flag=True, help="Simplify the graph with onnxslim."),
+)
+
+engine_options = _options(
+    click.option("--batch", default="1:32:256", show_default=True, help="Engine batch range MIN:OPT:MAX."),
+    click.option("--workspace-gib", default=8.0, show_default=True, help="TensorRT workspace limit."),
+    click.option("--opt-level", default=3, show_default=True, help="TensorRT builder optimization level 0..5."),
+    click.option("--tf32", is_flag=True, help="Allow TF32 in FP32 engines (off: exact FP32)."),
+    click.option("--timing-cache", type=click.Path(dir_okay=False), help="Timing cache file [per GPU, ~/.cache]."),
+)
+
+
+class _Pruned(NamedTuple):
+    result: api.PruneResult
+    name: str
+    args: dict
+    weights: str
+    dense: nn.Module | None
+
+
+@cli.command()
+@prune_options
 @click.option("--out", required=True, type=click.Path(), help="Artifact folder to write.")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-def prune(
+def prune(out: str, overwrite: bool, **kwargs) -> None:
+    """Prune MODEL (timm name or alias such as deit_base) with CORP and write an artifact to --out."""
+    check_writable(out, overwrite)
+    run = _prune(**kwargs)
+    path = api.save(run.result, out, run.name, run.args, weights=run.weights, overwrite=overwrite)
+    click.echo(format_report(run.result.report))
+    click.echo(f"wrote {path}/ (model.safetensors, corp.json); load it with corp_deploy.load_pruned({str(path)!r})")
+
+
+def _prune(
     model: str,
     weights: str,
     checkpoint: str | None,
@@ -73,11 +147,10 @@ def prune(
     compensation: str,
     ridge: float,
     round_to: int,
-    out: str,
-    overwrite: bool,
     quiet: bool,
-) -> None:
-    """Prune MODEL (timm name or alias such as deit_base) with CORP and write an artifact to --out."""
+    keep_dense: bool = False,
+) -> _Pruned:
+    """Validate everything cheap first, then build, calibrate and prune (the dense copy kept on request)."""
     config = PruneConfig(
         sparsity=sparsity,
         mlp_sparsity=mlp_sparsity,
@@ -89,17 +162,191 @@ def prune(
         round_to=round_to,
     )
     source = _calibration_source(calib_dir, calib)
-    check_writable(out, overwrite)
     args = parse_model_args(model_arg)
     device_ = api.resolve_device(device)
     net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=args)
+    dense = copy.deepcopy(net) if keep_dense else None  # pruning works in place
     batches, total = api.calibration_batches(net, source, num_calib, calib_batch_size, seed, workers)
     result = api.prune(net, batches, config, device_, total=total, progress=not quiet)
     result.report["calibration"] |= {"source": str(source), "seed": seed}
     provenance = f"checkpoint:{checkpoint}" if checkpoint else weights
-    path = api.save(result, out, resolve_name(model), args, weights=provenance, overwrite=overwrite)
-    click.echo(format_report(result.report))
-    click.echo(f"wrote {path}/ (model.safetensors, corp.json); load it with corp_deploy.load_pruned({str(path)!r})")
+    return _Pruned(result, resolve_name(model), args, provenance, dense)
+
+
+@cli.command()
+@click.argument("source")
+@model_options
+@onnx_options
+@verify_options
+@click.option("--fp16", is_flag=True, help="Also write <name>.fp16.onnx (FP16 inside, FP32 I/O), verified.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="ONNX file to write (*.onnx).")
+@click.option("--overwrite", is_flag=True, help="Replace existing files.")
+def export(
+    source: str,
+    weights: str,
+    checkpoint: str | None,
+    model_arg: tuple[str, ...],
+    opset: int,
+    simplify: bool,
+    verify_batches: str,
+    tol_cosine: float | None,
+    tol_rel: float | None,
+    fp16: bool,
+    out: str,
+    overwrite: bool,
+) -> None:
+    """Export SOURCE (a prune artifact folder or a timm model name) to ONNX, verified with onnxruntime."""
+    opts = _verify_options(verify_batches, tol_cosine, tol_rel)
+    out_ = Path(out)
+    if out_.suffix != ".onnx":
+        raise CorpError(f"--out must be a .onnx file, got {out}")
+    half = out_.with_name(f"{out_.stem}.fp16.onnx")
+    for path in (out_, half) if fp16 else (out_,):
+        check_writable(path, overwrite)
+    model, description = api.load_source(source, weights, checkpoint, parse_model_args(model_arg))
+    with staged(out_, overwrite) as stage:
+        records = [export_verified(model, stage / out_.name, description, opset, simplify, opts)]
+        if fp16:
+            records.append(convert_verified(stage / out_.name, stage / half.name, opts))
+    params = {out_.stem: sum(p.numel() for p in model.parameters())}
+    click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}, params))
+    click.echo(f"wrote {', '.join(str(out_.with_name(r['file'])) for r in records)} (each with a .json record)")
+
+
+@cli.command("build-engine")
+@click.argument("onnx_file", type=click.Path())
+@click.option("--precision", default="fp16", show_default=True, help="fp32 or fp16.")
+@engine_options
+@verify_options
+@click.option("--out", type=click.Path(dir_okay=False), help="Engine file [<name>.<precision>.plan beside the ONNX].")
+@click.option("--overwrite", is_flag=True, help="Replace an existing engine.")
+def build_engine_command(
+    onnx_file: str,
+    precision: str,
+    batch: str,
+    workspace_gib: float,
+    opt_level: int,
+    tf32: bool,
+    timing_cache: str | None,
+    verify_batches: str,
+    tol_cosine: float | None,
+    tol_rel: float | None,
+    out: str | None,
+    overwrite: bool,
+) -> None:
+    """Build a TensorRT engine from ONNX_FILE and verify it against onnxruntime.
+
+    An FP32 graph asked for as fp16 is converted first (<name>.fp16.onnx beside it, reused while
+    the FP32 graph is unchanged): TensorRT builds the graph's own types.
+    """
+    options = BuildOptions(precision, parse_profile(batch), workspace_gib, opt_level, tf32, _path(timing_cache))
+    opts = _verify_options(verify_batches, tol_cosine, tol_rel)
+    source = Path(onnx_file)
+    proto = load_onnx(source, weights=False)
+    stem = source.name.removesuffix(".onnx").removesuffix(".fp16")
+    engine = Path(out) if out else source.with_name(f"{stem}.{precision}.plan")
+    check_writable(engine, overwrite)
+    import_tensorrt()  # fail before converting anything
+    if precision == "fp16" and graph_precision(proto) == "fp32":
+        source = _fp16_graph(source, source.with_name(f"{stem}.fp16.onnx"), opts)
+    record = engine_verified(source, engine, options, opts, overwrite)
+    click.echo(format_summary({"onnx": [], "engines": [{"file": engine.name, **record}], "engines_skipped": None}))
+    click.echo(f"wrote {engine} and {engine}.json ({record['gpu']}, TensorRT {record['tensorrt']})")
+
+
+def _fp16_graph(src: Path, half: Path, opts: VerifyOptions) -> Path:
+    """``half`` if it was converted from the current ``src``, else a fresh verified conversion."""
+    try:
+        if json.loads(Path(f"{half}.json").read_text())["source_sha256"] == sha256(src):
+            click.echo(f"using {half} (converted from the current {src.name})")
+            return half
+    except (OSError, KeyError, json.JSONDecodeError):
+        pass
+    with staged(half, overwrite=True) as stage:
+        record = convert_verified(src, stage / half.name, opts)
+    click.echo(f"converted {src.name} -> {half.name}: cosine {record['verify']['cosine']:.6f} vs FP32")
+    return half
+
+
+@cli.command("prune-export")
+@prune_options
+@onnx_options
+@verify_options
+@engine_options
+@click.option("--precision", default="fp32,fp16", show_default=True, help="Precisions to build, comma-separated.")
+@click.option("--require-engines", is_flag=True, help="Fail (instead of skipping engines) without GPU/TensorRT.")
+@click.option("--out", required=True, type=click.Path(), help="Run folder to write.")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
+def prune_export(
+    opset: int,
+    simplify: bool,
+    verify_batches: str,
+    tol_cosine: float | None,
+    tol_rel: float | None,
+    batch: str,
+    workspace_gib: float,
+    opt_level: int,
+    tf32: bool,
+    timing_cache: str | None,
+    precision: str,
+    require_engines: bool,
+    out: str,
+    overwrite: bool,
+    **prune_args,
+) -> None:
+    """Prune MODEL, export dense and pruned to ONNX, build TensorRT engines; verify every step.
+
+    Writes --out/{pruned/, dense.onnx, pruned.onnx, *.fp16.onnx, *.plan, export.json}.
+    """
+    precisions = _precisions(precision)
+    build = BuildOptions("fp32", parse_profile(batch), workspace_gib, opt_level, tf32, _path(timing_cache))
+    opts = _verify_options(verify_batches, tol_cosine, tol_rel)
+    if require_engines and tensorrt_missing():
+        raise CorpError(f"--require-engines: cannot build TensorRT engines here: {tensorrt_missing()}")
+    check_writable(out, overwrite)
+    run = _prune(**prune_args, keep_dense=True)
+    click.echo(format_report(run.result.report))
+    models = {
+        "dense": (run.dense, api.describe(run.dense, run.name, run.args, run.weights)),
+        "pruned": (run.result.model, api.describe(run.result.model, run.name, run.args, "corp-pruned")),
+    }
+    with atomic_dir(out, overwrite) as tmp:
+        api.save(run.result, tmp / "pruned", run.name, run.args, weights=run.weights)
+        record = export_run(models, tmp, precisions, opset, simplify, opts, build, require_engines)
+        sizes = {k: {m: run.result.report[k][m] for m in ("params", "macs")} for k in ("dense", "pruned")}
+        record = {"model": run.name, "prune_config": run.result.report["config"], "size": sizes, **record}
+        record["versions"] = api.versions()
+        (tmp / "export.json").write_text(json.dumps(record, indent=2) + "\n")
+    click.echo(format_summary(record, {k: v["params"] for k, v in sizes.items()}))
+    click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json)")
+
+
+def _path(value: str | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+def _precisions(text: str) -> tuple[str, ...]:
+    values = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in values if p not in PRECISIONS]
+    if bad or not values:
+        raise CorpError(f"--precision takes a comma-separated list of {', '.join(PRECISIONS)}, got {text!r}")
+    return values
+
+
+def _verify_options(batches: str, tol_cosine: float | None, tol_rel: float | None) -> VerifyOptions:
+    """Two or more batch sizes; a given tolerance replaces the per-precision defaults."""
+    try:
+        sizes = tuple(sorted({int(b) for b in batches.split(",")}))
+    except ValueError:
+        sizes = ()
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise CorpError(f"--verify-batches needs two or more batch sizes >= 1 (e.g. 1,4), got {batches!r}")
+
+    def tolerance(default: Tolerance) -> Tolerance:
+        cosine = default.min_cosine if tol_cosine is None else tol_cosine
+        return Tolerance(cosine, default.max_rel_error if tol_rel is None else tol_rel)
+
+    return VerifyOptions(sizes, tolerance(FP32), tolerance(FP16))
 
 
 def _calibration_source(calib_dir: str | None, calib: str | None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,8 @@ import pytest
 import torch
 from PIL import Image
 from timm.models.vision_transformer import VisionTransformer
+
+from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 
 TINY = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 4, "mlp_ratio": 2.0}
 """A ViT small enough for CPU tests: 4 heads of dim 16, MLP hidden 128, 17 tokens."""
@@ -26,6 +29,14 @@ def tiny_batches(n: int = 48, batch: int = 16, seed: int = 1) -> list[tuple[torc
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 3, 32, 32, generator=g)
     return [(x[i : i + batch], 0) for i in range(0, n, batch)]
+
+
+def pruned_copy(model: torch.nn.Module, config: PruneConfig, batches=None) -> tuple[torch.nn.Module, list[dict]]:
+    """Calibrate ``model`` and return a pruned deep copy (the original stays dense) and its block reports."""
+    batches = batches or tiny_batches()
+    stats = calibrate(model, batches, config, "cpu", progress=False)
+    pruned = copy.deepcopy(model)
+    return pruned, prune_model(pruned, stats, config)
 
 
 @pytest.fixture

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from conftest import tiny_batches, tiny_vit
+from conftest import pruned_copy, tiny_batches, tiny_vit
 from timm.models.deit import VisionTransformerDistilled
 
 import corp_deploy
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.pruner import PruneConfig
 from corp_deploy.surgery import PrunedAttention, fill_attention
-
-
-def pruned_copy(model: torch.nn.Module, config: PruneConfig, batches=None) -> tuple[torch.nn.Module, list[dict]]:
-    batches = batches or tiny_batches()
-    stats = calibrate(model, batches, config, "cpu", progress=False)
-    pruned = copy.deepcopy(model)
-    return pruned, prune_model(pruned, stats, config)
 
 
 @torch.no_grad()
@@ -173,29 +164,6 @@ def test_save_then_load_gives_identical_outputs(tmp_path) -> None:
     torch.testing.assert_close(loaded(x), result.model(x), rtol=0, atol=0)
     assert result.report["pruned"]["params"] < result.report["dense"]["params"]
     assert result.report["pruned"]["macs"] < result.report["dense"]["macs"]
-
-
-def test_pruned_model_exports_to_onnx_with_dynamic_batch(tmp_path) -> None:
-    """The pruned attention (Q/K width != V width, explicit scale) through torch.onnx and onnxruntime."""
-    ort = pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
-    pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
-    pruned, _ = pruned_copy(tiny_vit(), PruneConfig(sparsity=0.5, round_to=4))
-    path = tmp_path / "pruned.onnx"
-    torch.onnx.export(
-        pruned,
-        (torch.randn(2, 3, 32, 32),),
-        str(path),
-        input_names=["x"],
-        dynamic_shapes={"x": {0: torch.export.Dim("batch", max=64)}},
-        dynamo=True,
-        external_data=False,
-    )
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for batch in (1, 7):
-        x = torch.randn(batch, 3, 32, 32)
-        (got,) = session.run(None, {"x": x.numpy()})
-        with torch.no_grad():
-            torch.testing.assert_close(torch.from_numpy(got), pruned(x), rtol=1e-4, atol=1e-4)
 
 
 def test_pruned_model_compiles() -> None:

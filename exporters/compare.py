@@ -1,0 +1,103 @@
+"""Comparators: how far one backend's outputs are from a reference's, and whether that is acceptable.
+
+The metrics are scale-free where it matters: ``cosine`` (the worst sample's) and ``rel_error``
+(max |a - b| / max |ref|) mean the same for logits and for backbone features, so one tolerance
+fits classifiers and DINOv2-style backbones alike. ``top1`` is reported, not gated: near-ties in a
+random-weight model flip under harmless FP16 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from corp_deploy.errors import CorpError
+
+Runner = Callable[[np.ndarray], np.ndarray]
+"""Anything that maps an FP32 NCHW batch to an FP32 output array (see ``exporters.runners``)."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    min_cosine: float
+    max_rel_error: float
+
+
+FP32 = Tolerance(min_cosine=0.99999, max_rel_error=1e-3)
+"""Same math in another runtime: only summation order differs."""
+FP16 = Tolerance(min_cosine=0.999, max_rel_error=5e-2)
+"""Half-precision weights and activations against the FP32 graph (also for TF32 engines)."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    batch: int
+    max_abs: float
+    rel_error: float
+    cosine: float
+    top1: float
+
+    def within(self, tol: Tolerance) -> bool:
+        return self.cosine >= tol.min_cosine and self.rel_error <= tol.max_rel_error
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compare(reference: np.ndarray, candidate: np.ndarray) -> Comparison:
+    """Metrics of ``candidate`` against ``reference``; both (batch, ...) arrays of the same shape."""
+    if reference.shape != candidate.shape:
+        raise CorpError(f"output shapes differ: {reference.shape} vs {candidate.shape}")
+    ref = reference.reshape(len(reference), -1).astype(np.float64)
+    got = candidate.reshape(len(candidate), -1).astype(np.float64)
+    diff = np.abs(ref - got)
+    norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(got, axis=1)
+    cosine = np.where(norms > 0, (ref * got).sum(axis=1) / np.maximum(norms, 1e-300), 1.0)
+    return Comparison(
+        batch=len(ref),
+        max_abs=float(diff.max()),
+        rel_error=float(diff.max() / max(np.abs(ref).max(), 1e-12)),
+        cosine=float(cosine.min()),
+        top1=float((ref.argmax(axis=1) == got.argmax(axis=1)).mean()),
+    )
+
+
+def random_inputs(batch: int, input_size: Sequence[int], seed: int = 0) -> np.ndarray:
+    """Normalised-image-like inputs, N(0, 1), seeded per batch size so every backend sees the same."""
+    return np.random.default_rng(seed + batch).standard_normal((batch, *input_size), dtype=np.float32)
+
+
+def verify(
+    reference: Runner,
+    candidate: Runner,
+    input_size: Sequence[int],
+    batches: Sequence[int] = (1, 4),
+    seed: int = 0,
+) -> list[Comparison]:
+    """Run both on the same inputs at each batch size (two or more exercise the dynamic axis)."""
+    return [compare(reference(x), candidate(x)) for x in (random_inputs(b, input_size, seed) for b in batches)]
+
+
+def check(comparisons: Sequence[Comparison], tol: Tolerance, what: str) -> None:
+    """Raise with the worst case named when any comparison is outside ``tol``."""
+    for c in comparisons:
+        if not c.within(tol):
+            raise CorpError(
+                f"{what} does not match at batch {c.batch}: cosine {c.cosine:.6f} (min {tol.min_cosine}), "
+                f"relative error {c.rel_error:.2e} (max {tol.max_rel_error:g}); if this is expected, "
+                "loosen --tol-cosine/--tol-rel, else report it with the model name"
+            )
+
+
+def summary(comparisons: Sequence[Comparison]) -> dict[str, float]:
+    """Worst case over batch sizes, for tables and JSON."""
+    return {
+        "batches": [c.batch for c in comparisons],
+        "max_abs": max(c.max_abs for c in comparisons),
+        "rel_error": max(c.rel_error for c in comparisons),
+        "cosine": min(c.cosine for c in comparisons),
+        "top1": min(c.top1 for c in comparisons),
+    }

@@ -1,0 +1,188 @@
+"""PyTorch -> ONNX with a dynamic batch axis, checked by ``onnx.checker``, written atomically.
+
+The dynamo exporter (``torch.export`` underneath) is used: it handles the pruned attention (Q/K
+width != V width, explicit softmax scale) and writes sizes derived from the input's shape, so the
+batch stays symbolic. Preprocessing and provenance go into the graph's ``metadata_props`` so the
+file describes itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from corp_deploy.errors import CorpError
+
+DEFAULT_OPSET = 20
+"""Verified here: the pruned SDPA decomposes to MatMul/Softmax and matches onnxruntime (DESIGN.md 2)."""
+
+OPSETS = range(18, 24)
+INPUT = "images"
+OUTPUT = "output"
+EXAMPLE_BATCH = 2
+"""Trace with batch 2: torch.export specialises sizes 0 and 1, which would pin the batch axis."""
+
+MAX_SINGLE_FILE = 2 * 2**30
+"""protobuf's limit; larger models keep their weights in a ``.onnx.data`` file beside the graph."""
+
+
+def _onnx():
+    try:
+        import onnx
+    except ImportError:
+        raise CorpError("ONNX export needs the onnx extra: pip install 'corp-deploy[onnx]'") from None
+    return onnx
+
+
+def export_onnx(
+    model: nn.Module,
+    path: str | Path,
+    input_size: tuple[int, int, int],
+    opset: int = DEFAULT_OPSET,
+    simplify: bool = False,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Export ``model`` (moved to CPU, eval) to ``path`` with a symbolic batch axis, and check it.
+
+    Writes ``path`` (and ``path.data`` for models over 2 GB) in place: callers stage it
+    (``corp_deploy.artifact.staged``) so that a failed export or verification leaves nothing.
+    """
+    onnx = _onnx()
+    if opset not in OPSETS:
+        raise CorpError(f"--opset {opset} is not supported; choose {OPSETS.start}..{OPSETS.stop - 1} (default 20)")
+    model = model.to("cpu").eval()
+    external = sum(p.numel() * p.element_size() for p in model.parameters()) >= MAX_SINGLE_FILE
+    proto = _trace(model, torch.randn(EXAMPLE_BATCH, *input_size), opset, _forward_params(model)[0])
+    if simplify:
+        proto = _simplify(proto)
+    add_metadata(proto, metadata or {})
+    path = Path(path)
+    onnx.save(proto, str(path), save_as_external_data=external, location=f"{path.name}.data")
+    check_onnx(path)
+    return path
+
+
+def _trace(model: nn.Module, example: torch.Tensor, opset: int, forward_arg: str):
+    try:
+        with _quiet():
+            program = torch.onnx.export(
+                model,
+                (example,),
+                input_names=[INPUT],
+                output_names=[OUTPUT],
+                opset_version=opset,
+                dynamic_shapes={forward_arg: {0: torch.export.Dim("batch")}},
+                dynamo=True,
+                verbose=False,
+            )
+    except Exception as e:
+        raise CorpError(f"ONNX export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    return program.model_proto
+
+
+def _forward_params(model: nn.Module) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(model.forward).parameters)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The exporter prints progress lines and warnings meant for its developers; keep the terminal ours."""
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _simplify(proto):
+    try:
+        import onnxslim
+    except ImportError:
+        raise CorpError("--simplify needs onnxslim: pip install onnxslim") from None
+    with _quiet():
+        return onnxslim.slim(proto)
+
+
+def add_metadata(proto, metadata: dict[str, Any]) -> None:
+    """Store ``metadata`` as JSON strings in ``metadata_props`` (visible in Netron, readable by ORT).
+
+    Existing keys are replaced, so a converted graph can restate what it inherited.
+    """
+    kept = [e for e in proto.metadata_props if e.key not in metadata]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+    for key, value in metadata.items():
+        entry = proto.metadata_props.add()
+        entry.key = key
+        entry.value = value if isinstance(value, str) else json.dumps(value)
+
+
+def read_metadata(proto) -> dict[str, Any]:
+    """``metadata_props`` of an ONNX model, JSON values decoded."""
+    out = {}
+    for entry in proto.metadata_props:
+        try:
+            out[entry.key] = json.loads(entry.value)
+        except json.JSONDecodeError:
+            out[entry.key] = entry.value
+    return out
+
+
+def load_onnx(path: str | Path, weights: bool = True):
+    """Parse an ONNX file, with a one-line error for a missing or non-ONNX file."""
+    onnx = _onnx()
+    path = Path(path)
+    if not path.is_file():
+        raise CorpError(f"ONNX file {path} does not exist; create it with `corp-deploy export`")
+    try:
+        proto = onnx.load(str(path), load_external_data=weights)
+    except Exception as e:
+        raise CorpError(f"{path} is not a readable ONNX model ({str(e).splitlines()[0]}); re-export it") from None
+    if not proto.graph.node:
+        raise CorpError(f"{path} is not an ONNX model (no graph nodes); re-export it")
+    return proto
+
+
+def check_onnx(path: str | Path) -> None:
+    """``onnx.checker`` with shape inference, by path so that external data works."""
+    onnx = _onnx()
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as e:
+        raise CorpError(f"{path} fails onnx.checker: {str(e).splitlines()[0]}") from None
+
+
+def input_shape(proto) -> tuple[int, ...]:
+    """The (C, H, W) of the graph's single image input; the batch axis may be symbolic."""
+    dims = proto.graph.input[0].type.tensor_type.shape.dim
+    shape = tuple(d.dim_value for d in dims[1:])
+    if len(dims) != 4 or not all(shape):
+        raise CorpError("the ONNX input must be one NCHW image batch with fixed C, H, W; re-export it")
+    return shape
+
+
+def graph_precision(proto) -> str:
+    """``fp16`` when the graph's floating-point weights are mostly half precision, else ``fp32``."""
+    from onnx import TensorProto
+
+    counts = {TensorProto.FLOAT: 0, TensorProto.FLOAT16: 0}
+    for init in proto.graph.initializer:
+        if init.data_type in counts:
+            counts[init.data_type] += 1
+    return "fp16" if counts[TensorProto.FLOAT16] > counts[TensorProto.FLOAT] else "fp32"
+
+
+def sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,193 @@
+"""Export steps with verification built in: each writes a file only if it matches its reference.
+
+- ``export_verified``: PyTorch -> ONNX, checked against PyTorch with onnxruntime;
+- ``convert_verified``: FP32 ONNX -> FP16 ONNX, checked against the FP32 graph;
+- ``engine_verified``: ONNX -> TensorRT engine, checked against onnxruntime on the same graph;
+- ``export_run``: all of it for a dense and a pruned model, as ``prune-export`` writes it.
+
+Every ONNX file gets a ``<file>.json`` sidecar holding its verification record; engines get theirs
+from ``tensorrt_engine``. Callers stage the outputs (``corp_deploy.artifact.staged``/``atomic_dir``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from corp_deploy.errors import CorpError
+from exporters.compare import FP16, FP32, Tolerance, check, summary, verify
+from exporters.fp16 import convert_fp16
+from exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata, sha256
+from exporters.runners import OrtRunner, TorchRunner
+from exporters.tensorrt_engine import BuildOptions, TrtRunner, build_engine, tensorrt_missing
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """Where and how strictly outputs are compared; two or more batch sizes test the dynamic axis."""
+
+    batches: tuple[int, ...] = (1, 4)
+    fp32: Tolerance = FP32
+    fp16: Tolerance = FP16
+    seed: int = 0
+
+
+def _verified(reference, candidate, input_size: Sequence[int], opts: VerifyOptions, tol: Tolerance, what: str) -> dict:
+    comparisons = verify(reference, candidate, input_size, opts.batches, opts.seed)
+    check(comparisons, tol, what)
+    return {"reference": reference.name, "runtime": candidate.name, **summary(comparisons), "tolerance": asdict(tol)}
+
+
+def _write_sidecar(path: Path, record: dict[str, Any]) -> None:
+    Path(f"{path}.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def export_verified(
+    model: nn.Module,
+    path: Path,
+    description: dict[str, Any],
+    opset: int = DEFAULT_OPSET,
+    simplify: bool = False,
+    opts: VerifyOptions = VerifyOptions(),
+) -> dict[str, Any]:
+    """Export ``model`` to ``path`` and check it against PyTorch on the CPU; return its record."""
+    input_size = tuple(description["input_size"])
+    start = time.perf_counter()
+    export_onnx(model, path, input_size, opset, simplify, metadata={**description, "precision": "fp32"})
+    seconds = time.perf_counter() - start
+    check_ = _verified(TorchRunner(model), OrtRunner(path, "cpu"), input_size, opts, opts.fp32, f"ONNX {path.name}")
+    record = {
+        "file": path.name,
+        "precision": "fp32",
+        "opset": opset,
+        "simplified": simplify,
+        "bytes": path.stat().st_size,
+        "seconds": round(seconds, 2),
+        "verify": check_,
+        **description,
+    }
+    _write_sidecar(path, record)
+    return record
+
+
+def convert_verified(src: Path, path: Path, opts: VerifyOptions = VerifyOptions()) -> dict[str, Any]:
+    """FP16 copy of ``src`` at ``path``, checked against ``src`` in onnxruntime on the CPU."""
+    proto = load_onnx(src, weights=False)
+    start = time.perf_counter()
+    convert_fp16(src, path)
+    seconds = time.perf_counter() - start
+    runners = OrtRunner(src, "cpu"), OrtRunner(path, "cpu")
+    check_ = _verified(*runners, input_shape(proto), opts, opts.fp16, f"FP16 ONNX {path.name}")
+    check_["reference"] = f"{src.name} ({check_['reference']})"
+    record = {**read_metadata(proto), "file": path.name, "precision": "fp16", "bytes": path.stat().st_size}
+    record |= {"seconds": round(seconds, 2), "verify": check_, "converted_from": src.name, "source_sha256": sha256(src)}
+    _write_sidecar(path, record)
+    return record
+
+
+def engine_verified(
+    onnx_path: Path, out: Path, options: BuildOptions, opts: VerifyOptions = VerifyOptions(), overwrite: bool = False
+) -> dict[str, Any]:
+    """Build a TensorRT engine and check it against onnxruntime on the graph it was built from."""
+    tol = opts.fp32 if options.precision == "fp32" and not options.tf32 else opts.fp16
+    p = options.profile
+    batches = tuple(sorted({p.min, min(p.max, max(opts.batches))}))
+
+    def check_engine(engine: Path) -> dict:
+        runner = TrtRunner(engine)
+        shape = runner.meta["input"]["shape"]
+        what = f"TensorRT {options.precision} engine {out.name}"
+        return _verified(OrtRunner(onnx_path), runner, shape, VerifyOptions(batches, opts.fp32, opts.fp16), tol, what)
+
+    return build_engine(onnx_path, out, options, overwrite=overwrite, check=check_engine)
+
+
+def export_run(
+    models: dict[str, tuple[nn.Module, dict[str, Any]]],
+    out: Path,
+    precisions: Sequence[str] = ("fp32", "fp16"),
+    opset: int = DEFAULT_OPSET,
+    simplify: bool = False,
+    opts: VerifyOptions = VerifyOptions(),
+    build: BuildOptions | None = None,
+    require_engines: bool = False,
+) -> dict[str, Any]:
+    """ONNX for every model (FP16 too when asked), then an engine per model and precision.
+
+    ``models`` maps a stem (``dense``, ``pruned``) to (model, description). Engines are skipped,
+    with the reason recorded, where there is no GPU or TensorRT, unless ``require_engines``.
+    """
+    record: dict[str, Any] = {"onnx": [], "engines": [], "engines_skipped": None}
+    for stem, (model, description) in models.items():
+        fp32 = out / f"{stem}.onnx"
+        record["onnx"].append(export_verified(model, fp32, description, opset, simplify, opts))
+        if "fp16" in precisions:
+            record["onnx"].append(convert_verified(fp32, out / f"{stem}.fp16.onnx", opts))
+    reason = tensorrt_missing()
+    if reason:
+        if require_engines:
+            raise CorpError(f"--require-engines: cannot build TensorRT engines: {reason}")
+        record["engines_skipped"] = reason
+        return record
+    build = build or BuildOptions()
+    for precision in precisions:
+        for stem in models:
+            source = out / (f"{stem}.onnx" if precision == "fp32" else f"{stem}.{precision}.onnx")
+            options = replace(build, precision=precision)
+            engine = out / f"{stem}.{precision}.plan"
+            record["engines"].append({"file": engine.name, **engine_verified(source, engine, options, opts)})
+    return record
+
+
+def format_summary(record: dict[str, Any], params: dict[str, int] | None = None) -> str:
+    """The table ``prune-export`` prints: one row per file, verification beside it."""
+    params = params or {}
+    rows = [("file", "precision", "MB", "params", "reference", "runtime", "max-abs", "cosine", "top-1", "seconds")]
+    for r in record["onnx"]:
+        v, stem = r["verify"], r["file"].split(".")[0]
+        rows.append(
+            (
+                r["file"],
+                r["precision"],
+                f"{r['bytes'] / 2**20:.1f}",
+                _millions(params.get(stem)),
+                v["reference"],
+                v["runtime"],
+                f"{v['max_abs']:.2e}",
+                f"{v['cosine']:.7f}",
+                f"{v['top1']:.2f}",
+                f"{r['seconds']:.1f}",
+            )
+        )
+    for r in record["engines"]:
+        v = r["verify"]
+        rows.append(
+            (
+                r["file"],
+                r["precision"] + (" (tf32)" if r["tf32"] else ""),
+                "",
+                _millions(params.get(r["file"].split(".")[0])),
+                v["reference"],
+                v["runtime"],
+                f"{v['max_abs']:.2e}",
+                f"{v['cosine']:.7f}",
+                f"{v['top1']:.2f}",
+                f"{r['build_seconds']:.1f}",
+            )
+        )
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if record["engines_skipped"]:
+        lines.append(f"TensorRT engines skipped: {record['engines_skipped']}")
+    return "\n".join(lines)
+
+
+def _millions(n: int | None) -> str:
+    return "" if n is None else f"{n / 1e6:.2f}M"

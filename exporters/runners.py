@@ -1,0 +1,85 @@
+"""Runners: one model on one backend, called with an FP32 NCHW numpy batch, returning FP32 numpy.
+
+Loaders, runners and comparators are separate pieces (as in Polygraphy): ``compare.verify`` takes
+any two runners. The TensorRT runner lives in ``exporters.tensorrt_engine``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from corp_deploy.errors import CorpError
+from exporters.onnx_export import load_onnx
+
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+
+
+class TorchRunner:
+    """A PyTorch module on ``device`` in ``dtype`` (inputs cast in, outputs cast back to FP32)."""
+
+    def __init__(self, model: nn.Module, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.device, self.dtype = torch.device(device), dtype
+        self.name = f"torch-{self.device.type}-{str(dtype).removeprefix('torch.')}"
+
+    @torch.inference_mode()
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = self.model(torch.from_numpy(x).to(self.device, self.dtype))
+        return out.float().cpu().numpy()
+
+
+def ort_providers(device: str = "auto") -> tuple[list[str], str]:
+    """Execution providers to ask for, best first, and a line saying why.
+
+    ``auto`` takes the GPU providers this onnxruntime build has; ``cpu`` never does; ``gpu`` fails
+    when there is none. What actually runs is ``OrtRunner.provider`` (a provider whose libraries do
+    not load is dropped by onnxruntime at session creation).
+    """
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise CorpError("onnxruntime is not installed: pip install 'corp-deploy[onnx]'") from None
+    available = ort.get_available_providers()
+    gpu = [p for p in GPU_PROVIDERS if p in available]
+    if device == "cpu":
+        return ["CPUExecutionProvider"], "CPU requested"
+    if device == "gpu" and not gpu:
+        raise CorpError(
+            "onnxruntime has no GPU provider here; install onnxruntime-gpu instead of onnxruntime "
+            "(never both), or use the CPU"
+        )
+    if device not in ("auto", "gpu"):
+        raise CorpError(f"onnxruntime device must be auto, cpu or gpu, got {device!r}")
+    if gpu and torch.cuda.is_available():
+        return [*gpu, "CPUExecutionProvider"], f"GPU providers available: {', '.join(gpu)}"
+    why = "no CUDA GPU visible" if gpu else "this onnxruntime build has no GPU provider (onnxruntime-gpu)"
+    return ["CPUExecutionProvider"], why
+
+
+class OrtRunner:
+    """An ONNX file in onnxruntime; ``provider`` is the one that actually got the graph."""
+
+    def __init__(self, path: str | Path, device: str = "auto", threads: int | None = None):
+        import onnxruntime as ort
+
+        load_onnx(path, weights=False)  # one-line errors for missing or non-ONNX files
+        providers, self.why = ort_providers(device)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # onnxruntime's warnings are about its own fallbacks
+        if threads:
+            options.intra_op_num_threads = threads
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=providers)
+        except Exception as e:
+            raise CorpError(f"onnxruntime cannot load {path}: {str(e).splitlines()[0]}") from None
+        self.provider = self.session.get_providers()[0]
+        self.input = self.session.get_inputs()[0].name
+        self.name = f"ort-{self.provider.removesuffix('ExecutionProvider').lower()}"
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        (out,) = self.session.run(None, {self.input: x})
+        return out.astype(np.float32, copy=False)

@@ -1,0 +1,120 @@
+"""`prune-export`, `export` and `build-engine` from the command line: real runs and bad inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import TINY_CLI_ARGS
+from test_cli import BASE, run
+
+import corp_deploy
+from exporters.tensorrt_engine import tensorrt_missing
+
+pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
+pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
+
+PRUNE_EXPORT = ["prune-export", *BASE[1:], "--calib", "synthetic", "--batch", "1:4:8"]
+TRT_MISSING = tensorrt_missing()
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("art") / "pruned"
+    with pytest.raises(SystemExit) as done:
+        corp_deploy.cli.main([*BASE, "--calib", "synthetic", "--out", str(out)])
+    assert done.value.code == 0
+    return out
+
+
+def test_prune_export_writes_verified_onnx_and_says_why_engines_are_skipped(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    code, stdout, stderr = run([*PRUNE_EXPORT, "--out", str(out)], capsys)
+    assert code == 0, stderr
+    expected = {"pruned", "dense.onnx", "pruned.onnx", "dense.fp16.onnx", "pruned.fp16.onnx", "export.json"}
+    assert expected <= {p.name for p in out.iterdir()}
+    record = json.loads((out / "export.json").read_text())
+    assert [r["file"] for r in record["onnx"]] == ["dense.onnx", "dense.fp16.onnx", "pruned.onnx", "pruned.fp16.onnx"]
+    for r in record["onnx"]:
+        tol = r["verify"]["tolerance"]
+        assert r["verify"]["cosine"] >= tol["min_cosine"] and r["verify"]["rel_error"] <= tol["max_rel_error"]
+    assert record["size"]["pruned"]["params"] < record["size"]["dense"]["params"]
+    assert corp_deploy.load_pruned(out / "pruned") is not None
+    assert "pruned.fp16.onnx" in stdout and "cosine" in stdout
+    if TRT_MISSING:
+        assert f"TensorRT engines skipped: {TRT_MISSING}" in stdout
+        assert record["engines"] == [] and record["engines_skipped"] == TRT_MISSING
+    else:
+        assert {e["file"] for e in record["engines"]} == {
+            f"{m}.{p}.plan" for m in ("dense", "pruned") for p in ("fp32", "fp16")
+        }
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no temporary leftovers
+
+
+def test_export_a_prune_artifact_with_fp16(artifact, tmp_path, capsys) -> None:
+    out = tmp_path / "m.onnx"
+    code, stdout, stderr = run(
+        ["export", str(artifact), "--out", str(out), "--fp16", "--verify-batches", "2,5"], capsys
+    )
+    assert code == 0, stderr
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["m.fp16.onnx", "m.fp16.onnx.json", "m.onnx", "m.onnx.json"]
+    record = json.loads((tmp_path / "m.onnx.json").read_text())
+    assert record["weights"] == "corp-pruned" and record["verify"]["batches"] == [2, 5]
+    assert "m.fp16.onnx" in stdout
+
+
+def test_export_a_timm_model(tmp_path, capsys) -> None:
+    out = tmp_path / "dense.onnx"
+    argv = ["export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--out", str(out), "--simplify"]
+    code, _, stderr = run(argv, capsys)
+    assert code == 0, stderr
+    record = json.loads((tmp_path / "dense.onnx.json").read_text())
+    assert record["model"] == "deit_tiny_patch16_224" and record["simplified"] and record["weights"] == "random"
+
+
+def test_failed_verification_is_an_error_and_leaves_no_file(artifact, tmp_path, capsys) -> None:
+    """A cosine above 1 cannot be met: the gate must fire and the file must not appear."""
+    out = tmp_path / "m.onnx"
+    code, _, stderr = run(["export", str(artifact), "--out", str(out), "--tol-cosine", "1.0000001"], capsys)
+    assert code == 1 and "does not match at batch 1" in stderr and "Traceback" not in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def _not_onnx(tmp_path: Path) -> Path:
+    path = tmp_path / "junk.onnx"
+    path.write_bytes(b"\x00\x01 definitely not protobuf \xff" * 10)
+    return path
+
+
+BAD = {
+    "onnx missing": (["build-engine", "{tmp}/nope.onnx"], "does not exist"),
+    "not onnx": (["build-engine", "{junk}"], "not a readable ONNX model"),
+    "bad precision": (["build-engine", "{junk}", "--precision", "int8"], "precision must be one of fp32, fp16"),
+    "batch range reversed": (["build-engine", "{junk}", "--batch", "8:4:2"], "1 <= min <= opt <= max"),
+    "export bad opset": (["export", "{artifact}", "--out", "{tmp}/m.onnx", "--opset", "12"], "--opset 12"),
+    "export one verify batch": (["export", "{artifact}", "--out", "{tmp}/m.onnx", "--verify-batches", "4"], "two"),
+    "export not .onnx": (["export", "{artifact}", "--out", "{tmp}/m.plan"], "must be a .onnx file"),
+    "export unknown model": (["export", "deit_tinyy", "--out", "{tmp}/m.onnx"], "did you mean"),
+    "prune-export bad precision": ([*PRUNE_EXPORT, "--precision", "fp32,int8", "--out", "{tmp}/run"], "fp32, fp16"),
+    "prune-export reversed batch": ([*PRUNE_EXPORT, "--batch", "4:2:1", "--out", "{tmp}/run"], "min <= opt"),
+}
+if TRT_MISSING:
+    BAD["tensorrt missing"] = (["build-engine", "{onnx}"], "TensorRT engines need a CUDA GPU and TensorRT")
+    BAD["require engines"] = ([*PRUNE_EXPORT, "--require-engines", "--out", "{tmp}/run"], "--require-engines")
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_export_input_is_one_line_and_writes_nothing(case, artifact, tmp_path, capsys) -> None:
+    onnx = tmp_path / "ok.onnx"
+    if case == "tensorrt missing":
+        assert run(["export", str(artifact), "--out", str(onnx)], capsys)[0] == 0
+    places = {"tmp": tmp_path, "junk": _not_onnx(tmp_path), "artifact": artifact, "onnx": onnx}
+    before = sorted(p.name for p in tmp_path.iterdir())
+    argv, expected = BAD[case]
+    code, _, stderr = run([a.format(**places) for a in argv], capsys)
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert code != 0 and len(lines) == 1 and expected in lines[0], stderr
+    assert "Traceback" not in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

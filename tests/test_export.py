@@ -1,0 +1,280 @@
+"""Exporters: ONNX round trips, the FP16 graph, comparators, engine metadata; TensorRT where present."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import pruned_copy, tiny_vit
+
+from corp_deploy.api import describe
+from corp_deploy.errors import CorpError
+from corp_deploy.pruner import PruneConfig
+from exporters.compare import FP16, FP32, Tolerance, check, compare, random_inputs, verify
+from exporters.onnx_export import graph_precision, input_shape, load_onnx, read_metadata
+from exporters.pipeline import VerifyOptions, convert_verified, export_verified
+from exporters.runners import OrtRunner, TorchRunner, ort_providers
+from exporters.tensorrt_engine import (
+    BuildOptions,
+    Profile,
+    check_compatible,
+    parse_profile,
+    read_engine_meta,
+    sidecar,
+    tensorrt_missing,
+)
+
+pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
+pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
+
+TRT_MISSING = tensorrt_missing()
+needs_tensorrt = pytest.mark.skipif(TRT_MISSING is not None, reason=f"TensorRT engines: {TRT_MISSING}")
+
+
+def tiny_models() -> dict[str, torch.nn.Module]:
+    dense = tiny_vit()
+    pruned, _ = pruned_copy(dense, PruneConfig(sparsity=0.5, round_to=4))
+    return {"dense": dense, "pruned": pruned}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict[str, Path]:
+    """Dense and pruned tiny ViTs exported (and verified) once for the module."""
+    out = tmp_path_factory.mktemp("onnx")
+    paths = {}
+    for name, model in tiny_models().items():
+        paths[name] = out / f"{name}.onnx"
+        export_verified(model, paths[name], describe(model, "tiny", {}, "random"))
+    return paths
+
+
+@pytest.mark.parametrize("name", ["dense", "pruned"])
+def test_onnx_matches_pytorch_at_several_batch_sizes(exported, name) -> None:
+    """The batch axis is symbolic, and the pruned attention (Q/K width != V width) exports exactly."""
+    model = tiny_models()[name]
+    runner = OrtRunner(exported[name], "cpu")
+    for comparison in verify(TorchRunner(model), runner, (3, 32, 32), batches=(1, 3, 8)):
+        assert comparison.within(FP32), comparison
+        assert comparison.top1 == 1.0
+    record = json.loads(Path(f"{exported[name]}.json").read_text())
+    assert record["verify"]["batches"] == [1, 4] and record["verify"]["cosine"] > 0.99999
+    meta = read_metadata(load_onnx(exported[name]))
+    assert meta["input_size"] == [3, 32, 32] and meta["precision"] == "fp32"
+    assert meta["preprocessing"]["mean"] and len(meta["structure"]) == 2
+
+
+def test_pruned_onnx_is_smaller_and_has_pruned_widths(exported) -> None:
+    assert exported["pruned"].stat().st_size < 0.85 * exported["dense"].stat().st_size  # params: -22%
+    meta = read_metadata(load_onnx(exported["pruned"]))
+    assert {b["qk_dim"] for b in meta["structure"]} == {8}
+
+
+def test_fp16_graph_keeps_fp32_io_and_sensitive_ops_and_bounded_error(exported, tmp_path) -> None:
+    half = tmp_path / "pruned.fp16.onnx"
+    record = convert_verified(exported["pruned"], half)
+    proto = load_onnx(half)
+    assert graph_precision(proto) == "fp16" and graph_precision(load_onnx(exported["pruned"])) == "fp32"
+    assert input_shape(proto) == (3, 32, 32)
+    float_ = 1  # onnx.TensorProto.FLOAT
+    assert proto.graph.input[0].type.tensor_type.elem_type == float_
+    assert proto.graph.output[0].type.tensor_type.elem_type == float_
+    types = {i.name: i.data_type for i in proto.graph.initializer}
+    producer = {out: n for n in proto.graph.node for out in n.output}
+
+    def is_fp32(name: str) -> bool:
+        node = producer.get(name)
+        return types.get(name) == float_ or (
+            node is not None and node.op_type == "Cast" and node.attribute[0].i == float_
+        )
+
+    for op in ("LayerNormalization", "Softmax"):  # computed in FP32: every input cast up (or FP32 already)
+        nodes = [n for n in proto.graph.node if n.op_type == op]
+        assert nodes and all(is_fp32(i) for n in nodes for i in n.input if i), op
+    assert any(n.op_type == "MatMul" and not is_fp32(n.input[0]) for n in proto.graph.node)  # matmuls in FP16
+    v = record["verify"]
+    assert v["max_abs"] > 0 and v["rel_error"] < FP16.max_rel_error and v["cosine"] > FP16.min_cosine
+    assert record["source_sha256"] and record["converted_from"] == "pruned.onnx"
+
+
+def test_comparator_metrics_on_known_arrays() -> None:
+    ref = np.array([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]], dtype=np.float32)
+    assert compare(ref, ref) == compare(ref, ref.copy())
+    same = compare(ref, ref)
+    assert same.max_abs == 0 and same.cosine == pytest.approx(1.0) and same.top1 == 1.0
+    flipped = ref.copy()
+    flipped[1] = [0.0, 0.0, 2.0]  # second sample orthogonal, its argmax moved
+    c = compare(ref, flipped)
+    assert c.max_abs == 2.0 and c.rel_error == 1.0 and c.cosine == pytest.approx(0.0) and c.top1 == 0.5
+    assert not c.within(FP16) and same.within(Tolerance(1.0, 0.0))
+    with pytest.raises(CorpError, match="shapes differ"):
+        compare(ref, ref[:1])
+
+
+def test_check_names_the_failing_batch() -> None:
+    ok, bad = compare(np.ones((1, 4)), np.ones((1, 4))), compare(np.ones((3, 4)), -np.ones((3, 4)))
+    check([ok], FP32, "x")
+    with pytest.raises(CorpError, match="at batch 3: cosine -1.000000"):
+        check([ok, bad], FP32, "ONNX x")
+
+
+def test_random_inputs_are_seeded_per_batch() -> None:
+    assert np.array_equal(random_inputs(4, (3, 8, 8)), random_inputs(4, (3, 8, 8)))
+    assert not np.array_equal(random_inputs(4, (3, 8, 8))[:1], random_inputs(1, (3, 8, 8)))
+
+
+def test_verification_catches_a_wrong_graph(exported) -> None:
+    """The dense graph checked against the pruned PyTorch model must fail, not pass by construction."""
+    pruned = tiny_models()["pruned"]
+    comparisons = verify(TorchRunner(pruned), OrtRunner(exported["dense"], "cpu"), (3, 32, 32))
+    with pytest.raises(CorpError, match="does not match"):
+        check(comparisons, VerifyOptions().fp32, "dense.onnx")
+
+
+def test_onnxruntime_provider_choice_is_explicit() -> None:
+    providers, why = ort_providers("cpu")
+    assert providers == ["CPUExecutionProvider"] and why
+    providers, why = ort_providers("auto")
+    assert providers[-1] == "CPUExecutionProvider" and why
+    if not torch.cuda.is_available():
+        assert providers == ["CPUExecutionProvider"]
+    with pytest.raises(CorpError, match="auto, cpu or gpu"):
+        ort_providers("tpu")
+
+
+@pytest.mark.skipif(
+    "CUDAExecutionProvider" in __import__("onnxruntime").get_available_providers(),
+    reason="this onnxruntime has a GPU provider",
+)
+def test_onnxruntime_gpu_without_gpu_build_says_what_to_install() -> None:
+    with pytest.raises(CorpError, match="onnxruntime-gpu"):
+        ort_providers("gpu")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("1:32:256", Profile(1, 32, 256)), ("8", Profile(8, 8, 8)), ("1:1:1", Profile(1, 1, 1))]
+)
+def test_parse_profile(text, expected) -> None:
+    assert parse_profile(text) == expected
+
+
+@pytest.mark.parametrize("text", ["8:4:2", "0:1:2", "1:32", "a:b:c", "", "1:2:3:4"])
+def test_parse_profile_rejects(text) -> None:
+    with pytest.raises(CorpError, match="batch"):
+        parse_profile(text)
+
+
+def test_build_options_reject_unknown_precision() -> None:
+    with pytest.raises(CorpError, match="fp32, fp16"):
+        BuildOptions(precision="int8")
+
+
+def _fake_engine(tmp_path: Path, onnx: Path, **meta) -> Path:
+    """An engine file with a sidecar as build_engine writes it (the engine bytes are arbitrary)."""
+    from exporters.onnx_export import sha256
+
+    engine = tmp_path / "m.fp16.plan"
+    engine.write_bytes(b"serialized engine bytes")
+    record = {
+        "format": "corp-deploy/tensorrt-engine",
+        "format_version": 1,
+        "tensorrt": "10.13.0",
+        "gpu": "NVIDIA H100 80GB HBM3",
+        "compute_capability": "9.0",
+        "onnx": {"path": str(Path(onnx).relative_to(tmp_path)), "sha256": sha256(onnx)},
+        "engine_sha256": sha256(engine),
+        **meta,
+    }
+    sidecar(engine).write_text(json.dumps(record))
+    return engine
+
+
+HERE = {"tensorrt": "10.13.0", "gpu": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "cuda": "13.0"}
+
+
+def test_engine_metadata_accepts_its_own_platform(tmp_path) -> None:
+    onnx = tmp_path / "m.onnx"
+    onnx.write_bytes(b"graph")
+    engine = _fake_engine(tmp_path, onnx)
+    check_compatible(read_engine_meta(engine), HERE, engine)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"gpu": "NVIDIA H200"}, "built for GPU NVIDIA H100 80GB HBM3 but this machine has NVIDIA H200"),
+        ({"tensorrt": "11.4.0"}, "built for TensorRT 10.13.0 but this machine has 11.4.0"),
+        ({"compute_capability": "8.9"}, "compute capability"),
+    ],
+)
+def test_engine_from_another_platform_is_refused(tmp_path, change, message) -> None:
+    onnx = tmp_path / "m.onnx"
+    onnx.write_bytes(b"graph")
+    engine = _fake_engine(tmp_path, onnx)
+    with pytest.raises(CorpError, match=message + ".*rebuild"):
+        check_compatible(read_engine_meta(engine), {**HERE, **change}, engine)
+
+
+def test_engine_built_from_a_changed_onnx_is_stale(tmp_path) -> None:
+    onnx = tmp_path / "m.onnx"
+    onnx.write_bytes(b"graph")
+    engine = _fake_engine(tmp_path, onnx)
+    onnx.write_bytes(b"graph, re-exported")
+    with pytest.raises(CorpError, match="stale"):
+        check_compatible(read_engine_meta(engine), HERE, engine)
+
+
+def test_foreign_corrupt_or_swapped_engine_files_are_refused(tmp_path) -> None:
+    with pytest.raises(CorpError, match="does not exist"):
+        read_engine_meta(tmp_path / "missing.plan")
+    foreign = tmp_path / "foreign.plan"
+    foreign.write_bytes(b"built by trtexec")
+    with pytest.raises(CorpError, match="not built by corp-deploy"):
+        read_engine_meta(foreign)
+    sidecar(foreign).write_text("{not json")
+    with pytest.raises(CorpError, match="corrupt"):
+        read_engine_meta(foreign)
+    onnx = tmp_path / "m.onnx"
+    onnx.write_bytes(b"graph")
+    engine = _fake_engine(tmp_path, onnx)
+    engine.write_bytes(b"another engine copied over this one")
+    with pytest.raises(CorpError, match="not the file"):
+        read_engine_meta(engine)
+
+
+@pytest.mark.gpu
+@needs_tensorrt
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_tensorrt_engine_builds_runs_and_matches_onnxruntime(exported, tmp_path, precision) -> None:
+    from exporters.pipeline import engine_verified
+    from exporters.tensorrt_engine import TrtRunner
+
+    source = exported["pruned"]
+    if precision == "fp16":
+        source = tmp_path / "pruned.fp16.onnx"
+        convert_verified(exported["pruned"], source)
+    engine = tmp_path / f"pruned.{precision}.plan"
+    options = BuildOptions(precision, Profile(1, 4, 8), workspace_gib=1, timing_cache=tmp_path / "cache")
+    record = engine_verified(source, engine, options)
+    assert record["precision"] == precision and record["profile"] == {"min": 1, "opt": 4, "max": 8}
+    assert record["verify"]["cosine"] > (FP32 if precision == "fp32" else FP16).min_cosine
+    assert (tmp_path / "cache").stat().st_size > 0
+    runner = TrtRunner(engine)
+    x = random_inputs(5, (3, 32, 32))
+    ref = OrtRunner(source, "cpu")(x)
+    assert compare(ref, runner(x)).within(FP32 if precision == "fp32" else FP16)
+    with pytest.raises(CorpError, match="outside this engine's profile"):
+        runner(random_inputs(9, (3, 32, 32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_onnxruntime_gpu_provider_is_reported(exported) -> None:
+    runner = OrtRunner(exported["pruned"], "auto")
+    if "CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers():
+        pytest.skip("onnxruntime here has no GPU provider (install onnxruntime-gpu)")
+    assert runner.provider in ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+    x = random_inputs(3, (3, 32, 32))
+    assert compare(OrtRunner(exported["pruned"], "cpu")(x), runner(x)).within(FP16)
