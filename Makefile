@@ -15,8 +15,9 @@ $(BIN)/corp-deploy: pyproject.toml
 	@touch $@
 
 # The offline smoke run: random weights and noise calibration (structure and timing, not accuracy).
+# Prunes, exports dense and pruned to verified FP32/FP16 ONNX, and builds engines where TensorRT is.
 demo: setup
-	$(BIN)/corp-deploy prune deit_small --weights random --calib synthetic --num-calib 64 \
+	$(BIN)/corp-deploy prune-export deit_small --weights random --calib synthetic --num-calib 64 \
 	    --sparsity 0.5 --out runs/demo-deit_small-s50 --overwrite
 
 test: setup
