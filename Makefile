@@ -2,7 +2,7 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
-EXTRAS  ?= onnx,dev
+EXTRAS  ?= onnx,bench,dev
 
 .PHONY: setup demo test lint bench-prune bench-prune-gpu clean
 

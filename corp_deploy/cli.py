@@ -16,8 +16,15 @@ from typing import NamedTuple
 import click
 from torch import nn
 
+from bench import gate
+from bench.backends import RunFolder
+from bench.backends import select as select_backends
+from bench.measure import Method
+from bench.report import format_markdown, format_table, to_csv
+from bench.report import plot as draw
+from bench.run import benchmark, parse_batch_sizes
 from corp_deploy import api
-from corp_deploy.artifact import atomic_dir, check_writable, staged
+from corp_deploy.artifact import atomic_dir, atomic_file, check_writable, staged
 from corp_deploy.errors import CorpError
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.pruner import DEFAULT_RIDGE, PruneConfig
@@ -319,6 +326,86 @@ def prune_export(
         (tmp / "export.json").write_text(json.dumps(record, indent=2) + "\n")
     click.echo(format_summary(record, {k: v["params"] for k, v in sizes.items()}))
     click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json)")
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path())
+@click.option("--batch-sizes", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--backends", default="auto", show_default=True, help="auto, or a comma list (see bench.backends).")
+@click.option("--repeats", default=1, show_default=True, help="Repeat the measurement; report medians.")
+@click.option("--threads", type=int, help="CPU threads for PyTorch and onnxruntime [default: theirs].")
+@click.option("--include-copies", is_flag=True, help="Time host->device input and device->host output copies too.")
+@click.option("--warmup-iters", default=Method.warmup_iters, show_default=True)
+@click.option("--warmup-seconds", default=Method.warmup_seconds, show_default=True)
+@click.option("--min-iters", default=Method.min_iters, show_default=True, help="Timed iterations, at least.")
+@click.option("--min-seconds", default=Method.min_seconds, show_default=True, help="Timed seconds, at least.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the versioned record here.")
+@click.option("--csv", "csv_out", type=click.Path(dir_okay=False), help="Write every statistic as CSV.")
+@click.option("--markdown", type=click.Path(dir_okay=False), help="Write the table as markdown.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: throughput and p50 vs batch size.")
+@click.option("--baseline", type=click.Path(dir_okay=False), help="Bench JSON to gate against.")
+@click.option("--max-regression", default="5%", show_default=True, help="Gate threshold.")
+@click.option("--gate", "gate_mode", default="absolute", show_default=True, help="absolute (p50) or ratio (speedup).")
+def bench(
+    run_dir: str,
+    batch_sizes: str,
+    backends: str,
+    repeats: int,
+    threads: int | None,
+    include_copies: bool,
+    warmup_iters: int,
+    warmup_seconds: float,
+    min_iters: int,
+    min_seconds: float,
+    json_out: str | None,
+    csv_out: str | None,
+    markdown: str | None,
+    plot: str | None,
+    baseline: str | None,
+    max_regression: str,
+    gate_mode: str,
+) -> None:
+    """Time dense against pruned from a prune-export RUN_DIR on every backend this machine has."""
+    run = RunFolder.open(run_dir)
+    sizes = parse_batch_sizes(batch_sizes)
+    method = Method(warmup_iters, warmup_seconds, min_iters, min_seconds)
+    limit = gate.parse_fraction(max_regression)
+    reference = gate.load_baseline(baseline) if baseline else None
+    chosen, skipped = select_backends(backends, run)
+    click.echo(
+        f"method: {method.describe()}; {repeats} repeat(s); inputs on the device"
+        + (" (host copies timed)" if include_copies else " (copies not timed)")
+    )
+    record = benchmark(run, chosen, sizes, method, repeats, include_copies, threads, skipped, click.echo)
+    env = record["environment"]
+    click.echo(
+        f"{record['model']} | cpu {env['cpu']} ({env['torch_threads']} threads)"
+        + (
+            f" | gpu {env['gpu']}, CUDA {env['cuda']}, driver {env['driver']}, TF32 matmul {env['tf32_matmul']}"
+            if "gpu" in env
+            else ""
+        )
+    )
+    click.echo(format_table(record))
+    outputs = {
+        json_out: lambda: json.dumps(record, indent=2) + "\n",
+        csv_out: lambda: to_csv(record),
+        markdown: lambda: format_markdown(record),
+    }
+    for path, text in outputs.items():
+        if path:
+            with atomic_file(path, overwrite=True) as tmp:
+                tmp.write_text(text())
+    if plot:
+        with atomic_file(plot, overwrite=True) as tmp:
+            draw(record, tmp.with_suffix(".png"))
+            tmp.with_suffix(".png").rename(tmp)
+    if reference is not None:
+        checks = gate.compare(record, reference, limit, gate_mode)
+        click.echo(gate.format_checks(checks, limit, gate_mode))
+        bad = sum(c.regressed for c in checks)
+        if bad:
+            raise CorpError(f"latency regression: {bad} of {len(checks)} checks beyond {limit:.1%} ({gate_mode} gate)")
 
 
 def _path(value: str | None) -> Path | None:

@@ -1,0 +1,238 @@
+"""Backends: how one model runs and is timed on one runtime, device and precision.
+
+Each backend turns a (run folder, model) pair into ``at(batch) -> Step``. Inputs are made on the
+device before timing (unless ``include_copies``); GPU steps are timed with CUDA events on the
+current stream, CPU steps with ``perf_counter``. ``missing`` says why a backend cannot run here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import timm
+import torch
+from torch import nn
+
+from bench.measure import Step
+from corp_deploy.artifact import META_FILE, load_pruned, read_meta
+from corp_deploy.errors import CorpError
+from corp_deploy.models import input_size
+from exporters.tensorrt_engine import tensorrt_missing
+
+MODELS = ("dense", "pruned")
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """A ``prune-export`` folder (or a bare prune artifact): the models in every form it holds."""
+
+    root: Path
+
+    @classmethod
+    def open(cls, path: str | Path) -> RunFolder:
+        root = Path(path)
+        if not (root / "pruned" / META_FILE).is_file() and (root / META_FILE).is_file():
+            raise CorpError(f"{root} is a prune artifact; bench a `corp-deploy prune-export` folder (it has ONNX too)")
+        if not (root / "pruned" / META_FILE).is_file():
+            raise CorpError(
+                f"{root} is not a prune-export folder (no pruned/{META_FILE}); run `corp-deploy prune-export`"
+            )
+        return cls(root)
+
+    @cached_property
+    def meta(self) -> dict:
+        return read_meta(self.root / "pruned")
+
+    def torch_model(self, which: str) -> nn.Module:
+        """The pruned model from its artifact; the dense one rebuilt from the same timm name.
+
+        The dense weights are random: values do not change a dense model's latency.
+        """
+        if which == "pruned":
+            return load_pruned(self.root / "pruned")
+        model = self.meta["model"]
+        return timm.create_model(model["name"], pretrained=False, **model.get("args", {})).eval()
+
+    def onnx(self, which: str, precision: str = "fp32") -> Path:
+        return self.root / (f"{which}.onnx" if precision == "fp32" else f"{which}.{precision}.onnx")
+
+    def engine(self, which: str, precision: str) -> Path:
+        return self.root / f"{which}.{precision}.plan"
+
+    @cached_property
+    def input_size(self) -> tuple[int, int, int]:
+        return input_size(self.torch_model("pruned"))
+
+
+def _cpu_step(call: Callable[[], object]) -> Step:
+    def step() -> float:
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+
+    return step
+
+
+def _cuda_step(call: Callable[[], object]) -> Step:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def step() -> float:
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    return step
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    device: str
+    precision: str
+    load: Callable[[RunFolder, str, bool], Callable[[int], Step]]
+    """(run, model, include_copies) -> (batch -> timed step)."""
+    missing: Callable[[RunFolder], str | None]
+
+
+def _torch(device: str, dtype: torch.dtype) -> Callable:
+    def load(run: RunFolder, which: str, include_copies: bool) -> Callable[[int], Step]:
+        model = run.torch_model(which).to(device, dtype).eval()
+        shape = run.input_size
+
+        def at(batch: int) -> Step:
+            if include_copies and device == "cuda":
+                host = torch.randn(batch, *shape, dtype=dtype).pin_memory()
+
+                def call():
+                    with torch.inference_mode():
+                        return model(host.to(device, non_blocking=True)).cpu()
+
+            else:
+                x = torch.randn(batch, *shape, device=device, dtype=dtype)
+
+                def call():
+                    with torch.inference_mode():
+                        return model(x)
+
+            return _cuda_step(call) if device == "cuda" else _cpu_step(call)
+
+        return at
+
+    return load
+
+
+def _ort(device: str) -> Callable:
+    def load(run: RunFolder, which: str, include_copies: bool) -> Callable[[int], Step]:
+        from exporters.runners import OrtRunner
+
+        runner = OrtRunner(run.onnx(which), device)
+        if device == "gpu" and runner.provider == "CPUExecutionProvider":
+            raise CorpError("onnxruntime fell back to the CPU provider; its GPU provider did not load")
+        shape = run.input_size
+
+        def at(batch: int) -> Step:
+            x = np.random.default_rng(batch).standard_normal((batch, *shape), dtype=np.float32)
+            if device == "cpu" or include_copies:
+                return _cpu_step(lambda: runner(x))  # session.run blocks until the result is on the host
+            import onnxruntime as ort
+
+            binding = runner.session.io_binding()
+            binding.bind_ortvalue_input(runner.input, ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0))
+            binding.bind_output(runner.session.get_outputs()[0].name, "cuda")
+            return _cpu_step(lambda: runner.session.run_with_iobinding(binding))
+
+        return at
+
+    return load
+
+
+def _tensorrt(precision: str) -> Callable:
+    def load(run: RunFolder, which: str, include_copies: bool) -> Callable[[int], Step]:
+        from exporters.tensorrt_engine import TrtRunner
+
+        runner = TrtRunner(run.engine(which, precision))
+        shape = run.input_size
+
+        def at(batch: int) -> Step:
+            if include_copies:
+                host = torch.randn(batch, *shape).pin_memory()
+                return _cuda_step(lambda: runner.run(host.to("cuda", non_blocking=True)).cpu())
+            x = torch.randn(batch, *shape, device="cuda").to(runner.input_dtype)
+            return _cuda_step(lambda: runner.run(x))
+
+        return at
+
+    return load
+
+
+def _no_gpu(_: RunFolder) -> str | None:
+    return None if torch.cuda.is_available() else "no CUDA GPU visible"
+
+
+def _ort_missing(device: str) -> Callable[[RunFolder], str | None]:
+    def missing(run: RunFolder) -> str | None:
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            return "onnxruntime not installed (pip install 'corp-deploy[onnx]')"
+        if not all(run.onnx(m).is_file() for m in MODELS):
+            return f"no dense.onnx/pruned.onnx in {run.root}"
+        if device == "gpu":
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                return "onnxruntime has no CUDA provider (install onnxruntime-gpu instead of onnxruntime)"
+            return _no_gpu(run)
+        return None
+
+    return missing
+
+
+def _engine_missing(precision: str) -> Callable[[RunFolder], str | None]:
+    def missing(run: RunFolder) -> str | None:
+        reason = tensorrt_missing()
+        if reason:
+            return reason
+        absent = [run.engine(m, precision).name for m in MODELS if not run.engine(m, precision).is_file()]
+        return f"no {', '.join(absent)} in {run.root} (prune-export --precision {precision})" if absent else None
+
+    return missing
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("torch-cpu-fp32", "cpu", "fp32", _torch("cpu", torch.float32), lambda run: None),
+        Backend("ort-cpu-fp32", "cpu", "fp32", _ort("cpu"), _ort_missing("cpu")),
+        Backend("torch-cuda-fp32", "cuda", "fp32", _torch("cuda", torch.float32), _no_gpu),
+        Backend("torch-cuda-fp16", "cuda", "fp16", _torch("cuda", torch.float16), _no_gpu),
+        Backend("torch-cuda-bf16", "cuda", "bf16", _torch("cuda", torch.bfloat16), _no_gpu),
+        Backend("ort-cuda-fp32", "cuda", "fp32", _ort("gpu"), _ort_missing("gpu")),
+        Backend("tensorrt-fp32", "cuda", "fp32", _tensorrt("fp32"), _engine_missing("fp32")),
+        Backend("tensorrt-fp16", "cuda", "fp16", _tensorrt("fp16"), _engine_missing("fp16")),
+    )
+}
+"""Every backend, CPU first; ``auto`` keeps those that can run here."""
+
+
+def select(names: str, run: RunFolder) -> tuple[list[Backend], dict[str, str]]:
+    """``auto`` or a comma list -> (backends to run, {skipped backend: why})."""
+    wanted = list(BACKENDS) if names == "auto" else [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in BACKENDS]
+    if unknown or not wanted:
+        raise CorpError(f"unknown backend {', '.join(unknown) or names!r}; choose auto or from {', '.join(BACKENDS)}")
+    chosen, skipped = [], {}
+    for name in wanted:
+        reason = BACKENDS[name].missing(run)
+        if reason is None:
+            chosen.append(BACKENDS[name])
+        elif names == "auto":
+            skipped[name] = reason
+        else:
+            raise CorpError(f"backend {name} cannot run here: {reason}")
+    return chosen, skipped

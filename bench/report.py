@@ -1,0 +1,95 @@
+"""Bench outputs: the terminal table, CSV, markdown, and the PNG plot."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import Any
+
+from bench.run import pairs
+from corp_deploy.errors import CorpError
+
+COLUMNS = (
+    ("backend", "backend", "{}"),
+    ("device", "device", "{}"),
+    ("precision", "precision", "{}"),
+    ("batch", "batch", "{}"),
+    ("dense_p50_ms", "dense p50 ms", "{:.2f}"),
+    ("pruned_p50_ms", "pruned p50 ms", "{:.2f}"),
+    ("p50_speedup", "p50 speedup", "{:.2f}x"),
+    ("dense_throughput", "dense img/s", "{:.1f}"),
+    ("pruned_throughput", "pruned img/s", "{:.1f}"),
+    ("throughput_ratio", "throughput ratio", "{:.2f}x"),
+)
+
+
+def _rows(record: dict[str, Any]) -> list[list[str]]:
+    return [[fmt.format(p[key]) for key, _, fmt in COLUMNS] for p in pairs(record)]
+
+
+def format_table(record: dict[str, Any]) -> str:
+    header = [title for _, title, _ in COLUMNS]
+    rows = [header, *_rows(record)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for name, why in record["skipped"].items():
+        lines.append(f"skipped {name}: {why}")
+    return "\n".join(lines)
+
+
+def format_markdown(record: dict[str, Any]) -> str:
+    header = [title for _, title, _ in COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in _rows(record)]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(record: dict[str, Any]) -> str:
+    """One line per (backend, model, batch) with every statistic."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(record["results"][0]) if record["results"] else ["backend"])
+    writer.writeheader()
+    writer.writerows(record["results"])
+    return out.getvalue()
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    """Throughput and p50 latency against batch size; dense dashed, pruned solid, one colour per backend."""
+    try:
+        import matplotlib
+        import matplotlib.ticker
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CorpError("--plot needs matplotlib: pip install 'corp-deploy[bench]'") from None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    backends = sorted({r["backend"] for r in record["results"]})
+    for color, backend in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3, backends, strict=False):
+        for model, style in (("dense", "--"), ("pruned", "-")):
+            rows = sorted(
+                (r for r in record["results"] if r["backend"] == backend and r["model"] == model),
+                key=lambda r: r["batch"],
+            )
+            batches = [r["batch"] for r in rows]
+            label = f"{backend} {model}"
+            left.plot(batches, [r["throughput"] for r in rows], style, color=color, marker="o", label=label)
+            right.plot(batches, [r["p50_ms"] for r in rows], style, color=color, marker="o", label=label)
+    for ax, title in ((left, "throughput (images/s)"), (right, "p50 latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    left.legend(fontsize=7)
+    env = record["environment"]
+    fig.suptitle(f"{record['model']}: dense vs pruned on {env.get('gpu', env['cpu'])} ({record['date'][:10]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,166 @@
+"""One benchmark: every backend x batch size, dense and pruned interleaved, repeated; a versioned record."""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+import shutil
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+import corp_deploy
+from bench.backends import MODELS, Backend, RunFolder
+from bench.measure import Method, interleaved, median_of_repeats, summarize
+from corp_deploy.errors import CorpError
+
+SCHEMA = "corp-deploy/bench"
+SCHEMA_VERSION = 1
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise CorpError(f"--batch-sizes takes a comma-separated list of sizes >= 1 (e.g. 1,8,32), got {text!r}")
+    return sorted(set(sizes))
+
+
+def environment(threads: int) -> dict[str, Any]:
+    """Everything a latency number depends on that is not in the model."""
+    env: dict[str, Any] = {
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": threads,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "corp_deploy": corp_deploy.__version__,
+    }
+    try:
+        import onnxruntime
+
+        env["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env |= {
+            "gpu": torch.cuda.get_device_name(),
+            "cuda": torch.version.cuda,
+            "driver": _driver_version(),
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        }
+        try:
+            import tensorrt
+
+            env["tensorrt"] = tensorrt.__version__
+        except ImportError:
+            pass
+    return env
+
+
+def _driver_version() -> str:
+    if not shutil.which("nvidia-smi"):
+        return "unknown"
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+    )
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def benchmark(
+    run: RunFolder,
+    backends: Sequence[Backend],
+    batch_sizes: Sequence[int],
+    method: Method | None = None,
+    repeats: int = 1,
+    include_copies: bool = False,
+    threads: int | None = None,
+    skipped: dict[str, str] | None = None,
+    progress: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    """Measure; return the record that ``--json`` writes and the gate compares."""
+    method = method or Method()
+    if repeats < 1:
+        raise CorpError(f"--repeats must be >= 1, got {repeats}")
+    if threads:
+        torch.set_num_threads(threads)
+    record: dict[str, Any] = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "run": str(run.root),
+        "model": run.meta["model"]["name"],
+        "environment": environment(torch.get_num_threads()),
+        "method": {
+            **method.as_dict(),
+            "repeats": repeats,
+            "include_copies": include_copies,
+            "statistic": ("median over repeats of each statistic" if repeats > 1 else "single measurement"),
+        },
+        "skipped": dict(skipped or {}),
+        "results": [],
+    }
+    for backend in backends:
+        loaders = {m: backend.load(run, m, include_copies) for m in MODELS}
+        device = record["environment"]["gpu"] if backend.device == "cuda" else "cpu"
+        for batch in batch_sizes:
+            try:
+                steps = {m: loaders[m](batch) for m in MODELS}
+                repeats_ = [interleaved(steps, method) for _ in range(repeats)]
+            except (torch.cuda.OutOfMemoryError, CorpError) as e:
+                record["skipped"][f"{backend.name}@{batch}"] = str(e).splitlines()[0]
+                progress(f"{backend.name:16s} batch {batch:4d}: skipped ({str(e).splitlines()[0]})")
+                continue
+            for m in MODELS:
+                stats = median_of_repeats([summarize(r[m], batch) for r in repeats_])
+                record["results"].append(
+                    {
+                        "backend": backend.name,
+                        "device": device,
+                        "precision": backend.precision,
+                        "model": m,
+                        "batch": batch,
+                        **asdict(stats),
+                    }
+                )
+            dense, pruned = record["results"][-2], record["results"][-1]
+            progress(
+                f"{backend.name:16s} batch {batch:4d}: p50 dense {dense['p50_ms']:8.2f} ms, "
+                f"pruned {pruned['p50_ms']:8.2f} ms ({dense['p50_ms'] / pruned['p50_ms']:.2f}x)"
+            )
+        del loaders
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return record
+
+
+def pairs(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Dense and pruned side by side per (backend, batch), with the pruned/dense ratios."""
+    by_key: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in record["results"]:
+        by_key.setdefault((r["backend"], r["batch"]), {})[r["model"]] = r
+    out = []
+    for (backend, batch), models in by_key.items():
+        if set(models) != set(MODELS):
+            continue
+        d, p = models["dense"], models["pruned"]
+        out.append(
+            {
+                "backend": backend,
+                "device": d["device"],
+                "precision": d["precision"],
+                "batch": batch,
+                "dense_p50_ms": d["p50_ms"],
+                "pruned_p50_ms": p["p50_ms"],
+                "p50_speedup": d["p50_ms"] / p["p50_ms"],
+                "dense_throughput": d["throughput"],
+                "pruned_throughput": p["throughput"],
+                "throughput_ratio": p["throughput"] / d["throughput"],
+            }
+        )
+    return out

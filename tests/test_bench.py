@@ -1,0 +1,175 @@
+"""Bench: statistics and the gate on synthetic timings; one short real run on a tiny model (CPU)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from conftest import TINY_CLI_ARGS
+from test_cli import run
+
+from bench import gate
+from bench.backends import RunFolder, select
+from bench.measure import Method, interleaved, median_of_repeats, summarize
+from bench.run import SCHEMA, pairs, parse_batch_sizes
+from corp_deploy.cli import main
+from corp_deploy.errors import CorpError
+
+
+def test_summarize_percentiles_and_throughput() -> None:
+    stats = summarize([i / 1000 for i in range(1, 101)], batch=8)  # 1..100 ms
+    assert stats.p50_ms == pytest.approx(50.5) and stats.p90_ms == pytest.approx(90.1)
+    assert stats.p99_ms == pytest.approx(99.01) and stats.mean_ms == pytest.approx(50.5)
+    assert stats.throughput == pytest.approx(8 / 0.0505) and stats.iters == 100
+
+
+def test_median_of_repeats_ignores_one_disturbed_repeat() -> None:
+    calm, noisy = summarize([0.010] * 20, 1), summarize([0.030] * 20, 1)
+    combined = median_of_repeats([calm, noisy, calm])
+    assert combined.p50_ms == pytest.approx(10.0) and combined.iters == 60
+
+
+def test_interleaved_alternates_and_meets_both_minimums() -> None:
+    calls: list[str] = []
+
+    def fake(name: str, seconds: float):
+        return lambda: calls.append(name) or seconds
+
+    method = Method(warmup_iters=3, warmup_seconds=0.0, min_iters=10, min_seconds=0.5, round_iters=2)
+    times = interleaved({"dense": fake("dense", 0.02), "pruned": fake("pruned", 0.01)}, method)
+    assert calls[:6] == ["dense"] * 3 + ["pruned"] * 3  # warm-up, not timed
+    assert len(times["dense"]) >= 10 and sum(times["pruned"]) >= 0.5  # pruned needs 50 iterations for 0.5 s
+    timed = calls[6:]
+    assert timed[:8] == ["dense", "dense", "pruned", "pruned", "pruned", "pruned", "dense", "dense"]
+    assert len(times["dense"]) == len(times["pruned"])  # same rounds: drift hits both
+
+
+def _record(p50: dict[tuple[str, str, int], float]) -> dict:
+    results = [
+        {"backend": b, "device": "cpu", "precision": "fp32", "model": m, "batch": n, "p50_ms": v, "throughput": n / v}
+        for (b, m, n), v in p50.items()
+    ]
+    return {"schema": SCHEMA, "schema_version": 1, "results": results, "skipped": {}}
+
+
+BASE = _record(
+    {("ort", "dense", 1): 10.0, ("ort", "pruned", 1): 6.0, ("ort", "dense", 32): 200.0, ("ort", "pruned", 32): 110.0}
+)
+
+
+def test_pairs_give_pruned_over_dense_ratios() -> None:
+    (one, big) = sorted(pairs(BASE), key=lambda p: p["batch"])
+    assert one["p50_speedup"] == pytest.approx(10 / 6) and big["throughput_ratio"] == pytest.approx(200 / 110)
+
+
+def test_absolute_gate_passes_equal_and_fails_slower() -> None:
+    assert not any(c.regressed for c in gate.compare(copy.deepcopy(BASE), BASE, 0.05, "absolute"))
+    slower = copy.deepcopy(BASE)
+    slower["results"][1]["p50_ms"] *= 1.10  # pruned batch 1: 10% slower
+    checks = gate.compare(slower, BASE, 0.05, "absolute")
+    assert [c.key for c in checks if c.regressed] == ["ort pruned batch 1 p50 ms"]
+    assert gate.compare(slower, BASE, 0.15, "absolute")[1].regressed is False
+    assert "1 of 4 regressed" in gate.format_checks(checks, 0.05, "absolute")
+
+
+def test_ratio_gate_ignores_a_uniformly_slower_machine_but_catches_a_lost_speedup() -> None:
+    busy = copy.deepcopy(BASE)
+    for r in busy["results"]:
+        r["p50_ms"] *= 1.5  # shared runner: everything 50% slower
+    assert not any(c.regressed for c in gate.compare(busy, BASE, 0.05, "ratio"))
+    assert any(c.regressed for c in gate.compare(busy, BASE, 0.05, "absolute"))
+    lost = copy.deepcopy(BASE)
+    lost["results"][3]["p50_ms"] = 150.0  # pruned batch 32 lost part of its advantage
+    assert [c.key for c in gate.compare(lost, BASE, 0.05, "ratio") if c.regressed] == [
+        "ort batch 32 pruned/dense p50 speedup"
+    ]
+
+
+@pytest.mark.parametrize(("text", "value"), [("5%", 0.05), ("0.05", 0.05), ("0%", 0.0), ("12.5%", 0.125)])
+def test_parse_fraction(text, value) -> None:
+    assert gate.parse_fraction(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["five", "-5%", "%"])
+def test_parse_fraction_rejects(text) -> None:
+    with pytest.raises(CorpError, match="--max-regression"):
+        gate.parse_fraction(text)
+
+
+def test_gate_refuses_bad_baselines(tmp_path) -> None:
+    with pytest.raises(CorpError, match="does not exist"):
+        gate.load_baseline(tmp_path / "none.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(CorpError, match="not JSON"):
+        gate.load_baseline(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text('{"schema": "something else"}')
+    with pytest.raises(CorpError, match="not a corp-deploy bench record"):
+        gate.load_baseline(tmp_path / "other.json")
+    disjoint = _record({("trt", "dense", 4): 1.0, ("trt", "pruned", 4): 1.0})
+    with pytest.raises(CorpError, match="shares no"):
+        gate.compare(disjoint, BASE, 0.05, "ratio")
+
+
+def test_parse_batch_sizes() -> None:
+    assert parse_batch_sizes("32,1,8,8") == [1, 8, 32]
+    for bad in ("", "0,1", "a"):
+        with pytest.raises(CorpError, match="--batch-sizes"):
+            parse_batch_sizes(bad)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
+    out = tmp_path_factory.mktemp("bench") / "run"
+    argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--num-calib", "16", "--calib", "synthetic", "--precision", "fp32", "--out", str(out)])
+    assert done.value.code == 0
+    return out
+
+
+def test_backend_selection_explains_what_it_skips(run_dir) -> None:
+    chosen, skipped = select("auto", RunFolder.open(run_dir))
+    assert [b.name for b in chosen][:2] == ["torch-cpu-fp32", "ort-cpu-fp32"]
+    assert all(skipped.values()) and set(skipped).isdisjoint(b.name for b in chosen)
+    with pytest.raises(CorpError, match="unknown backend"):
+        select("torch-tpu", RunFolder.open(run_dir))
+    with pytest.raises(CorpError, match="not a prune-export folder"):
+        RunFolder.open(run_dir / "nothing")
+    with pytest.raises(CorpError, match="is a prune artifact"):
+        RunFolder.open(run_dir / "pruned")
+
+
+FAST = ["--min-iters", "3", "--min-seconds", "0", "--warmup-iters", "1", "--warmup-seconds", "0"]
+
+
+def test_real_bench_run_writes_every_output_and_gates(run_dir, tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install '.[bench]')")
+    outputs = {k: tmp_path / f"b.{k}" for k in ("json", "csv", "md", "png")}
+    argv = ["bench", str(run_dir), "--batch-sizes", "1,2", "--backends", "torch-cpu-fp32,ort-cpu-fp32", *FAST]
+    argv += ["--json", str(outputs["json"]), "--csv", str(outputs["csv"]), "--markdown", str(outputs["md"])]
+    code, stdout, stderr = run([*argv, "--plot", str(outputs["png"])], capsys)
+    assert code == 0, stderr
+    record = json.loads(outputs["json"].read_text())
+    assert record["schema"] == SCHEMA and record["method"]["min_iters"] == 3
+    assert {(r["backend"], r["model"], r["batch"]) for r in record["results"]} == {
+        (b, m, n) for b in ("torch-cpu-fp32", "ort-cpu-fp32") for m in ("dense", "pruned") for n in (1, 2)
+    }
+    assert all(r["p50_ms"] > 0 and r["iters"] >= 3 for r in record["results"])
+    assert outputs["csv"].read_text().count("\n") == 9 and "p50 speedup" in outputs["md"].read_text()
+    assert outputs["png"].read_bytes()[:4] == b"\x89PNG"
+    assert "method: warm-up" in stdout and "throughput ratio" in stdout
+
+    # The gate against a baseline whose p50s are 100x longer passes; 100x shorter fails with exit 1.
+    for factor, expected in ((100.0, 0), (0.01, 1)):
+        baseline = copy.deepcopy(record)
+        for r in baseline["results"]:
+            r["p50_ms"] *= factor
+        path = tmp_path / f"baseline-{factor}.json"
+        path.write_text(json.dumps(baseline))
+        code, stdout, stderr = run([*argv[:6], *FAST, "--baseline", str(path), "--max-regression", "5%"], capsys)
+        assert code == expected, stderr
+        assert ("REGRESSED" in stdout) == bool(expected)
+        if expected:
+            assert stderr.strip().startswith("error: latency regression: 8 of 8")
