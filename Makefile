@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 EXTRAS  ?= onnx,bench,dev
 
-.PHONY: setup demo test lint bench-prune bench-prune-gpu clean
+.PHONY: setup demo test lint bench bench-gpu bench-prune bench-prune-gpu clean
 
 setup: $(BIN)/corp-deploy
 
@@ -26,6 +26,18 @@ test: setup
 lint: setup
 	$(BIN)/ruff check corp_deploy exporters bench tests tools
 	$(BIN)/ruff format --check corp_deploy exporters bench tests tools
+
+# Dense vs pruned latency (docs/BENCHMARKS.md). CPU target: deit_small 50%, onnxruntime, batch 32, >= 1.6x.
+bench: demo
+	$(BIN)/corp-deploy bench runs/demo-deit_small-s50 --backends auto --batch-sizes 1,32 --warmup-iters 2 \
+	    --min-iters 5 --min-seconds 3 --repeats 3 --json runs/bench.json --markdown runs/bench.md --plot runs/bench.png
+
+# GPU target: deit_base 50%, fp16, large batch, >= 1.65x; batch-1 p50 no worse than dense.
+bench-gpu: setup
+	$(BIN)/corp-deploy prune-export deit_base --weights random --calib synthetic --num-calib 256 --sparsity 0.5 \
+	    --batch 1:64:256 --out runs/deit_base-s50 --overwrite
+	$(BIN)/corp-deploy bench runs/deit_base-s50 --backends auto --batch-sizes 1,8,32,64,128,256 --repeats 3 \
+	    --json runs/bench-gpu.json --markdown runs/bench-gpu.md --plot runs/bench-gpu.png
 
 # Pruning time and memory (docs/BENCHMARKS.md). CPU figure: deit_small, 256 images.
 bench-prune: setup

@@ -44,9 +44,9 @@ def _warm_up(step: Step, method: Method) -> None:
         n += 1
 
 
-def interleaved(steps: dict[str, Step], method: Method) -> dict[str, list[float]]:
-    """Latencies (seconds) per named step, all measured in alternating rounds."""
-    for step in steps.values():
+def interleaved(steps: dict[str, Step], method: Method, warm_up: bool = True) -> dict[str, list[float]]:
+    """Latencies (seconds) per named step, all measured in alternating rounds (after a warm-up)."""
+    for step in steps.values() if warm_up else ():
         _warm_up(step, method)
     times: dict[str, list[float]] = {name: [] for name in steps}
     order = list(steps)

@@ -58,16 +58,23 @@ def to_csv(record: dict[str, Any]) -> str:
     return out.getvalue()
 
 
-def plot(record: dict[str, Any], path: Path) -> None:
-    """Throughput and p50 latency against batch size; dense dashed, pruned solid, one colour per backend."""
+def pyplot():
+    """matplotlib's pyplot on the file-only backend, or a one-line error saying what to install."""
     try:
         import matplotlib
-        import matplotlib.ticker
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CorpError("--plot needs matplotlib: pip install 'corp-deploy[bench]'") from None
+        raise CorpError("plots need matplotlib: pip install 'corp-deploy[bench]'") from None
+    return plt
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    """Throughput and p50 latency against batch size; dense dashed, pruned solid, one colour per backend."""
+    plt = pyplot()
+    import matplotlib.ticker
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     backends = sorted({r["backend"] for r in record["results"]})
     for color, backend in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3, backends, strict=False):

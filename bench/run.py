@@ -111,7 +111,7 @@ def benchmark(
         for batch in batch_sizes:
             try:
                 steps = {m: loaders[m](batch) for m in MODELS}
-                repeats_ = [interleaved(steps, method) for _ in range(repeats)]
+                repeats_ = [interleaved(steps, method, warm_up=i == 0) for i in range(repeats)]
             except (torch.cuda.OutOfMemoryError, CorpError) as e:
                 record["skipped"][f"{backend.name}@{batch}"] = str(e).splitlines()[0]
                 progress(f"{backend.name:16s} batch {batch:4d}: skipped ({str(e).splitlines()[0]})")

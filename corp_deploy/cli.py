@@ -10,10 +10,12 @@ import copy
 import json
 import sys
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
 import click
+import torch
 from torch import nn
 
 from bench import gate
@@ -23,6 +25,8 @@ from bench.measure import Method
 from bench.report import format_markdown, format_table, to_csv
 from bench.report import plot as draw
 from bench.run import benchmark, parse_batch_sizes
+from bench.sweep import format_sweep, parse_sparsities, plot_sweep
+from bench.sweep import sweep as run_sweep
 from corp_deploy import api
 from corp_deploy.artifact import atomic_dir, atomic_file, check_writable, staged
 from corp_deploy.errors import CorpError
@@ -67,9 +71,7 @@ model_options = _options(
     ),
 )
 
-prune_options = _options(
-    click.argument("model"),
-    model_options,
+calib_options = _options(
     click.option("--calib-dir", type=click.Path(), help="Folder of unlabeled calibration images (recursive)."),
     click.option("--calib", type=str, help="'synthetic': noise images, for smoke tests only."),
     click.option("--num-calib", default=4000, show_default=True, help="Calibration images to use (paper: 4000)."),
@@ -77,9 +79,10 @@ prune_options = _options(
     click.option("--workers", type=int, help="Image decoding processes [default: min(8, CPUs)]."),
     click.option("--seed", default=0, show_default=True, help="Seed of the calibration subset."),
     click.option("--device", default="auto", show_default=True, help="auto (GPU if present), cpu or cuda[:N]."),
-    click.option("--sparsity", default=0.5, show_default=True, help="Fraction of channels to remove, in [0, 1)."),
-    click.option("--mlp-sparsity", type=float, help="Override --sparsity for MLP hidden channels."),
-    click.option("--attn-sparsity", type=float, help="Override --sparsity for attention Q/K dims."),
+    click.option("--quiet", is_flag=True, help="No progress bar."),
+)
+
+method_options = _options(
     click.option("--target", default="both", show_default=True, help="mlp, attn or both."),
     click.option("--ranker", default="combined", show_default=True, help="energy, magnitude, combined or active."),
     click.option(
@@ -90,7 +93,16 @@ prune_options = _options(
     ),
     click.option("--ridge", default=DEFAULT_RIDGE, show_default=True, help="Relative ridge damping alpha."),
     click.option("--round-to", default=8, show_default=True, help="Kept widths are multiples of this."),
-    click.option("--quiet", is_flag=True, help="No progress bar."),
+)
+
+prune_options = _options(
+    click.argument("model"),
+    model_options,
+    calib_options,
+    click.option("--sparsity", default=0.5, show_default=True, help="Fraction of channels to remove, in [0, 1)."),
+    click.option("--mlp-sparsity", type=float, help="Override --sparsity for MLP hidden channels."),
+    click.option("--attn-sparsity", type=float, help="Override --sparsity for attention Q/K dims."),
+    method_options,
 )
 
 verify_options = _options(
@@ -134,7 +146,20 @@ def prune(out: str, overwrite: bool, **kwargs) -> None:
     click.echo(f"wrote {path}/ (model.safetensors, corp.json); load it with corp_deploy.load_pruned({str(path)!r})")
 
 
-def _prune(
+class _Inputs(NamedTuple):
+    """A built model and its calibration batches, everything cheap validated first."""
+
+    net: nn.Module
+    batches: Iterable
+    total: int
+    device: torch.device
+    name: str
+    args: dict
+    weights: str
+    source: str
+
+
+def _inputs(
     model: str,
     weights: str,
     checkpoint: str | None,
@@ -146,6 +171,17 @@ def _prune(
     workers: int | None,
     seed: int,
     device: str,
+) -> _Inputs:
+    source = _calibration_source(calib_dir, calib)
+    args = parse_model_args(model_arg)
+    device_ = api.resolve_device(device)
+    net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=args)
+    batches, total = api.calibration_batches(net, source, num_calib, calib_batch_size, seed, workers)
+    provenance = f"checkpoint:{checkpoint}" if checkpoint else weights
+    return _Inputs(net, batches, total, device_, resolve_name(model), args, provenance, str(source))
+
+
+def _prune(
     sparsity: float,
     mlp_sparsity: float | None,
     attn_sparsity: float | None,
@@ -156,6 +192,7 @@ def _prune(
     round_to: int,
     quiet: bool,
     keep_dense: bool = False,
+    **inputs,
 ) -> _Pruned:
     """Validate everything cheap first, then build, calibrate and prune (the dense copy kept on request)."""
     config = PruneConfig(
@@ -168,16 +205,66 @@ def _prune(
         ridge=ridge,
         round_to=round_to,
     )
-    source = _calibration_source(calib_dir, calib)
-    args = parse_model_args(model_arg)
-    device_ = api.resolve_device(device)
-    net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=args)
-    dense = copy.deepcopy(net) if keep_dense else None  # pruning works in place
-    batches, total = api.calibration_batches(net, source, num_calib, calib_batch_size, seed, workers)
-    result = api.prune(net, batches, config, device_, total=total, progress=not quiet)
-    result.report["calibration"] |= {"source": str(source), "seed": seed}
-    provenance = f"checkpoint:{checkpoint}" if checkpoint else weights
-    return _Pruned(result, resolve_name(model), args, provenance, dense)
+    got = _inputs(**inputs)
+    dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
+    result = api.prune(got.net, got.batches, config, got.device, total=got.total, progress=not quiet)
+    result.report["calibration"] |= {"source": got.source, "seed": inputs["seed"]}
+    return _Pruned(result, got.name, got.args, got.weights, dense)
+
+
+@cli.command()
+@click.argument("model")
+@model_options
+@calib_options
+@method_options
+@click.option("--sparsities", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7", show_default=True)
+@click.option("--backends", default="auto", show_default=True, help="auto, or a comma list of bench backends.")
+@click.option("--batch-sizes", default="1,32", show_default=True, help="Small (latency) and large (throughput).")
+@click.option("--min-seconds", default=2.0, show_default=True, help="Timed seconds per model and batch, at least.")
+@click.option("--out", required=True, type=click.Path(), help="Sweep folder (s0.50/, ..., sweep.json, sweep.png).")
+def sweep(
+    target: str,
+    ranker: str,
+    compensation: str,
+    ridge: float,
+    round_to: int,
+    quiet: bool,
+    sparsities: str,
+    backends: str,
+    batch_sizes: str,
+    min_seconds: float,
+    out: str,
+    **inputs,
+) -> None:
+    """Calibrate MODEL once, then prune, export and bench it at every sparsity (the paper's Table 10)."""
+    values = parse_sparsities(sparsities)
+    sizes = parse_batch_sizes(batch_sizes)
+    config = PruneConfig(
+        sparsity=max(values), target=target, ranker=ranker, compensation=compensation, ridge=ridge, round_to=round_to
+    )
+    got = _inputs(**inputs)
+    description = api.describe(got.net, got.name, got.args, got.weights)
+    method = Method(min_seconds=min_seconds)
+    result = run_sweep(
+        got.net,
+        description,
+        got.batches,
+        values,
+        config,
+        Path(out),
+        backends,
+        sizes,
+        method,
+        got.device,
+        None if quiet else got.total,
+        click.echo,
+    )
+    click.echo(format_sweep(result))
+    try:
+        plot_sweep(result, Path(out) / "sweep.png")
+    except CorpError as e:
+        click.echo(f"no plot: {e}")
+    click.echo(f"wrote {out}/ (s*/ run folders with bench.json, sweep.json, sweep.png)")
 
 
 @cli.command()

@@ -173,3 +173,45 @@ def test_real_bench_run_writes_every_output_and_gates(run_dir, tmp_path, capsys)
         assert ("REGRESSED" in stdout) == bool(expected)
         if expected:
             assert stderr.strip().startswith("error: latency regression: 8 of 8")
+
+
+def test_sweep_calibrates_once_and_each_sparsity_equals_a_direct_prune(tmp_path) -> None:
+    """Statistics reused across sparsities must give exactly what a fresh prune at that sparsity gives."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
+    import torch
+    from conftest import TINY, pruned_copy, tiny_batches, tiny_vit
+
+    import corp_deploy
+    from bench.sweep import format_sweep, parse_sparsities, sweep
+    from corp_deploy.api import describe
+    from corp_deploy.pruner import PruneConfig
+
+    model = tiny_vit()
+    description = describe(model, "deit_tiny_patch16_224", {**TINY, "num_classes": 10}, "random")
+    fast = Method(warmup_iters=1, warmup_seconds=0, min_iters=2, min_seconds=0)
+    config = PruneConfig(round_to=4)
+    result = sweep(model, description, tiny_batches(), [0.0, 0.25, 0.5], config, tmp_path, "ort-cpu-fp32", (1, 2), fast)
+    assert [r["sparsity"] for r in result["rows"]] == [0.0, 0.25, 0.5]
+    assert result["rows"][0]["flop_ideal_speedup"] == pytest.approx(1.0)
+    assert result["rows"][0]["params"] > result["rows"][1]["params"] > result["rows"][2]["params"]
+    assert all(len(r["bench"]) == 2 for r in result["rows"])  # batch 1 and 2, dense vs pruned each
+    expected, _ = pruned_copy(tiny_vit(), PruneConfig(sparsity=0.5, round_to=4))
+    got = corp_deploy.load_pruned(tmp_path / "s0.50" / "pruned")
+    for key, value in expected.state_dict().items():
+        torch.testing.assert_close(got.state_dict()[key], value, rtol=1e-6, atol=1e-6)
+    assert (tmp_path / "s0.50" / "bench.json").is_file() and (tmp_path / "sweep.json").is_file()
+    assert "FLOP ideal" in format_sweep(result)
+    assert parse_sparsities("0.5,0,0.5") == [0.0, 0.5]
+    with pytest.raises(CorpError, match="--sparsities"):
+        parse_sparsities("0.5,1.0")
+
+
+def test_sweep_command_line(tmp_path, capsys) -> None:
+    pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
+    argv = ["sweep", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
+    argv += ["--calib", "synthetic", "--num-calib", "16", "--sparsities", "0,0.5", "--backends", "ort-cpu-fp32"]
+    code, stdout, stderr = run(
+        [*argv, "--batch-sizes", "1,2", "--min-seconds", "0", "--out", str(tmp_path / "sw")], capsys
+    )
+    assert code == 0, stderr
+    assert "FLOP ideal" in stdout and (tmp_path / "sw" / "s0.50" / "bench.json").is_file()
