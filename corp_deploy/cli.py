@@ -244,7 +244,7 @@ def sweep(
     )
     got = _inputs(**inputs)
     description = api.describe(got.net, got.name, got.args, got.weights)
-    method = Method(min_seconds=min_seconds)
+    method = Method(warmup_iters=3, min_iters=5, min_seconds=min_seconds)  # large batches: seconds dominate
     result = run_sweep(
         got.net,
         description,
