@@ -96,13 +96,13 @@ class Backend:
     name: str
     device: str
     precision: str
-    load: Callable[[RunFolder, str, bool], Callable[[int], Step]]
-    """(run, model, include_copies) -> (batch -> timed step)."""
+    load: Callable[[RunFolder, str, bool, int | None], Callable[[int], Step]]
+    """(run, model, include_copies, CPU threads) -> (batch -> timed step)."""
     missing: Callable[[RunFolder], str | None]
 
 
 def _torch(device: str, dtype: torch.dtype) -> Callable:
-    def load(run: RunFolder, which: str, include_copies: bool) -> Callable[[int], Step]:
+    def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
         model = run.torch_model(which).to(device, dtype).eval()
         shape = run.input_size
 
@@ -129,10 +129,10 @@ def _torch(device: str, dtype: torch.dtype) -> Callable:
 
 
 def _ort(device: str) -> Callable:
-    def load(run: RunFolder, which: str, include_copies: bool) -> Callable[[int], Step]:
+    def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
         from exporters.runners import OrtRunner
 
-        runner = OrtRunner(run.onnx(which), device)
+        runner = OrtRunner(run.onnx(which), device, threads)
         if device == "gpu" and runner.provider == "CPUExecutionProvider":
             raise CorpError("onnxruntime fell back to the CPU provider; its GPU provider did not load")
         shape = run.input_size
@@ -154,7 +154,7 @@ def _ort(device: str) -> Callable:
 
 
 def _tensorrt(precision: str) -> Callable:
-    def load(run: RunFolder, which: str, include_copies: bool) -> Callable[[int], Step]:
+    def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
         from exporters.tensorrt_engine import TrtRunner
 
         runner = TrtRunner(run.engine(which, precision))

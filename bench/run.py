@@ -95,7 +95,7 @@ def benchmark(
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "run": str(run.root),
         "model": run.meta["model"]["name"],
-        "environment": environment(torch.get_num_threads()),
+        "environment": environment(torch.get_num_threads()) | {"onnxruntime_threads": threads or "default"},
         "method": {
             **method.as_dict(),
             "repeats": repeats,
@@ -106,7 +106,7 @@ def benchmark(
         "results": [],
     }
     for backend in backends:
-        loaders = {m: backend.load(run, m, include_copies) for m in MODELS}
+        loaders = {m: backend.load(run, m, include_copies, threads) for m in MODELS}
         device = record["environment"]["gpu"] if backend.device == "cuda" else "cpu"
         for batch in batch_sizes:
             try:
