@@ -98,5 +98,5 @@ def plot(record: dict[str, Any], path: Path) -> None:
     env = record["environment"]
     fig.suptitle(f"{record['model']}: dense vs pruned on {env.get('gpu', env['cpu'])} ({record['date'][:10]})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)

@@ -22,7 +22,7 @@ from bench.backends import RunFolder, select
 from bench.measure import Method
 from bench.run import benchmark, pairs
 from corp_deploy import api
-from corp_deploy.artifact import atomic_dir
+from corp_deploy.artifact import atomic_dir, atomic_file
 from corp_deploy.errors import CorpError
 from corp_deploy.pruner import PruneConfig, calibrate, plan_widths, prune_model
 from corp_deploy.report import model_size
@@ -62,8 +62,8 @@ def sweep(
     model = model.to("cpu")
     out.mkdir(parents=True, exist_ok=True)
     dense_onnx = out / "dense.onnx"
-    if not dense_onnx.exists():
-        export_verified(model, dense_onnx, description)
+    with atomic_file(dense_onnx, overwrite=True) as tmp:  # never reuse a dense graph from an earlier sweep
+        export_verified(model, tmp, description)
     rows = []
     for s, c in zip(sparsities, configs, strict=True):
         pruned = copy.deepcopy(model).to(device)
@@ -163,5 +163,5 @@ def plot_sweep(result: dict[str, Any], path: Path) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)

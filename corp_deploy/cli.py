@@ -485,8 +485,7 @@ def bench(
                 tmp.write_text(text())
     if plot:
         with atomic_file(plot, overwrite=True) as tmp:
-            draw(record, tmp.with_suffix(".png"))
-            tmp.with_suffix(".png").rename(tmp)
+            draw(record, tmp)
     if reference is not None:
         checks = gate.compare(record, reference, limit, gate_mode)
         click.echo(gate.format_checks(checks, limit, gate_mode))

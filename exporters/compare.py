@@ -86,7 +86,7 @@ def check(comparisons: Sequence[Comparison], tol: Tolerance, what: str) -> None:
     for c in comparisons:
         if not c.within(tol):
             raise CorpError(
-                f"{what} does not match at batch {c.batch}: cosine {c.cosine:.6f} (min {tol.min_cosine}), "
+                f"{what} does not match at batch {c.batch}: cosine {c.cosine:.9f} (min {tol.min_cosine}), "
                 f"relative error {c.rel_error:.2e} (max {tol.max_rel_error:g}); if this is expected, "
                 "loosen --tol-cosine/--tol-rel, else report it with the model name"
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import io
 import json
 import warnings
@@ -89,8 +90,6 @@ def _trace(model: nn.Module, example: torch.Tensor, opset: int, forward_arg: str
 
 
 def _forward_params(model: nn.Module) -> list[str]:
-    import inspect
-
     return list(inspect.signature(model.forward).parameters)
 
 
