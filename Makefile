@@ -2,9 +2,9 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
-EXTRAS  ?= onnx,bench,dev
+EXTRAS  ?= onnx,bench,demo,dev
 
-.PHONY: setup demo test lint bench bench-gpu bench-prune bench-prune-gpu clean
+.PHONY: setup demo smoke test lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study clean
 
 setup: $(BIN)/corp-deploy
 
@@ -14,22 +14,25 @@ $(BIN)/corp-deploy: pyproject.toml
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	@touch $@
 
-# The offline smoke run: random weights and noise calibration (structure and timing, not accuracy).
-# Prunes, exports dense and pruned to verified FP32/FP16 ONNX, and builds engines where TensorRT is.
+# CORP vs plain removal on real DINOv2-S weights and real labelled images, offline: accuracy, ONNX, speed.
 demo: setup
+	$(BIN)/corp-deploy demo --out runs/demo
+
+# Structure and timing only (random weights, noise calibration): prune, verified FP32/FP16 ONNX, engines.
+smoke: setup
 	$(BIN)/corp-deploy prune-export deit_small --weights random --calib synthetic --num-calib 64 \
-	    --sparsity 0.5 --out runs/demo-deit_small-s50 --overwrite
+	    --sparsity 0.5 --out runs/smoke-deit_small-s50 --overwrite
 
 test: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check corp_deploy exporters bench tests tools
-	$(BIN)/ruff format --check corp_deploy exporters bench tests tools
+	$(BIN)/ruff check corp_deploy exporters bench tests
+	$(BIN)/ruff format --check corp_deploy exporters bench tests
 
 # Dense vs pruned latency (docs/BENCHMARKS.md). CPU target: deit_small 50%, onnxruntime, batch 32, >= 1.6x.
-bench: demo
-	$(BIN)/corp-deploy bench runs/demo-deit_small-s50 --backends auto --batch-sizes 1,32 --warmup-iters 2 \
+bench: smoke
+	$(BIN)/corp-deploy bench runs/smoke-deit_small-s50 --backends auto --batch-sizes 1,32 --warmup-iters 2 \
 	    --min-iters 5 --min-seconds 3 --repeats 3 --json runs/bench.json --markdown runs/bench.md --plot runs/bench.png
 
 # GPU target: deit_base 50%, fp16, large batch, >= 1.65x; batch-1 p50 no worse than dense.
@@ -46,6 +49,13 @@ bench-prune: setup
 # GPU target: deit_base, 4000 images, <= 30 s on one H100-class GPU.
 bench-prune-gpu: setup
 	$(BIN)/python -m bench.prune_time deit_base --num-calib 4000 --calib-batch-size 128 --device cuda
+
+# Accuracy vs sparsity (mlp / attn / joint, with and without compensation) and the knob study, real weights.
+accuracy-sweep: setup
+	$(BIN)/python -m bench.accuracy_sweep --out docs/accuracy-sweep
+
+knob-study: setup
+	$(BIN)/python -m bench.knob_study --out docs/knob-study
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

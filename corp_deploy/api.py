@@ -25,6 +25,7 @@ from torch import Tensor, nn
 import corp_deploy
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta, save_pruned
 from corp_deploy.data import folder_batches, list_images, sample, synthetic_batches
+from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
 from corp_deploy.errors import CorpError
 from corp_deploy.models import create_model, data_config, input_size, resolve_name
 from corp_deploy.pruner import PruneConfig, Timer, calibrate, plan_widths, prune_model
@@ -60,10 +61,12 @@ def calibration_batches(
     batch_size: int = 64,
     seed: int = 0,
     workers: int | None = None,
+    world: World = SINGLE_PROCESS,
 ) -> tuple[Iterable[tuple[Tensor, int]], int]:
     """Batches of (images, skipped) from a folder, or noise when ``source == "synthetic"``.
 
-    Returns the batches and the number of images they will cover.
+    Returns the batches and the number of images they will cover. Under torch.distributed each rank
+    gets its own disjoint shard of the same seeded sample (``distributed.shard``).
     """
     if num < 1 or batch_size < 1:
         raise CorpError("--num-calib and --calib-batch-size must be >= 1")
@@ -73,8 +76,10 @@ def calibration_batches(
             "model's accuracy is meaningless. Pass --calib-dir with real images for real use.",
             stacklevel=2,
         )
-        return synthetic_batches(num, batch_size, input_size(model), seed), num
-    files = sample(list_images(source), num, seed)
+        noise = synthetic_batches(num, batch_size, input_size(model), seed)  # whole batches per rank
+        sizes = [min(batch_size, num - start) for start in range(0, num, batch_size)]
+        return (b for i, b in enumerate(noise) if i % world.size == world.rank), sum(shard(sizes, world))
+    files = shard(sample(list_images(source), num, seed), world)
     workers = min(8, os.cpu_count() or 1) if workers is None else workers
     return folder_batches(files, data_config(model), batch_size, workers), len(files)
 
@@ -86,8 +91,14 @@ def prune(
     device: str | torch.device = "auto",
     total: int | None = None,
     progress: bool = True,
-) -> PruneResult:
-    """Calibrate ``model`` once, then prune and compensate it in place; measure what changed."""
+    world: World = SINGLE_PROCESS,
+    dist_timeout: float = 1800.0,
+) -> PruneResult | None:
+    """Calibrate ``model`` once, then prune and compensate it in place; measure what changed.
+
+    Data-parallel (``world.size > 1``, batches from this rank's shard): the statistics are summed
+    over all ranks, then rank 0 prunes and gets the result; the other ranks get ``None``.
+    """
     config = config or PruneConfig()
     device = resolve_device(device) if isinstance(device, str) else device
     plan_widths(model, config)  # an impossible sparsity fails here, not after calibration
@@ -97,13 +108,16 @@ def prune(
         torch.cuda.reset_peak_memory_stats(device)
     timer = Timer()
     start = time.perf_counter()
-    stats = calibrate(model, batches, config, device, total=total, progress=progress)
+    merge = None if world.size == 1 else lambda st: all_reduce_stats(st, world, dist_timeout)
+    stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
     timer.add("calibration", start)
+    if not world.is_main:
+        return None
     blocks = prune_model(model, stats, config, timer)
     report = {
         "config": config.to_dict(),
         "device": device_name(device),
-        "calibration": {"images": stats.images, "skipped": stats.skipped},
+        "calibration": {"images": stats.images, "skipped": stats.skipped, "processes": world.size},
         "seconds": timer.seconds,
         "memory": {"statistics_mib": stats.nbytes() / 2**20, **peak_memory(device)},
         "dense": dense,

@@ -29,6 +29,11 @@ WEIGHTS_FILE = "model.safetensors"
 META_FILE = "corp.json"
 
 
+def cache_dir() -> Path:
+    """Where corp-deploy keeps what is costly to remake and safe to share: ``$XDG_CACHE_HOME/corp-deploy``."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "corp-deploy"
+
+
 def check_writable(out: str | Path, overwrite: bool) -> None:
     """Fail before any work when ``out`` exists and may not be replaced."""
     if Path(out).exists() and not overwrite:

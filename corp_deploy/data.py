@@ -81,6 +81,55 @@ def folder_batches(files: list[Path], data_config: dict[str, Any], batch_size: i
     )
 
 
+def image_folder(root: str | Path) -> tuple[list[Path], list[int], list[str]]:
+    """A labelled ImageFolder tree (one subfolder per class): files, class indices, class names.
+
+    Classes are the sorted subfolder names, as in torchvision's ImageFolder, so ImageNet's synset
+    folders map to the standard class indices.
+    """
+    root = Path(root)
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    if not classes:
+        raise CorpError(f"{root} is not an ImageFolder tree (one subfolder of images per class)")
+    files, labels = [], []
+    for index, name in enumerate(classes):
+        found = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        files += found
+        labels += [index] * len(found)
+    if not files:
+        raise CorpError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in the class folders of {root}")
+    return files, labels, classes
+
+
+class LabelledFiles(ImageFiles):
+    """``ImageFiles`` that also yields each file's label."""
+
+    def __init__(self, files: list[Path], labels: list[int], transform: Any) -> None:
+        super().__init__(files, transform)
+        self.labels = labels
+
+    def __getitem__(self, i: int) -> tuple[Tensor | None, int]:  # type: ignore[override]
+        return super().__getitem__(i), self.labels[i]
+
+
+def _collate_labelled(items: list[tuple[Tensor | None, int]]) -> tuple[Tensor, Tensor, int]:
+    images, skipped = _collate([t for t, _ in items])
+    return images, torch.tensor([y for t, y in items if t is not None], dtype=torch.long), skipped
+
+
+def labelled_batches(
+    files: list[Path], labels: list[int], data_config: dict[str, Any], batch_size: int, workers: int
+) -> DataLoader:
+    """Batches of (images, labels, skipped), preprocessed exactly as calibration images are."""
+    return DataLoader(
+        LabelledFiles(files, labels, timm.data.create_transform(**data_config, is_training=False)),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=workers,
+        collate_fn=_collate_labelled,
+    )
+
+
 def synthetic_batches(num: int, batch_size: int, size: tuple[int, int, int], seed: int) -> Iterator[tuple[Tensor, int]]:
     """Standard-normal noise images: exercises the whole pipeline, says nothing about accuracy."""
     g = torch.Generator().manual_seed(seed)

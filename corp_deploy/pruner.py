@@ -7,7 +7,7 @@ so a sweep calibrates once and prunes at many sparsities (on copies of the dense
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -104,10 +104,17 @@ def calibrate(
     device: torch.device | str,
     total: int | None = None,
     progress: bool = True,
+    merge: Callable[[CalibrationStats], CalibrationStats] | None = None,
 ) -> CalibrationStats:
-    """One forward pass over the calibration batches, collecting what ``config`` needs."""
+    """One forward pass over the calibration batches, collecting what ``config`` needs.
+
+    ``merge`` combines this process's sums with other processes' (``distributed.all_reduce_stats``)
+    before the emptiness check, so a rank with no readable images still joins the reduction.
+    """
     stats = empty_stats(model, mlp=config.prunes_mlp, attn=config.prunes_attn, device=device)
     collect(model, batches, stats, device, total=total, progress=progress)
+    if merge is not None:
+        stats = merge(stats)
     if stats.images == 0:
         raise CorpError(f"none of the {stats.skipped} calibration images could be read; check the files")
     return stats

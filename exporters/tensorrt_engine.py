@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import corp_deploy
-from corp_deploy.artifact import atomic_file, check_writable, staged
+from corp_deploy.artifact import atomic_file, cache_dir, check_writable, staged
 from corp_deploy.errors import CorpError
 from exporters.onnx_export import graph_precision, load_onnx, sha256
 
@@ -115,8 +115,7 @@ def default_timing_cache(trt) -> Path:
     """One cache per TensorRT version and GPU model, shared by every build on this machine."""
     info = platform_info(trt)
     slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"trt{info['tensorrt']}-{info['gpu']}").strip("-")
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "corp-deploy"
-    return root / f"{slug}.timing-cache"
+    return cache_dir() / f"{slug}.timing-cache"
 
 
 def sidecar(engine: str | Path) -> Path:

