@@ -20,6 +20,7 @@ from torch import Tensor
 
 from corp_deploy.compensation import ridge_solve
 from corp_deploy.errors import CorpError
+from corp_deploy.report import text_table
 
 Runner = Callable[[np.ndarray], np.ndarray]
 """FP32 NCHW batch in, FP32 outputs (logits or features) out: ``exporters.runners`` and ``TrtRunner``."""
@@ -212,10 +213,7 @@ def format_evaluation(evaluation: Evaluation, header: str) -> str:
     for name, r in evaluation.results.items():
         label = f"{name} (reference)" if name == evaluation.reference else name
         rows.append((label, *(c[2].format(r[c[0]]) if c[0] in r else "-" for c in present)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join([header, *lines])
+    return f"{header}\n{text_table(rows)}"
 
 
 # -------------------------------------------------------------------- runners of a run folder

@@ -9,6 +9,7 @@ from typing import Any
 
 from bench.run import pairs
 from corp_deploy.errors import CorpError
+from corp_deploy.report import text_table
 
 COLUMNS = (
     ("backend", "backend", "{}"),
@@ -29,14 +30,7 @@ def _rows(record: dict[str, Any]) -> list[list[str]]:
 
 
 def format_table(record: dict[str, Any]) -> str:
-    header = [title for _, title, _ in COLUMNS]
-    rows = [header, *_rows(record)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [
-        "  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        for r in rows
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = [text_table([[title for _, title, _ in COLUMNS], *_rows(record)], right_from=3)]
     for name, why in record["skipped"].items():
         lines.append(f"skipped {name}: {why}")
     return "\n".join(lines)

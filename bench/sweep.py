@@ -25,7 +25,7 @@ from corp_deploy import api
 from corp_deploy.artifact import atomic_dir, atomic_file
 from corp_deploy.errors import CorpError
 from corp_deploy.pruner import PruneConfig, calibrate, plan_widths, prune_model
-from corp_deploy.report import model_size
+from corp_deploy.report import model_size, text_table
 from exporters.pipeline import export_verified
 
 
@@ -137,10 +137,7 @@ def format_sweep(result: dict[str, Any]) -> str:
                     f"{row['flop_ideal_speedup']:.2f}x",
                 )
             )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines]
-    text.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(text)
+    return text_table(lines)
 
 
 def plot_sweep(result: dict[str, Any], path: Path) -> None:

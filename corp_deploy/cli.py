@@ -195,6 +195,7 @@ def _inputs(
         if dist_timeout is None:
             raise CorpError("only prune and prune-export run data-parallel; launch this command without torchrun")
         world, device_ = distributed.init(device_, dist_timeout)
+    torch.manual_seed(seed)  # --weights random: the same model on every run and every rank
     net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=args)
     batches, total = api.calibration_batches(net, source, num_calib, calib_batch_size, seed, workers, world)
     provenance = f"checkpoint:{checkpoint}" if checkpoint else weights

@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from corp_deploy.errors import CorpError
+from corp_deploy.report import text_table
 from exporters.compare import FP16, FP32, Tolerance, check, summary, verify
 from exporters.fp16 import convert_fp16
 from exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata, sha256
@@ -181,9 +182,7 @@ def format_summary(record: dict[str, Any], params: dict[str, int] | None = None)
                 f"{r['build_seconds']:.1f}",
             )
         )
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = [text_table(rows)]
     if record["engines_skipped"]:
         lines.append(f"TensorRT engines skipped: {record['engines_skipped']}")
     return "\n".join(lines)
