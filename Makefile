@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 EXTRAS  ?= onnx,bench,demo,dev
 
-.PHONY: setup demo smoke test lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study clean
+.PHONY: setup demo smoke test lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study bench-dist clean
 
 setup: $(BIN)/corp-deploy
 
@@ -49,6 +49,10 @@ bench-prune: setup
 # GPU target: deit_base, 4000 images, <= 30 s on one H100-class GPU.
 bench-prune-gpu: setup
 	$(BIN)/python -m bench.prune_time deit_base --num-calib 4000 --calib-batch-size 128 --device cuda
+
+# Calibration time: 1 process vs 2 torchrun (gloo) processes on the same images, CPU.
+bench-dist: setup
+	$(BIN)/python -m bench.dist_scaling deit_small --num-calib 128 --procs 2
 
 # Accuracy vs sparsity (mlp / attn / joint, with and without compensation) and the knob study, real weights.
 accuracy-sweep: setup
