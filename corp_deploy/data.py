@@ -6,9 +6,9 @@ so one corrupt JPEG in 4000 costs one image, not the run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import timm.data
 import torch
@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from corp_deploy.errors import CorpError
 
+T = TypeVar("T")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 
 
@@ -34,10 +35,10 @@ def list_images(root: str | Path) -> list[Path]:
     return files
 
 
-def sample(files: list[Path], num: int, seed: int) -> list[Path]:
-    """A seeded random subset of ``num`` files (all of them if there are fewer), in a fixed order."""
+def sample(files: Sequence[T], num: int, seed: int) -> list[T]:
+    """A seeded random subset of ``num`` items (all of them if there are fewer), in their original order."""
     if num >= len(files):
-        return files
+        return list(files)
     g = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(files), generator=g)[:num].sort().values
     return [files[i] for i in pick.tolist()]

@@ -68,7 +68,7 @@ def load_graph(path: str | Path):
             with zipfile.ZipFile(path) as z:
                 return onnx.load_from_string(z.read(ONNX_MEMBER))
         return onnx.load(str(path))
-    except (OSError, KeyError, zipfile.BadZipFile, Exception) as e:  # onnx raises DecodeError for junk
+    except Exception as e:  # a missing member, a bad zip, protobuf's DecodeError for junk
         raise CorpError(f"{path} is not the {PACKAGE} wheel or its ONNX file ({type(e).__name__}: {e})") from None
 
 
