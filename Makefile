@@ -59,7 +59,7 @@ accuracy-sweep: setup
 	$(BIN)/python -m bench.accuracy_sweep --out docs/accuracy-sweep
 
 knob-study: setup
-	$(BIN)/python -m bench.knob_study --out docs/knob-study
+	$(BIN)/python -m bench.knob_study --out docs/knob-study --test 200
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

@@ -68,6 +68,14 @@ def real_setup(dataset: str = "auto", train: int = 500, test: int = 300, num_cal
     return RealSetup(dense, task, calibration(dense, train_dir, num_calib), dataset, train_dir)
 
 
+def add_setup_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``real_setup`` knobs every study on real weights exposes."""
+    p.add_argument("--dataset", default="auto", help="auto, fashion-mnist or digits")
+    p.add_argument("--train", type=int, default=500, help="probe-training (and calibration) images")
+    p.add_argument("--test", type=int, default=300, help="held-out test images")
+    p.add_argument("--num-calib", type=int, default=256, help="calibration images, from the train split")
+
+
 def sweep(setup: RealSetup, sparsities: list[float], log=print) -> list[dict[str, Any]]:
     rows = []
     for target in TARGET_LABELS:
@@ -128,10 +136,7 @@ def plot(rows: list[dict[str, Any]], dense: dict[str, float], title: str, path: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("docs/accuracy-sweep"), help="prefix of .md/.png/.json")
-    p.add_argument("--dataset", default="auto")
-    p.add_argument("--train", type=int, default=500)
-    p.add_argument("--test", type=int, default=300)
-    p.add_argument("--num-calib", type=int, default=256)
+    add_setup_arguments(p)
     p.add_argument("--sparsities", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7")
     a = p.parse_args()
     start = time.perf_counter()

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.accuracy_sweep import calibration, real_setup
+from bench.accuracy_sweep import add_setup_arguments, calibration, real_setup
 from corp_deploy.pruner import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.ranking import RANKERS
 
@@ -66,10 +66,7 @@ def format_table(rows: list[dict[str, Any]], dense: dict[str, float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("docs/knob-study"), help="prefix of .md/.json")
-    p.add_argument("--dataset", default="auto")
-    p.add_argument("--train", type=int, default=500)
-    p.add_argument("--test", type=int, default=300)
-    p.add_argument("--num-calib", type=int, default=256)
+    add_setup_arguments(p)
     p.add_argument("--sparsity", type=float, default=0.5)
     a = p.parse_args()
     start = time.perf_counter()
