@@ -26,11 +26,11 @@ def list_images(root: str | Path) -> list[Path]:
     """Image files under ``root`` (an ImageFolder tree or a flat folder), recursive, sorted."""
     root = Path(root)
     if not root.is_dir():
-        raise CorpError(f"calibration folder {root} does not exist or is not a folder")
+        raise CorpError(f"image folder {root} does not exist or is not a folder")
     files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     if not files:
         raise CorpError(
-            f"no images ({', '.join(IMAGE_SUFFIXES)}) under {root}; point --calib-dir at a folder of images"
+            f"no images ({', '.join(IMAGE_SUFFIXES)}) under {root} or its subfolders; point it at a folder of images"
         )
     return files
 
