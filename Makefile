@@ -4,7 +4,8 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 EXTRAS  ?= onnx,bench,demo,dev
 
-.PHONY: setup demo smoke test lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study bench-dist clean
+.PHONY: setup demo smoke test lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study bench-dist \
+	gpu-suite gpu-wheels clean
 
 setup: $(BIN)/corp-deploy
 
@@ -60,6 +61,17 @@ accuracy-sweep: setup
 
 knob-study: setup
 	$(BIN)/python -m bench.knob_study --out docs/knob-study --test 200
+
+# On a GPU machine, from the repository root, with no installation step (its python3 needs torch and timm):
+# every CUDA path tested and measured into $(GPU_OUT) (~5 min on one H200). ONLY=tests,prune splits it.
+# Then, here: python -m bench.gpu_suite --ingest DIR [DIR ...] writes the docs' GPU rows.
+GPU_OUT ?= runs/gpu-suite
+gpu-suite:
+	$(PY) -m bench.gpu_suite --out $(GPU_OUT) $(if $(ONLY),--only $(ONLY)) $(GPU_ARGS)
+
+# Wheels the GPU image lacks (onnxconverter-common, TensorRT-RTX), into .gpu-wheels/: bench/gpu_suite/wheels.py.
+gpu-wheels: setup
+	$(BIN)/python -m bench.gpu_suite.wheels download
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

@@ -69,7 +69,7 @@ class RunFolder:
         return input_size(self.torch_model("pruned"))
 
 
-def _cpu_step(call: Callable[[], object]) -> Step:
+def cpu_step(call: Callable[[], object]) -> Step:
     def step() -> float:
         start = time.perf_counter()
         call()
@@ -78,7 +78,7 @@ def _cpu_step(call: Callable[[], object]) -> Step:
     return step
 
 
-def _cuda_step(call: Callable[[], object]) -> Step:
+def cuda_step(call: Callable[[], object]) -> Step:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def step() -> float:
@@ -121,7 +121,7 @@ def _torch(device: str, dtype: torch.dtype) -> Callable:
                     with torch.inference_mode():
                         return model(x)
 
-            return _cuda_step(call) if device == "cuda" else _cpu_step(call)
+            return cuda_step(call) if device == "cuda" else cpu_step(call)
 
         return at
 
@@ -140,13 +140,13 @@ def _ort(device: str) -> Callable:
         def at(batch: int) -> Step:
             x = np.random.default_rng(batch).standard_normal((batch, *shape), dtype=np.float32)
             if device == "cpu" or include_copies:
-                return _cpu_step(lambda: runner(x))  # session.run blocks until the result is on the host
+                return cpu_step(lambda: runner(x))  # session.run blocks until the result is on the host
             import onnxruntime as ort
 
             binding = runner.session.io_binding()
             binding.bind_ortvalue_input(runner.input, ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0))
             binding.bind_output(runner.session.get_outputs()[0].name, "cuda")
-            return _cpu_step(lambda: runner.session.run_with_iobinding(binding))
+            return cpu_step(lambda: runner.session.run_with_iobinding(binding))
 
         return at
 
@@ -163,9 +163,9 @@ def _tensorrt(precision: str) -> Callable:
         def at(batch: int) -> Step:
             if include_copies:
                 host = torch.randn(batch, *shape).pin_memory()
-                return _cuda_step(lambda: runner.run(host.to("cuda", non_blocking=True)).cpu())
+                return cuda_step(lambda: runner.run(host.to("cuda", non_blocking=True)).cpu())
             x = torch.randn(batch, *shape, device="cuda").to(runner.input_dtype)
-            return _cuda_step(lambda: runner.run(x))
+            return cuda_step(lambda: runner.run(x))
 
         return at
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from bench.run import pairs
 from corp_deploy.errors import CorpError
-from corp_deploy.report import text_table
+from corp_deploy.report import markdown_table, text_table
 
 COLUMNS = (
     ("backend", "backend", "{}"),
@@ -37,10 +37,7 @@ def format_table(record: dict[str, Any]) -> str:
 
 
 def format_markdown(record: dict[str, Any]) -> str:
-    header = [title for _, title, _ in COLUMNS]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in _rows(record)]
-    return "\n".join(lines) + "\n"
+    return markdown_table([title for _, title, _ in COLUMNS], _rows(record)) + "\n"
 
 
 def to_csv(record: dict[str, Any]) -> str:

@@ -141,9 +141,14 @@ def qk_factors(m: Tensor) -> tuple[Tensor, Tensor]:
     """Factor ``I + M = F_q F_k^T`` by SVD, splitting the singular values evenly (paper eq. 46).
 
     ``I + M`` is factored as it is: M is not symmetric, and symmetrising it changes the logits.
+    Each singular pair is defined only up to a joint sign flip, which LAPACK and cuSOLVER choose
+    differently: the largest entry of every left vector is made positive, so the pruned weights are
+    the same whichever device solved them.
     """
     u, sig, vh = torch.linalg.svd(torch.eye(m.shape[0], dtype=m.dtype, device=m.device) + m)
-    root = sig.sqrt()
+    sign = u.gather(0, u.abs().argmax(0, keepdim=True)).sign().squeeze(0)
+    sign[sign == 0] = 1
+    root = sig.sqrt() * sign
     return u * root, vh.T * root
 
 

@@ -62,6 +62,12 @@ def text_table(rows: Sequence[Sequence[object]], right_from: int | None = None) 
     )
 
 
+def markdown_table(header: Sequence[object], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table (no trailing newline): the one writer behind every markdown report."""
+    lines = ["| " + " | ".join(str(c) for c in header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
 def _pct(after: float, before: float) -> str:
     return f"{100 * (after / before - 1):+.1f}%" if before else "-"
 

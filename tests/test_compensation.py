@@ -167,6 +167,20 @@ def test_qk_fold_reproduces_compensated_logits_with_biases() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
+def test_qk_factors_are_canonical_whatever_the_svd_signs() -> None:
+    """LAPACK and cuSOLVER flip singular pairs differently; the factors must not depend on it."""
+    g = torch.Generator().manual_seed(7)
+    m = torch.randn(8, 8, generator=g)
+    fq, fk = C.qk_factors(m)
+    torch.testing.assert_close(fq @ fk.T, torch.eye(8) + m)
+    assert (fq.gather(0, fq.abs().argmax(0, keepdim=True)) > 0).all()
+    u, sig, vh = torch.linalg.svd(torch.eye(8) + m)
+    torch.testing.assert_close(fq.abs(), (u * sig.sqrt()).abs())  # the SVD's factors, one sign per pair
+    fq_id, fk_id = C.qk_factors(torch.zeros(4, 4))
+    torch.testing.assert_close(fq_id, torch.eye(4))  # no compensation: the identity, not -I
+    torch.testing.assert_close(fk_id, torch.eye(4))
+
+
 def test_attn_stats_mergeable() -> None:
     q, k = qk_images(images=6, tokens=5, d=4, seed=5)
     whole, a, b = attn_moment(q, k), attn_moment(q[:2], k[:2]), attn_moment(q[2:], k[2:])

@@ -1,0 +1,41 @@
+"""The suite's sections, in the order they run: name, what runs, and how its record reads in markdown."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bench.gpu_suite.attention import run_sdpa, sdpa_markdown
+from bench.gpu_suite.core import Context
+from bench.gpu_suite.engines import engines_markdown, run_engines
+from bench.gpu_suite.sections import (
+    latency_markdown,
+    profile_markdown,
+    prune_markdown,
+    run_latency,
+    run_profile,
+    run_prune,
+    run_tests,
+    tests_markdown,
+)
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    run: Callable[[Context], dict[str, Any]]
+    markdown: Callable[[dict[str, Any]], list[str]]
+
+
+SECTIONS: dict[str, Section] = {
+    s.name: s
+    for s in (
+        Section("tests", run_tests, tests_markdown),
+        Section("prune", run_prune, prune_markdown),
+        Section("sdpa", run_sdpa, sdpa_markdown),
+        Section("engines", run_engines, engines_markdown),
+        Section("latency", run_latency, latency_markdown),  # the longest: last, under the time budget
+        Section("profile", run_profile, profile_markdown),
+    )
+}

@@ -1,0 +1,124 @@
+"""The GPU suite on the CPU: every section's code path on a tiny model (so it cannot rot between GPU
+runs), its ingest into the docs, and its bad inputs (one line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.gpu_suite.record import BEGIN, END, ingest
+from bench.gpu_suite.registry import SECTIONS
+from bench.gpu_suite.sections import kernel_kind
+from bench.gpu_suite.suite import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("suite") / "run"
+    assert main(["--out", str(out), "--smoke", "--device", "cpu", "--budget", "300"]) == 0
+    return out
+
+
+def test_smoke_runs_every_section_into_three_files(smoke) -> None:
+    assert sorted(p.name for p in smoke.iterdir()) == ["suite.json", "suite.log", "summary.md"]
+    suite = json.loads((smoke / "suite.json").read_text())
+    assert [s["name"] for s in suite["sections"]] == list(SECTIONS)
+    assert all(s["status"] == "ok" for s in suite["sections"]), suite["sections"]
+    rec = suite["records"]
+    assert rec["tests"]["skipped"] >= 5 and rec["tests"]["failed"] == 0  # every gpu test skips with its reason
+    if not torch.cuda.is_available():
+        assert all(c["message"] == "no CUDA GPU visible" for c in rec["tests"]["cases"])
+    (row,) = rec["prune"]["rows"]
+    assert row["images"] == 16 and row["params"][1] < row["params"][0] and row["macs"][1] < row["macs"][0]
+    modes = {(r["mode"], r["precision"], r["batch"]) for r in rec["latency"]["rows"]}
+    assert modes == {("eager", "fp32", 1), ("eager", "fp32", 2), ("eager", "bf16", 1), ("eager", "bf16", 2)} | {
+        ("compile", "fp32", 1)
+    }
+    for r in rec["latency"]["rows"]:
+        assert r["p50_ratio"] == pytest.approx(r["pruned"]["p50_ms"] / r["dense"]["p50_ms"])
+    sdpa = {r["variant"]: r for r in rec["sdpa"]["rows"]}
+    assert sdpa["qk_pruned"]["accepted"]["flash"].startswith("no: Flash attention requires q,k,v")
+    assert sdpa["dense"]["accepted"]["flash"] == sdpa["equal_width"]["accepted"]["flash"] == "yes"
+    assert sdpa["qk_zero_padded"]["qk_dim"] == sdpa["qk_zero_padded"]["v_dim"]
+    dense = rec["profile"]["models"]["dense"]
+    assert {"gemm", "attention", "layer_norm"} <= set(dense["kinds"]) and "aten::addmm" in dense["top"]
+    summary = (smoke / "summary.md").read_text()
+    assert "SMOKE" in summary and "**Pruning time**" in summary and "| deit_tiny | eager | fp32 | 1 |" in summary
+
+
+def test_ingest_replaces_the_block_and_merges_split_runs(smoke, tmp_path) -> None:
+    docs = tmp_path / "BENCHMARKS.md"
+    docs.write_text(f"# Benchmarks\n\nbefore\n\n{BEGIN}\nold rows\n{END}\n\nafter\n")
+    tests_only = tmp_path / "second"
+    suite = json.loads((smoke / "suite.json").read_text())
+    suite["sections"] = [s for s in suite["sections"] if s["name"] == "tests"]
+    suite["records"] = {"tests": suite["records"]["tests"] | {"command": "pytest -m gpu (second run)"}}
+    tests_only.mkdir()
+    (tests_only / "suite.json").write_text(json.dumps(suite))
+    ingest([smoke, tests_only], docs)
+    text = docs.read_text()
+    assert text.startswith("# Benchmarks\n\nbefore\n\n") and text.endswith("\n\nafter\n") and "old rows" not in text
+    assert (
+        text.count(BEGIN) == 1 and "second run" in text and "| tests | run 2 |" in text and "| prune | run 1 |" in text
+    )
+    ingest([smoke, tests_only], docs)
+    assert docs.read_text() == text  # idempotent
+
+
+def test_kernel_kinds_of_real_kernel_names() -> None:
+    assert kernel_kind("sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert kernel_kind("nvjet_sm90_hsh_192x192_64x4_2x1_v_bz_coopB_bias_TNN") == "gemm"
+    # names seen on an H200 (torch 2.11, cuDNN 9): cuDNN's attention kernel says fprop too
+    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64") == "attention"
+    assert kernel_kind("void cutlass__5x_cudnn::Kernel<cutlass_tensorop_f16_s16816fprop_optimized_f16>") == "patch_conv"
+    assert kernel_kind("void cudnn::engines_precompiled::nchwToNhwcKernel<__half, __half, float>") == "patch_conv"
+    assert (
+        kernel_kind("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::Half>") == "layer_norm"
+    )
+    assert kernel_kind("aten::gelu") == "gelu"
+    assert kernel_kind("void at::native::elementwise_kernel<128, 2>") == "other"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--smoke", "--device", "cpu", "--only", "tests,nope"], "unknown section nope; choose from tests"),
+        (["--device", "cpu"], "--device cpu measures nothing worth recording; add --smoke"),
+        (["--smoke", "--device", "tpu"], "--device must be cuda or cpu"),
+        ([], "pass --out DIR"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys) -> None:
+    out = ["--out", str(tmp_path / "out")] if argv else []
+    assert main([*out, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+def test_cuda_without_a_gpu_says_what_to_run(tmp_path, capsys) -> None:
+    assert main(["--out", str(tmp_path / "out")]) == 2
+    assert "no CUDA GPU is visible; on a CPU machine run --smoke --device cpu" in capsys.readouterr().err
+
+
+def test_existing_output_and_foreign_ingest_folders_are_refused(smoke, tmp_path, capsys) -> None:
+    assert main(["--out", str(smoke), "--smoke", "--device", "cpu"]) == 2
+    assert "exists; choose another --out or pass --overwrite" in capsys.readouterr().err
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    assert main(["--ingest", str(foreign)]) == 2
+    assert "is not a gpu-suite result" in capsys.readouterr().err
+    (foreign / "suite.json").write_text(json.dumps({"schema": "corp-deploy/bench"}))
+    assert main(["--ingest", str(foreign)]) == 2
+    assert "is not a gpu-suite record (schema 'corp-deploy/bench'" in capsys.readouterr().err
+    copy = tmp_path / "smoke"
+    shutil.copytree(smoke, copy)
+    assert main(["--ingest", str(copy)]) == 2  # into the real docs: a smoke run measures nothing
+    assert "these are smoke runs" in capsys.readouterr().err
