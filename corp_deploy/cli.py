@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import shlex
 import sys
 import time
 import warnings
@@ -67,6 +69,9 @@ def _options(*decorators):
     return apply
 
 
+CALIB_IMAGES = 4000
+SMOKE_IMAGES = 64  # noise only has to exercise the pass: enough for the statistics, minutes not hours on a CPU
+
 model_options = _options(
     click.option("--weights", default="pretrained", show_default=True, help="pretrained (timm hub) or random."),
     click.option("--checkpoint", type=click.Path(dir_okay=False), help="Weights file (.safetensors or .pth/.pt)."),
@@ -78,7 +83,11 @@ model_options = _options(
 calib_options = _options(
     click.option("--calib-dir", type=click.Path(), help="Folder of unlabeled calibration images (recursive)."),
     click.option("--calib", type=str, help="'synthetic': noise images, for smoke tests only."),
-    click.option("--num-calib", default=4000, show_default=True, help="Calibration images to use (paper: 4000)."),
+    click.option(
+        "--num-calib",
+        type=int,
+        help=f"Calibration images [default: {CALIB_IMAGES} (the paper's); {SMOKE_IMAGES} with --calib synthetic].",
+    ),
     click.option("--calib-batch-size", default=64, show_default=True),
     click.option("--workers", type=int, help="Image decoding processes [default: min(8, CPUs)]."),
     click.option("--seed", default=0, show_default=True, help="Seed of the calibration subset."),
@@ -135,6 +144,20 @@ engine_options = _options(
 )
 
 
+def _out_options(what: str):
+    return _options(
+        click.option("--out", type=click.Path(), help=f"{what} to write [default: runs/<MODEL>-s<SPARSITY %>]."),
+        click.option("--overwrite", is_flag=True, help="Replace --out if it exists."),
+    )
+
+
+def _out(out: str | None, model: str, sparsity: float, overwrite: bool) -> str:
+    """--out, or ``runs/<model>-s<percent>`` (``runs/deit_base-s50``); checked writable before any work."""
+    out = out or f"runs/{re.sub(r'[^A-Za-z0-9_.-]+', '_', model)}-s{100 * sparsity:g}"
+    check_writable(out, overwrite)
+    return out
+
+
 class _Pruned(NamedTuple):
     result: api.PruneResult
     name: str
@@ -145,11 +168,10 @@ class _Pruned(NamedTuple):
 
 @cli.command()
 @prune_options
-@click.option("--out", required=True, type=click.Path(), help="Artifact folder to write.")
-@click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
-def prune(out: str, overwrite: bool, **kwargs) -> None:
+@_out_options("Artifact folder")
+def prune(out: str | None, overwrite: bool, **kwargs) -> None:
     """Prune MODEL (timm name or alias such as deit_base) with CORP and write an artifact to --out."""
-    check_writable(out, overwrite)
+    out = _out(out, kwargs["model"], kwargs["sparsity"], overwrite)
     run = _prune(**kwargs)
     if run is None:  # a data-parallel rank other than 0: its shard is merged, rank 0 writes
         return
@@ -179,7 +201,7 @@ def _inputs(
     model_arg: tuple[str, ...],
     calib_dir: str | None,
     calib: str | None,
-    num_calib: int,
+    num_calib: int | None,
     calib_batch_size: int,
     workers: int | None,
     seed: int,
@@ -188,6 +210,8 @@ def _inputs(
 ) -> _Inputs:
     """``dist_timeout`` marks a command that may run data-parallel under torchrun (prune, prune-export)."""
     source = _calibration_source(calib_dir, calib)
+    if num_calib is None:
+        num_calib = SMOKE_IMAGES if source == api.SYNTHETIC else CALIB_IMAGES
     args = parse_model_args(model_arg)
     device_ = api.resolve_device(device)
     world = distributed.SINGLE_PROCESS
@@ -397,8 +421,7 @@ def _fp16_graph(src: Path, half: Path, opts: VerifyOptions) -> Path:
 @engine_options
 @click.option("--precision", default="fp32,fp16", show_default=True, help="Precisions to build, comma-separated.")
 @click.option("--require-engines", is_flag=True, help="Fail (instead of skipping engines) without GPU/TensorRT.")
-@click.option("--out", required=True, type=click.Path(), help="Run folder to write.")
-@click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
+@_out_options("Run folder")
 def prune_export(
     opset: int,
     simplify: bool,
@@ -412,7 +435,7 @@ def prune_export(
     timing_cache: str | None,
     precision: str,
     require_engines: bool,
-    out: str,
+    out: str | None,
     overwrite: bool,
     **prune_args,
 ) -> None:
@@ -425,7 +448,7 @@ def prune_export(
     opts = _verify_options(verify_batches, tol_cosine, tol_rel)
     if require_engines and tensorrt_missing():
         raise CorpError(f"--require-engines: cannot build TensorRT engines here: {tensorrt_missing()}")
-    check_writable(out, overwrite)
+    out = _out(out, prune_args["model"], prune_args["sparsity"], overwrite)
     run = _prune(**prune_args, keep_dense=True)
     if run is None:
         return
@@ -622,9 +645,23 @@ def _verify_options(batches: str, tol_cosine: float | None, tol_rel: float | Non
 def _calibration_source(calib_dir: str | None, calib: str | None) -> str:
     if calib is not None and calib != api.SYNTHETIC:
         raise CorpError(f"--calib accepts only 'synthetic', got {calib!r}; real images go in --calib-dir")
-    if (calib_dir is None) == (calib is None):
-        raise CorpError("pass exactly one of --calib-dir DIR (real images) or --calib synthetic (smoke tests)")
+    if calib_dir is not None and calib is not None:
+        raise CorpError("pass one of --calib-dir DIR (real images) or --calib synthetic (smoke tests), not both")
+    if calib_dir is None and calib is None:
+        raise CorpError(
+            "no calibration images: pass --calib-dir DIR (a few thousand unlabelled images of your domain, e.g. "
+            f"ImageNet train); a smoke run on noise (structure and speed only, no accuracy): {_smoke_command()}"
+        )
     return calib_dir or api.SYNTHETIC
+
+
+def _smoke_command() -> str:
+    """The command line as typed plus noise calibration, and random weights unless weights were chosen."""
+    ctx = click.get_current_context()
+    typed = ctx.find_root().obj
+    argv = ["corp-deploy", *(sys.argv[1:] if typed is None else typed)]
+    chose = [p for p in ("weights", "checkpoint") if ctx.get_parameter_source(p) != click.core.ParameterSource.DEFAULT]
+    return shlex.join(argv + ([] if chose else ["--weights", "random"]) + ["--calib", "synthetic"])
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001
@@ -634,7 +671,7 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:  #
 def main(argv: list[str] | None = None) -> None:
     warnings.formatwarning = _one_line_warning
     try:
-        code = cli.main(args=argv, prog_name="corp-deploy", standalone_mode=False)
+        code = cli.main(args=argv, prog_name="corp-deploy", standalone_mode=False, obj=argv)
     except CorpError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)

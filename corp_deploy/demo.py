@@ -37,7 +37,7 @@ COMPENSATIONS = ("corp", "mean", "none")
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Sized for a 2-core CPU (DINOv2-S: ~10 images/s): about 7 minutes there, seconds on a GPU."""
+    """Sized for a 2-core CPU (DINOv2-S: ~10 images/s): 4.5-8.5 minutes there, seconds on a GPU."""
 
     sparsity: float = 0.5
     dataset: str = "auto"

