@@ -122,12 +122,22 @@ def test_vit_family_variants(variant) -> None:
         ).eval()
     else:
         model = tiny_vit(**variant)
-    x = tiny_batches(4, 4, seed=3)[0][0]
+    x = tiny_batches(16, 16, seed=3)[0][0]  # held out: calibration images use seed 1
+    reference = model(x)
     same, _ = pruned_copy(model, PruneConfig(sparsity=0.0, round_to=4))
-    torch.testing.assert_close(same(x), model(x), rtol=0, atol=1e-6)
-    pruned, report = pruned_copy(model, PruneConfig(sparsity=0.5, round_to=4))
-    assert torch.isfinite(pruned(x)).all()
-    assert all(r["attn"]["rel_error"]["corp"] <= r["attn"]["rel_error"]["none"] for r in report)
+    torch.testing.assert_close(same(x), reference, rtol=0, atol=1e-6)
+    errors = {}
+    for comp in ("none", "corp"):
+        pruned, _ = pruned_copy(model, PruneConfig(sparsity=0.5, compensation=comp, round_to=4))
+        errors[comp] = float((pruned(x) - reference).norm() / reference.norm())
+    # The variant's own parts (LayerScale, tokens, norms, heads) are carried over bit for bit...
+    dense_state, pruned_state = model.state_dict(), pruned.state_dict()
+    for name, value in dense_state.items():
+        if not any(part in name for part in ("mlp.fc1", "mlp.fc2", "attn.qkv")):
+            assert torch.equal(pruned_state[name], value), name
+    assert all(b.mlp.fc1.out_features == 64 and b.attn.qk_dim == 8 for b in pruned.blocks)
+    # ...and compensation works through them: measured on held-out images, CORP at least 40% closer (0.08-0.49x seen).
+    assert 0 < errors["corp"] < 0.6 * errors["none"], errors
 
 
 def test_same_inputs_and_seed_give_identical_weights() -> None:
