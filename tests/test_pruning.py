@@ -182,3 +182,26 @@ def test_pruned_model_compiles() -> None:
     x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), pruned(x), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_fold_with_nonzero_qkv_biases_gives_the_reported_logit_error() -> None:
+    """timm initialises qkv biases to zero, which would hide a fold that forgot them; real checkpoints have them."""
+    model = tiny_vit()
+    g = torch.Generator().manual_seed(5)
+    for block in model.blocks:
+        block.attn.qkv.bias.copy_(torch.randn(block.attn.qkv.bias.shape, generator=g))
+    batches = tiny_batches()
+    pruned, report = pruned_copy(model, PruneConfig(sparsity=0.5, target="attn", round_to=4), batches)
+    captured = []
+    hook = model.blocks[0].attn.qkv.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    model(torch.cat([b for b, _ in batches]))
+    hook.remove()
+    (tokens,) = captured
+    heads, d, kept = 4, 16, report[0]["attn"]["kept"]
+    q, k = model.blocks[0].attn.qkv(tokens)[..., : 2 * heads * d].unflatten(-1, (2, heads, d)).unbind(-3)
+    q_p, k_p = pruned.blocks[0].attn.qkv(tokens)[..., : 2 * heads * kept].unflatten(-1, (2, heads, kept)).unbind(-3)
+    logits = torch.einsum("bnhd,bmhd->bhnm", q, k)
+    error = float(((logits - torch.einsum("bnhd,bmhd->bhnm", q_p, k_p)) ** 2).sum() / (logits**2).sum())
+    assert error == pytest.approx(report[0]["attn"]["rel_error"]["corp"], rel=1e-3)
+    assert error < 0.9 * report[0]["attn"]["rel_error"]["none"]
