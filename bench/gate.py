@@ -4,11 +4,15 @@ Two modes. ``absolute`` compares each (backend, model, batch) p50 with the basel
 dedicated CI machine. ``ratio`` compares each (backend, batch) pruned/dense p50 speedup: both
 models are measured interleaved in the same run, so a shared or throttled machine slows both and
 the ratio holds; what it catches is the pruned model losing its advantage.
+
+A change equal to the limit passes ("beyond 5%" fails); every baseline measurement must be in this
+run, since a gate that quietly checks less is no gate.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,8 @@ from bench.run import SCHEMA, SCHEMA_VERSION, pairs
 from corp_deploy.errors import CorpError
 
 MODES = ("absolute", "ratio")
+TIE = 1e-9
+"""Changes this close to the limit equal it: 10 -> 10.5 ms is 5%, not float division's 5.0000000000000044%."""
 
 
 @dataclass(frozen=True)
@@ -49,34 +55,57 @@ def load_baseline(path: str | Path) -> dict[str, Any]:
         ) from None
     except json.JSONDecodeError as e:
         raise CorpError(f"baseline {path} is not JSON ({e}); rewrite it with `corp-deploy bench --json`") from None
-    if record.get("schema") != SCHEMA or record.get("schema_version", 0) > SCHEMA_VERSION:
+    if (
+        not isinstance(record, dict)
+        or record.get("schema") != SCHEMA
+        or record.get("schema_version", 0) > SCHEMA_VERSION
+    ):
         raise CorpError(f"baseline {path} is not a corp-deploy bench record this version reads")
+    results = record.get("results")
+    if not isinstance(results, list) or not results:
+        raise CorpError(f"baseline {path} holds no measurements; re-record it with `corp-deploy bench --json`")
+    for i, r in enumerate(results):
+        if not (isinstance(r, dict) and {"backend", "model", "batch"} <= r.keys() and _positive(r.get("p50_ms"))):
+            raise CorpError(
+                f"baseline {path}: measurement {i} lacks backend, model, batch or a positive p50_ms; "
+                "re-record it with `corp-deploy bench --json`"
+            )
     return record
 
 
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def regressed(change: float, limit: float) -> bool:
+    """Worse by more than ``limit`` (a fraction); a change equal to it passes."""
+    return change > limit + TIE
+
+
 def compare(current: dict[str, Any], baseline: dict[str, Any], max_regression: float, mode: str) -> list[Check]:
-    """One check per measurement present in both records."""
+    """One check per baseline measurement; this run must hold every one of them."""
     if mode not in MODES:
         raise CorpError(f"--gate must be one of {', '.join(MODES)}, got {mode!r}")
-    checks = []
     if mode == "absolute":
         base = {(r["backend"], r["model"], r["batch"]): r["p50_ms"] for r in baseline["results"]}
-        for r in current["results"]:
-            key = (r["backend"], r["model"], r["batch"])
-            if key in base:
-                change = r["p50_ms"] / base[key] - 1
-                name = f"{r['backend']} {r['model']} batch {r['batch']} p50 ms"
-                checks.append(Check(name, base[key], r["p50_ms"], change, change > max_regression))
+        now = {(r["backend"], r["model"], r["batch"]): r["p50_ms"] for r in current["results"]}
+        label = "{} {} batch {} p50 ms"
     else:
         base = {(p["backend"], p["batch"]): p["p50_speedup"] for p in pairs(baseline)}
-        for p in pairs(current):
-            key = (p["backend"], p["batch"])
-            if key in base:
-                change = base[key] / p["p50_speedup"] - 1
-                name = f"{p['backend']} batch {p['batch']} pruned/dense p50 speedup"
-                checks.append(Check(name, base[key], p["p50_speedup"], change, change > max_regression))
-    if not checks:
-        raise CorpError("the baseline shares no (backend, batch) measurement with this run; re-record the baseline")
+        now = {(p["backend"], p["batch"]): p["p50_speedup"] for p in pairs(current)}
+        label = "{} batch {} pruned/dense p50 speedup"
+    missing = [label.format(*key) for key in base if key not in now]
+    if missing:
+        raise CorpError(
+            f"this run lacks {len(missing)} of the baseline's {len(base)} measurements "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+            "measure the same backends and batch sizes, or re-record the baseline"
+        )
+    checks = []
+    for key, reference in base.items():
+        # p50 latency: higher is worse; speedup: lower is worse.
+        change = now[key] / reference - 1 if mode == "absolute" else reference / now[key] - 1
+        checks.append(Check(label.format(*key), reference, now[key], change, regressed(change, max_regression)))
     return checks
 
 

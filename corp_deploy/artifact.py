@@ -17,10 +17,11 @@ from typing import Any
 
 import timm
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from corp_deploy.errors import CorpError
+from corp_deploy.errors import CorpError, first_line
 from corp_deploy.surgery import apply_widths, block_widths
 
 FORMAT = "corp-deploy/pruned-vit"
@@ -71,7 +72,12 @@ def _replace(src: Path, dst: Path) -> None:
         return
     old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
     os.replace(dst, old / dst.name)
-    os.replace(src, dst)
+    try:
+        os.replace(src, dst)
+    except BaseException:
+        os.replace(old / dst.name, dst)  # the new one could not move in: the old one goes back
+        old.rmdir()
+        raise
     shutil.rmtree(old)
 
 
@@ -106,9 +112,12 @@ def save_pruned(model: nn.Module, out: str | Path, meta: dict[str, Any], overwri
     """
     record = {"format": FORMAT, "format_version": FORMAT_VERSION, **meta, "structure": block_widths(model)}
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    with atomic_dir(out, overwrite) as tmp:
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
-        (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    try:
+        with atomic_dir(out, overwrite) as tmp:
+            save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+            (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    except OSError as e:
+        raise CorpError(f"could not write {out} ({first_line(e)}); whatever was there is unchanged") from None
     return Path(out)
 
 
@@ -121,18 +130,32 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
         raise CorpError(f"{meta_path} is corrupt ({e}); re-run `corp-deploy prune`") from None
-    if meta.get("format") != FORMAT or meta.get("format_version", 0) > FORMAT_VERSION:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version", 0) > FORMAT_VERSION:
         raise CorpError(f"{meta_path} is not a prune artifact this corp-deploy version reads; upgrade or re-prune")
+    model = meta.get("model")
+    if not (
+        isinstance(model, dict)
+        and isinstance(model.get("name"), str)
+        and isinstance(model.get("args", {}), dict)
+        and isinstance(meta.get("structure"), list)
+    ):
+        raise CorpError(f"{meta_path} lacks the model name, arguments or structure; re-run `corp-deploy prune`")
     return meta
 
 
 def load_pruned(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     """Rebuild a pruned model (eval mode) from an artifact folder, without calibration data."""
     meta = read_meta(path)
-    model = timm.create_model(meta["model"]["name"], pretrained=False, **meta["model"].get("args", {}))
-    apply_widths(model, meta["structure"])
+    try:
+        model = timm.create_model(meta["model"]["name"], pretrained=False, **meta["model"].get("args", {}))
+        apply_widths(model, meta["structure"])
+    except (RuntimeError, TypeError, ValueError, KeyError, AttributeError) as e:
+        raise CorpError(
+            f"{Path(path) / META_FILE} describes a model this corp-deploy cannot build ({first_line(e)}); "
+            "re-run `corp-deploy prune`"
+        ) from None
     try:
         model.load_state_dict(load_file(str(Path(path) / WEIGHTS_FILE)))
-    except (RuntimeError, OSError) as e:
-        raise CorpError(f"weights in {path} do not match its {META_FILE}: {str(e).splitlines()[0]}") from None
+    except (RuntimeError, OSError, SafetensorError) as e:
+        raise CorpError(f"weights in {path} do not match its {META_FILE}: {first_line(e)}") from None
     return model.to(device).eval()

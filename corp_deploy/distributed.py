@@ -20,7 +20,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from corp_deploy.errors import CorpError
+from corp_deploy.errors import CorpError, first_line
 from corp_deploy.stats import CalibrationStats
 
 T = TypeVar("T")
@@ -64,7 +64,7 @@ def init(device: torch.device, timeout_s: float) -> tuple[World, torch.device]:
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     except Exception as e:  # rendezvous failures come as several exception types
-        raise CorpError(f"rank {world.rank}: could not join the {backend} process group: {_first_line(e)}") from None
+        raise CorpError(f"rank {world.rank}: could not join the {backend} process group: {first_line(e)}") from None
     return world, device
 
 
@@ -91,7 +91,7 @@ def all_reduce_stats(stats: CalibrationStats, world: World, timeout_s: float) ->
     except Exception as e:
         raise CorpError(
             f"rank {world.rank}: merging calibration statistics failed (another rank died or did not answer "
-            f"within --dist-timeout {timeout_s:g} s): {_first_line(e)}"
+            f"within --dist-timeout {timeout_s:g} s): {first_line(e)}"
         ) from None
     stats.images, stats.skipped = int(counts[0]), int(counts[1])
     return stats
@@ -100,7 +100,3 @@ def all_reduce_stats(stats: CalibrationStats, world: World, timeout_s: float) ->
 def finish() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]

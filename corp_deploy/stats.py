@@ -6,8 +6,8 @@ statistics from disjoint image shards merge by addition (``+=``, or an all-reduc
 sparsity: a sweep collects once and prunes many times.
 
 Per-batch products run in float32 (fast GEMMs) and are added into the float64 sums. The MLP outer
-products are formed on batch-centred activations and the batch mean is added back in float64,
-which avoids the cancellation of ``E[xx^T] - mu mu^T`` when means are large against variances.
+products are formed on batch-centred activations and the shift is added back in float64, which
+avoids the cancellation of ``E[xx^T] - mu mu^T`` when means are large against variances.
 """
 
 from __future__ import annotations
@@ -55,11 +55,15 @@ class MlpStats(_Sums):
     def update(self, x: Tensor) -> None:
         x = _at_least_fp32(x.reshape(-1, x.shape[-1]))
         n = x.shape[0]
-        mu = x.mean(0)
-        xc = x - mu
+        shift = x.mean(0)
+        xc = x - shift
+        total = x.sum(0, dtype=torch.float64)
+        # sum x x^T = sum xc xc^T + m t^T + t m^T - n m m^T holds for ANY shift m. Adding n m m^T alone
+        # would let the float32 error e of the batch mean in as n (m e^T + e m^T): it swamps small variances.
+        m = shift.double()
         self.count += n
-        self.sum += x.sum(0, dtype=torch.float64)
-        self.outer += (xc.T @ xc).double() + n * torch.outer(mu.double(), mu.double())
+        self.sum += total
+        self.outer += (xc.T @ xc).double() + torch.outer(m, total) + torch.outer(total, m) - n * torch.outer(m, m)
         self.active += (x.abs() > ACTIVE_EPS).sum(0, dtype=torch.float64)
 
     def mean(self) -> Tensor:

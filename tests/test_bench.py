@@ -107,7 +107,7 @@ def test_gate_refuses_bad_baselines(tmp_path) -> None:
     with pytest.raises(CorpError, match="not a corp-deploy bench record"):
         gate.load_baseline(tmp_path / "other.json")
     disjoint = _record({("trt", "dense", 4): 1.0, ("trt", "pruned", 4): 1.0})
-    with pytest.raises(CorpError, match="shares no"):
+    with pytest.raises(CorpError, match="this run lacks 2 of the baseline's 2 measurements"):
         gate.compare(disjoint, BASE, 0.05, "ratio")
 
 
@@ -174,6 +174,29 @@ def test_real_bench_run_writes_every_output_and_gates(run_dir, tmp_path, capsys)
         assert ("REGRESSED" in stdout) == bool(expected)
         if expected:
             assert stderr.strip().startswith("error: latency regression: 8 of 8")
+
+    # Measuring less than the baseline (batch 1 only) fails, naming what is missing.
+    path = tmp_path / f"baseline-{1e4}.json"
+    code, _, stderr = run([*argv[:3], "1", *argv[4:6], *FAST, "--baseline", str(path)], capsys)
+    assert code == 1 and "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [
+        "error: this run lacks 4 of the baseline's 8 measurements (torch-cpu-fp32 dense batch 2 p50 ms, "
+        "torch-cpu-fp32 pruned batch 2 p50 ms, ort-cpu-fp32 dense batch 2 p50 ms, ...); "
+        "measure the same backends and batch sizes, or re-record the baseline"
+    ]
+
+
+def test_a_baseline_with_a_zero_p50_is_refused_before_measuring(run_dir, tmp_path, capsys) -> None:
+    zero = copy.deepcopy(BASE)
+    zero["results"][0]["p50_ms"] = 0.0
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps(zero))
+    code, stdout, stderr = run(["bench", str(run_dir), "--backends", "ort-cpu-fp32", "--baseline", str(path)], capsys)
+    assert code == 1 and stdout == ""
+    assert stderr.strip().splitlines() == [
+        f"error: baseline {path}: measurement 0 lacks backend, model, batch or a positive p50_ms; "
+        "re-record it with `corp-deploy bench --json`"
+    ]
 
 
 def test_sweep_calibrates_once_and_each_sparsity_equals_a_direct_prune(tmp_path) -> None:

@@ -10,6 +10,8 @@ from conftest import TINY_CLI_ARGS
 from test_cli import BASE, run
 
 import corp_deploy
+from exporters.compare import FP32, compare, random_inputs
+from exporters.runners import OrtRunner, TorchRunner
 from exporters.tensorrt_engine import tensorrt_missing
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
@@ -40,7 +42,10 @@ def test_prune_export_writes_verified_onnx_and_says_why_engines_are_skipped(tmp_
         tol = r["verify"]["tolerance"]
         assert r["verify"]["cosine"] >= tol["min_cosine"] and r["verify"]["rel_error"] <= tol["max_rel_error"]
     assert record["size"]["pruned"]["params"] < record["size"]["dense"]["params"]
-    assert corp_deploy.load_pruned(out / "pruned") is not None
+    # The artifact folder and the ONNX beside it are the same model.
+    x = random_inputs(3, (3, 32, 32))
+    reloaded = TorchRunner(corp_deploy.load_pruned(out / "pruned"))(x)
+    assert compare(reloaded, OrtRunner(out / "pruned.onnx", "cpu")(x)).within(FP32)
     assert "pruned.fp16.onnx" in stdout and "cosine" in stdout
     if TRT_MISSING:
         assert f"TensorRT engines skipped: {TRT_MISSING}" in stdout

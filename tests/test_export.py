@@ -14,6 +14,7 @@ from corp_deploy.api import describe
 from corp_deploy.errors import CorpError
 from corp_deploy.pruner import PruneConfig
 from exporters.compare import FP16, FP32, Tolerance, check, compare, random_inputs, verify
+from exporters.fp16 import KEEP_FP32, convert_fp16
 from exporters.onnx_export import graph_precision, input_shape, load_onnx, read_metadata
 from exporters.pipeline import VerifyOptions, convert_verified, export_verified
 from exporters.runners import OrtRunner, TorchRunner, ort_providers
@@ -81,22 +82,72 @@ def test_fp16_graph_keeps_fp32_io_and_sensitive_ops_and_bounded_error(exported, 
     float_ = 1  # onnx.TensorProto.FLOAT
     assert proto.graph.input[0].type.tensor_type.elem_type == float_
     assert proto.graph.output[0].type.tensor_type.elem_type == float_
-    types = {i.name: i.data_type for i in proto.graph.initializer}
-    producer = {out: n for n in proto.graph.node for out in n.output}
-
-    def is_fp32(name: str) -> bool:
-        node = producer.get(name)
-        return types.get(name) == float_ or (
-            node is not None and node.op_type == "Cast" and node.attribute[0].i == float_
-        )
-
-    for op in ("LayerNormalization", "Softmax"):  # computed in FP32: every input cast up (or FP32 already)
-        nodes = [n for n in proto.graph.node if n.op_type == op]
-        assert nodes and all(is_fp32(i) for n in nodes for i in n.input if i), op
-    assert any(n.op_type == "MatMul" and not is_fp32(n.input[0]) for n in proto.graph.node)  # matmuls in FP16
+    present = assert_kept_ops_in_fp32(proto)
+    assert {"LayerNormalization", "Softmax"} <= present, present
     v = record["verify"]
     assert v["max_abs"] > 0 and v["rel_error"] < FP16.max_rel_error and v["cosine"] > FP16.min_cosine
     assert record["source_sha256"] and record["converted_from"] == "pruned.onnx"
+
+
+def tensor_types(proto) -> dict[str, int]:
+    """Element type of every tensor in the graph (inputs, outputs, weights, and inferred intermediates)."""
+    import onnx
+
+    graph = onnx.shape_inference.infer_shapes(proto).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output, *graph.value_info)}
+    return types | {i.name: i.data_type for i in graph.initializer}
+
+
+def assert_kept_ops_in_fp32(proto) -> set[str]:
+    """Every op of KEEP_FP32 reads and writes FP32, the MatMuls run in FP16; returns the kept ops present."""
+    float_, half = 1, 10  # onnx.TensorProto.FLOAT, FLOAT16
+    types = tensor_types(proto)
+    kept = [n for n in proto.graph.node if n.op_type in KEEP_FP32]
+    for node in kept:
+        floats = [types[t] for t in (*node.input, *node.output) if t and types[t] in (float_, half)]
+        assert floats and set(floats) == {float_}, (node.op_type, node.name, floats)
+    matmuls = [n for n in proto.graph.node if n.op_type == "MatMul"]
+    assert matmuls and all(types[n.output[0]] == half for n in matmuls)
+    return {n.op_type for n in kept}
+
+
+def test_fp16_conversion_keeps_every_listed_op_in_fp32(tmp_path) -> None:
+    """A graph holding every op of KEEP_FP32 (the ViT export has only some of them)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = {"W": rng.standard_normal((8, 8)), "W2": rng.standard_normal((8, 8)), "gamma": np.ones(8)}
+    weights |= {"beta": np.zeros(8), "two": np.array(2.0)}
+    steps = [
+        ("MatMul", ["X", "W"], "h", {}),
+        ("LayerNormalization", ["h", "gamma", "beta"], "ln", {"axis": -1}),
+        ("Softmax", ["ln"], "sm", {"axis": -1}),
+        ("Pow", ["sm", "two"], "p", {}),
+        ("ReduceMean", ["p"], "r1", {}),
+        ("ReduceSum", ["p"], "r2", {}),
+        ("ReduceSumSquare", ["h"], "r3", {}),
+        ("ReduceL2", ["h"], "r4", {}),
+        ("Sqrt", ["r3"], "s", {}),
+        ("Add", ["r1", "r2"], "a1", {}),
+        ("Add", ["a1", "r4"], "a2", {}),
+        ("Add", ["a2", "s"], "a3", {}),
+        ("MatMul", ["sm", "W2"], "h2", {}),
+        ("Add", ["h2", "a3"], "Y", {}),
+    ]
+    nodes = [helper.make_node(op, ins, [out], name=f"{op}_{i}", **kw) for i, (op, ins, out, kw) in enumerate(steps)]
+    assert {op for op, *_ in steps} >= set(KEEP_FP32)
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 8]) for n in ("X", "Y")]
+    inits = [numpy_helper.from_array(w.astype(np.float32), name) for name, w in weights.items()]
+    model = helper.make_model(
+        helper.make_graph(nodes, "kept_ops", io[:1], io[1:], inits), opset_imports=[helper.make_opsetid("", 20)]
+    )
+    src, half = tmp_path / "g.onnx", tmp_path / "g.fp16.onnx"
+    onnx.save(onnx.shape_inference.infer_shapes(model), str(src))
+    convert_fp16(src, half)
+    assert assert_kept_ops_in_fp32(load_onnx(half)) == set(KEEP_FP32)
+    x = random_inputs(3, (8,))
+    assert compare(OrtRunner(src, "cpu")(x), OrtRunner(half, "cpu")(x)).within(FP16)
 
 
 def test_comparator_metrics_on_known_arrays() -> None:
@@ -134,10 +185,16 @@ def test_verification_catches_a_wrong_graph(exported) -> None:
 
 
 def test_onnxruntime_provider_choice_is_explicit() -> None:
-    providers, why = ort_providers("cpu")
-    assert providers == ["CPUExecutionProvider"] and why
+    assert ort_providers("cpu") == (["CPUExecutionProvider"], "CPU requested")
     providers, why = ort_providers("auto")
-    assert providers[-1] == "CPUExecutionProvider" and why
+    assert providers[-1] == "CPUExecutionProvider"
+    if providers == ["CPUExecutionProvider"]:  # says which of the two reasons it is
+        gpu_build = "CUDAExecutionProvider" in __import__("onnxruntime").get_available_providers()
+        assert why == (
+            "no CUDA GPU visible" if gpu_build else "this onnxruntime build has no GPU provider (onnxruntime-gpu)"
+        )
+    else:
+        assert why.startswith("GPU providers available: ") and providers[0] in why
     if not torch.cuda.is_available():
         assert providers == ["CPUExecutionProvider"]
     with pytest.raises(CorpError, match="auto, cpu or gpu"):
@@ -195,10 +252,20 @@ HERE = {"tensorrt": "10.13.0", "gpu": "NVIDIA H100 80GB HBM3", "compute_capabili
 
 
 def test_engine_metadata_accepts_its_own_platform(tmp_path) -> None:
+    """Same GPU, TensorRT and ONNX: accepted, whatever else differs (CUDA minor version) or is gone (the ONNX)."""
+    from exporters.onnx_export import sha256
+
     onnx = tmp_path / "m.onnx"
     onnx.write_bytes(b"graph")
     engine = _fake_engine(tmp_path, onnx)
-    check_compatible(read_engine_meta(engine), HERE, engine)
+    meta = read_engine_meta(engine)
+    assert meta["onnx"] == {"path": "m.onnx", "sha256": sha256(onnx)} and meta["engine_sha256"] == sha256(engine)
+    assert check_compatible(meta, HERE, engine) is None
+    assert check_compatible(meta, {**HERE, "cuda": "13.1"}, engine) is None
+    onnx.unlink()  # an engine may travel without its ONNX: nothing to compare against, not stale
+    assert check_compatible(meta, HERE, engine) is None
+    with pytest.raises(CorpError, match="rebuild"):  # and the same record is refused elsewhere (so this can fail)
+        check_compatible(meta, {**HERE, "tensorrt": "10.14.0"}, engine)
 
 
 @pytest.mark.parametrize(
