@@ -96,9 +96,8 @@ DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "
 
 @dataclass
 class Context:
-    """One run of the suite: where it writes, what it measures, and how long it may still take."""
+    """One run of the suite: what it measures, where, and how long it may still take."""
 
-    out: Path
     device: torch.device
     plan: Plan
     smoke: bool

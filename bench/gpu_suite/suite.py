@@ -32,7 +32,7 @@ def run_suite(out: Path, device: torch.device, only: list[str], smoke: bool, bud
             log_file.flush()
 
         carried = activate()
-        ctx = Context(out, device, Plan.smoke() if smoke else Plan.full(), smoke, start + budget, log)
+        ctx = Context(device, Plan.smoke() if smoke else Plan.full(), smoke, start + budget, log)
         suite: dict[str, Any] = {
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,
