@@ -46,6 +46,13 @@ def test_smoke_runs_every_section_into_three_files(smoke) -> None:
     assert sdpa["qk_pruned"]["accepted"]["flash"].startswith("no: Flash attention requires q,k,v")
     assert sdpa["dense"]["accepted"]["flash"] == sdpa["equal_width"]["accepted"]["flash"] == "yes"
     assert sdpa["qk_zero_padded"]["qk_dim"] == sdpa["qk_zero_padded"]["v_dim"]
+    engines = rec["engines"]
+    if "version" in engines["modules"]["tensorrt_rtx_bindings"]:  # CI installs it: real engines, built only
+        rows = {p["model"]: p for p in engines["pipeline"]}
+        assert rows["dense"]["attention"]["fused_mha_layers"] == 2  # one fused MHA per block...
+        assert rows["pruned"]["attention"]["fused_mha_layers"] == 0  # ...lost when Q/K width != V width
+        if not torch.cuda.is_available():
+            assert rows["pruned"]["status"].startswith("built only (not executed") and rows["pruned"]["verify"] is None
     dense = rec["profile"]["models"]["dense"]
     assert {"gemm", "attention", "layer_norm"} <= set(dense["kinds"]) and "aten::addmm" in dense["top"]
     summary = (smoke / "summary.md").read_text()

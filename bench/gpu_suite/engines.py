@@ -1,8 +1,11 @@
 """Engines on this GPU: which TensorRT flavours import, and what building and running one does.
 
-The probe uses each library's raw API on a one-GEMM network (no ONNX, no project code in between),
-so what it records is the library's own behaviour here: e.g. TensorRT-RTX building fine on a Hopper
-GPU and then refusing to deserialize, since compute capability 9.0 is outside its support matrix.
+Two looks per flavour. The probe uses the library's raw API on a one-GEMM network (no ONNX, no
+project code in between), so it records the library's own behaviour here: e.g. TensorRT-RTX
+building fine on a Hopper GPU and then refusing to deserialize, since compute capability 9.0 is
+outside its support matrix. The pipeline check goes the way ``prune-export`` goes: a tiny dense and
+a tiny CORP-pruned ViT to FP16 ONNX, ``engine_verified`` (verified against onnxruntime where this
+machine can run the engine), and what the project's runner says here.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import torch
 
 from bench.gpu_suite.core import Context
+from corp_deploy.report import markdown_table
 
 
 class _StepFailed(Exception):
@@ -87,10 +91,51 @@ def _engine_probe(module: str, targets: str) -> dict[str, Any]:
     return record
 
 
+TINY = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 2, "mlp_ratio": 2.0}
+"""Two heads of 32 dims: the pruned Q/K width 16 is one TensorRT's fused attention accepts in FP16."""
+
+
+def _pipeline(ctx: Context, flavour: str) -> list[dict[str, Any]]:
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    import corp_deploy
+    from corp_deploy.errors import CorpError
+    from exporters import BuildOptions, Profile, VerifyOptions, convert_fp16, engine_verified, export_onnx
+    from exporters.tensorrt_engine import run_missing
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # random weights and noise calibration, on purpose
+        dense = corp_deploy.create_model("deit_tiny", weights="random", model_args=TINY)
+        pruned = corp_deploy.create_model("deit_tiny", weights="random", model_args=TINY)
+        batches, total = corp_deploy.calibration_batches(pruned, "synthetic", 16, 8)
+        corp_deploy.prune(pruned, batches, corp_deploy.PruneConfig(sparsity=0.5), ctx.device, total, False)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for which, model in (("dense", dense), ("pruned", pruned.cpu())):
+            fp32, fp16, plan = (Path(tmp) / f"{which}{ext}" for ext in (".onnx", ".fp16.onnx", ".fp16.plan"))
+            row: dict[str, Any] = {"flavour": flavour, "model": which}
+            try:
+                export_onnx(
+                    model, fp32, (3, 32, 32), metadata=corp_deploy.api.describe(model, "deit_tiny", TINY, "random")
+                )
+                convert_fp16(fp32, fp16)
+                options = BuildOptions("fp16", Profile(1, 4, 8), workspace_gib=1.0, runtime=flavour)
+                record = engine_verified(fp16, plan, options, VerifyOptions(batches=(1, 4)))
+                row |= {k: record.get(k) for k in ("version", "targets", "build_seconds", "engine_bytes", "status")}
+                row |= {"attention": record["attention"], "verify": record["verify"], "runner": run_missing(plan)}
+            except (CorpError, ImportError) as e:
+                row["error"] = str(e).strip().splitlines()[0][:300]
+            ctx.log(f"engines pipeline {flavour} {which}: {row.get('status') or row.get('error')}")
+            rows.append(row)
+    return rows
+
+
 def run_engines(ctx: Context) -> dict[str, Any]:
     """Which TensorRT flavours import here, and what building and running an engine does on this GPU."""
     found: dict[str, Any] = {}
-    probes = []
+    probes, pipeline = [], []
     for module in ("tensorrt", "tensorrt_rtx_bindings"):
         try:
             found[module] = {"version": __import__(module).__version__}
@@ -100,12 +145,13 @@ def run_engines(ctx: Context) -> dict[str, Any]:
         except Exception as e:  # a wheel built for another CUDA can fail on import
             found[module] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
             continue
+        pipeline += _pipeline(ctx, "tensorrt" if module == "tensorrt" else "tensorrt-rtx")
         if ctx.device.type == "cuda":
             for targets in ("default", "current") if module == "tensorrt_rtx_bindings" else ("default",):
                 probes.append(_engine_probe(module, targets))
                 last = probes[-1]["steps"][-1] if probes[-1]["steps"] else {}
                 ctx.log(f"engines {module} ({targets} targets): ran={probes[-1]['ran']}; last step {last}")
-    record: dict[str, Any] = {"modules": found, "probes": probes}
+    record: dict[str, Any] = {"modules": found, "probes": probes, "pipeline": pipeline}
     if all("version" not in v for v in found.values()):
         record["skipped"] = "neither tensorrt nor tensorrt_rtx_bindings is importable here (see make gpu-wheels)"
     try:
@@ -118,6 +164,12 @@ def run_engines(ctx: Context) -> dict[str, Any]:
 
 
 def engines_markdown(e: dict[str, Any]) -> list[str]:
+    rows = [
+        [p["flavour"], p["model"], p.get("status") or p.get("error"), p.get("runner") or "runs here"]
+        + [f"{(p.get('attention') or {}).get('fused_mha_layers')} / {(p.get('attention') or {}).get('blocks')}"]
+        for p in e.get("pipeline", [])
+    ]
+    table = ["", markdown_table(["flavour", "tiny ViT", "engine (FP16)", "runner here", "fused MHA / blocks"], rows)]
     mods = "; ".join(f"`{m}` {v.get('version') or v.get('missing') or v.get('error')}" for m, v in e["modules"].items())
     lines = [f"**Engines**: {mods}. onnxruntime providers: {e['onnxruntime_providers']}. {e.get('skipped', '')}"]
     for p in e["probes"]:
@@ -128,4 +180,4 @@ def engines_markdown(e: dict[str, Any]) -> list[str]:
             f"- `{p['module']}` {p['version']}, {p['targets']} targets: ran = {p['ran']}; succeeded: "
             f"{', '.join(ok)}; last step `{last.get('step')}`: {what}"
         )
-    return lines
+    return lines + (table if rows else [])
