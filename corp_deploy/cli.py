@@ -96,7 +96,13 @@ calib_options = _options(
 )
 
 method_options = _options(
-    click.option("--target", default="both", show_default=True, help="mlp, attn or both."),
+    click.option(
+        "--target",
+        default="both",
+        show_default=True,
+        help="What to prune: a comma list of mlp, qk (attention Q/K dims), v (attention V channels); "
+        "all = mlp,qk,v; both = mlp,qk; attn = qk.",
+    ),
     click.option("--ranker", default="combined", show_default=True, help="energy, magnitude, combined or active."),
     click.option(
         "--compensation",
@@ -115,6 +121,7 @@ prune_options = _options(
     click.option("--sparsity", default=0.5, show_default=True, help="Fraction of channels to remove, in [0, 1)."),
     click.option("--mlp-sparsity", type=float, help="Override --sparsity for MLP hidden channels."),
     click.option("--attn-sparsity", type=float, help="Override --sparsity for attention Q/K dims."),
+    click.option("--v-sparsity", type=float, help="Override --sparsity for attention V channels."),
     method_options,
     click.option(
         "--dist-timeout",
@@ -230,6 +237,7 @@ def _prune(
     sparsity: float,
     mlp_sparsity: float | None,
     attn_sparsity: float | None,
+    v_sparsity: float | None,
     target: str,
     ranker: str,
     compensation: str,
@@ -248,6 +256,7 @@ def _prune(
         sparsity=sparsity,
         mlp_sparsity=mlp_sparsity,
         attn_sparsity=attn_sparsity,
+        v_sparsity=v_sparsity,
         target=target,
         ranker=ranker,
         compensation=compensation,
