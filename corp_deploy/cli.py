@@ -31,7 +31,7 @@ from bench.report import plot as draw
 from bench.run import benchmark, parse_batch_sizes
 from bench.sweep import format_sweep, parse_sparsities, plot_sweep
 from bench.sweep import sweep as run_sweep
-from corp_deploy import api, distributed
+from corp_deploy import api, distributed, surgery
 from corp_deploy.artifact import atomic_dir, atomic_file, check_writable, staged
 from corp_deploy.demo import DemoConfig, format_demo, run_demo
 from corp_deploy.errors import CorpError
@@ -140,7 +140,19 @@ verify_options = _options(
 onnx_options = _options(
     click.option("--opset", default=DEFAULT_OPSET, show_default=True, help="ONNX opset (18..23)."),
     click.option("--simplify", is_flag=True, help="Simplify the graph with onnxslim."),
+    click.option(
+        "--pad-qk",
+        is_flag=True,
+        help="Zero-pad pruned Q/K to the V width inside the graph (exact): one head size, so fused "
+        "attention kernels apply while the smaller qkv GEMM is kept.",
+    ),
 )
+
+
+def _pad_qk(model: nn.Module, description: dict, enabled: bool) -> dict:
+    """Switch ``--pad-qk`` on in ``model``; the exported graph's description says how many blocks it padded."""
+    return description | {"pad_qk_blocks": surgery.pad_qk(model)} if enabled else description
+
 
 engine_options = _options(
     click.option("--batch", default="1:32:256", show_default=True, help="Engine batch range MIN:OPT:MAX."),
@@ -343,6 +355,7 @@ def export(
     model_arg: tuple[str, ...],
     opset: int,
     simplify: bool,
+    pad_qk: bool,
     verify_batches: str,
     tol_cosine: float | None,
     tol_rel: float | None,
@@ -359,6 +372,7 @@ def export(
     for path in (out_, half) if fp16 else (out_,):
         check_writable(path, overwrite)
     model, description = api.load_source(source, weights, checkpoint, parse_model_args(model_arg))
+    description = _pad_qk(model, description, pad_qk)
     with staged(out_, overwrite) as stage:
         records = [export_verified(model, stage / out_.name, description, opset, simplify, opts)]
         if fp16:
@@ -434,6 +448,7 @@ def _fp16_graph(src: Path, half: Path, opts: VerifyOptions) -> Path:
 def prune_export(
     opset: int,
     simplify: bool,
+    pad_qk: bool,
     verify_batches: str,
     tol_cosine: float | None,
     tol_rel: float | None,
@@ -464,7 +479,10 @@ def prune_export(
     click.echo(format_report(run.result.report))
     models = {
         "dense": (run.dense, api.describe(run.dense, run.name, run.args, run.weights)),
-        "pruned": (run.result.model, api.describe(run.result.model, run.name, run.args, "corp-pruned")),
+        "pruned": (
+            run.result.model,
+            _pad_qk(run.result.model, api.describe(run.result.model, run.name, run.args, "corp-pruned"), pad_qk),
+        ),
     }
     with atomic_dir(out, overwrite) as tmp:
         api.save(run.result, tmp / "pruned", run.name, run.args, weights=run.weights)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,3 +266,57 @@ def test_cli_prunes_all_three_with_a_v_override(tmp_path, capsys) -> None:
     meta = json.loads((out / "corp.json").read_text())
     assert [(b["mlp_hidden"], b["qk_dim"], b["v_dim"]) for b in meta["structure"]] == [(64, 8, 4)] * 2
     assert corp_deploy.load_pruned(out)(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+@pytest.fixture(scope="module")
+def variants():
+    """Dense, Q/K-only pruned, equal-width pruned and Q/K-padded models of one tiny ViT at 50%."""
+    dense = tiny_vit()
+    stats = calibrate(dense, tiny_batches(), PruneConfig(target="all"), "cpu", progress=False)
+    out = {"dense": dense}
+    for name, target in (("qk_pruned", "mlp,qk"), ("equal_width", "all"), ("qk_padded", "mlp,qk")):
+        out[name] = copy.deepcopy(dense)
+        prune_model(out[name], stats, PruneConfig(target=target, round_to=4))
+    pad_qk(out["qk_padded"])
+    return out
+
+
+@torch.no_grad()
+def test_sdpa_backend_on_cpu_follows_the_head_widths(variants) -> None:
+    """Flash for one head size (dense, equal widths, padded Q/K); math for Q/K narrower than V."""
+    from bench.gpu_suite.attention import _dispatched
+
+    x = torch.randn(2, 3, 32, 32)
+    expected = {"dense": "flash", "qk_pruned": "math", "equal_width": "flash", "qk_padded": "flash"}
+    assert {name: _dispatched(lambda m=m: m(x)) for name, m in variants.items()} == expected
+
+
+def test_onnx_of_equal_width_and_padded_models_matches_pytorch(variants, tmp_path) -> None:
+    pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
+    from corp_deploy.api import describe
+    from exporters.compare import FP32, verify
+    from exporters.pipeline import export_verified
+    from exporters.runners import OrtRunner, TorchRunner
+
+    sizes = {}
+    for name in ("qk_pruned", "equal_width", "qk_padded"):
+        model, path = variants[name], tmp_path / f"{name}.onnx"
+        record = export_verified(model, path, describe(model, "tiny", {}, "random"))
+        assert [(b["qk_dim"], b["v_dim"]) for b in record["structure"]] == [(8, 8 if name == "equal_width" else 16)] * 2
+        for comparison in verify(TorchRunner(model), OrtRunner(path, "cpu"), (3, 32, 32), batches=(1, 3, 8)):
+            assert comparison.within(FP32) and comparison.top1 == 1.0, (name, comparison)
+        sizes[name] = path.stat().st_size
+    params = {name: sum(p.numel() for p in variants[name].parameters()) for name in sizes}
+    assert sizes["qk_pruned"] - sizes["equal_width"] > 0.95 * 4 * (params["qk_pruned"] - params["equal_width"]) > 0
+    assert sizes["qk_padded"] == pytest.approx(sizes["qk_pruned"], rel=0.02)  # padding adds no weights
+
+
+def test_export_pad_qk_from_the_command_line(variants, tmp_path, capsys) -> None:
+    """``export --pad-qk`` writes a verified graph of the Q/K-pruned artifact and says what it padded."""
+    result = corp_deploy.PruneResult(variants["qk_pruned"], {})
+    src = corp_deploy.save(result, tmp_path / "run", "vit_tiny_patch16_224", {**ARGS, "num_classes": 10})
+    out = tmp_path / "padded.onnx"
+    code, _, stderr = run(["export", str(src), "--pad-qk", "--out", str(out)], capsys)
+    assert code == 0, stderr
+    record = json.loads(Path(f"{out}.json").read_text())
+    assert record["pad_qk_blocks"] == 2 and record["verify"]["cosine"] > 0.99999
