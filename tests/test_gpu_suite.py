@@ -42,6 +42,7 @@ def test_smoke_runs_every_section_into_three_files(smoke) -> None:
     }
     for r in rec["latency"]["rows"]:
         assert r["p50_ratio"] == pytest.approx(r["pruned"]["p50_ms"] / r["dense"]["p50_ms"])
+        assert r["v_throughput_ratio"] == pytest.approx(r["pruned_v"]["throughput"] / r["dense"]["throughput"])
     sdpa = {r["variant"]: r for r in rec["sdpa"]["rows"]}
     assert sdpa["qk_pruned"]["accepted"]["flash"].startswith("no: Flash attention requires q,k,v")
     assert sdpa["dense"]["accepted"]["flash"] == sdpa["equal_width"]["accepted"]["flash"] == "yes"
