@@ -17,6 +17,7 @@ import argparse
 import copy
 import os
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,14 @@ def _steps(model: torch.nn.Module, onnx: Path, batch: int, threads: int) -> dict
 def throughput(
     dense: torch.nn.Module, pruned: torch.nn.Module, folder: Path, batches: list[int], method: Method, threads: int
 ) -> dict[str, Any]:
-    """Images/s of dense and pruned per backend and batch, measured interleaved, and their ratio."""
-    paths = {}
-    for name, model in (("dense", dense), ("pruned", pruned)):
-        paths[name] = folder / f"{name}.onnx"
-        if not paths[name].exists():
-            export_onnx(model, paths[name], input_size(model))
+    """Images/s of dense and pruned per backend and batch, measured interleaved, and their ratio.
+
+    ``folder/dense.onnx`` is exported once and reused; ``folder/pruned.onnx`` is replaced.
+    """
+    paths = {"dense": folder / "dense.onnx", "pruned": folder / "pruned.onnx"}
+    if not paths["dense"].exists():
+        export_onnx(dense, paths["dense"], input_size(dense))
+    export_onnx(pruned, paths["pruned"], input_size(pruned))
     out: dict[str, Any] = {}
     for batch in batches:
         steps = {name: _steps(m, paths[name], batch, threads) for name, m in (("dense", dense), ("pruned", pruned))}
@@ -84,10 +87,7 @@ def study(setup, sparsities: list[float], batches: list[int], method: Method, th
                     row = {"target": target, "sparsity": s, "compensation": comp, **model_size(pruned)}
                     row |= setup.task.score(TorchRunner(pruned))
                     if speed is None:  # same structure with or without compensation
-                        folder = Path(tmp, f"{target}-{s}")
-                        folder.mkdir()
-                        speed = throughput(setup.dense, pruned, folder, batches, method, threads)
-                        (folder / "pruned.onnx").unlink()
+                        speed = throughput(setup.dense, pruned, Path(tmp), batches, method, threads)
                     row["throughput"] = speed
                     rows.append(row)
                     big = f"ort-cpu@{max(batches)}"
@@ -144,7 +144,7 @@ def plot(rows: list[dict[str, Any]], dense: dict[str, Any], key: str, title: str
     ax.set_ylabel("linear-probe top-1 (%)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    ax.set_title(title, fontsize=8)
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
