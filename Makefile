@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx
 
-.PHONY: setup demo smoke test lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study bench-dist \
+.PHONY: setup demo smoke test lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study bench-dist \
 	gpu-suite gpu-wheels clean
 
 setup: $(BIN)/corp-deploy
@@ -62,6 +62,10 @@ accuracy-sweep: setup
 
 knob-study: setup
 	$(BIN)/python -m bench.knob_study --out docs/knob-study --test 200
+
+# MLP+Q/K vs MLP+Q/K+V on real weights: probe accuracy against measured CPU throughput (same-run ratios).
+v-study: setup
+	$(BIN)/python -m bench.v_study --out docs/v-study
 
 # On a GPU machine, from the repository root, with no installation step (its python3 needs torch and timm):
 # every CUDA path tested and measured into $(GPU_OUT) (~5 min on one H200). ONLY=tests,prune splits it.

@@ -31,7 +31,7 @@ from corp_deploy.report import model_size
 from corp_deploy.stats import CalibrationStats
 from exporters.runners import TorchRunner
 
-TARGET_LABELS = {"mlp": "MLP only", "attn": "attention Q/K only", "both": "joint"}
+TARGET_LABELS = {"mlp": "MLP only", "attn": "attention Q/K only", "both": "joint", "all": "joint + V"}
 
 
 @dataclass
@@ -54,7 +54,7 @@ class RealSetup:
 def calibration(dense: torch.nn.Module, folder: Path, num: int, seed: int = 0) -> CalibrationStats:
     """Statistics for every target from ``num`` images of ``folder`` (CPU: studies run anywhere)."""
     batches, total = api.calibration_batches(dense, folder, num, seed=seed, workers=0)
-    return calibrate(dense, batches, PruneConfig(), "cpu", total=total, progress=False)
+    return calibrate(dense, batches, PruneConfig(target="all"), "cpu", total=total, progress=False)
 
 
 def real_setup(dataset: str = "auto", train: int = 500, test: int = 300, num_calib: int = 256) -> RealSetup:
@@ -124,7 +124,7 @@ def plot(rows: list[dict[str, Any]], dense: dict[str, float], title: str, path: 
     from bench.report import pyplot
 
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
+    fig, axes = plt.subplots(1, len(TARGET_LABELS), figsize=(4.3 * len(TARGET_LABELS), 3.8), sharey=True)
     for ax, (target, label) in zip(axes, TARGET_LABELS.items(), strict=True):
         for comp, style in (("corp", "o-"), ("none", "s--")):
             mine = sorted(

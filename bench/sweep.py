@@ -54,7 +54,7 @@ def sweep(
     progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Write ``out/s<sparsity>/`` per sparsity and ``out/sweep.json``; return the sweep record."""
-    configs = [replace(config, sparsity=s, mlp_sparsity=None, attn_sparsity=None) for s in sparsities]
+    configs = [replace(config, sparsity=s, mlp_sparsity=None, attn_sparsity=None, v_sparsity=None) for s in sparsities]
     for c in configs:
         plan_widths(model, c)  # every sparsity must be possible before the calibration pass
     dense_size = model_size(model)

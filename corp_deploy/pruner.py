@@ -18,9 +18,12 @@ from corp_deploy import compensation as C
 from corp_deploy.errors import CorpError
 from corp_deploy.ranking import RANKERS, attn_scores, kept_width, mlp_scores, split_top
 from corp_deploy.stats import AttnStats, CalibrationStats, MlpStats, collect, empty_stats
-from corp_deploy.surgery import fill_attention, fill_mlp
+from corp_deploy.surgery import fill_attention, fill_mlp, fill_values
 
-TARGETS = ("mlp", "attn", "both")
+PARTS = ("mlp", "qk", "v")
+"""Prunable structures: MLP hidden channels, attention Q/K dims per head, attention V channels per head."""
+TARGET_ALIASES = {"attn": ("qk",), "both": ("mlp", "qk"), "all": PARTS}
+"""Older and shorter spellings of ``--target``: ``attn`` and ``both`` keep their pre-V meanings."""
 COMPENSATIONS = ("corp", "mean", "none")
 DEFAULT_RIDGE = 1e-3
 """Relative ridge damping alpha: lam = alpha * mean(diag(system)); see docs/BENCHMARKS.md."""
@@ -28,11 +31,15 @@ DEFAULT_RIDGE = 1e-3
 
 @dataclass(frozen=True)
 class PruneConfig:
-    """What to prune and how. ``mlp_sparsity``/``attn_sparsity`` override ``sparsity`` per part."""
+    """What to prune and how. ``mlp_sparsity``/``attn_sparsity`` (Q/K)/``v_sparsity`` override ``sparsity`` per part.
+
+    ``target`` is a comma-separated combination of ``PARTS`` and ``TARGET_ALIASES`` (``mlp,qk,v``, ``all``).
+    """
 
     sparsity: float = 0.5
     mlp_sparsity: float | None = None
     attn_sparsity: float | None = None
+    v_sparsity: float | None = None
     target: str = "both"
     ranker: str = "combined"
     compensation: str = "corp"
@@ -44,11 +51,12 @@ class PruneConfig:
             ("--sparsity", self.sparsity),
             ("--mlp-sparsity", self.mlp_sparsity),
             ("--attn-sparsity", self.attn_sparsity),
+            ("--v-sparsity", self.v_sparsity),
         ):
             if value is not None and not 0.0 <= value < 1.0:
                 raise CorpError(f"{label} must be in [0, 1), got {value:g}")
+        parse_target(self.target)
         choices = (
-            ("--target", self.target, TARGETS),
             ("--ranker", self.ranker, RANKERS),
             ("--compensation", self.compensation, COMPENSATIONS),
         )
@@ -62,25 +70,52 @@ class PruneConfig:
 
     @property
     def prunes_mlp(self) -> bool:
-        return self.target in ("mlp", "both")
+        return "mlp" in parse_target(self.target)
 
     @property
     def prunes_attn(self) -> bool:
-        return self.target in ("attn", "both")
+        """Q/K dims (the paper's attention pruning)."""
+        return "qk" in parse_target(self.target)
+
+    @property
+    def prunes_v(self) -> bool:
+        return "v" in parse_target(self.target)
+
+    def _effective(self, pruned: bool, override: float | None) -> float:
+        return (self.sparsity if override is None else override) if pruned else 0.0
 
     @property
     def effective_mlp_sparsity(self) -> float:
-        return (self.sparsity if self.mlp_sparsity is None else self.mlp_sparsity) if self.prunes_mlp else 0.0
+        return self._effective(self.prunes_mlp, self.mlp_sparsity)
 
     @property
     def effective_attn_sparsity(self) -> float:
-        return (self.sparsity if self.attn_sparsity is None else self.attn_sparsity) if self.prunes_attn else 0.0
+        return self._effective(self.prunes_attn, self.attn_sparsity)
+
+    @property
+    def effective_v_sparsity(self) -> float:
+        return self._effective(self.prunes_v, self.v_sparsity)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {
             "mlp_sparsity": self.effective_mlp_sparsity,
             "attn_sparsity": self.effective_attn_sparsity,
+            "v_sparsity": self.effective_v_sparsity,
         }
+
+
+def parse_target(target: str) -> frozenset[str]:
+    """``"mlp,qk,v"`` / ``"all"`` / ``"both"`` -> the set of ``PARTS`` it names."""
+    parts: set[str] = set()
+    for word in target.split(","):
+        word = word.strip()
+        if word not in PARTS and word not in TARGET_ALIASES:
+            raise CorpError(
+                f"--target must be a comma-separated combination of {', '.join(PARTS)} "
+                f"(or {', '.join(TARGET_ALIASES)}), got {target!r}"
+            )
+        parts.update(TARGET_ALIASES.get(word, (word,)))
+    return frozenset(parts)
 
 
 @dataclass
@@ -111,7 +146,7 @@ def calibrate(
     ``merge`` combines this process's sums with other processes' (``distributed.all_reduce_stats``)
     before the emptiness check, so a rank with no readable images still joins the reduction.
     """
-    stats = empty_stats(model, mlp=config.prunes_mlp, attn=config.prunes_attn, device=device)
+    stats = empty_stats(model, mlp=config.prunes_mlp, attn=config.prunes_attn, device=device, proj=config.prunes_v)
     collect(model, batches, stats, device, total=total, progress=progress)
     if merge is not None:
         stats = merge(stats)
@@ -120,22 +155,40 @@ def calibrate(
     return stats
 
 
-def plan_widths(model: nn.Module, config: PruneConfig) -> list[tuple[int | None, int | None]]:
-    """Kept (MLP channels, Q/K dims per head) of every block, None where not pruned.
+def plan_widths(model: nn.Module, config: PruneConfig) -> list[tuple[int | None, int | None, int | None]]:
+    """Kept (MLP channels, Q/K dims per head, V channels per head) of every block, None where not pruned.
 
-    Cheap and data-free: call it before calibrating so an impossible sparsity fails in a second.
+    Cheap and data-free: call it before calibrating so an impossible sparsity or an unsupported block
+    fails in a second.
     """
     plan = []
     for i, block in enumerate(model.blocks):
-        mlp_kept = attn_kept = None
+        mlp_kept = attn_kept = v_kept = None
         if config.prunes_mlp:
             width = block.mlp.fc2.in_features
             mlp_kept = kept_width(width, config.effective_mlp_sparsity, config.round_to, f"MLP channels (block {i})")
         if config.prunes_attn:
             d = block.attn.head_dim
             attn_kept = kept_width(d, config.effective_attn_sparsity, config.round_to, f"Q/K dims per head (block {i})")
-        plan.append((mlp_kept, attn_kept))
+        if config.prunes_v:
+            _check_v_prunable(block.attn, i)
+            d = block.attn.head_dim
+            v_kept = kept_width(d, config.effective_v_sparsity, config.round_to, f"V channels per head (block {i})")
+        plan.append((mlp_kept, attn_kept, v_kept))
     return plan
+
+
+def _check_v_prunable(attn: nn.Module, block: int) -> None:
+    """V pruning folds into proj's weight AND bias, and needs nothing else to act on the V channels."""
+    problem = None
+    if not isinstance(attn.norm, nn.Identity):
+        problem = "a norm over the attention output (scale_norm), which removing V channels changes"
+    elif getattr(attn, "gate", None) is not None:
+        problem = "a gate on the attention output"
+    elif attn.proj.bias is None:
+        problem = "no proj bias to take the compensation's constant"
+    if problem:
+        raise CorpError(f"V pruning is not supported for block {block}: it has {problem}; use --target mlp,qk")
 
 
 def prune_model(
@@ -144,12 +197,13 @@ def prune_model(
     """Prune ``model`` in place from ``stats``; returns per-block diagnostics.
 
     Widths are planned for every block before any block is changed, so a bad sparsity never
-    leaves a half-pruned model.
+    leaves a half-pruned model. Q/K are pruned before V; both work from the dense model's statistics
+    and touch disjoint weights (Q/K rows of qkv; V rows of qkv and proj's columns).
     """
     timer = timer or Timer()
     plan = plan_widths(model, config)
     report = []
-    for i, (block, (mlp_kept, attn_kept)) in enumerate(zip(model.blocks, plan, strict=True)):
+    for i, (block, (mlp_kept, attn_kept, v_kept)) in enumerate(zip(model.blocks, plan, strict=True)):
         entry: dict[str, Any] = {"block": i}
         if mlp_kept is not None:
             entry["mlp"] = _prune_mlp(block.mlp, stats.mlp[i], mlp_kept, config, timer)
@@ -157,29 +211,72 @@ def prune_model(
             entry["attn"], new_attn = _prune_attn(block.attn, stats.attn[i], attn_kept, config, timer)
             if new_attn is not None:
                 block.attn = new_attn
+        if v_kept is not None:
+            entry["v"], block.attn = _prune_v(block.attn, stats.proj[i], v_kept, config, timer)
         report.append(entry)
     return report
 
 
-def _prune_mlp(mlp: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer: Timer) -> dict:
-    t = time.perf_counter()
-    dev = s.sum.device
-    mean, second = s.mean(), s.second_moment()
-    w2 = mlp.fc2.weight.detach().to(dev, torch.float64)
-    b2 = mlp.fc2.bias.detach().to(dev, torch.float64)
-    scores = mlp_scores(config.ranker, second.diagonal(), s.active / s.count, w2)
-    keep, prune = split_top(scores, kept)
-    t = timer.add("ranking", t)
+def _compensate(
+    s: MlpStats, w: Tensor, b: Tensor, keep: Tensor, prune: Tensor, config: PruneConfig
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Fold ``x_P ~ B x_S + c`` into the Linear (w, b) that reads x; errors of every compensation.
 
-    zero_b = torch.zeros(prune.numel(), kept, dtype=torch.float64, device=dev)
+    Shared by the MLP (x = fc2's input) and V (x = proj's input): the same closed form at a
+    different Linear.
+    """
+    mean, second = s.mean(), s.second_moment()
+    zero_b = torch.zeros(prune.numel(), keep.numel(), dtype=torch.float64, device=mean.device)
     candidates = {"none": (zero_b, torch.zeros_like(mean[prune])), "mean": (zero_b, mean[prune])}
     candidates["corp"] = C.mlp_affine(mean, second, keep, prune, config.ridge)
-    errors = {k: float(C.mlp_output_error(mean, second, w2, b2, keep, prune, *bc)) for k, bc in candidates.items()}
-    new_w2, new_b2 = C.fold_mlp(w2, b2, keep, prune, *candidates[config.compensation])
+    errors = {k: float(C.mlp_output_error(mean, second, w, b, keep, prune, *bc)) for k, bc in candidates.items()}
+    new_w, new_b = C.fold_mlp(w, b, keep, prune, *candidates[config.compensation])
+    return new_w, new_b, errors
+
+
+def _float64(linear: nn.Linear, dev: torch.device) -> tuple[Tensor, Tensor]:
+    """A Linear's weight and bias (zeros when it has none) in float64 on the statistics' device."""
+    w = linear.weight.detach().to(dev, torch.float64)
+    b = torch.zeros(w.shape[0], dtype=w.dtype, device=dev) if linear.bias is None else linear.bias.detach()
+    return w, b.to(dev, torch.float64)
+
+
+def _prune_mlp(mlp: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer: Timer) -> dict:
+    t = time.perf_counter()
+    w2, b2 = _float64(mlp.fc2, s.sum.device)
+    scores = mlp_scores(config.ranker, s.second_moment().diagonal(), s.active / s.count, w2)
+    keep, prune = split_top(scores, kept)
+    t = timer.add("ranking", t)
+    new_w2, new_b2, errors = _compensate(s, w2, b2, keep, prune, config)
     dtype, wdev = mlp.fc2.weight.dtype, mlp.fc2.weight.device
-    fill_mlp(mlp, keep.to(wdev), new_w2.to(wdev, dtype), new_b2.to(wdev, dtype))
+    fill_mlp(mlp, keep.to(wdev), new_w2.to(wdev, dtype), None if mlp.fc2.bias is None else new_b2.to(wdev, dtype))
     timer.add("compensation", t)
     return {"width": w2.shape[1], "kept": kept, "rel_error": errors}
+
+
+def _prune_v(attn: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer: Timer) -> tuple[dict, nn.Module]:
+    """Remove V channels per head; predict them from the kept channels of ALL heads at proj's input.
+
+    Every head keeps ``kept`` channels (ranked within the head) so attention stays one batched op;
+    the compensation is the MLP's, applied to proj (see ``compensation``).
+    """
+    heads, d = attn.num_heads, s.sum.numel() // attn.num_heads
+    info: dict[str, Any] = {"head_dim": d, "kept": kept}
+    if kept == d:
+        info["rel_error"] = {"none": 0.0, "mean": 0.0, "corp": 0.0}
+        return info, attn
+    t = time.perf_counter()
+    dev = s.sum.device
+    w, b = _float64(attn.proj, dev)
+    scores = mlp_scores(config.ranker, s.second_moment().diagonal(), s.active / s.count, w).view(heads, d)
+    keep_h, _ = split_top(scores, kept)
+    keep, prune = C.head_channels(keep_h, d)
+    t = timer.add("ranking", t)
+    new_w, new_b, info["rel_error"] = _compensate(s, w, b, keep, prune, config)
+    dtype, wdev = attn.proj.weight.dtype, attn.proj.weight.device
+    new = fill_values(attn, keep.to(wdev), new_w.to(wdev, dtype), new_b.to(wdev, dtype))
+    timer.add("compensation", t)
+    return info, new
 
 
 def _prune_attn(attn: nn.Module, s: AttnStats, kept: int, config: PruneConfig, timer: Timer) -> tuple[dict, Any]:

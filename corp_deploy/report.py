@@ -78,28 +78,35 @@ def _pct(after: float, before: float) -> str:
     return f"{100 * (after / before - 1):+.1f}%" if before else "-"
 
 
+def _affine_cols(entry: dict | None, width: str = "head_dim") -> tuple[str, str]:
+    """Kept/width and none/mean/corp errors of an MLP or V entry, '-' where the part was not pruned."""
+    if not entry:
+        return ("-", "-")
+    e = entry["rel_error"]
+    return (f"{entry['kept']}/{entry[width]}", f"{e['none']:.3f}/{e['mean']:.3f}/{e['corp']:.3f}")
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The terminal table: per-block widths and errors, then model totals, time and memory."""
     dense, pruned = report["dense"], report["pruned"]
     lines = [
         f"{'block':>5} {'mlp kept':>10} {'mlp err none/mean/corp':>24} {'qk kept':>8} {'logit err none/corp':>20}"
-        f" {'MMACs':>15}",
+        f" {'v kept':>7} {'proj err none/mean/corp':>24} {'MMACs':>15}",
     ]
     for entry, d_blk, p_blk in zip(report["blocks"], dense["blocks"], pruned["blocks"], strict=True):
-        mlp, attn = entry.get("mlp"), entry.get("attn")
-        mlp_cols = ("-", "-")
-        if mlp:
-            e = mlp["rel_error"]
-            mlp_cols = (f"{mlp['kept']}/{mlp['width']}", f"{e['none']:.3f}/{e['mean']:.3f}/{e['corp']:.3f}")
-        attn_cols = ("-", "-")
-        if attn:
+        mlp_cols, attn_cols, v_cols = _affine_cols(entry.get("mlp"), "width"), ("-", "-"), _affine_cols(entry.get("v"))
+        if attn := entry.get("attn"):
             e = attn["rel_error"]
             attn_cols = (f"{attn['kept']}/{attn['head_dim']}", f"{e['none']:.3f}/{e['corp']:.3f}")
         macs = f"{d_blk['macs'] / 1e6:.1f}->{p_blk['macs'] / 1e6:.1f}"
         lines.append(
-            f"{entry['block']:>5} {mlp_cols[0]:>10} {mlp_cols[1]:>24} {attn_cols[0]:>8} {attn_cols[1]:>20} {macs:>15}"
+            f"{entry['block']:>5} {mlp_cols[0]:>10} {mlp_cols[1]:>24} {attn_cols[0]:>8} {attn_cols[1]:>20}"
+            f" {v_cols[0]:>7} {v_cols[1]:>24} {macs:>15}"
         )
-    lines.append("(errors: relative reconstruction error on the calibration data; mlp = fc2 output, logit = Q K^T)")
+    lines.append(
+        "(errors: relative reconstruction error on the calibration data; mlp = fc2 output, logit = Q K^T, "
+        "proj = attention output projection; v kept is per head)"
+    )
     params = _pct(pruned["params"], dense["params"])
     lines.append(
         f"params {dense['params'] / 1e6:.2f}M -> {pruned['params'] / 1e6:.2f}M ({params})"

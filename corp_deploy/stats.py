@@ -43,7 +43,10 @@ class _Sums:
 
 
 class MlpStats(_Sums):
-    """Token statistics of an MLP's hidden activation (the input of fc2)."""
+    """Token statistics of a Linear's input: an MLP's hidden activation (fc2), or the attention output (proj).
+
+    V pruning is the MLP's compensation at proj's input, so both use the same sums.
+    """
 
     def __init__(self, width: int, device: torch.device | str = "cpu") -> None:
         f64 = {"dtype": torch.float64, "device": device}
@@ -111,6 +114,7 @@ class CalibrationStats:
 
     mlp: dict[int, MlpStats] = field(default_factory=dict)
     attn: dict[int, AttnStats] = field(default_factory=dict)
+    proj: dict[int, MlpStats] = field(default_factory=dict)
     images: int = 0
     skipped: int = 0
 
@@ -121,6 +125,8 @@ class CalibrationStats:
             out += self.mlp[i].tensors()
         for i in sorted(self.attn):
             out += self.attn[i].tensors()
+        for i in sorted(self.proj):
+            out += self.proj[i].tensors()
         return out
 
     def __iadd__(self, other: CalibrationStats) -> CalibrationStats:
@@ -128,6 +134,8 @@ class CalibrationStats:
             self.mlp[i] += s
         for i, s in other.attn.items():
             self.attn[i] += s
+        for i, s in other.proj.items():
+            self.proj[i] += s
         self.images += other.images
         self.skipped += other.skipped
         return self
@@ -142,14 +150,18 @@ def _split_qk(out: Tensor, heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
     return qkv[..., 0, :, :], qkv[..., 1, :, :]
 
 
-def empty_stats(model: nn.Module, mlp: bool, attn: bool, device: torch.device | str) -> CalibrationStats:
-    """Zeroed accumulators for every block of a supported ViT."""
+def empty_stats(
+    model: nn.Module, mlp: bool, attn: bool, device: torch.device | str, proj: bool = False
+) -> CalibrationStats:
+    """Zeroed accumulators for every block of a supported ViT (``proj``: attention outputs, for V)."""
     stats = CalibrationStats()
     for i, block in enumerate(model.blocks):
         if mlp:
             stats.mlp[i] = MlpStats(block.mlp.fc2.in_features, device)
         if attn:
             stats.attn[i] = AttnStats(block.attn.num_heads, block.attn.head_dim, device)
+        if proj:
+            stats.proj[i] = MlpStats(block.attn.proj.in_features, device)
     return stats
 
 
@@ -163,12 +175,14 @@ def collect(
 ) -> CalibrationStats:
     """Run the model once over ``batches`` of (images, skipped-count), accumulating into ``stats``.
 
-    Hooks read the input of each ``mlp.fc2`` and the output of each ``attn.qkv``; they are removed
-    however the pass ends.
+    Hooks read the input of each ``mlp.fc2`` and ``attn.proj`` and the output of each ``attn.qkv``;
+    they are removed however the pass ends.
     """
     handles = []
-    for i, s in stats.mlp.items():
-        handles.append(model.blocks[i].mlp.fc2.register_forward_pre_hook(lambda _m, args, s=s: s.update(args[0])))
+    inputs = [(model.blocks[i].mlp.fc2, s) for i, s in stats.mlp.items()]
+    inputs += [(model.blocks[i].attn.proj, s) for i, s in stats.proj.items()]
+    for linear, s in inputs:
+        handles.append(linear.register_forward_pre_hook(lambda _m, args, s=s: s.update(args[0])))
     for i, s in stats.attn.items():
 
         def on_qkv(_m: nn.Module, _args: tuple, out: Tensor, s: AttnStats = s) -> None:

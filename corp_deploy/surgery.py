@@ -15,12 +15,16 @@ from torch import Tensor, nn
 
 
 class PrunedAttention(nn.Module):
-    """Multi-head self-attention whose Q/K head width differs from the V head width.
+    """Multi-head self-attention with Q/K head width ``qk_dim`` and V head width ``v_dim``.
 
     One fused ``qkv`` Linear with ``2*H*qk_dim + H*v_dim`` outputs (one GEMM), laid out
     ``[q heads | k heads | v heads]``. ``scale`` stays that of the ORIGINAL head dim: CORP's
     compensation reproduces the original logits, so rescaling by ``qk_dim ** -0.5`` would be wrong.
-    Reshapes use -1 so that no batch or sequence size is baked into exported graphs.
+    With ``qk_dim == v_dim`` this is ordinary multi-head attention, which SDPA's flash kernels take;
+    with unequal widths they do not, and ``pad_qk`` (an export-time switch, not a weight) zero-pads
+    Q and K up to ``v_dim`` after the projection: exact, since the extra dims add 0 to every logit,
+    and the smaller qkv GEMM is kept. Reshapes use -1 so that no batch or sequence size is baked
+    into exported graphs.
     """
 
     def __init__(
@@ -36,6 +40,7 @@ class PrunedAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads, self.qk_dim, self.v_dim, self.scale = num_heads, qk_dim, v_dim, scale
+        self.pad_qk = False
         self.qkv = nn.Linear(dim, num_heads * (2 * qk_dim + v_dim), bias=qkv_bias)
         self.norm: nn.Module = nn.Identity()
         self.gate: nn.Linear | None = None
@@ -49,6 +54,8 @@ class PrunedAttention(nn.Module):
         q = q.reshape(b, n, self.num_heads, -1).transpose(1, 2)
         k = k.reshape(b, n, self.num_heads, -1).transpose(1, 2)
         v = v.reshape(b, n, self.num_heads, -1).transpose(1, 2)
+        if self.pad_qk and self.qk_dim < self.v_dim:
+            q, k = (F.pad(t, (0, self.v_dim - self.qk_dim)) for t in (q, k))
         x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale)
         x = self.norm(x.transpose(1, 2).reshape(b, n, -1))
         if gate is not None:
@@ -56,13 +63,22 @@ class PrunedAttention(nn.Module):
         return self.proj(x)
 
 
-def pruned_attention_like(attn: Attention | PrunedAttention, qk_dim: int) -> PrunedAttention:
-    """An (unfilled) PrunedAttention with ``attn``'s shapes but ``qk_dim`` Q/K dims per head.
+def head_widths(attn: Attention | PrunedAttention) -> tuple[int, int]:
+    """(Q/K dims, V channels) per head of a dense or pruned attention."""
+    if isinstance(attn, PrunedAttention):
+        return attn.qk_dim, attn.v_dim
+    return attn.head_dim, attn.head_dim
 
-    ``norm`` (scale_norm) and ``gate`` act on the V width, which pruning leaves alone, so they are
-    carried over as they are; so is ``proj``.
+
+def pruned_attention_like(attn: Attention | PrunedAttention, qk_dim: int, v_dim: int | None = None) -> PrunedAttention:
+    """An (unfilled) PrunedAttention with ``attn``'s shapes but ``qk_dim``/``v_dim`` per head.
+
+    With the V width unchanged, ``norm`` (scale_norm), ``gate`` and ``proj`` act on the same channels
+    and are carried over as they are; a new V width gets a new (unfilled) ``proj`` (V pruning is only
+    planned for blocks without norm or gate).
     """
-    v_dim = attn.v_dim if isinstance(attn, PrunedAttention) else attn.head_dim
+    old_v = head_widths(attn)[1]
+    v_dim = old_v if v_dim is None else v_dim
     new = PrunedAttention(
         dim=attn.qkv.in_features,
         num_heads=attn.num_heads,
@@ -73,8 +89,23 @@ def pruned_attention_like(attn: Attention | PrunedAttention, qk_dim: int) -> Pru
         proj_bias=attn.proj.bias is not None,
         dim_out=attn.proj.out_features,
     )
-    new.norm, new.gate, new.proj = attn.norm, attn.gate, attn.proj
+    if v_dim == old_v:
+        new.norm, new.gate, new.proj = attn.norm, attn.gate, attn.proj
     return new.to(attn.qkv.weight.device, attn.qkv.weight.dtype)
+
+
+def pad_qk(model: nn.Module, enable: bool = True) -> int:
+    """Switch zero-padding of Q/K to the V width on every pruned attention; returns how many changed.
+
+    For export: the padded graph computes the same function with one head size for Q, K and V,
+    which fused attention kernels (TensorRT MHA, flash SDPA) require.
+    """
+    changed = 0
+    for m in model.modules():
+        if isinstance(m, PrunedAttention) and m.qk_dim < m.v_dim:
+            m.pad_qk = enable
+            changed += 1
+    return changed
 
 
 def shrink_mlp(mlp: Mlp, hidden: int) -> None:
@@ -86,21 +117,25 @@ def shrink_mlp(mlp: Mlp, hidden: int) -> None:
 
 
 def apply_widths(model: nn.Module, blocks: list[dict[str, int]]) -> None:
-    """Give every block the recorded widths (``mlp_hidden``, ``qk_dim``); weights are left unfilled."""
+    """Give every block the recorded widths (``mlp_hidden``, ``qk_dim``, ``v_dim``); weights are left unfilled.
+
+    Artifacts written before V pruning have no ``v_dim``: their V width is the dense head dim.
+    """
     for block, widths in zip(model.blocks, blocks, strict=True):
         if widths["mlp_hidden"] != block.mlp.fc1.out_features:
             shrink_mlp(block.mlp, widths["mlp_hidden"])
-        if widths["qk_dim"] != block.attn.head_dim:
-            block.attn = pruned_attention_like(block.attn, widths["qk_dim"])
+        d = block.attn.head_dim
+        qk, v = widths["qk_dim"], widths.get("v_dim", d)
+        if (qk, v) != (d, d):
+            block.attn = pruned_attention_like(block.attn, qk, v)
 
 
 def block_widths(model: nn.Module) -> list[dict[str, int]]:
     """Per-block widths as recorded in ``corp.json``."""
     out = []
     for block in model.blocks:
-        attn = block.attn
-        qk = attn.qk_dim if isinstance(attn, PrunedAttention) else attn.head_dim
-        out.append({"mlp_hidden": block.mlp.fc1.out_features, "qk_dim": qk, "heads": attn.num_heads})
+        qk, v = head_widths(block.attn)
+        out.append({"mlp_hidden": block.mlp.fc1.out_features, "qk_dim": qk, "v_dim": v, "heads": block.attn.num_heads})
     return out
 
 
@@ -131,4 +166,21 @@ def fill_attention(
     new.qkv.weight.copy_(torch.cat([q_w.flatten(0, 1), k_w.flatten(0, 1), attn.qkv.weight[v_rows]]))
     if new.qkv.bias is not None:
         new.qkv.bias.copy_(torch.cat([q_b.flatten(), k_b.flatten(), attn.qkv.bias[v_rows]]))
+    return new
+
+
+@torch.no_grad()
+def fill_values(attn: Attention | PrunedAttention, keep: Tensor, proj_w: Tensor, proj_b: Tensor) -> PrunedAttention:
+    """A PrunedAttention keeping V channels ``keep`` (indices into ``[v_1 | ... | v_H]``, the same
+    number per head) with proj (``proj_w``, ``proj_b``). Q/K rows of qkv are copied as they are.
+    """
+    qk, _ = head_widths(attn)
+    qk_rows = 2 * attn.num_heads * qk
+    new = pruned_attention_like(attn, qk, keep.numel() // attn.num_heads)
+    rows = torch.cat([torch.arange(qk_rows, device=keep.device), qk_rows + keep])
+    new.qkv.weight.copy_(attn.qkv.weight[rows])
+    if new.qkv.bias is not None:
+        new.qkv.bias.copy_(attn.qkv.bias[rows])
+    new.proj.weight.copy_(proj_w)
+    new.proj.bias.copy_(proj_b)
     return new

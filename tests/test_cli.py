@@ -89,6 +89,15 @@ BAD_INPUTS = {
     "sparsity >= 1": ([*BASE, "--calib", "synthetic", "--sparsity", "1.0"], "--sparsity must be in [0, 1)"),
     "negative sparsity": ([*BASE, "--calib", "synthetic", "--attn-sparsity", "-0.1"], "--attn-sparsity"),
     "zero channels left": ([*BASE, "--calib", "synthetic", "--sparsity", "0.9", "--round-to", "8"], "leaves 0"),
+    "zero V channels left": (
+        [*BASE, "--calib", "synthetic", "--target", "all", "--v-sparsity", "0.9", "--round-to", "8"],
+        "leaves 0 of 16 V channels per head (block 0)",
+    ),
+    "bad target": ([*BASE, "--calib", "synthetic", "--target", "mlp,values"], "--target must be"),
+    "V with scale-norm": (
+        [*BASE, "--calib", "synthetic", "--target", "v", "--model-arg", "scale_attn_norm=true"],
+        "V pruning is not supported for block 0",
+    ),
     "empty calib folder": ([*BASE, "--calib-dir", "{empty}"], "no images"),
     "missing calib folder": ([*BASE, "--calib-dir", "{tmp}/nope"], "does not exist"),
     "all images unreadable": ([*BASE, "--calib-dir", "{corrupt}", "--workers", "0"], "could be read"),

