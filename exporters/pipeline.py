@@ -45,7 +45,7 @@ def _verified(reference, candidate, input_size: Sequence[int], opts: VerifyOptio
     return {"reference": reference.name, "runtime": candidate.name, **summary(comparisons), "tolerance": asdict(tol)}
 
 
-def _write_sidecar(path: Path, record: dict[str, Any]) -> None:
+def write_sidecar(path: Path, record: dict[str, Any]) -> None:
     Path(f"{path}.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -73,7 +73,7 @@ def export_verified(
         "verify": check_,
         **description,
     }
-    _write_sidecar(path, record)
+    write_sidecar(path, record)
     return record
 
 
@@ -88,7 +88,7 @@ def convert_verified(src: Path, path: Path, opts: VerifyOptions = VerifyOptions(
     check_["reference"] = f"{src.name} ({check_['reference']})"
     record = {**read_metadata(proto), "file": path.name, "precision": "fp16", "bytes": path.stat().st_size}
     record |= {"seconds": round(seconds, 2), "verify": check_, "converted_from": src.name, "source_sha256": sha256(src)}
-    _write_sidecar(path, record)
+    write_sidecar(path, record)
     return record
 
 
