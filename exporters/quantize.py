@@ -64,6 +64,7 @@ SCHEME = {
     "format": "QDQ",
     "activations": "int8 symmetric, per tensor",
     "weights": "int8 symmetric, per channel",
+    "bias": "float",
     "quantizer": "onnxruntime.quantization.quantize_static",
 }
 CALIB_METHODS = ("minmax", "percentile", "entropy")
@@ -192,7 +193,7 @@ def quantize_int8(
                 activation_type=QuantType.QInt8,
                 weight_type=QuantType.QInt8,
                 calibrate_method=methods[method],
-                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
             )
     except CorpError:
         raise
