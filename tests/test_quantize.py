@@ -11,6 +11,7 @@ from conftest import TINY_CLI_ARGS, pruned_copy, tiny_vit
 from PIL import Image
 from test_cli import run
 
+from bench.backends import RunFolder, select
 from corp_deploy.api import describe
 from corp_deploy.data import list_images, sample
 from corp_deploy.errors import CorpError
@@ -115,11 +116,13 @@ def test_calibration_is_a_prefix_of_corps_sample_and_held_out_is_disjoint(tmp_pa
     assert len(few_calib) == 3 and len(few_held) == 1
 
 
-def test_quantize_cli_on_a_run_folder(tmp_path, capsys) -> None:
+def test_quantize_a_run_folder_then_bench_and_eval_its_int8_graphs(tmp_path, capsys) -> None:
     run_dir, images = tmp_path / "run", _images(tmp_path / "images", 16)
     argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
     argv += ["--calib-dir", str(images), "--num-calib", "16", "--precision", "fp32", "--out", str(run_dir)]
     assert run(argv, capsys)[0] == 0
+    _, skipped = select("auto", RunFolder.open(run_dir))
+    assert "corp-deploy quantize" in skipped["ort-cpu-int8"]
     code, out, err = run(["quantize", str(run_dir), "--calib-dir", str(images), "--int8-calib", "12"], capsys)
     assert code == 0, err
     assert "dense.int8.onnx" in out and "pruned.int8.onnx" in out and "int8" in out
@@ -127,6 +130,21 @@ def test_quantize_cli_on_a_run_folder(tmp_path, capsys) -> None:
         assert read_metadata(load_onnx(run_dir / f"{m}.int8.onnx"))["int8_calibration"]["images"] == 12
     code, _, err = run(["quantize", str(run_dir), "--calib-dir", str(images)], capsys)
     assert code == 1 and "already exists" in err and len(err.strip().splitlines()) == 1
+
+    fast = ["--min-iters", "2", "--min-seconds", "0", "--warmup-iters", "1", "--warmup-seconds", "0"]
+    bench = ["bench", str(run_dir), "--batch-sizes", "1,2", "--backends", "ort-cpu-int8", "--json", str(tmp_path / "b")]
+    assert run([*bench, *fast], capsys)[0] == 0
+    points = json.loads((tmp_path / "b").read_text())["results"]
+    assert {(p["backend"], p["model"], p["batch"]) for p in points} == {
+        ("ort-cpu-int8", m, b) for m in ("dense", "pruned") for b in (1, 2)
+    }
+    code, out, err = run(
+        ["eval", str(run_dir), "--images", str(images), "--backends", "onnx,onnx-int8", "--quiet"], capsys
+    )
+    assert code == 0, err
+    results = json.loads((run_dir / "eval.json").read_text())[-1]["results"]
+    assert results["pruned onnx-int8"]["cosine_min"] > INT8.min_cosine - 0.05  # vs dense: pruning + INT8
+    assert results["dense onnx-int8"]["cosine_min"] > INT8.min_cosine
 
 
 def test_prune_export_int8_writes_verified_int8_graphs(tmp_path, capsys) -> None:
