@@ -2,7 +2,7 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
-EXTRAS  ?= onnx,bench,demo,dev
+EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx
 
 .PHONY: setup demo smoke test lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study bench-dist \
 	gpu-suite gpu-wheels clean
@@ -19,7 +19,8 @@ $(BIN)/corp-deploy: pyproject.toml
 demo: setup
 	$(BIN)/corp-deploy demo --out runs/demo
 
-# Structure and timing only (random weights, noise calibration): prune, verified FP32/FP16 ONNX, engines.
+# Structure and timing only (random weights, noise calibration): prune, verified FP32/FP16 ONNX, engines
+# (TensorRT-RTX, built ahead of time, where there is no GPU: marked built, not executed).
 smoke: setup
 	$(BIN)/corp-deploy prune-export deit_small --weights random --calib synthetic --num-calib 64 \
 	    --sparsity 0.5 --out runs/smoke-deit_small-s50 --overwrite

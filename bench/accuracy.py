@@ -249,7 +249,7 @@ def run_runners(
     """
     from corp_deploy.artifact import META_FILE, load_pruned, read_meta
     from exporters.runners import OrtRunner, TorchRunner
-    from exporters.tensorrt_engine import TrtRunner, tensorrt_missing
+    from exporters.tensorrt_engine import TrtRunner, run_missing
 
     root = Path(root)
     artifact = root / "pruned" if (root / "pruned" / META_FILE).is_file() else root
@@ -290,7 +290,7 @@ def run_runners(
             precision = backend.removeprefix("tensorrt-")
             for which in ("dense", "pruned"):
                 path = root / f"{which}.{precision}.plan"
-                why = tensorrt_missing() or (None if path.is_file() else f"no {path.name} in {root}")
+                why = run_missing(path) if path.is_file() else f"no {path.name} in {root}"
                 if why:
                     skipped[f"{which} {backend}"] = why
                 else:

@@ -22,7 +22,7 @@ from bench.measure import Step
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta
 from corp_deploy.errors import CorpError
 from corp_deploy.models import input_size
-from exporters.tensorrt_engine import tensorrt_missing
+from exporters.tensorrt_engine import run_missing
 
 MODELS = ("dense", "pruned")
 
@@ -198,11 +198,10 @@ def _ort_missing(device: str, precision: str = "fp32") -> Callable[[RunFolder], 
 
 def _engine_missing(precision: str) -> Callable[[RunFolder], str | None]:
     def missing(run: RunFolder) -> str | None:
-        reason = tensorrt_missing()
-        if reason:
-            return reason
         absent = [run.engine(m, precision).name for m in MODELS if not run.engine(m, precision).is_file()]
-        return f"no {', '.join(absent)} in {run.root} (prune-export --precision {precision})" if absent else None
+        if absent:
+            return f"no {', '.join(absent)} in {run.root} (prune-export --precision {precision})"
+        return next(filter(None, (run_missing(run.engine(m, precision)) for m in MODELS)), None)
 
     return missing
 

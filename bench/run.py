@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import importlib
 import platform
 import shutil
 import subprocess
@@ -16,6 +18,7 @@ import corp_deploy
 from bench.backends import MODELS, Backend, RunFolder
 from bench.measure import Method, interleaved, median_of_repeats, summarize
 from corp_deploy.errors import CorpError
+from exporters.tensorrt_engine import FLAVOURS
 
 SCHEMA = "corp-deploy/bench"
 SCHEMA_VERSION = 1
@@ -54,12 +57,9 @@ def environment(threads: int) -> dict[str, Any]:
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
             "tf32_cudnn": torch.backends.cudnn.allow_tf32,
         }
-        try:
-            import tensorrt
-
-            env["tensorrt"] = tensorrt.__version__
-        except ImportError:
-            pass
+        for flavour in FLAVOURS.values():
+            with contextlib.suppress(ImportError):
+                env[flavour.name] = importlib.import_module(flavour.module).__version__
     return env
 
 

@@ -50,7 +50,15 @@ from exporters.pipeline import (
     format_summary,
 )
 from exporters.quantize import CALIB_METHODS, quantize_graphs
-from exporters.tensorrt_engine import PRECISIONS, BuildOptions, import_tensorrt, parse_profile, tensorrt_missing
+from exporters.tensorrt_engine import (
+    PRECISIONS,
+    RUNTIMES,
+    BuildOptions,
+    build_missing,
+    parse_compute_capabilities,
+    parse_profile,
+    select_flavour,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -142,6 +150,18 @@ engine_options = _options(
     click.option("--opt-level", default=3, show_default=True, help="TensorRT builder optimization level 0..5."),
     click.option("--tf32", is_flag=True, help="Allow TF32 in FP32 engines (off: exact FP32)."),
     click.option("--timing-cache", type=click.Path(dir_okay=False), help="Timing cache file [per GPU, ~/.cache]."),
+    click.option(
+        "--runtime",
+        type=click.Choice(RUNTIMES),
+        default="auto",
+        show_default=True,
+        help="Engine flavour; auto: TensorRT with a CUDA GPU, else TensorRT-RTX (builds without a GPU).",
+    ),
+    click.option(
+        "--compute-capability",
+        metavar="CC[,CC]",
+        help="TensorRT-RTX target GPUs, e.g. 8.9 (RTX 4090) or 7.5 (Turing) [8.0,8.6,8.9,12.0,12.1].",
+    ),
 )
 
 
@@ -375,30 +395,38 @@ def build_engine_command(
     opt_level: int,
     tf32: bool,
     timing_cache: str | None,
+    runtime: str,
+    compute_capability: str | None,
     verify_batches: str,
     tol_cosine: float | None,
     tol_rel: float | None,
     out: str | None,
     overwrite: bool,
 ) -> None:
-    """Build a TensorRT engine from ONNX_FILE and verify it against onnxruntime.
+    """Build a TensorRT or TensorRT-RTX engine from ONNX_FILE; verify it against onnxruntime where it can run.
 
     An FP32 graph asked for as fp16 is converted first (<name>.fp16.onnx beside it, reused while
-    the FP32 graph is unchanged): TensorRT builds the graph's own types.
+    the FP32 graph is unchanged): TensorRT builds the graph's own types. Without a supported GPU
+    (TensorRT-RTX builds ahead of time) the engine is recorded as built only, not executed.
     """
-    options = BuildOptions(precision, parse_profile(batch), workspace_gib, opt_level, tf32, _path(timing_cache))
     opts = _verify_options(verify_batches, tol_cosine, tol_rel)
+    options = _build_options(
+        precision, batch, workspace_gib, opt_level, tf32, timing_cache, runtime, compute_capability, opts
+    )
     source = Path(onnx_file)
     proto = load_onnx(source, weights=False)
     stem = source.name.removesuffix(".onnx").removesuffix(".fp16")
     engine = Path(out) if out else source.with_name(f"{stem}.{precision}.plan")
     check_writable(engine, overwrite)
-    import_tensorrt()  # fail before converting anything
+    select_flavour(options)  # fail before converting anything
     if precision == "fp16" and graph_precision(proto) == "fp32":
         source = _fp16_graph(source, source.with_name(f"{stem}.fp16.onnx"), opts)
     record = engine_verified(source, engine, options, opts, overwrite)
     click.echo(format_summary({"onnx": [], "engines": [{"file": engine.name, **record}], "engines_skipped": None}))
-    click.echo(f"wrote {engine} and {engine}.json ({record['gpu']}, TensorRT {record['tensorrt']})")
+    target = record.get("gpu") or f"targets {','.join(record['targets'])}"
+    click.echo(
+        f"wrote {engine} and {engine}.json ({record['flavour']} {record['version']}, {target}; {record['status']})"
+    )
 
 
 def _fp16_graph(src: Path, half: Path, opts: VerifyOptions) -> Path:
@@ -479,7 +507,7 @@ def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
 @verify_options
 @engine_options
 @click.option("--precision", default="fp32,fp16", show_default=True, help="Precisions to build, comma-separated.")
-@click.option("--require-engines", is_flag=True, help="Fail (instead of skipping engines) without GPU/TensorRT.")
+@click.option("--require-engines", is_flag=True, help="Fail (instead of skipping engines) where none can be built.")
 @click.option("--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (static INT8, Q/DQ), verified.")
 @int8_options
 @_out_options("Run folder")
@@ -494,6 +522,8 @@ def prune_export(
     opt_level: int,
     tf32: bool,
     timing_cache: str | None,
+    runtime: str,
+    compute_capability: str | None,
     precision: str,
     require_engines: bool,
     int8: bool,
@@ -504,15 +534,18 @@ def prune_export(
     overwrite: bool,
     **prune_args,
 ) -> None:
-    """Prune MODEL, export dense and pruned to ONNX, build TensorRT engines; verify every step.
+    """Prune MODEL, export dense and pruned to ONNX, build TensorRT engines; verify every step that can run.
 
-    Writes --out/{pruned/, dense.onnx, pruned.onnx, *.fp16.onnx, *.plan, export.json}.
+    Writes --out/{pruned/, dense.onnx, pruned.onnx, *.fp16.onnx, *.plan, export.json}. Engines
+    built ahead of time by TensorRT-RTX without a supported GPU are marked built, not executed.
     """
     precisions = _precisions(precision)
-    build = BuildOptions("fp32", parse_profile(batch), workspace_gib, opt_level, tf32, _path(timing_cache))
     opts = _verify_options(verify_batches, tol_cosine, tol_rel)
-    if require_engines and tensorrt_missing():
-        raise CorpError(f"--require-engines: cannot build TensorRT engines here: {tensorrt_missing()}")
+    build = _build_options(
+        "fp32", batch, workspace_gib, opt_level, tf32, timing_cache, runtime, compute_capability, opts
+    )
+    if require_engines and build_missing(build):
+        raise CorpError(f"--require-engines: cannot build TensorRT engines here: {build_missing(build)}")
     out = _out(out, prune_args["model"], prune_args["sparsity"], overwrite)
     run = _prune(**prune_args, keep_dense=True)
     if run is None:
@@ -685,8 +718,23 @@ def demo(out: str, sparsity: float, dataset: str, train: int, test: int, num_cal
     )
 
 
-def _path(value: str | None) -> Path | None:
-    return None if value is None else Path(value)
+def _build_options(
+    precision: str,
+    batch: str,
+    workspace_gib: float,
+    opt_level: int,
+    tf32: bool,
+    timing_cache: str | None,
+    runtime: str,
+    compute_capability: str | None,
+    opts: VerifyOptions,
+) -> BuildOptions:
+    """The engine options, checked before any work: the batch range must take the verify batches."""
+    cache = None if timing_cache is None else Path(timing_cache)
+    targets = parse_compute_capabilities(compute_capability)
+    options = BuildOptions(precision, parse_profile(batch), workspace_gib, opt_level, tf32, cache, runtime, targets)
+    options.profile.covers(opts.batches)
+    return options
 
 
 def _precisions(text: str) -> tuple[str, ...]:

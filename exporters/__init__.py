@@ -1,8 +1,8 @@
-"""Exporters: ONNX (FP32 and FP16, verified with onnxruntime) and TensorRT engines (verified too).
+"""Exporters: ONNX (FP32 and FP16, verified with onnxruntime) and TensorRT / TensorRT-RTX engines.
 
 exporters.onnx_export      PyTorch -> ONNX with a dynamic batch axis
 exporters.fp16             FP32 ONNX -> FP16-typed ONNX for strongly typed TensorRT
-exporters.tensorrt_engine  engine build, sidecar metadata and staleness checks, the engine runner
+exporters.tensorrt_engine  engine build (either flavour), sidecar metadata and checks, the engine runner
 exporters.runners          PyTorch and onnxruntime runners
 exporters.compare          comparators and tolerances
 exporters.pipeline         the verified steps and the ``prune-export`` run
@@ -13,7 +13,15 @@ from exporters.fp16 import convert_fp16
 from exporters.onnx_export import DEFAULT_OPSET, export_onnx, load_onnx, read_metadata
 from exporters.pipeline import VerifyOptions, convert_verified, engine_verified, export_run, export_verified
 from exporters.runners import OrtRunner, TorchRunner
-from exporters.tensorrt_engine import BuildOptions, Profile, TrtRunner, build_engine, parse_profile, tensorrt_missing
+from exporters.tensorrt_engine import (
+    BuildOptions,
+    Profile,
+    TrtRunner,
+    build_engine,
+    build_missing,
+    parse_profile,
+    run_missing,
+)
 
 __all__ = [
     "DEFAULT_OPSET",
@@ -28,6 +36,7 @@ __all__ = [
     "TrtRunner",
     "VerifyOptions",
     "build_engine",
+    "build_missing",
     "compare",
     "convert_fp16",
     "convert_verified",
@@ -38,6 +47,6 @@ __all__ = [
     "load_onnx",
     "parse_profile",
     "read_metadata",
-    "tensorrt_missing",
+    "run_missing",
     "verify",
 ]

@@ -2,7 +2,8 @@
 
 - ``export_verified``: PyTorch -> ONNX, checked against PyTorch with onnxruntime;
 - ``convert_verified``: FP32 ONNX -> FP16 ONNX, checked against the FP32 graph;
-- ``engine_verified``: ONNX -> TensorRT engine, checked against onnxruntime on the same graph;
+- ``engine_verified``: ONNX -> TensorRT or TensorRT-RTX engine, checked against onnxruntime on the same
+  graph where this machine can run it, else recorded as built only;
 - ``export_run``: all of it for a dense and a pruned model, as ``prune-export`` writes it.
 
 Every ONNX file gets a ``<file>.json`` sidecar holding its verification record; engines get theirs
@@ -26,7 +27,7 @@ from exporters.compare import FP16, FP32, Tolerance, check, summary, verify
 from exporters.fp16 import convert_fp16
 from exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata, sha256
 from exporters.runners import OrtRunner, TorchRunner
-from exporters.tensorrt_engine import BuildOptions, TrtRunner, build_engine, tensorrt_missing
+from exporters.tensorrt_engine import VERIFIED, BuildOptions, TrtRunner, build_engine, build_missing
 
 
 @dataclass(frozen=True)
@@ -95,16 +96,18 @@ def convert_verified(src: Path, path: Path, opts: VerifyOptions = VerifyOptions(
 def engine_verified(
     onnx_path: Path, out: Path, options: BuildOptions, opts: VerifyOptions = VerifyOptions(), overwrite: bool = False
 ) -> dict[str, Any]:
-    """Build a TensorRT engine and check it against onnxruntime on the graph it was built from."""
+    """Build an engine; where this machine can run it, check it against onnxruntime on its own graph.
+
+    Elsewhere (TensorRT-RTX builds ahead of time on machines without a supported GPU) the record
+    says "built only" and why: nothing claims a verification that did not run.
+    """
+    options.profile.covers(opts.batches)
     tol = opts.fp32 if options.precision == "fp32" and not options.tf32 else opts.fp16
-    p = options.profile
-    batches = tuple(sorted({p.min, min(p.max, max(opts.batches))}))
 
     def check_engine(engine: Path) -> dict:
         runner = TrtRunner(engine)
-        shape = runner.meta["input"]["shape"]
-        what = f"TensorRT {options.precision} engine {out.name}"
-        return _verified(OrtRunner(onnx_path), runner, shape, VerifyOptions(batches, opts.fp32, opts.fp16), tol, what)
+        what = f"{runner.label} {options.precision} engine {out.name}"
+        return _verified(OrtRunner(onnx_path), runner, runner.meta["input"]["shape"], opts, tol, what)
 
     return build_engine(onnx_path, out, options, overwrite=overwrite, check=check_engine)
 
@@ -122,7 +125,7 @@ def export_run(
     """ONNX for every model (FP16 too when asked), then an engine per model and precision.
 
     ``models`` maps a stem (``dense``, ``pruned``) to (model, description). Engines are skipped,
-    with the reason recorded, where there is no GPU or TensorRT, unless ``require_engines``.
+    with the reason recorded, where no TensorRT flavour can build them, unless ``require_engines``.
     """
     record: dict[str, Any] = {"onnx": [], "engines": [], "engines_skipped": None}
     for stem, (model, description) in models.items():
@@ -130,13 +133,13 @@ def export_run(
         record["onnx"].append(export_verified(model, fp32, description, opset, simplify, opts))
         if "fp16" in precisions:
             record["onnx"].append(convert_verified(fp32, out / f"{stem}.fp16.onnx", opts))
-    reason = tensorrt_missing()
+    build = build or BuildOptions()
+    reason = build_missing(build)
     if reason:
         if require_engines:
-            raise CorpError(f"--require-engines: cannot build TensorRT engines: {reason}")
+            raise CorpError(f"--require-engines: cannot build TensorRT engines here: {reason}")
         record["engines_skipped"] = reason
         return record
-    build = build or BuildOptions()
     for precision in precisions:
         for stem in models:
             source = out / (f"{stem}.onnx" if precision == "fp32" else f"{stem}.{precision}.onnx")
@@ -147,7 +150,7 @@ def export_run(
 
 
 def format_summary(record: dict[str, Any], params: dict[str, int] | None = None) -> str:
-    """The table ``prune-export`` prints: one row per file, verification beside it."""
+    """What ``prune-export`` prints: the ONNX files with their verification, then the engines."""
     params = params or {}
     rows = [("file", "precision", "MB", "params", "reference", "runtime", "max-abs", "cosine", "top-1", "seconds")]
     for r in record["onnx"]:
@@ -166,26 +169,36 @@ def format_summary(record: dict[str, Any], params: dict[str, int] | None = None)
                 f"{r['seconds']:.1f}",
             )
         )
-    for r in record["engines"]:
+    lines = [text_table(rows)] if record["onnx"] else []
+    if record["engines"]:
+        lines.append(format_engines(record["engines"]))
+    if record["engines_skipped"]:
+        lines.append(f"TensorRT engines skipped: {record['engines_skipped']}")
+    return "\n".join(lines)
+
+
+def format_engines(engines: Sequence[dict[str, Any]]) -> str:
+    """One row per engine: flavour, targets, size, build time, fused attention, verified or built only."""
+    rows = [("engine", "precision", "flavour", "targets", "MB", "build s", "fused attention", "status")]
+    for r in engines:
+        a = r["attention"]
+        fused = "unknown" if a["fused_mha_layers"] is None else f"{a['fused_mha_layers']}/{a['blocks'] or '?'} blocks"
         v = r["verify"]
+        status = f"verified: cosine {v['cosine']:.7f}, max-abs {v['max_abs']:.2e}" if v else "built, not executed"
         rows.append(
             (
                 r["file"],
                 r["precision"] + (" (tf32)" if r["tf32"] else ""),
-                "",
-                _millions(params.get(r["file"].split(".")[0])),
-                v["reference"],
-                v["runtime"],
-                f"{v['max_abs']:.2e}",
-                f"{v['cosine']:.7f}",
-                f"{v['top1']:.2f}",
+                f"{r['flavour']} {r['version']}",
+                ",".join(r["targets"]),
+                f"{r['engine_bytes'] / 2**20:.1f}",
                 f"{r['build_seconds']:.1f}",
+                fused,
+                status,
             )
         )
-    lines = [text_table(rows)]
-    if record["engines_skipped"]:
-        lines.append(f"TensorRT engines skipped: {record['engines_skipped']}")
-    return "\n".join(lines)
+    notes = sorted({r["status"] for r in engines if r["status"] != VERIFIED})
+    return "\n".join([text_table(rows), *(f"engines {note}" for note in notes)])
 
 
 def _millions(n: int | None) -> str:

@@ -1,15 +1,22 @@
-"""TensorRT engines: build from ONNX (strongly typed, TensorRT 10 and 11), describe, check, run.
+"""TensorRT engines in two flavours, one code path: build from ONNX, describe, check, run.
 
-Precision lives in the ONNX graph (TensorRT 11 has no FP16 builder flag; on 10.x the same strongly
-typed path is used), so an FP16 engine is built from an FP16-typed graph (``exporters.fp16``).
-Every engine gets a JSON sidecar (``<engine>.json``) recording what it is tied to: TensorRT
-version, GPU model and compute capability, and the sha256 of the engine and of its ONNX. Loading
-checks them, because a serialized engine is only valid for the GPU and TensorRT that built it.
+Flavours: full TensorRT (``tensorrt``, NVIDIA's index only; builds on the GPU it targets) and
+TensorRT for RTX (``tensorrt_rtx_bindings``, real wheels on PyPI; builds ahead of time on any
+machine, GPU or not, for a list of target compute capabilities). Their Python APIs mirror each
+other, so the builder and the runner below take the module as a parameter instead of being copied.
+
+Precision lives in the ONNX graph (both build strongly typed: TensorRT 11 and TensorRT-RTX have no
+FP16 builder flag; on TensorRT 10 the same path is used), so an FP16 engine is built from an
+FP16-typed graph (``exporters.fp16``). Every engine gets a JSON sidecar (``<engine>.json``)
+recording what it is tied to: flavour and version, the building GPU (TensorRT) or the target
+compute capabilities (TensorRT-RTX), the sha256 of the engine and of its ONNX, and whether it was
+verified against onnxruntime or only built. Loading checks them before the engine is deserialized.
 The runner uses torch CUDA tensors as I/O buffers; no pycuda.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -26,15 +33,42 @@ import torch
 import corp_deploy
 from corp_deploy.artifact import atomic_file, cache_dir, check_writable, staged
 from corp_deploy.errors import CorpError
-from exporters.onnx_export import graph_precision, load_onnx, sha256
+from exporters.onnx_export import graph_precision, load_onnx, read_metadata, sha256
 
 FORMAT = "corp-deploy/tensorrt-engine"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 PRECISIONS = ("fp32", "fp16")
-INSTALL_HINT = (
-    "install the real libraries from NVIDIA's index: pip install tensorrt --extra-index-url https://pypi.nvidia.com "
-    "(the PyPI package alone is a placeholder)"
-)
+VERIFIED = "verified against onnxruntime"
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """One TensorRT distribution: its ``--runtime`` name, import name and install command."""
+
+    name: str
+    label: str
+    module: str
+    install: str
+    builds_without_gpu: bool
+
+
+FLAVOURS = {
+    f.name: f
+    for f in (
+        Flavour(
+            "tensorrt", "TensorRT", "tensorrt", "pip install tensorrt --extra-index-url https://pypi.nvidia.com", False
+        ),
+        Flavour(
+            "tensorrt-rtx", "TensorRT-RTX", "tensorrt_rtx_bindings", "pip install 'corp-deploy[tensorrt-rtx]'", True
+        ),
+    )
+}
+RUNTIMES = ("auto", *FLAVOURS)
+RTX_COMPUTE_CAPABILITIES = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
+"""TensorRT-RTX 1.7's support matrix (its ``ComputeCapability`` enum): RTX-class GPUs, no Hopper (9.0)."""
+RTX_DEFAULT_TARGETS = ("8.0", "8.6", "8.9", "12.0", "12.1")
+"""What a TensorRT-RTX engine targets when none are set: Ampere and later; Turing (7.5) only on request."""
+RTX_GPUS = "TensorRT-RTX engines run on RTX-class GPUs (compute capability 8.0-12.x, 7.5 on request)"
 
 
 @dataclass(frozen=True)
@@ -52,6 +86,15 @@ class Profile:
     def __str__(self) -> str:
         return f"{self.min}:{self.opt}:{self.max}"
 
+    def covers(self, batches: tuple[int, ...]) -> None:
+        """Refuse verify batch sizes the engine cannot take, before anything is built."""
+        outside = [b for b in batches if not self.min <= b <= self.max]
+        if outside:
+            raise CorpError(
+                f"verify batch sizes {', '.join(map(str, outside))} are outside the engine batch range {self}: "
+                "widen --batch or change --verify-batches"
+            )
+
 
 def parse_profile(text: str) -> Profile:
     """``"1:32:256"`` -> Profile(1, 32, 256); a single number means a fixed batch."""
@@ -62,6 +105,17 @@ def parse_profile(text: str) -> Profile:
     return Profile(*(values * 3 if len(values) == 1 else values))
 
 
+def parse_compute_capabilities(text: str | None) -> tuple[str, ...]:
+    """``"8.9"`` or ``"7.5,8.6"`` -> ("7.5", "8.6"): TensorRT-RTX targets, from its support matrix."""
+    values = {v.strip() for v in (text or "").split(",") if v.strip()}
+    if text is not None and (not values or not values <= set(RTX_COMPUTE_CAPABILITIES)):
+        raise CorpError(
+            f"--compute-capability takes TensorRT-RTX targets from {', '.join(RTX_COMPUTE_CAPABILITIES)} "
+            f"(comma-separated), got {text!r}"
+        )
+    return tuple(cc for cc in RTX_COMPUTE_CAPABILITIES if cc in values)
+
+
 @dataclass(frozen=True)
 class BuildOptions:
     precision: str = "fp16"
@@ -70,6 +124,8 @@ class BuildOptions:
     opt_level: int = 3
     tf32: bool = False
     timing_cache: Path | None = None
+    runtime: str = "auto"
+    compute_capabilities: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -78,33 +134,54 @@ class BuildOptions:
             raise CorpError(f"--opt-level must be 0..5 (TensorRT builder optimization level), got {self.opt_level}")
         if self.workspace_gib <= 0:
             raise CorpError(f"--workspace-gib must be > 0, got {self.workspace_gib}")
+        if self.runtime not in RUNTIMES:
+            raise CorpError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
+        if self.runtime == "tensorrt" and self.compute_capabilities:
+            raise CorpError(
+                "--compute-capability is for --runtime tensorrt-rtx: TensorRT builds for the GPU it runs on"
+            )
+        if self.runtime == "tensorrt-rtx" and self.timing_cache:
+            raise CorpError("--timing-cache is for --runtime tensorrt: TensorRT-RTX has no timing cache")
+
+    @property
+    def candidates(self) -> list[Flavour]:
+        """Flavours to try, in order: auto prefers TensorRT, unless only TensorRT-RTX fits the options."""
+        if self.runtime != "auto":
+            return [FLAVOURS[self.runtime]]
+        if self.compute_capabilities:
+            return [FLAVOURS["tensorrt-rtx"]]
+        return list(FLAVOURS.values())
 
 
-def tensorrt_missing() -> str | None:
-    """Why engines cannot be built or run here, or None when they can."""
-    if not torch.cuda.is_available():
-        return "no CUDA GPU visible"
+def flavour_missing(flavour: Flavour) -> str | None:
+    """Why ``flavour`` cannot build engines here, or None when it can."""
     try:
-        import tensorrt  # noqa: F401
+        importlib.import_module(flavour.module)
     except ImportError:
-        return f"TensorRT is not installed ({INSTALL_HINT})"
+        return f"{flavour.label} is not installed ({flavour.install})"
+    if not flavour.builds_without_gpu and not torch.cuda.is_available():
+        return f"{flavour.label} needs a CUDA GPU to build (none visible)"
     return None
 
 
-def import_tensorrt():
-    reason = tensorrt_missing()
-    if reason:
-        raise CorpError(f"TensorRT engines need a CUDA GPU and TensorRT: {reason}")
-    import tensorrt as trt
-
-    return trt
+def build_missing(options: BuildOptions = BuildOptions()) -> str | None:
+    """Why no engine can be built here with ``options``: every candidate flavour's reason, or None."""
+    reasons = [flavour_missing(f) for f in options.candidates]
+    return None if None in reasons else "; ".join(reasons)  # type: ignore[arg-type]
 
 
-def platform_info(trt) -> dict[str, str]:
-    """What a serialized engine is tied to, for this process's current GPU."""
+def select_flavour(options: BuildOptions = BuildOptions()) -> tuple[Flavour, Any]:
+    """The flavour that builds here and its module; one line naming every install command if none."""
+    for flavour in options.candidates:
+        if flavour_missing(flavour) is None:
+            return flavour, importlib.import_module(flavour.module)
+    raise CorpError(f"cannot build TensorRT engines here: {build_missing(options)}")
+
+
+def gpu_here() -> dict[str, str]:
+    """The current CUDA GPU, as engine sidecars name it."""
     major, minor = torch.cuda.get_device_capability()
     return {
-        "tensorrt": trt.__version__,
         "gpu": torch.cuda.get_device_name(),
         "compute_capability": f"{major}.{minor}",
         "cuda": torch.version.cuda or "unknown",
@@ -113,8 +190,7 @@ def platform_info(trt) -> dict[str, str]:
 
 def default_timing_cache(trt) -> Path:
     """One cache per TensorRT version and GPU model, shared by every build on this machine."""
-    info = platform_info(trt)
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"trt{info['tensorrt']}-{info['gpu']}").strip("-")
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"trt{trt.__version__}-{gpu_here()['gpu']}").strip("-")
     return cache_dir() / f"{slug}.timing-cache"
 
 
@@ -132,10 +208,11 @@ def build_engine(
     """Build ``out`` from ``onnx_path``; write the engine and its sidecar; return the sidecar's record.
 
     The graph's own types decide the precision: ``options.precision`` must match them. ``check``
-    runs on the finished engine before it is moved into place (its result goes into the record
-    under ``verify``); if it raises, nothing is written.
+    runs on the finished engine before it is moved into place, when this machine can run the
+    engine (its result goes into the record under ``verify``); if it raises, nothing is written.
+    Otherwise the record says the engine was built only, and why it was not executed.
     """
-    trt = import_tensorrt()
+    flavour, trt = select_flavour(options)
     onnx_path, out = Path(onnx_path), Path(out)
     check_writable(out, overwrite)
     proto = load_onnx(onnx_path, weights=False)
@@ -144,16 +221,17 @@ def build_engine(
             f"{onnx_path} is an {graph_precision(proto)} graph but a {options.precision} engine was asked for; "
             "strongly typed TensorRT builds the graph's own types (convert with `corp-deploy export --fp16`)"
         )
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
+    log = _build_log(trt, flavour)
+    builder = trt.Builder(log)
     network = builder.create_network(_strongly_typed_flag(trt))
-    parser = trt.OnnxParser(network, logger)
+    parser = trt.OnnxParser(network, log)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i).desc()) for i in range(parser.num_errors))
-        raise CorpError(f"TensorRT cannot parse {onnx_path}: {errors}")
+        raise CorpError(f"{flavour.label} cannot parse {onnx_path}: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gib * 2**30))
     config.builder_optimization_level = options.opt_level
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # the log then lists the built layers
     tf32_flag = getattr(trt.BuilderFlag, "TF32", None)
     if tf32_flag is not None:
         (config.set_flag if options.tf32 else config.clear_flag)(tf32_flag)
@@ -163,21 +241,26 @@ def build_engine(
     p = options.profile
     profile.set_shape(image.name, (p.min, *shape), (p.opt, *shape), (p.max, *shape))
     config.add_optimization_profile(profile)
-    cache_path = options.timing_cache or default_timing_cache(trt)
-    _use_timing_cache(config, cache_path)
+    if flavour.builds_without_gpu:
+        target = _set_targets(trt, config, options.compute_capabilities)
+        cache_path = None
+    else:
+        target = {**gpu_here(), "targets": [gpu_here()["compute_capability"]]}
+        cache_path = options.timing_cache or default_timing_cache(trt)
+        _use_timing_cache(config, cache_path)
 
     start = time.perf_counter()
     serialized = builder.build_serialized_network(network, config)
     seconds = time.perf_counter() - start
     if serialized is None:
-        raise CorpError(
-            f"TensorRT could not build an engine from {onnx_path} (its log is above); "
-            "try a larger --workspace-gib or a smaller max batch"
-        )
+        why = log.last_error or "no error logged; try a larger --workspace-gib or a smaller max batch"
+        raise CorpError(f"{flavour.label} could not build an engine from {onnx_path}: {why}")
     record = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        **platform_info(trt),
+        "flavour": flavour.name,
+        "version": trt.__version__,
+        **target,
         "precision": options.precision,
         "tf32": bool(options.tf32 and tf32_flag is not None),
         "profile": asdict(p),
@@ -185,6 +268,8 @@ def build_engine(
         "workspace_gib": options.workspace_gib,
         "opt_level": options.opt_level,
         "build_seconds": round(seconds, 2),
+        "engine_bytes": serialized.nbytes,
+        "attention": {"blocks": len(read_metadata(proto).get("structure", [])) or None, **log.attention()},
         # Relative to the engine, so that a run folder can move as a whole.
         "onnx": {"path": os.path.relpath(onnx_path.resolve(), out.parent.resolve()), "sha256": sha256(onnx_path)},
         "corp_deploy": corp_deploy.__version__,
@@ -193,18 +278,65 @@ def build_engine(
         engine = stage / out.name
         engine.write_bytes(memoryview(serialized))
         record["engine_sha256"] = sha256(engine)
+        why = "no check asked for" if check is None else run_missing(engine, meta=record)
+        record |= {"verify": None, "status": f"built only (not executed: {why})" if why else VERIFIED}
         sidecar(engine).write_text(json.dumps(record, indent=2) + "\n")
-        if check is not None:
+        if not why:
             record["verify"] = check(engine)
             sidecar(engine).write_text(json.dumps(record, indent=2) + "\n")
-    _save_timing_cache(config, cache_path)
+    if cache_path is not None:
+        _save_timing_cache(config, cache_path)
     return record
 
 
+FUSED_ATTENTION = re.compile(r"Name: ([^,\s]*_mha[^,\s]*), LayerType")
+"""A fused multi-head-attention kernel in the builder's layer list (e.g. ``_gemm_mha_v2_myl0_6``)."""
+
+
+def _build_log(trt, flavour: Flavour):
+    """A logger that keeps what the builder says about the layers it built and the last error.
+
+    The layer list (needs ``ProfilingVerbosity.DETAILED`` and verbose logging) is the one place an
+    ahead-of-time build shows whether attention became one fused kernel: the engine inspector
+    needs a deserialized engine, hence a GPU. Warnings go to Python's warnings, one line each.
+    """
+
+    class BuildLog(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self.layer_lists: list[str] = []
+            self.last_error: str | None = None
+
+        def log(self, severity, msg: str) -> None:
+            if "LayerType:" in msg:
+                self.layer_lists.append(msg)
+            elif severity <= trt.ILogger.ERROR:
+                self.last_error = " ".join(msg.split())
+            elif severity == trt.ILogger.WARNING:
+                warnings.warn(f"{flavour.label}: {' '.join(msg.split())}", stacklevel=2)
+
+        def attention(self) -> dict[str, Any]:
+            if not self.layer_lists:
+                return {"fused_mha_layers": None, "seen_in": "nothing: the builder listed no layers"}
+            names = {m for text in self.layer_lists for m in FUSED_ATTENTION.findall(text)}
+            return {"fused_mha_layers": len(names), "seen_in": "the builder's layer list (verbose log)"}
+
+    return BuildLog()
+
+
 def _strongly_typed_flag(trt) -> int:
-    """Strong typing: opt-in on TensorRT 10.x, always on (flag ignored) on 11.x."""
+    """Strong typing: opt-in on TensorRT 10.x, always on (flag ignored) on 11.x and TensorRT-RTX."""
     flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     return 0 if flag is None else 1 << int(flag)
+
+
+def _set_targets(trt, config, targets: tuple[str, ...]) -> dict[str, Any]:
+    """TensorRT-RTX's target compute capabilities (its default when none): recorded instead of a GPU."""
+    if targets:
+        config.num_compute_capabilities = len(targets)
+        for i, cc in enumerate(targets):
+            config.set_compute_capability(getattr(trt.ComputeCapability, "SM" + cc.replace(".", "")), i)
+    return {"targets": list(targets or RTX_DEFAULT_TARGETS), "targets_default": not targets}
 
 
 def _use_timing_cache(config, path: Path) -> None:
@@ -234,7 +366,11 @@ def read_engine_meta(engine: str | Path) -> dict[str, Any]:
         ) from None
     except json.JSONDecodeError:
         raise CorpError(f"{sidecar(engine)} is corrupt; rebuild the engine with `corp-deploy build-engine`") from None
-    if meta.get("format") != FORMAT or meta.get("format_version", 0) > FORMAT_VERSION:
+    if (
+        meta.get("format") != FORMAT
+        or meta.get("format_version") != FORMAT_VERSION
+        or meta.get("flavour") not in FLAVOURS
+    ):
         raise CorpError(f"{sidecar(engine)} is not engine metadata this corp-deploy reads; rebuild the engine")
     if meta.get("engine_sha256") != sha256(engine):
         raise CorpError(f"{engine} is not the file its {sidecar(engine).name} describes; rebuild the engine")
@@ -242,30 +378,75 @@ def read_engine_meta(engine: str | Path) -> dict[str, Any]:
 
 
 def check_compatible(meta: dict[str, Any], here: dict[str, str], engine: str | Path) -> None:
-    """Refuse an engine built for another GPU model or TensorRT version, or from an ONNX since changed."""
-    for key, label in (("tensorrt", "TensorRT"), ("gpu", "GPU"), ("compute_capability", "compute capability")):
-        if meta.get(key) != here[key]:
-            raise CorpError(
-                f"{engine} was built for {label} {meta.get(key)} but this machine has {here[key]}; "
-                "engines are tied to the GPU and TensorRT that built them: rebuild with `corp-deploy build-engine`"
-            )
+    """Refuse an engine this GPU and library cannot run, or built from an ONNX since changed.
+
+    ``here`` holds the running library's ``version`` and the GPU (``gpu_here``). A TensorRT
+    engine is tied to the GPU model that built it; a TensorRT-RTX engine to its target compute
+    capabilities, which must be in TensorRT-RTX's support matrix (RTX-class GPUs, not Hopper).
+    """
+    label, name = FLAVOURS[meta["flavour"]].label, Path(engine).name
+    if meta["version"] != here["version"]:
+        raise CorpError(
+            f"{name} was built with {label} {meta['version']} but this machine has {here['version']}; "
+            "engines are tied to the library that built them: rebuild it with `corp-deploy build-engine`"
+        )
+    cc, gpu = here["compute_capability"], f"{here['gpu']}, {here['compute_capability']}"
+    if meta["flavour"] == "tensorrt-rtx" and cc not in RTX_COMPUTE_CAPABILITIES:
+        raise CorpError(f"{RTX_GPUS}; this GPU is {gpu}")
+    if meta["flavour"] == "tensorrt-rtx" and cc not in meta["targets"]:
+        raise CorpError(
+            f"{name} targets compute capability {', '.join(meta['targets'])}; this GPU is {gpu}: "
+            f"rebuild it with --compute-capability {cc}"
+        )
+    if meta["flavour"] == "tensorrt" and (meta["gpu"], meta["compute_capability"]) != (here["gpu"], cc):
+        raise CorpError(
+            f"{name} was built on {meta['gpu']} ({meta['compute_capability']}) but this GPU is {gpu}; "
+            "TensorRT engines are tied to the GPU that built them: rebuild it with `corp-deploy build-engine`"
+        )
     source = Path(engine).parent / meta["onnx"]["path"]
     if source.is_file() and sha256(source) != meta["onnx"]["sha256"]:
         raise CorpError(f"{engine} is stale: {source} changed after it was built; rebuild the engine")
 
 
+def load_runtime(meta: dict[str, Any], engine: str | Path, runtime: str = "auto"):
+    """The module that runs ``engine`` here (auto: its own flavour), after every check short of deserializing."""
+    flavour, asked = FLAVOURS[meta["flavour"]], FLAVOURS.get(runtime, FLAVOURS[meta["flavour"]])
+    if asked != flavour:
+        raise CorpError(
+            f"{Path(engine).name} is a {flavour.label} engine, not a {asked.label} one: "
+            f"run it with --runtime {flavour.name} or rebuild it with --runtime {asked.name}"
+        )
+    try:
+        trt = importlib.import_module(flavour.module)
+    except ImportError:
+        raise CorpError(f"{Path(engine).name} is a {flavour.label} engine: {flavour_missing(flavour)}") from None
+    if not torch.cuda.is_available():
+        raise CorpError("no supported GPU here: no CUDA GPU is visible")
+    check_compatible(meta, {"version": trt.__version__, **gpu_here()}, engine)
+    return trt
+
+
+def run_missing(engine: str | Path, runtime: str = "auto", meta: dict[str, Any] | None = None) -> str | None:
+    """Why ``engine`` cannot run here (its sidecar, the library, the GPU), or None."""
+    try:
+        load_runtime(meta or read_engine_meta(engine), engine, runtime)
+    except CorpError as e:
+        return str(e)
+    return None
+
+
 class TrtRunner:
     """A deserialized engine with one execution context; I/O through torch CUDA tensors."""
 
-    def __init__(self, engine: str | Path):
-        trt = import_tensorrt()
+    def __init__(self, engine: str | Path, runtime: str = "auto"):
         self.meta = read_engine_meta(engine)
-        check_compatible(self.meta, platform_info(trt), engine)
+        trt = load_runtime(self.meta, engine, runtime)
+        self.label = FLAVOURS[self.meta["flavour"]].label
         self._logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self._logger)
         self.engine = self.runtime.deserialize_cuda_engine(Path(engine).read_bytes())
         if self.engine is None:
-            raise CorpError(f"TensorRT could not deserialize {engine}; rebuild it with `corp-deploy build-engine`")
+            raise CorpError(f"{self.label} could not deserialize {engine}; rebuild it with `corp-deploy build-engine`")
         self.context = self.engine.create_execution_context()
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
@@ -276,7 +457,7 @@ class TrtRunner:
         self.input_dtype = _torch_dtype(trt, self.engine.get_tensor_dtype(self.input))
         self.output_dtype = _torch_dtype(trt, self.engine.get_tensor_dtype(self.output))
         self.profile = Profile(**self.meta["profile"])
-        self.name = f"tensorrt-{self.meta['precision']}"
+        self.name = f"{self.meta['flavour']}-{self.meta['precision']}"
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """Enqueue one inference on the current torch stream; ``x`` must already be on the GPU."""
@@ -288,7 +469,7 @@ class TrtRunner:
         out = torch.empty(tuple(self.context.get_tensor_shape(self.output)), dtype=self.output_dtype, device=x.device)
         self.context.set_tensor_address(self.output, out.data_ptr())
         if not self.context.execute_async_v3(torch.cuda.current_stream().cuda_stream):
-            raise CorpError("TensorRT execution failed (see its log above)")
+            raise CorpError(f"{self.label} execution failed (see its log above)")
         return out
 
     def __call__(self, x: np.ndarray) -> np.ndarray:

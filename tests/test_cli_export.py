@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,13 @@ from test_cli import BASE, run
 import corp_deploy
 from exporters.compare import FP32, compare, random_inputs
 from exporters.runners import OrtRunner, TorchRunner
-from exporters.tensorrt_engine import tensorrt_missing
+from exporters.tensorrt_engine import FLAVOURS, VERIFIED, build_missing
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
 
 PRUNE_EXPORT = ["prune-export", *BASE[1:], "--calib", "synthetic", "--batch", "1:4:8"]
-TRT_MISSING = tensorrt_missing()
+ENGINES_MISSING = build_missing()
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def artifact(tmp_path_factory) -> Path:
     return out
 
 
-def test_prune_export_writes_verified_onnx_and_says_why_engines_are_skipped(tmp_path, capsys) -> None:
+def test_prune_export_writes_verified_onnx_and_engines_or_says_why_not(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     code, stdout, stderr = run([*PRUNE_EXPORT, "--out", str(out)], capsys)
     assert code == 0, stderr
@@ -47,13 +48,18 @@ def test_prune_export_writes_verified_onnx_and_says_why_engines_are_skipped(tmp_
     reloaded = TorchRunner(corp_deploy.load_pruned(out / "pruned"))(x)
     assert compare(reloaded, OrtRunner(out / "pruned.onnx", "cpu")(x)).within(FP32)
     assert "pruned.fp16.onnx" in stdout and "cosine" in stdout
-    if TRT_MISSING:
-        assert f"TensorRT engines skipped: {TRT_MISSING}" in stdout
-        assert record["engines"] == [] and record["engines_skipped"] == TRT_MISSING
+    if ENGINES_MISSING:
+        assert f"TensorRT engines skipped: {ENGINES_MISSING}" in stdout
+        assert record["engines"] == [] and record["engines_skipped"] == ENGINES_MISSING
     else:
         assert {e["file"] for e in record["engines"]} == {
             f"{m}.{p}.plan" for m in ("dense", "pruned") for p in ("fp32", "fp16")
         }
+        for e in record["engines"]:
+            assert (out / e["file"]).stat().st_size == e["engine_bytes"]
+            assert (e["status"] == VERIFIED) == (e["verify"] is not None)
+        unverified = sum(e["verify"] is None for e in record["engines"])
+        assert stdout.count("built, not executed") == unverified
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no temporary leftovers
 
 
@@ -106,16 +112,34 @@ BAD = {
     "prune-export bad precision": ([*PRUNE_EXPORT, "--precision", "fp32,int8", "--out", "{tmp}/run"], "fp32, fp16"),
     "prune-export reversed batch": ([*PRUNE_EXPORT, "--batch", "4:2:1", "--out", "{tmp}/run"], "min <= opt"),
 }
-if TRT_MISSING:
-    BAD["tensorrt missing"] = (["build-engine", "{onnx}"], "TensorRT engines need a CUDA GPU and TensorRT")
-    BAD["require engines"] = ([*PRUNE_EXPORT, "--require-engines", "--out", "{tmp}/run"], "--require-engines")
+NO_ENGINES = {
+    "build-engine": (
+        ["build-engine", "{onnx}"],
+        "cannot build TensorRT engines here: TensorRT is not installed (pip install tensorrt --extra-index-url "
+        "https://pypi.nvidia.com); TensorRT-RTX is not installed (pip install 'corp-deploy[tensorrt-rtx]')",
+    ),
+    "require engines": ([*PRUNE_EXPORT, "--require-engines", "--out", "{tmp}/run"], "--require-engines: cannot"),
+    "runtime tensorrt-rtx": (["build-engine", "{onnx}", "--runtime", "tensorrt-rtx"], "TensorRT-RTX is not installed"),
+}
+BAD |= {f"no engine library: {case}": (argv, message) for case, (argv, message) in NO_ENGINES.items()}
+BAD |= {
+    "compute capability 9.0": (["build-engine", "{onnx}", "--compute-capability", "9.0"], "7.5, 8.0, 8.6, 8.9, 12.0"),
+    "profile misses verify batch": (["build-engine", "{onnx}", "--batch", "2:4:8"], "verify batch sizes 1 are outside"),
+    "tensorrt with targets": (
+        ["build-engine", "{onnx}", "--runtime", "tensorrt", "--compute-capability", "8.9"],
+        "--compute-capability is for --runtime tensorrt-rtx",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-def test_bad_export_input_is_one_line_and_writes_nothing(case, artifact, tmp_path, capsys) -> None:
+def test_bad_export_input_is_one_line_and_writes_nothing(case, artifact, tmp_path, capsys, monkeypatch) -> None:
     onnx = tmp_path / "ok.onnx"
-    if case == "tensorrt missing":
+    if "{onnx}" in BAD[case][0]:
         assert run(["export", str(artifact), "--out", str(onnx)], capsys)[0] == 0
+    if case.startswith("no engine library"):
+        for flavour in FLAVOURS.values():
+            monkeypatch.setitem(sys.modules, flavour.module, None)  # neither flavour importable
     places = {"tmp": tmp_path, "junk": _not_onnx(tmp_path), "artifact": artifact, "onnx": onnx}
     before = sorted(p.name for p in tmp_path.iterdir())
     argv, expected = BAD[case]
