@@ -19,7 +19,15 @@ from corp_deploy.pruner import PruneConfig
 from exporters.compare import INT8, compare
 from exporters.onnx_export import load_onnx, read_metadata
 from exporters.pipeline import export_verified
-from exporters.quantize import INT8_OPS, folder_split, quantize_graphs, require_qdq, split_images
+from exporters.quantize import (
+    ATTENTION_MATMUL,
+    INT8_OPS,
+    activation_gemms,
+    folder_split,
+    quantize_graphs,
+    require_qdq,
+    split_images,
+)
 from exporters.runners import OrtRunner
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
@@ -59,15 +67,17 @@ def _initializer(proto, name: str) -> np.ndarray:
 
 @pytest.mark.parametrize("which", [0, 1], ids=["dense", "pruned"])
 def test_int8_graph_is_symmetric_per_channel_qdq_with_a_dynamic_batch(quantized, which) -> None:
-    """Every GEMM reads dequantized INT8 inputs; zero points are 0 (TensorRT's rule); weights per channel."""
+    """Weight GEMMs read dequantized INT8 inputs, attention matmuls stay float; zero points 0 (TensorRT's rule)."""
     src, out = quantized["pairs"][which]
     proto = load_onnx(out)
     nodes = proto.graph.node
     producers = {o: n for n in nodes for o in n.output}
     gemms = [n for n in nodes if n.op_type in INT8_OPS]
-    assert len(gemms) == sum(n.op_type in INT8_OPS for n in load_onnx(src).graph.node) > 0
+    attention = set(activation_gemms(load_onnx(src)))
+    assert len(gemms) == sum(n.op_type in INT8_OPS for n in load_onnx(src).graph.node) > len(attention) == 4
     for n in gemms:
-        assert all(producers[i].op_type == "DequantizeLinear" for i in n.input[:2]), n.name
+        dequantized = [i in producers and producers[i].op_type == "DequantizeLinear" for i in n.input[:2]]
+        assert dequantized == ([False, False] if n.name in attention else [True, True]), n.name
     quants = [n for n in nodes if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
     zero_points = [_initializer(proto, n.input[2]) for n in quants]
     assert all(z.dtype == np.int8 and not z.any() for z in zero_points)
@@ -100,7 +110,7 @@ def test_int8_metadata_records_scheme_float_ops_and_calibration(quantized) -> No
     meta = read_metadata(load_onnx(out, weights=False))
     assert meta["precision"] == "int8"
     assert meta["int8_scheme"]["format"] == "QDQ" and "symmetric" in meta["int8_scheme"]["activations"]
-    assert {"LayerNormalization", "Softmax", "Gelu"} <= set(meta["int8_float_ops"])
+    assert {"LayerNormalization", "Softmax", "Gelu", ATTENTION_MATMUL} <= set(meta["int8_float_ops"])
     assert not set(meta["int8_float_ops"]) & set(meta["int8_ops"])
     assert meta["int8_calibration"] == {"images": 24, "method": "minmax", "source": str(quantized["images"]), "seed": 0}
     assert meta["structure"] == read_metadata(load_onnx(src))["structure"]  # inherited from the FP32 graph
