@@ -218,7 +218,7 @@ def format_evaluation(evaluation: Evaluation, header: str) -> str:
 
 # -------------------------------------------------------------------- runners of a run folder
 
-EVAL_BACKENDS = ("torch", "onnx", "onnx-int8", "tensorrt-fp32", "tensorrt-fp16")
+EVAL_BACKENDS = ("torch", "onnx", "onnx-int8", "tensorrt-fp32", "tensorrt-fp16", "tensorrt-int8")
 
 
 def dense_model(meta: dict[str, Any], checkpoint: str | None = None) -> torch.nn.Module | None:

@@ -218,6 +218,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("ort-cuda-fp32", "cuda", "fp32", _ort("gpu"), _ort_missing("gpu")),
         Backend("tensorrt-fp32", "cuda", "fp32", _tensorrt("fp32"), _engine_missing("fp32")),
         Backend("tensorrt-fp16", "cuda", "fp16", _tensorrt("fp16"), _engine_missing("fp16")),
+        Backend("tensorrt-int8", "cuda", "int8", _tensorrt("int8"), _engine_missing("int8")),
     )
 }
 """Every backend, CPU first; ``auto`` keeps those that can run here."""

@@ -7,6 +7,7 @@ traceback; outputs appear only when complete.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import shlex
@@ -57,6 +58,7 @@ from exporters.tensorrt_engine import (
     build_missing,
     parse_compute_capabilities,
     parse_profile,
+    require_precision,
     select_flavour,
 )
 
@@ -382,7 +384,7 @@ def export(
 
 @cli.command("build-engine")
 @click.argument("onnx_file", type=click.Path())
-@click.option("--precision", default="fp16", show_default=True, help="fp32 or fp16.")
+@click.option("--precision", default="fp16", show_default=True, help="fp32, fp16 or int8 (from a Q/DQ graph).")
 @engine_options
 @verify_options
 @click.option("--out", type=click.Path(dir_okay=False), help="Engine file [<name>.<precision>.plan beside the ONNX].")
@@ -415,9 +417,11 @@ def build_engine_command(
     )
     source = Path(onnx_file)
     proto = load_onnx(source, weights=False)
-    stem = source.name.removesuffix(".onnx").removesuffix(".fp16")
+    stem = source.name.removesuffix(".onnx").removesuffix(".fp16").removesuffix(".int8")
     engine = Path(out) if out else source.with_name(f"{stem}.{precision}.plan")
     check_writable(engine, overwrite)
+    if precision == "int8":  # made by `quantize`, never converted here: it needs calibration images
+        require_precision(proto, source, precision)
     select_flavour(options)  # fail before converting anything
     if precision == "fp16" and graph_precision(proto) == "fp32":
         source = _fp16_graph(source, source.with_name(f"{stem}.fp16.onnx"), opts)
@@ -506,7 +510,9 @@ def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
 @onnx_options
 @verify_options
 @engine_options
-@click.option("--precision", default="fp32,fp16", show_default=True, help="Precisions to build, comma-separated.")
+@click.option(
+    "--precision", default="fp32,fp16", show_default=True, help="Engine precisions: fp32, fp16, int8 (implies --int8)."
+)
 @click.option("--require-engines", is_flag=True, help="Fail (instead of skipping engines) where none can be built.")
 @click.option("--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (static INT8, Q/DQ), verified.")
 @int8_options
@@ -547,6 +553,19 @@ def prune_export(
     if require_engines and build_missing(build):
         raise CorpError(f"--require-engines: cannot build TensorRT engines here: {build_missing(build)}")
     out = _out(out, prune_args["model"], prune_args["sparsity"], overwrite)
+    quantize = None
+    if int8 or "int8" in precisions:  # INT8 engines are built from the INT8 graphs
+        source = _calibration_source(prune_args["calib_dir"], prune_args["calib"])
+        quantize = functools.partial(
+            quantize_graphs,
+            source=source,
+            tol=opts.int8,
+            num_calib=int8_calib,
+            num_verify=int8_verify,
+            seed=prune_args["seed"],
+            method=calib_method,
+            workers=prune_args["workers"] or 0,
+        )
     run = _prune(**prune_args, keep_dense=True)
     if run is None:
         return
@@ -557,13 +576,7 @@ def prune_export(
     }
     with atomic_dir(out, overwrite) as tmp:
         api.save(run.result, tmp / "pruned", run.name, run.args, weights=run.weights)
-        record = export_run(models, tmp, precisions, opset, simplify, opts, build, require_engines)
-        if int8:
-            source = _calibration_source(prune_args["calib_dir"], prune_args["calib"])
-            int8_tol = _tolerance(INT8, tol_cosine, tol_rel)
-            pairs = [(tmp / f"{m}.onnx", tmp / f"{m}.int8.onnx") for m in models]
-            args = (int8_calib, int8_verify, prune_args["seed"], calib_method, prune_args["workers"] or 0)
-            record["onnx"] += quantize_graphs(pairs, source, int8_tol, *args)
+        record = export_run(models, tmp, precisions, opset, simplify, opts, build, require_engines, quantize)
         sizes = {k: {m: run.result.report[k][m] for m in ("params", "macs")} for k in ("dense", "pruned")}
         record = {"model": run.name, "prune_config": run.result.report["config"], "size": sizes, **record}
         record["versions"] = api.versions()
@@ -659,7 +672,10 @@ def bench(
 @click.option("--num", default=10**9, show_default="all", help="Evaluate a seeded subset of this many images.")
 @click.option("--batch-size", default=32, show_default=True)
 @click.option(
-    "--backends", default="auto", show_default=True, help="auto, or a comma list of torch, onnx, tensorrt-fp32/fp16."
+    "--backends",
+    default="auto",
+    show_default=True,
+    help="auto, or a comma list of torch, onnx, onnx-int8, tensorrt-fp32/fp16/int8.",
 )
 @click.option("--checkpoint", type=click.Path(dir_okay=False), help="The dense weights, if the recorded ones moved.")
 @click.option("--seed", default=0, show_default=True)
@@ -753,7 +769,7 @@ def _verify_options(batches: str, tol_cosine: float | None, tol_rel: float | Non
         sizes = ()
     if len(sizes) < 2 or sizes[0] < 1:
         raise CorpError(f"--verify-batches needs two or more batch sizes >= 1 (e.g. 1,4), got {batches!r}")
-    return VerifyOptions(sizes, _tolerance(FP32, tol_cosine, tol_rel), _tolerance(FP16, tol_cosine, tol_rel))
+    return VerifyOptions(sizes, *(_tolerance(t, tol_cosine, tol_rel) for t in (FP32, FP16, INT8)))
 
 
 def _tolerance(default: Tolerance, tol_cosine: float | None, tol_rel: float | None) -> Tolerance:

@@ -78,16 +78,6 @@ def is_quantized(proto) -> bool:
     return read_metadata(proto).get("precision") == "int8" or any(n.op_type in QUANTIZED_OPS for n in proto.graph.node)
 
 
-def require_qdq(path: str | Path) -> None:
-    """An INT8 engine is built from the Q/DQ graph's own scales: refuse a float graph."""
-    proto = load_onnx(path, weights=False)
-    if not any(n.op_type == "QuantizeLinear" for n in proto.graph.node):
-        raise CorpError(
-            f"an INT8 engine needs a Q/DQ graph and {path} has no QuantizeLinear nodes; "
-            f"make one with `corp-deploy quantize {path} --calib-dir DIR` and build from its .int8.onnx"
-        )
-
-
 def split_images(files: Sequence[Path], num_calib: int, num_verify: int, seed: int) -> tuple[list[Path], list[Path]]:
     """(calibration, held-out) files: prefixes of one seeded permutation, as ``data.sample`` draws them.
 

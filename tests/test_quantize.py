@@ -14,7 +14,6 @@ from test_cli import run
 from bench.backends import RunFolder, select
 from corp_deploy.api import describe
 from corp_deploy.data import list_images, sample
-from corp_deploy.errors import CorpError
 from corp_deploy.pruner import PruneConfig
 from exporters.compare import INT8, compare
 from exporters.onnx_export import load_onnx, read_metadata
@@ -25,13 +24,15 @@ from exporters.quantize import (
     activation_gemms,
     folder_split,
     quantize_graphs,
-    require_qdq,
     split_images,
 )
 from exporters.runners import OrtRunner
+from exporters.tensorrt_engine import FLAVOURS, VERIFIED, flavour_missing
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
+
+RTX_MISSING = flavour_missing(FLAVOURS["tensorrt-rtx"])
 
 
 def _images(root: Path, n: int = 40) -> Path:
@@ -205,8 +206,29 @@ def test_an_already_quantized_graph_is_refused(quantized, capsys) -> None:
     assert not int8.with_name("dense.int8.int8.onnx").exists()
 
 
-def test_int8_engine_needs_a_qdq_graph(quantized) -> None:
-    fp32, int8 = quantized["pairs"][1]
-    with pytest.raises(CorpError, match="needs a Q/DQ graph.*corp-deploy quantize"):
-        require_qdq(fp32)
-    require_qdq(int8)
+def test_int8_engine_needs_a_qdq_graph(quantized, tmp_path, capsys) -> None:
+    fp32, _ = quantized["pairs"][1]
+    code, _, err = run(["build-engine", str(fp32), "--precision", "int8", "--out", str(tmp_path / "e.plan")], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert "is an fp32 graph but a int8 engine" in err and "corp-deploy quantize" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(RTX_MISSING is not None, reason=f"TensorRT-RTX engines: {RTX_MISSING}")
+def test_prune_export_builds_int8_engines_from_the_qdq_graphs(tmp_path, capsys) -> None:
+    """TensorRT-RTX parses the Q/DQ graphs and builds INT8 engines ahead of time; sidecars say INT8."""
+    out = tmp_path / "run"
+    argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
+    argv += ["--calib-dir", str(_images(tmp_path / "images", 24)), "--num-calib", "24", "--precision", "fp32,int8"]
+    argv += ["--int8-calib", "16", "--runtime", "tensorrt-rtx", "--batch", "1:4:8", "--out", str(out)]
+    code, stdout, err = run(argv, capsys)
+    assert code == 0, err
+    engines = {e["file"]: e for e in json.loads((out / "export.json").read_text())["engines"]}
+    assert set(engines) == {f"{m}.{p}.plan" for m in ("dense", "pruned") for p in ("fp32", "int8")}
+    for m in ("dense", "pruned"):
+        e = engines[f"{m}.int8.plan"]
+        assert e["precision"] == "int8" and e["onnx"]["path"] == f"{m}.int8.onnx"
+        assert json.loads((out / f"{m}.int8.plan.json").read_text())["precision"] == "int8"
+        assert e["engine_bytes"] == (out / f"{m}.int8.plan").stat().st_size > 10_000
+        assert e["status"] == VERIFIED or e["status"].startswith("built only (not executed")
+    assert "pruned.int8.plan" in stdout
