@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx
 
-.PHONY: setup demo smoke test lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study bench-dist \
+.PHONY: setup demo smoke test lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study int8-study bench-dist \
 	gpu-suite gpu-wheels clean
 
 setup: $(BIN)/corp-deploy
@@ -62,6 +62,9 @@ accuracy-sweep: setup
 
 knob-study: setup
 	$(BIN)/python -m bench.knob_study --out docs/knob-study --test 200
+
+int8-study: setup
+	$(BIN)/python -m bench.int8_study --out docs/int8-study
 
 # On a GPU machine, from the repository root, with no installation step (its python3 needs torch and timm):
 # every CUDA path tested and measured into $(GPU_OUT) (~5 min on one H200). ONLY=tests,prune splits it.
