@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx
 
-.PHONY: setup demo smoke test lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study bench-dist \
+.PHONY: setup demo smoke test lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study bench-dist \
 	gpu-suite gpu-wheels clean
 
 setup: $(BIN)/corp-deploy
@@ -66,6 +66,10 @@ knob-study: setup
 # MLP+Q/K vs MLP+Q/K+V on real weights: probe accuracy against measured CPU throughput (same-run ratios).
 v-study: setup
 	$(BIN)/python -m bench.v_study --out docs/v-study
+
+# Prune + INT8 on real weights: accuracy and same-run onnxruntime CPU throughput of dense/pruned x fp32/int8.
+int8-study: setup
+	$(BIN)/python -m bench.int8_study --out docs/int8-study
 
 # On a GPU machine, from the repository root, with no installation step (its python3 needs torch and timm):
 # every CUDA path tested and measured into $(GPU_OUT) (~5 min on one H200). ONLY=tests,prune splits it.

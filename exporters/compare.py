@@ -30,6 +30,8 @@ FP32 = Tolerance(min_cosine=0.99999, max_rel_error=1e-3)
 """Same math in another runtime: only summation order differs."""
 FP16 = Tolerance(min_cosine=0.999, max_rel_error=5e-2)
 """Half-precision weights and activations against the FP32 graph (also for TF32 engines)."""
+INT8 = Tolerance(min_cosine=0.97, max_rel_error=0.25)
+"""Static INT8 (Q/DQ) against its FP32 graph on held-out real images; measured in docs/BENCHMARKS.md (INT8)."""
 
 
 @dataclass(frozen=True)

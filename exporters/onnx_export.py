@@ -169,8 +169,11 @@ def input_shape(proto) -> tuple[int, ...]:
 
 
 def graph_precision(proto) -> str:
-    """``fp16`` when the graph's floating-point weights are mostly half precision, else ``fp32``."""
+    """``int8`` for a Q/DQ graph; ``fp16`` when its float weights are mostly half precision; else ``fp32``."""
     from onnx import TensorProto
+
+    if any(n.op_type == "QuantizeLinear" for n in proto.graph.node):
+        return "int8"
 
     counts = {TensorProto.FLOAT: 0, TensorProto.FLOAT16: 0}
     for init in proto.graph.initializer:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from torch import nn
 
 from corp_deploy.errors import CorpError
 from corp_deploy.report import text_table
-from exporters.compare import FP16, FP32, Tolerance, check, summary, verify
+from exporters.compare import FP16, FP32, INT8, Tolerance, check, summary, verify
 from exporters.fp16 import convert_fp16
 from exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata, sha256
 from exporters.runners import OrtRunner, TorchRunner
@@ -37,6 +37,7 @@ class VerifyOptions:
     batches: tuple[int, ...] = (1, 4)
     fp32: Tolerance = FP32
     fp16: Tolerance = FP16
+    int8: Tolerance = INT8
     seed: int = 0
 
 
@@ -46,7 +47,7 @@ def _verified(reference, candidate, input_size: Sequence[int], opts: VerifyOptio
     return {"reference": reference.name, "runtime": candidate.name, **summary(comparisons), "tolerance": asdict(tol)}
 
 
-def _write_sidecar(path: Path, record: dict[str, Any]) -> None:
+def write_sidecar(path: Path, record: dict[str, Any]) -> None:
     Path(f"{path}.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -74,7 +75,7 @@ def export_verified(
         "verify": check_,
         **description,
     }
-    _write_sidecar(path, record)
+    write_sidecar(path, record)
     return record
 
 
@@ -89,7 +90,7 @@ def convert_verified(src: Path, path: Path, opts: VerifyOptions = VerifyOptions(
     check_["reference"] = f"{src.name} ({check_['reference']})"
     record = {**read_metadata(proto), "file": path.name, "precision": "fp16", "bytes": path.stat().st_size}
     record |= {"seconds": round(seconds, 2), "verify": check_, "converted_from": src.name, "source_sha256": sha256(src)}
-    _write_sidecar(path, record)
+    write_sidecar(path, record)
     return record
 
 
@@ -102,7 +103,7 @@ def engine_verified(
     says "built only" and why: nothing claims a verification that did not run.
     """
     options.profile.covers(opts.batches)
-    tol = opts.fp32 if options.precision == "fp32" and not options.tf32 else opts.fp16
+    tol = {"fp32": opts.fp16 if options.tf32 else opts.fp32, "fp16": opts.fp16, "int8": opts.int8}[options.precision]
 
     def check_engine(engine: Path) -> dict:
         runner = TrtRunner(engine)
@@ -121,18 +122,25 @@ def export_run(
     opts: VerifyOptions = VerifyOptions(),
     build: BuildOptions | None = None,
     require_engines: bool = False,
+    quantize: Callable[[list[tuple[Path, Path]]], list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
-    """ONNX for every model (FP16 too when asked), then an engine per model and precision.
+    """ONNX for every model (FP16 and INT8 too when asked), then an engine per model and precision.
 
-    ``models`` maps a stem (``dense``, ``pruned``) to (model, description). Engines are skipped,
-    with the reason recorded, where no TensorRT flavour can build them, unless ``require_engines``.
+    ``models`` maps a stem (``dense``, ``pruned``) to (model, description). ``quantize`` turns
+    (FP32 graph, INT8 file) pairs into verified INT8 graphs (``exporters.quantize.quantize_graphs``
+    bound to calibration images); INT8 engines need it. Engines are skipped, with the reason
+    recorded, where no TensorRT flavour can build them, unless ``require_engines``.
     """
+    if "int8" in precisions and quantize is None:
+        raise CorpError("INT8 engines are built from INT8 Q/DQ graphs: quantize with calibration images first")
     record: dict[str, Any] = {"onnx": [], "engines": [], "engines_skipped": None}
     for stem, (model, description) in models.items():
         fp32 = out / f"{stem}.onnx"
         record["onnx"].append(export_verified(model, fp32, description, opset, simplify, opts))
         if "fp16" in precisions:
             record["onnx"].append(convert_verified(fp32, out / f"{stem}.fp16.onnx", opts))
+    if quantize is not None:
+        record["onnx"] += quantize([(out / f"{stem}.onnx", out / f"{stem}.int8.onnx") for stem in models])
     build = build or BuildOptions()
     reason = build_missing(build)
     if reason:

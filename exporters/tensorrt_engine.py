@@ -37,8 +37,13 @@ from exporters.onnx_export import graph_precision, load_onnx, read_metadata, sha
 
 FORMAT = "corp-deploy/tensorrt-engine"
 FORMAT_VERSION = 2
-PRECISIONS = ("fp32", "fp16")
+PRECISIONS = ("fp32", "fp16", "int8")
 VERIFIED = "verified against onnxruntime"
+MAKE_GRAPH = {
+    "fp16": "convert with `corp-deploy export --fp16`",
+    "int8": "an INT8 engine needs a Q/DQ graph: `corp-deploy quantize ONNX --calib-dir DIR` writes one",
+}
+"""How to make the graph a precision needs, for the one-line error when the graph has other types."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +203,16 @@ def sidecar(engine: str | Path) -> Path:
     return Path(f"{engine}.json")
 
 
+def require_precision(proto, path: str | Path, precision: str) -> None:
+    """Strongly typed builds take the graph's own types: refuse a graph of another precision, saying how to make one."""
+    if graph_precision(proto) != precision:
+        how = MAKE_GRAPH.get(precision, "build from the FP32 graph")
+        raise CorpError(
+            f"{path} is an {graph_precision(proto)} graph but a {precision} engine was asked for; "
+            f"strongly typed TensorRT builds the graph's own types ({how})"
+        )
+
+
 def build_engine(
     onnx_path: str | Path,
     out: str | Path,
@@ -212,15 +227,11 @@ def build_engine(
     engine (its result goes into the record under ``verify``); if it raises, nothing is written.
     Otherwise the record says the engine was built only, and why it was not executed.
     """
-    flavour, trt = select_flavour(options)
     onnx_path, out = Path(onnx_path), Path(out)
     check_writable(out, overwrite)
     proto = load_onnx(onnx_path, weights=False)
-    if graph_precision(proto) != options.precision:
-        raise CorpError(
-            f"{onnx_path} is an {graph_precision(proto)} graph but a {options.precision} engine was asked for; "
-            "strongly typed TensorRT builds the graph's own types (convert with `corp-deploy export --fp16`)"
-        )
+    require_precision(proto, onnx_path, options.precision)
+    flavour, trt = select_flavour(options)
     log = _build_log(trt, flavour)
     builder = trt.Builder(log)
     network = builder.create_network(_strongly_typed_flag(trt))

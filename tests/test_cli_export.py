@@ -103,13 +103,13 @@ def _not_onnx(tmp_path: Path) -> Path:
 BAD = {
     "onnx missing": (["build-engine", "{tmp}/nope.onnx"], "does not exist"),
     "not onnx": (["build-engine", "{junk}"], "not a readable ONNX model"),
-    "bad precision": (["build-engine", "{junk}", "--precision", "int8"], "precision must be one of fp32, fp16"),
+    "bad precision": (["build-engine", "{junk}", "--precision", "int4"], "precision must be one of fp32, fp16, int8"),
     "batch range reversed": (["build-engine", "{junk}", "--batch", "8:4:2"], "1 <= min <= opt <= max"),
     "export bad opset": (["export", "{artifact}", "--out", "{tmp}/m.onnx", "--opset", "12"], "--opset 12"),
     "export one verify batch": (["export", "{artifact}", "--out", "{tmp}/m.onnx", "--verify-batches", "4"], "two"),
     "export not .onnx": (["export", "{artifact}", "--out", "{tmp}/m.plan"], "must be a .onnx file"),
     "export unknown model": (["export", "deit_tinyy", "--out", "{tmp}/m.onnx"], "did you mean"),
-    "prune-export bad precision": ([*PRUNE_EXPORT, "--precision", "fp32,int8", "--out", "{tmp}/run"], "fp32, fp16"),
+    "prune-export bad precision": ([*PRUNE_EXPORT, "--precision", "fp32,int4", "--out", "{tmp}/run"], "fp32, fp16"),
     "prune-export reversed batch": ([*PRUNE_EXPORT, "--batch", "4:2:1", "--out", "{tmp}/run"], "min <= opt"),
 }
 NO_ENGINES = {

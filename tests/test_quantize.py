@@ -1,0 +1,234 @@
+"""Static INT8 (Q/DQ): graph structure and dynamic batch, the INT8 gate, metadata, the CLI and its bad inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import TINY_CLI_ARGS, pruned_copy, tiny_vit
+from PIL import Image
+from test_cli import run
+
+from bench.backends import RunFolder, select
+from corp_deploy.api import describe
+from corp_deploy.data import list_images, sample
+from corp_deploy.pruner import PruneConfig
+from exporters.compare import INT8, compare
+from exporters.onnx_export import load_onnx, read_metadata
+from exporters.pipeline import export_verified
+from exporters.quantize import (
+    ATTENTION_MATMUL,
+    INT8_OPS,
+    activation_gemms,
+    folder_split,
+    quantize_graphs,
+    split_images,
+)
+from exporters.runners import OrtRunner
+from exporters.tensorrt_engine import FLAVOURS, VERIFIED, flavour_missing
+
+pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
+pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
+
+RTX_MISSING = flavour_missing(FLAVOURS["tensorrt-rtx"])
+
+
+def _images(root: Path, n: int = 40) -> Path:
+    """Smooth random images (blurred noise): closer to photos than white noise, still seconds to make."""
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True)
+    for i in range(n):
+        small = rng.integers(0, 255, (6, 6, 3), dtype=np.uint8)
+        Image.fromarray(small).resize((40, 40), Image.BILINEAR).save(root / f"img{i:02d}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory) -> dict:
+    """Tiny dense and pruned ViTs exported, then quantized once (calibration 24 images, 8 held out)."""
+    tmp = tmp_path_factory.mktemp("int8")
+    images = _images(tmp / "images")
+    dense = tiny_vit()
+    pruned, _ = pruned_copy(dense, PruneConfig(sparsity=0.5, round_to=4))
+    pairs = []
+    for name, model in (("dense", dense), ("pruned", pruned)):
+        export_verified(model, tmp / f"{name}.onnx", describe(model, "tiny", {}, "random"))
+        pairs.append((tmp / f"{name}.onnx", tmp / f"{name}.int8.onnx"))
+    records = quantize_graphs(pairs, images, INT8, num_calib=24, num_verify=8, seed=0)
+    return {"pairs": pairs, "records": records, "images": images}
+
+
+def _initializer(proto, name: str) -> np.ndarray:
+    from onnx import numpy_helper
+
+    return next(numpy_helper.to_array(t) for t in proto.graph.initializer if t.name == name)
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["dense", "pruned"])
+def test_int8_graph_is_symmetric_per_channel_qdq_with_a_dynamic_batch(quantized, which) -> None:
+    """Weight GEMMs read dequantized INT8 inputs, attention matmuls stay float; zero points 0 (TensorRT's rule)."""
+    src, out = quantized["pairs"][which]
+    proto = load_onnx(out)
+    nodes = proto.graph.node
+    producers = {o: n for n in nodes for o in n.output}
+    gemms = [n for n in nodes if n.op_type in INT8_OPS]
+    attention = set(activation_gemms(load_onnx(src)))
+    assert len(gemms) == sum(n.op_type in INT8_OPS for n in load_onnx(src).graph.node) > len(attention) == 4
+    for n in gemms:
+        dequantized = [i in producers and producers[i].op_type == "DequantizeLinear" for i in n.input[:2]]
+        assert dequantized == ([False, False] if n.name in attention else [True, True]), n.name
+    quants = [n for n in nodes if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    zero_points = [_initializer(proto, n.input[2]) for n in quants]
+    assert all(z.dtype == np.int8 and not z.any() for z in zero_points)
+    per_channel = [n for n in quants if _initializer(proto, n.input[1]).size > 1]
+    assert per_channel  # the weights' DequantizeLinear carry one scale per output channel
+    batch = proto.graph.input[0].type.tensor_type.shape.dim[0]
+    assert batch.dim_param and not batch.dim_value
+    runner = OrtRunner(out, "cpu")
+    for b in (1, 3, 8):
+        x = np.random.default_rng(b).standard_normal((b, 3, 32, 32), dtype=np.float32)
+        assert runner(x).shape == (b, 10)
+
+
+def test_int8_outputs_pass_the_gate_on_held_out_images(quantized) -> None:
+    """Recorded verification holds, and an independent comparison on the held-out images agrees with it."""
+    for (src, out), record in zip(quantized["pairs"], quantized["records"], strict=True):
+        v = record["verify"]
+        assert v["cosine"] >= INT8.min_cosine and v["rel_error"] <= INT8.max_rel_error
+        assert v["images"] == 8 and v["batches"] == [1, 8] and 0 <= v["top1"] <= 1
+        _, held = folder_split(quantized["images"], load_onnx(src, weights=False), 24, 8, seed=0)
+        x = np.concatenate(held)
+        c = compare(OrtRunner(src, "cpu")(x), OrtRunner(out, "cpu")(x))
+        assert c.within(INT8) and c.cosine == pytest.approx(v["cosine"], abs=1e-6)
+        assert c.cosine < 0.999999  # really quantized: not the float graph under another name
+        assert json.loads(Path(f"{out}.json").read_text())["verify"] == v
+
+
+def test_int8_metadata_records_scheme_float_ops_and_calibration(quantized) -> None:
+    src, out = quantized["pairs"][1]
+    meta = read_metadata(load_onnx(out, weights=False))
+    assert meta["precision"] == "int8"
+    assert meta["int8_scheme"]["format"] == "QDQ" and "symmetric" in meta["int8_scheme"]["activations"]
+    assert {"LayerNormalization", "Softmax", "Gelu", ATTENTION_MATMUL} <= set(meta["int8_float_ops"])
+    assert not set(meta["int8_float_ops"]) & set(meta["int8_ops"])
+    assert meta["int8_calibration"] == {"images": 24, "method": "minmax", "source": str(quantized["images"]), "seed": 0}
+    assert meta["structure"] == read_metadata(load_onnx(src))["structure"]  # inherited from the FP32 graph
+
+
+def test_calibration_is_a_prefix_of_corps_sample_and_held_out_is_disjoint(tmp_path) -> None:
+    files = list_images(_images(tmp_path / "im", 30))
+    calib, held = split_images(files, num_calib=12, num_verify=5, seed=3)
+    assert set(calib) <= set(sample(files, 20, seed=3))  # CORP with --num-calib 20 read all of them
+    assert len(held) == 5 and not set(held) & set(calib)
+    assert set(held) <= set(sample(files, 17, seed=3))
+    few_calib, few_held = split_images(files[:4], num_calib=256, num_verify=64, seed=0)
+    assert len(few_calib) == 3 and len(few_held) == 1
+
+
+def test_quantize_a_run_folder_then_bench_and_eval_its_int8_graphs(tmp_path, capsys) -> None:
+    run_dir, images = tmp_path / "run", _images(tmp_path / "images", 16)
+    argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
+    argv += ["--calib-dir", str(images), "--num-calib", "16", "--precision", "fp32", "--out", str(run_dir)]
+    assert run(argv, capsys)[0] == 0
+    _, skipped = select("auto", RunFolder.open(run_dir))
+    assert "corp-deploy quantize" in skipped["ort-cpu-int8"]
+    code, out, err = run(["quantize", str(run_dir), "--calib-dir", str(images), "--int8-calib", "12"], capsys)
+    assert code == 0, err
+    assert "dense.int8.onnx" in out and "pruned.int8.onnx" in out and "int8" in out
+    for m in ("dense", "pruned"):
+        assert read_metadata(load_onnx(run_dir / f"{m}.int8.onnx"))["int8_calibration"]["images"] == 12
+    code, _, err = run(["quantize", str(run_dir), "--calib-dir", str(images)], capsys)
+    assert code == 1 and "already exists" in err and len(err.strip().splitlines()) == 1
+
+    fast = ["--min-iters", "2", "--min-seconds", "0", "--warmup-iters", "1", "--warmup-seconds", "0"]
+    bench = ["bench", str(run_dir), "--batch-sizes", "1,2", "--backends", "ort-cpu-int8", "--json", str(tmp_path / "b")]
+    assert run([*bench, *fast], capsys)[0] == 0
+    points = json.loads((tmp_path / "b").read_text())["results"]
+    assert {(p["backend"], p["model"], p["batch"]) for p in points} == {
+        ("ort-cpu-int8", m, b) for m in ("dense", "pruned") for b in (1, 2)
+    }
+    code, out, err = run(
+        ["eval", str(run_dir), "--images", str(images), "--backends", "onnx,onnx-int8", "--quiet"], capsys
+    )
+    assert code == 0, err
+    results = json.loads((run_dir / "eval.json").read_text())[-1]["results"]
+    assert results["pruned onnx-int8"]["cosine_min"] > INT8.min_cosine - 0.05  # vs dense: pruning + INT8
+    assert results["dense onnx-int8"]["cosine_min"] > INT8.min_cosine
+
+
+def test_prune_export_int8_writes_verified_int8_graphs(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
+    argv += ["--calib", "synthetic", "--num-calib", "32", "--precision", "fp32", "--int8", "--int8-calib", "16"]
+    code, stdout, err = run([*argv, "--int8-verify", "8", "--out", str(out)], capsys)
+    assert code == 0, err
+    record = json.loads((out / "export.json").read_text())
+    int8 = [r for r in record["onnx"] if r["precision"] == "int8"]
+    assert [r["file"] for r in int8] == ["dense.int8.onnx", "pruned.int8.onnx"]
+    assert all(r["verify"]["cosine"] >= INT8.min_cosine for r in int8)
+    assert "pruned.int8.onnx" in stdout
+
+
+def _leftovers(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "no calibration images"),
+        (["--calib-dir", "EMPTY"], "no images"),
+        (["--calib-dir", "IMAGES", "--tol-cosine", "0.99999999"], "(min 0.99999999)"),
+        (["--calib-dir", "IMAGES", "--int8-verify", "0"], "must be >= 1"),
+        (["--calib-dir", "IMAGES", "--calib-method", "best"], "--calib-method"),
+    ],
+    ids=["no-calibration", "empty-folder", "gate-fails", "no-held-out", "bad-method"],
+)
+def test_bad_quantize_input_is_one_line_and_writes_nothing(quantized, tmp_path, capsys, extra, message) -> None:
+    src = tmp_path / "pruned.onnx"
+    src.write_bytes(quantized["pairs"][1][0].read_bytes())
+    (tmp_path / "empty").mkdir()
+    paths = {"EMPTY": str(tmp_path / "empty"), "IMAGES": str(quantized["images"])}
+    before = _leftovers(tmp_path)
+    code, _, err = run(["quantize", str(src), *[paths.get(a, a) for a in extra]], capsys)
+    assert code != 0 and message in err and len(err.strip().splitlines()) == 1, err
+    if "gate" in message or "min" in message:
+        assert "INT8 ONNX pruned.int8.onnx" in err and "cosine 0.9" in err
+    assert _leftovers(tmp_path) == before  # no .int8.onnx, no sidecar, no staging folder
+
+
+def test_an_already_quantized_graph_is_refused(quantized, capsys) -> None:
+    _, int8 = quantized["pairs"][0]
+    code, _, err = run(["quantize", str(int8), "--calib-dir", str(quantized["images"])], capsys)
+    assert code == 1 and "already quantized" in err and len(err.strip().splitlines()) == 1
+    assert not int8.with_name("dense.int8.int8.onnx").exists()
+
+
+def test_int8_engine_needs_a_qdq_graph(quantized, tmp_path, capsys) -> None:
+    fp32, _ = quantized["pairs"][1]
+    code, _, err = run(["build-engine", str(fp32), "--precision", "int8", "--out", str(tmp_path / "e.plan")], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert "is an fp32 graph but a int8 engine" in err and "corp-deploy quantize" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(RTX_MISSING is not None, reason=f"TensorRT-RTX engines: {RTX_MISSING}")
+def test_prune_export_builds_int8_engines_from_the_qdq_graphs(tmp_path, capsys) -> None:
+    """TensorRT-RTX parses the Q/DQ graphs and builds INT8 engines ahead of time; sidecars say INT8."""
+    out = tmp_path / "run"
+    argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
+    argv += ["--calib-dir", str(_images(tmp_path / "images", 24)), "--num-calib", "24", "--precision", "fp32,int8"]
+    argv += ["--int8-calib", "16", "--runtime", "tensorrt-rtx", "--batch", "1:4:8", "--out", str(out)]
+    code, stdout, err = run(argv, capsys)
+    assert code == 0, err
+    engines = {e["file"]: e for e in json.loads((out / "export.json").read_text())["engines"]}
+    assert set(engines) == {f"{m}.{p}.plan" for m in ("dense", "pruned") for p in ("fp32", "int8")}
+    for m in ("dense", "pruned"):
+        e = engines[f"{m}.int8.plan"]
+        assert e["precision"] == "int8" and e["onnx"]["path"] == f"{m}.int8.onnx"
+        assert json.loads((out / f"{m}.int8.plan.json").read_text())["precision"] == "int8"
+        assert e["engine_bytes"] == (out / f"{m}.int8.plan").stat().st_size > 10_000
+        assert e["status"] == VERIFIED or e["status"].startswith("built only (not executed")
+    assert "pruned.int8.plan" in stdout
