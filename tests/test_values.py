@@ -320,3 +320,17 @@ def test_export_pad_qk_from_the_command_line(variants, tmp_path, capsys) -> None
     assert code == 0, stderr
     record = json.loads(Path(f"{out}.json").read_text())
     assert record["pad_qk_blocks"] == 2 and record["verify"]["cosine"] > 0.99999
+
+
+def test_proj_statistics_merge_like_the_others() -> None:
+    """Shards summed with ``+=`` (what the all-reduce of ``tensors()`` does) equal one pass over all images."""
+    model, config = tiny_vit(), PruneConfig(target="all")
+    whole = calibrate(model, tiny_batches(), config, "cpu", progress=False)
+    shards = [calibrate(model, [b], config, "cpu", progress=False) for b in tiny_batches()]
+    merged = shards[0]
+    for shard in shards[1:]:
+        merged += shard
+    assert len(whole.tensors()) == 4 * 2 + 2 * 2 + 4 * 2  # mlp, attn and proj sums of both blocks
+    assert set(whole.proj) == {0, 1} and whole.proj[0].sum.numel() == DIM
+    for mine, theirs in zip(merged.tensors(), whole.tensors(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-6)
