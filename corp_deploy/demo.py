@@ -135,7 +135,8 @@ def format_demo(result: dict[str, Any]) -> str:
     """One markdown table: size, probe accuracy and fidelity per model; latency and throughput per backend."""
     sizes, acc = result["sizes"], result["accuracy"]
     lines = [
-        f"{result['model']} ({result['weights']}), {result['config']['sparsity']:.0%} sparsity ({result['config']['target']}), "
+        f"{result['model']} ({result['weights']}), {result['config']['sparsity']:.0%} sparsity "
+        f"({result['config']['target']}), "
         f"{result['dataset']} linear probe ({acc['dense']['images']} test images)",
         "",
         "| model | params | GMACs | probe top-1 | agreement w/ dense | feature cosine (mean / min) |",
