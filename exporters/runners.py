@@ -15,7 +15,10 @@ from torch import nn
 from corp_deploy.errors import CorpError
 from exporters.onnx_export import load_onnx
 
-GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+GPU_PROVIDERS = ("CUDAExecutionProvider",)
+"""onnxruntime's GPU backend is its CUDA provider, named explicitly: its TensorRT provider (first in
+onnxruntime-gpu's list) would make ``ort-cuda`` a TensorRT benchmark and compare our engines with
+TensorRT instead of an independent reference."""
 
 
 class TorchRunner:

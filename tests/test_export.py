@@ -202,6 +202,15 @@ def test_onnxruntime_provider_choice_is_explicit() -> None:
     "CUDAExecutionProvider" in __import__("onnxruntime").get_available_providers(),
     reason="this onnxruntime has a GPU provider",
 )
+def test_onnxruntime_gpu_means_its_cuda_provider_never_its_tensorrt_one(monkeypatch) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    everything = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: everything)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for device in ("auto", "gpu"):
+        assert ort_providers(device)[0] == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
 def test_onnxruntime_gpu_without_gpu_build_says_what_to_install() -> None:
     with pytest.raises(CorpError, match="onnxruntime-gpu"):
         ort_providers("gpu")
@@ -344,6 +353,6 @@ def test_onnxruntime_gpu_provider_is_reported(exported) -> None:
     runner = OrtRunner(exported["pruned"], "auto")
     if "CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers():
         pytest.skip("onnxruntime here has no GPU provider (install onnxruntime-gpu)")
-    assert runner.provider in ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+    assert runner.provider == "CUDAExecutionProvider"
     x = random_inputs(3, (3, 32, 32))
     assert compare(OrtRunner(exported["pruned"], "cpu")(x), runner(x)).within(FP16)

@@ -19,6 +19,7 @@ both parts the suite runs without TensorRT-RTX and its ``engines`` section says 
 
 from __future__ import annotations
 
+import atexit
 import lzma
 import os
 import shutil
@@ -40,7 +41,7 @@ PLATFORM += [
 
 
 def _pip(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
+    subprocess.run([sys.executable, "-m", "pip", *args], check=True, capture_output=args[0] == "install")
 
 
 def download(root: Path = ROOT) -> None:
@@ -77,9 +78,14 @@ def activate(root: Path = ROOT) -> list[str]:
     if not wheels and not (part_a and part_b):
         return []
     target = Path(tempfile.mkdtemp(prefix="corp-deploy-site-"))
-    if wheels:
-        _pip("install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", str(target), *map(str, wheels))
-    carried = [w.name for w in wheels]
+    atexit.register(shutil.rmtree, target, ignore_errors=True)
+    carried = []
+    for wheel in wheels:  # one by one: a wheel for another interpreter (cp312 here on 3.11) is skipped, said
+        try:
+            _pip("install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", str(target), str(wheel))
+            carried.append(wheel.name)
+        except subprocess.CalledProcessError:
+            carried.append(f"{wheel.name} (not installable for this Python: skipped)")
     if part_a and part_b:
         libs = target / "tensorrt_rtx_libs"
         libs.mkdir()
