@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 import corp_deploy
+from corp_deploy.allocation import check_budget, plan_budget
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta, save_pruned
 from corp_deploy.data import folder_batches, list_images, sample, synthetic_batches
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
@@ -30,6 +31,7 @@ from corp_deploy.errors import CorpError
 from corp_deploy.models import create_model, data_config, input_size, resolve_name
 from corp_deploy.pruner import PruneConfig, Timer, calibrate, plan_widths, prune_model
 from corp_deploy.report import model_size, peak_memory
+from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.surgery import block_widths
 
 SYNTHETIC = "synthetic"
@@ -98,11 +100,21 @@ def prune(
 
     Data-parallel (``world.size > 1``, batches from this rank's shard): the statistics are summed
     over all ranks, then rank 0 prunes and gets the result; the other ranks get ``None``.
+
+    With ``config.budget`` and ``allocation="sensitivity"``, the first ``config.sensitivity_images``
+    images of ``batches`` (of rank 0's shard) are held out of the statistics and used for the
+    sensitivity pass (``sensitivity.measure``), which runs on rank 0 after the statistics are merged.
     """
     config = config or PruneConfig()
     device = resolve_device(device) if isinstance(device, str) else device
-    plan_widths(model, config)  # an impossible sparsity fails here, not after calibration
     dense = model_size(model)
+    if config.budget is None:
+        plan_widths(model, config)  # an impossible sparsity fails here, not after calibration
+    else:
+        check_budget(model, config, dense["macs"])
+    heldout = None
+    if config.budget is not None and config.allocation == "sensitivity" and world.is_main:
+        heldout, batches, total = _hold_out(batches, config.sensitivity_images, total)
     model.to(device).eval()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -113,7 +125,15 @@ def prune(
     timer.add("calibration", start)
     if not world.is_main:
         return None
-    blocks = prune_model(model, stats, config, timer)
+    plan = allocation = None
+    if config.budget is not None:
+        start = time.perf_counter()
+        weights = None if heldout is None else measure(model, stats, config, heldout)
+        plan, allocation = plan_budget(model, stats, config, dense["macs"], weights)
+        if heldout is not None:
+            allocation["heldout_images"] = heldout.shape[0]
+        timer.add("allocation", start)
+    blocks = prune_model(model, stats, config, timer, plan)
     report = {
         "config": config.to_dict(),
         "device": device_name(device),
@@ -124,7 +144,24 @@ def prune(
         "pruned": model_size(model),
         "blocks": blocks,
     }
+    if allocation is not None:
+        report["allocation"] = allocation
     return PruneResult(model, report)
+
+
+def _hold_out(
+    batches: Iterable[tuple[Tensor, int]], n: int, total: int | None
+) -> tuple[Tensor, Iterable[tuple[Tensor, int]], int | None]:
+    """The sensitivity pass's images, the calibration stream without them, and its new size."""
+    if total is not None and total <= n:
+        raise CorpError(
+            f"--allocation sensitivity holds out the first {n} calibration images (--sensitivity-images) and "
+            f"only {total} are given; pass more images or lower --sensitivity-images"
+        )
+    heldout, rest = split_heldout(batches, n)
+    if heldout.shape[0] == 0:
+        raise CorpError("no calibration images to hold out for --allocation sensitivity; check the calibration data")
+    return heldout, rest, None if total is None else total - heldout.shape[0]
 
 
 def save(

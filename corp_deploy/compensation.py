@@ -84,8 +84,12 @@ def mlp_output_error(
     wd = torch.cat([-w_p @ b, w_p], dim=1)
     wc = w_p @ c
     err = ((wd @ r2) * wd).sum() - 2 * torch.dot(wd @ mu, wc) + torch.dot(wc, wc)
-    signal = ((w2 @ second) * w2).sum() + 2 * torch.dot(b2, w2 @ mean) + torch.dot(b2, b2)
-    return err.clamp_min(0) / signal
+    return err.clamp_min(0) / output_energy(mean, second, w2, b2)
+
+
+def output_energy(mean: Tensor, second: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    """``E||W x + b||^2`` over the calibration tokens: the denominator of every relative output error."""
+    return ((w @ second) * w).sum() + 2 * torch.dot(b, w @ mean) + torch.dot(b, b)
 
 
 def head_channels(keep: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
@@ -157,6 +161,16 @@ def logit_error(a: Tensor, r: Tensor, removed_energy: Tensor, m: Tensor) -> Tens
     """``sum_b ||Q_P K_P^T - Q_S M K_S^T||^2`` = E0 - 2 <R, M> + m^T A m (exact, from moments)."""
     v = m.reshape(-1)
     return (removed_energy - 2 * (r * m).sum() + v @ (a @ v)).clamp_min(0)
+
+
+def logit_compensation(
+    moment: Tensor, idx: Tensor, keep: Tensor, prune: Tensor, alpha: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One head's M, and its logit error before (plain removal) and after compensation."""
+    a, r = logit_system(moment, idx, keep, prune)
+    removed = pair_energy(moment, idx, prune)
+    m = solve_logit_compensation(a, r, alpha)
+    return m, removed, logit_error(a, r, removed, m)
 
 
 def qk_factors(m: Tensor) -> tuple[Tensor, Tensor]:

@@ -15,10 +15,11 @@ import torch
 from torch import Tensor, nn
 
 from corp_deploy import compensation as C
+from corp_deploy.allocation import CRITERIA, parse_budget
 from corp_deploy.errors import CorpError
 from corp_deploy.ranking import RANKERS, attn_scores, kept_width, mlp_scores, split_top
 from corp_deploy.stats import AttnStats, CalibrationStats, MlpStats, collect, empty_stats
-from corp_deploy.surgery import fill_attention, fill_mlp, fill_values
+from corp_deploy.surgery import check_v_prunable, fill_attention, fill_mlp, fill_values, linear_float64
 
 PARTS = ("mlp", "qk", "v")
 """Prunable structures: MLP hidden channels, attention Q/K dims per head, attention V channels per head."""
@@ -34,6 +35,12 @@ class PruneConfig:
     """What to prune and how. ``mlp_sparsity``/``attn_sparsity`` (Q/K)/``v_sparsity`` override ``sparsity`` per part.
 
     ``target`` is a comma-separated combination of ``PARTS`` and ``TARGET_ALIASES`` (``mlp,qk,v``, ``all``).
+
+    ``budget`` (``"macs=F"``) replaces the uniform sparsity: every block's widths of every targeted part
+    are chosen by ``allocation`` to keep fraction F of the dense MACs, and ``sparsity`` is then ignored
+    (the per-part sparsities must stay unset). ``allocation`` picks how block errors are compared:
+    ``sensitivity`` weights them by their measured effect on the final features, which needs the first
+    ``sensitivity_images`` calibration images held out (``api.prune`` does it); ``local`` does not.
     """
 
     sparsity: float = 0.5
@@ -45,6 +52,9 @@ class PruneConfig:
     compensation: str = "corp"
     ridge: float = DEFAULT_RIDGE
     round_to: int = 8
+    budget: str | None = None
+    allocation: str = "sensitivity"
+    sensitivity_images: int = 32
 
     def __post_init__(self) -> None:
         for label, value in (
@@ -59,6 +69,7 @@ class PruneConfig:
         choices = (
             ("--ranker", self.ranker, RANKERS),
             ("--compensation", self.compensation, COMPENSATIONS),
+            ("--allocation", self.allocation, CRITERIA),
         )
         for label, value, allowed in choices:
             if value not in allowed:
@@ -67,6 +78,29 @@ class PruneConfig:
             raise CorpError(f"--ridge must be >= 0, got {self.ridge:g}")
         if self.round_to < 1:
             raise CorpError(f"--round-to must be >= 1, got {self.round_to}")
+        if self.budget is not None:
+            self._check_budget()
+
+    def _check_budget(self) -> None:
+        """A budget chooses every width, so nothing else may fix one; it ranks widths by CORP's error."""
+        parse_budget(self.budget)
+        fixed = [
+            n
+            for n, v in (
+                ("--mlp-sparsity", self.mlp_sparsity),
+                ("--attn-sparsity", self.attn_sparsity),
+                ("--v-sparsity", self.v_sparsity),
+            )
+            if v is not None
+        ]
+        if fixed:
+            raise CorpError(f"--budget chooses every block's widths; drop {', '.join(fixed)} or drop --budget")
+        if self.compensation != "corp":
+            raise CorpError("--budget allocates widths by CORP's compensated error; use --compensation corp")
+        if self.allocation == "sensitivity" and self.sensitivity_images < 1:
+            raise CorpError(
+                f"--sensitivity-images must be >= 1 with --allocation sensitivity, got {self.sensitivity_images}"
+            )
 
     @property
     def prunes_mlp(self) -> bool:
@@ -81,23 +115,27 @@ class PruneConfig:
     def prunes_v(self) -> bool:
         return "v" in parse_target(self.target)
 
-    def _effective(self, pruned: bool, override: float | None) -> float:
+    def _effective(self, pruned: bool, override: float | None) -> float | None:
+        """None under a budget: the widths differ per block (see the report's ``allocation``)."""
+        if self.budget is not None:
+            return None
         return (self.sparsity if override is None else override) if pruned else 0.0
 
     @property
-    def effective_mlp_sparsity(self) -> float:
+    def effective_mlp_sparsity(self) -> float | None:
         return self._effective(self.prunes_mlp, self.mlp_sparsity)
 
     @property
-    def effective_attn_sparsity(self) -> float:
+    def effective_attn_sparsity(self) -> float | None:
         return self._effective(self.prunes_attn, self.attn_sparsity)
 
     @property
-    def effective_v_sparsity(self) -> float:
+    def effective_v_sparsity(self) -> float | None:
         return self._effective(self.prunes_v, self.v_sparsity)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {
+            "sparsity": None if self.budget is not None else self.sparsity,
             "mlp_sparsity": self.effective_mlp_sparsity,
             "attn_sparsity": self.effective_attn_sparsity,
             "v_sparsity": self.effective_v_sparsity,
@@ -159,8 +197,10 @@ def plan_widths(model: nn.Module, config: PruneConfig) -> list[tuple[int | None,
     """Kept (MLP channels, Q/K dims per head, V channels per head) of every block, None where not pruned.
 
     Cheap and data-free: call it before calibrating so an impossible sparsity or an unsupported block
-    fails in a second.
+    fails in a second. Uniform sparsity only: a budget's widths come from ``allocation.plan_budget``.
     """
+    if config.budget is not None:
+        raise CorpError("a --budget config's widths come from corp_deploy.allocation.plan_budget, not plan_widths")
     plan = []
     for i, block in enumerate(model.blocks):
         mlp_kept = attn_kept = v_kept = None
@@ -171,50 +211,56 @@ def plan_widths(model: nn.Module, config: PruneConfig) -> list[tuple[int | None,
             d = block.attn.head_dim
             attn_kept = kept_width(d, config.effective_attn_sparsity, config.round_to, f"Q/K dims per head (block {i})")
         if config.prunes_v:
-            _check_v_prunable(block.attn, i)
+            check_v_prunable(block.attn, i)
             d = block.attn.head_dim
             v_kept = kept_width(d, config.effective_v_sparsity, config.round_to, f"V channels per head (block {i})")
         plan.append((mlp_kept, attn_kept, v_kept))
     return plan
 
 
-def _check_v_prunable(attn: nn.Module, block: int) -> None:
-    """V pruning folds into proj's weight AND bias, and needs nothing else to act on the V channels."""
-    problem = None
-    if not isinstance(attn.norm, nn.Identity):
-        problem = "a norm over the attention output (scale_norm), which removing V channels changes"
-    elif getattr(attn, "gate", None) is not None:
-        problem = "a gate on the attention output"
-    elif attn.proj.bias is None:
-        problem = "no proj bias to take the compensation's constant"
-    if problem:
-        raise CorpError(f"V pruning is not supported for block {block}: it has {problem}; use --target mlp,qk")
+Widths = tuple[int | None, int | None, int | None]
+"""Kept (MLP channels, Q/K dims per head, V channels per head) of one block, None where not pruned."""
 
 
 def prune_model(
-    model: nn.Module, stats: CalibrationStats, config: PruneConfig, timer: Timer | None = None
+    model: nn.Module,
+    stats: CalibrationStats,
+    config: PruneConfig,
+    timer: Timer | None = None,
+    plan: list[Widths] | None = None,
 ) -> list[dict]:
     """Prune ``model`` in place from ``stats``; returns per-block diagnostics.
 
-    Widths are planned for every block before any block is changed, so a bad sparsity never
-    leaves a half-pruned model. Q/K are pruned before V; both work from the dense model's statistics
-    and touch disjoint weights (Q/K rows of qkv; V rows of qkv and proj's columns).
+    Widths are planned for every block before any block is changed (``plan_widths``, or ``plan``
+    given: a budget's ``allocation.plan_budget``), so a bad sparsity never leaves a half-pruned model.
     """
     timer = timer or Timer()
-    plan = plan_widths(model, config)
-    report = []
-    for i, (block, (mlp_kept, attn_kept, v_kept)) in enumerate(zip(model.blocks, plan, strict=True)):
-        entry: dict[str, Any] = {"block": i}
-        if mlp_kept is not None:
-            entry["mlp"] = _prune_mlp(block.mlp, stats.mlp[i], mlp_kept, config, timer)
-        if attn_kept is not None:
-            entry["attn"], new_attn = _prune_attn(block.attn, stats.attn[i], attn_kept, config, timer)
-            if new_attn is not None:
-                block.attn = new_attn
-        if v_kept is not None:
-            entry["v"], block.attn = _prune_v(block.attn, stats.proj[i], v_kept, config, timer)
-        report.append(entry)
-    return report
+    plan = plan_widths(model, config) if plan is None else plan
+    return [
+        prune_block(block, i, stats, widths, config, timer)
+        for i, (block, widths) in enumerate(zip(model.blocks, plan, strict=True))
+    ]
+
+
+def prune_block(
+    block: nn.Module, i: int, stats: CalibrationStats, widths: Widths, config: PruneConfig, timer: Timer
+) -> dict[str, Any]:
+    """Prune block ``i`` in place to ``widths``; its diagnostics.
+
+    Q/K are pruned before V; both work from the dense model's statistics and touch disjoint weights
+    (Q/K rows of qkv; V rows of qkv and proj's columns).
+    """
+    mlp_kept, attn_kept, v_kept = widths
+    entry: dict[str, Any] = {"block": i}
+    if mlp_kept is not None:
+        entry["mlp"] = _prune_mlp(block.mlp, stats.mlp[i], mlp_kept, config, timer)
+    if attn_kept is not None:
+        entry["attn"], new_attn = _prune_attn(block.attn, stats.attn[i], attn_kept, config, timer)
+        if new_attn is not None:
+            block.attn = new_attn
+    if v_kept is not None:
+        entry["v"], block.attn = _prune_v(block.attn, stats.proj[i], v_kept, config, timer)
+    return entry
 
 
 def _compensate(
@@ -234,16 +280,9 @@ def _compensate(
     return new_w, new_b, errors
 
 
-def _float64(linear: nn.Linear, dev: torch.device) -> tuple[Tensor, Tensor]:
-    """A Linear's weight and bias (zeros when it has none) in float64 on the statistics' device."""
-    w = linear.weight.detach().to(dev, torch.float64)
-    b = torch.zeros(w.shape[0], dtype=w.dtype, device=dev) if linear.bias is None else linear.bias.detach()
-    return w, b.to(dev, torch.float64)
-
-
 def _prune_mlp(mlp: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer: Timer) -> dict:
     t = time.perf_counter()
-    w2, b2 = _float64(mlp.fc2, s.sum.device)
+    w2, b2 = linear_float64(mlp.fc2, s.sum.device)
     scores = mlp_scores(config.ranker, s.second_moment().diagonal(), s.active / s.count, w2)
     keep, prune = split_top(scores, kept)
     t = timer.add("ranking", t)
@@ -267,7 +306,7 @@ def _prune_v(attn: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer
         return info, attn
     t = time.perf_counter()
     dev = s.sum.device
-    w, b = _float64(attn.proj, dev)
+    w, b = linear_float64(attn.proj, dev)
     scores = mlp_scores(config.ranker, s.second_moment().diagonal(), s.active / s.count, w).view(heads, d)
     keep_h, _ = split_top(scores, kept)
     keep, prune = C.head_channels(keep_h, d)
@@ -298,13 +337,10 @@ def _prune_attn(attn: nn.Module, s: AttnStats, kept: int, config: PruneConfig, t
     total = err_none = err_corp = 0.0
     max_m = 0.0
     for h in range(heads):
-        moment = s.moment[h]
-        a, r = C.logit_system(moment, s.index, keep[h], prune[h])
-        removed = C.pair_energy(moment, s.index, prune[h])
-        m = C.solve_logit_compensation(a, r, config.ridge)
-        total += float(C.pair_energy(moment, s.index, all_dims))
+        m, removed, err = C.logit_compensation(s.moment[h], s.index, keep[h], prune[h], config.ridge)
+        total += float(C.pair_energy(s.moment[h], s.index, all_dims))
         err_none += float(removed)
-        err_corp += float(C.logit_error(a, r, removed, m))
+        err_corp += float(err)
         if config.compensation != "corp":  # VBP's mean shift has no logit-space analogue: plain removal
             m = torch.zeros_like(m)
         max_m = max(max_m, float(m.norm()))

@@ -13,6 +13,8 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import Attention
 from torch import Tensor, nn
 
+from corp_deploy.errors import CorpError
+
 
 class PrunedAttention(nn.Module):
     """Multi-head self-attention with Q/K head width ``qk_dim`` and V head width ``v_dim``.
@@ -61,6 +63,26 @@ class PrunedAttention(nn.Module):
         if gate is not None:
             x = x * gate
         return self.proj(x)
+
+
+def check_v_prunable(attn: nn.Module, block: int) -> None:
+    """V pruning folds into proj's weight AND bias, and needs nothing else to act on the V channels."""
+    problem = None
+    if not isinstance(attn.norm, nn.Identity):
+        problem = "a norm over the attention output (scale_norm), which removing V channels changes"
+    elif getattr(attn, "gate", None) is not None:
+        problem = "a gate on the attention output"
+    elif attn.proj.bias is None:
+        problem = "no proj bias to take the compensation's constant"
+    if problem:
+        raise CorpError(f"V pruning is not supported for block {block}: it has {problem}; use --target mlp,qk")
+
+
+def linear_float64(linear: nn.Linear, dev: torch.device) -> tuple[Tensor, Tensor]:
+    """A Linear's weight and bias (zeros when it has none) in float64 on the statistics' device."""
+    w = linear.weight.detach().to(dev, torch.float64)
+    b = torch.zeros(w.shape[0], dtype=w.dtype, device=dev) if linear.bias is None else linear.bias.detach()
+    return w, b.to(dev, torch.float64)
 
 
 def head_widths(attn: Attention | PrunedAttention) -> tuple[int, int]:

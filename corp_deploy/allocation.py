@@ -1,0 +1,308 @@
+"""Budgeted per-block widths: spend a MACs budget where the compensated error grows least.
+
+Uniform sparsity removes the same fraction everywhere, yet blocks differ widely in how well CORP's
+compensation recovers what is removed. The calibration statistics already give the exact
+compensated reconstruction error of every block and part at every width, so the widths can be
+chosen per block from the statistics alone:
+
+1. ``error_curves``: for every (block, part) the relative compensated error at each candidate width.
+   The ranking order does not depend on the width (``split_top`` takes the top-k of fixed scores),
+   so kept sets are nested and one Cholesky factor gives the MLP/V errors at ALL widths.
+2. weights: a per-(block, part) sensitivity (``sensitivity.measure``: how much a local error moves
+   the final features), or 1 for plain local errors.
+3. ``allocate``: greedy from full widths, remove the step with the smallest weighted error increase
+   per MAC saved until the MACs fit, then give back any step that still fits.
+
+Everything here is pure (statistics, weights and shapes in, widths out); the forward passes live in
+``sensitivity``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from corp_deploy import compensation as C
+from corp_deploy.errors import CorpError
+from corp_deploy.ranking import attn_scores, mlp_scores
+from corp_deploy.stats import AttnStats, CalibrationStats, MlpStats
+from corp_deploy.surgery import check_v_prunable, head_widths, linear_float64
+
+if TYPE_CHECKING:
+    from corp_deploy.pruner import PruneConfig
+
+BUDGET_KINDS = ("macs",)
+"""What a budget bounds. ``latency`` (per-device profile tables) would be the next kind."""
+CRITERIA = ("sensitivity", "local")
+"""How errors of different blocks are put on one scale: measured end-to-end sensitivity, or none."""
+PART_ORDER = ("mlp", "qk", "v")
+"""A plan entry is (MLP channels, Q/K dims per head, V channels per head), as ``pruner.plan_widths``."""
+CHOLESKY_JITTER = 1e-10
+"""Relative diagonal jitter for the ridge-free Cholesky: dead or duplicated channels make covariances singular."""
+
+Key = tuple[int, str]
+"""(block, part)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    kind: str
+    fraction: float
+
+
+def parse_budget(text: str) -> Budget:
+    """``"macs=0.5"`` -> Budget("macs", 0.5): keep that fraction of the dense model's MACs."""
+    kind, sep, value = text.partition("=")
+    kind = kind.strip()
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = float("nan")
+    if not sep or kind not in BUDGET_KINDS or not 0.0 < fraction <= 1.0:
+        raise CorpError(
+            f"--budget must be {'|'.join(BUDGET_KINDS)}=F with F the fraction of the dense MACs to keep, "
+            f"0 < F <= 1 (e.g. macs=0.5), got {text!r}"
+        )
+    return Budget(kind, fraction)
+
+
+# ------------------------------------------------------------------------------------------ MACs
+
+
+def tokens(model: nn.Module) -> int:
+    """Tokens every block sees: patches plus class/distillation/register tokens."""
+    return model.patch_embed.num_patches + model.num_prefix_tokens
+
+
+def unit_macs(tokens: int, dim: int, heads: int) -> dict[str, int]:
+    """MACs per image added by one unit of each width: an MLP channel, or one per-head Q/K or V dim.
+
+    Every MAC of a block is linear in its widths: qkv ``N D H (2 qk + v)``, the attention matmuls
+    ``H N^2 (qk + v)``, proj ``N H v D`` and the MLP ``2 N D m``. That is what ``report.model_size``
+    counts (the math attention backend; norms, softmax and activations are not MACs).
+    """
+    return {
+        "mlp": 2 * tokens * dim,
+        "qk": heads * (2 * tokens * dim + tokens * tokens),
+        "v": heads * 2 * tokens * dim + heads * tokens * tokens,
+    }
+
+
+def block_parts(model: nn.Module) -> list[dict[str, Any]]:
+    """Per block: its dim, heads and current width of every part (MLP channels; Q/K and V per head)."""
+    out = []
+    for block in model.blocks:
+        qk, v = head_widths(block.attn)
+        widths = {"mlp": block.mlp.fc1.out_features, "qk": qk, "v": v}
+        out.append({"dim": block.mlp.fc1.in_features, "heads": block.attn.num_heads, "widths": widths})
+    return out
+
+
+def block_macs(tokens: int, dim: int, heads: int, widths: dict[str, int]) -> int:
+    """Closed-form MACs of one block for one image (equals ``model_size``'s counted per-block MACs)."""
+    unit = unit_macs(tokens, dim, heads)
+    return sum(unit[part] * widths[part] for part in PART_ORDER)
+
+
+def candidate_widths(width: int, round_to: int) -> list[int]:
+    """Allowed kept widths, descending: the full width, then every multiple of ``round_to`` below it."""
+    return [width] + list(range((width - 1) // round_to * round_to, 0, -round_to))
+
+
+# ---------------------------------------------------------------------------------- error curves
+
+
+def affine_curve(s: MlpStats, w: Tensor, b: Tensor, order: Tensor, kept: list[int]) -> list[float]:
+    """Relative output error of the compensated (ridge-free) fit keeping the first k of ``order``, per k.
+
+    With the covariance in ``order`` factored as ``L L^T``, ``x_c = L z`` with white z, and the first k
+    channels span the first k coordinates of z (L is lower triangular). The best affine prediction of
+    the rest leaves exactly ``L_PP z_P``, whose output error is ``sum_{j >= k} ||(W L)[:, j]||^2``:
+    every width from one Cholesky and one GEMM. Equals ``compensation.mlp_output_error`` at lam = 0.
+    """
+    mean, second = s.mean(), s.second_moment()
+    cov = (second - torch.outer(mean, mean))[order][:, order]
+    jitter = CHOLESKY_JITTER * cov.diagonal().mean().clamp_min(torch.finfo(cov.dtype).tiny)
+    chol = torch.linalg.cholesky(cov + jitter * torch.eye(len(order), dtype=cov.dtype, device=cov.device))
+    energy = ((w[:, order] @ chol) ** 2).sum(0)
+    tail = torch.cat([energy.flip(0).cumsum(0).flip(0), energy.new_zeros(1)])
+    return (tail[kept] / C.output_energy(mean, second, w, b)).tolist()
+
+
+def logit_curve(s: AttnStats, scores: Tensor, widths: list[int], alpha: float) -> list[float]:
+    """Relative compensated logit error of a layer at every per-head Q/K width: the exact ridge solves.
+
+    Exact per width, the same solve as pruning (``compensation.logit_compensation``): candidate widths
+    are few (head_dim / round_to) and the ridge matters on real Q/K systems (condition numbers 1e10+).
+    """
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    all_dims = torch.arange(s.head_dim, device=scores.device)
+    total = sum(float(C.pair_energy(s.moment[h], s.index, all_dims)) for h in range(s.heads))
+    out = []
+    for width in widths:
+        keep, prune = order[:, :width].sort(-1).values, order[:, width:].sort(-1).values
+        err = sum(
+            float(C.logit_compensation(s.moment[h], s.index, keep[h], prune[h], alpha)[2])
+            for h in range(s.heads)
+            if prune.shape[1]
+        )
+        out.append(err / total)
+    return out
+
+
+def error_curves(
+    model: nn.Module, stats: CalibrationStats, config: PruneConfig, parts: frozenset[str]
+) -> dict[Key, tuple[list[int], list[float]]]:
+    """(candidate widths descending, relative compensated errors) of every block and targeted part."""
+    curves = {}
+    for i, block in enumerate(model.blocks):
+        if "mlp" in parts:
+            s = stats.mlp[i]
+            w, b = linear_float64(block.mlp.fc2, s.sum.device)
+            order = torch.sort(_scores(config, s, w), descending=True, stable=True).indices
+            widths = candidate_widths(w.shape[1], config.round_to)
+            curves[(i, "mlp")] = (widths, affine_curve(s, w, b, order, widths))
+        if "qk" in parts:
+            s, attn = stats.attn[i], block.attn
+            qkv = attn.qkv.weight.detach().to(s.moment.device, torch.float64).unflatten(0, (3, s.heads, s.head_dim))
+            scores = attn_scores(config.ranker, C.logit_energy(s.moment, s.index), qkv[0], qkv[1])
+            widths = candidate_widths(s.head_dim, config.round_to)
+            curves[(i, "qk")] = (widths, logit_curve(s, scores, widths, config.ridge))
+        if "v" in parts:
+            s, heads = stats.proj[i], block.attn.num_heads
+            w, b = linear_float64(block.attn.proj, s.sum.device)
+            d = w.shape[1] // heads
+            ranks = torch.sort(_scores(config, s, w).view(heads, d), dim=-1, descending=True, stable=True).indices
+            order = (ranks + d * torch.arange(heads, device=ranks.device)[:, None]).T.flatten()  # rank-major
+            widths = candidate_widths(d, config.round_to)
+            curves[(i, "v")] = (widths, affine_curve(s, w, b, order, [k * heads for k in widths]))
+    return curves
+
+
+def _scores(config: PruneConfig, s: MlpStats, w: Tensor) -> Tensor:
+    """The pruner's channel ranking (MLP hidden channels, or V channels at proj's input)."""
+    return mlp_scores(config.ranker, s.second_moment().diagonal(), s.active / s.count, w)
+
+
+# ------------------------------------------------------------------------------------- allocator
+
+
+def allocate(
+    curves: dict[Key, tuple[list[int], list[float]]],
+    weights: dict[Key, float],
+    unit: dict[Key, int],
+    fixed_macs: int,
+    limit: int,
+) -> dict[Key, int]:
+    """Greedy widths with ``fixed_macs + sum unit * width <= limit``; pure.
+
+    From full widths, repeatedly take the step (one candidate width down) with the smallest weighted
+    error increase per MAC saved; then give back, best first, every step that still fits, so no
+    single step can be given back without exceeding the limit. Ties go to the earlier key, so
+    identical blocks end within one step of each other.
+    """
+    pos = dict.fromkeys(curves, 0)
+
+    def cost(key: Key, frm: int, to: int) -> tuple[float, int]:
+        widths, errors = curves[key]
+        return weights[key] * (errors[to] - errors[frm]), unit[key] * (widths[frm] - widths[to])
+
+    macs = fixed_macs + sum(unit[k] * curves[k][0][0] for k in curves)
+    while macs > limit:
+        steps = [(k, *cost(k, pos[k], pos[k] + 1)) for k in curves if pos[k] + 1 < len(curves[k][0])]
+        if not steps:
+            raise CorpError(f"the budget of {limit} MACs is below the smallest allowed widths")  # check_budget first
+        key, _, saved = min(steps, key=lambda t: t[1] / t[2])
+        pos[key] += 1
+        macs -= saved
+    while True:
+        back = [(k, *cost(k, pos[k], pos[k] - 1)) for k in curves if pos[k] > 0]
+        back = [(k, gain, added) for k, gain, added in back if macs - added <= limit]  # added < 0: MACs grow
+        if not back:
+            break
+        key, _, added = min(back, key=lambda t: t[1] / -t[2])
+        pos[key] -= 1
+        macs -= added
+    return {k: curves[k][0][pos[k]] for k in curves}
+
+
+# ------------------------------------------------------------------------------------- planning
+
+
+def targets(config: PruneConfig) -> frozenset[str]:
+    """The parts ``config`` prunes, by ``PART_ORDER`` names."""
+    on = {"mlp": config.prunes_mlp, "qk": config.prunes_attn, "v": config.prunes_v}
+    return frozenset(p for p in PART_ORDER if on[p])
+
+
+def macs_layout(model: nn.Module, dense_macs: int, parts: frozenset[str]) -> tuple[dict[Key, int], int, dict[Key, int]]:
+    """(MACs per width unit of each targeted part, MACs that no targeted width changes, current widths)."""
+    n = tokens(model)
+    unit, widths, variable = {}, {}, 0
+    for i, b in enumerate(block_parts(model)):
+        per = unit_macs(n, b["dim"], b["heads"])
+        for part in parts:
+            unit[(i, part)], widths[(i, part)] = per[part], b["widths"][part]
+            variable += per[part] * b["widths"][part]
+    return unit, dense_macs - variable, widths
+
+
+def check_budget(model: nn.Module, config: PruneConfig, dense_macs: int) -> int:
+    """Data-free: the MACs limit of ``config.budget``; a budget no allowed widths can meet fails here.
+
+    Call it before calibrating. The smallest model keeps ``round_to`` channels of every targeted part.
+    """
+    parts = targets(config)
+    if "v" in parts:
+        for i, block in enumerate(model.blocks):
+            check_v_prunable(block.attn, i)
+    budget = parse_budget(config.budget)
+    limit = int(budget.fraction * dense_macs)
+    unit, fixed, widths = macs_layout(model, dense_macs, parts)
+    smallest = fixed + sum(unit[k] * min(w, config.round_to) for k, w in widths.items())
+    if smallest > limit:
+        raise CorpError(
+            f"--budget {config.budget} is below the smallest model --target {config.target} allows "
+            f"({smallest / dense_macs:.3f} of the dense MACs, every part at --round-to {config.round_to}); "
+            "raise the budget, add targets or lower --round-to"
+        )
+    return limit
+
+
+def plan_budget(
+    model: nn.Module,
+    stats: CalibrationStats,
+    config: PruneConfig,
+    dense_macs: int,
+    weights: dict[Key, float] | None = None,
+    curves: dict[Key, tuple[list[int], list[float]]] | None = None,
+) -> tuple[list[tuple[int | None, int | None, int | None]], dict[str, Any]]:
+    """Widths for ``pruner.prune_model`` (``plan``) meeting ``config.budget``, and what to record about them.
+
+    ``weights``: per-(block, part) sensitivity (``sensitivity.measure``); None = plain local errors.
+    ``curves``: ``error_curves`` already computed (a study planning several budgets from one calibration).
+    """
+    limit = check_budget(model, config, dense_macs)
+    parts = targets(config)
+    curves = error_curves(model, stats, config, parts) if curves is None else curves
+    unit, fixed, _ = macs_layout(model, dense_macs, parts)
+    chosen = allocate(curves, weights or dict.fromkeys(curves, 1.0), unit, fixed, limit)
+    plan = [tuple(chosen.get((i, p)) for p in PART_ORDER) for i in range(len(model.blocks))]
+    record = {
+        "budget": config.budget,
+        "criterion": "local" if weights is None else "sensitivity",
+        "dense_macs": dense_macs,
+        "limit_macs": limit,
+        "planned_macs": fixed + sum(unit[k] * w for k, w in chosen.items()),
+        "planned_error": {
+            p: [curves[(i, p)][1][curves[(i, p)][0].index(chosen[(i, p)])] for i in range(len(plan))]
+            for p in PART_ORDER
+            if p in parts
+        },
+    }
+    if weights is not None:
+        record["sensitivity"] = {p: [weights[(i, p)] for i in range(len(plan))] for p in PART_ORDER if p in parts}
+    return plan, record

@@ -1,0 +1,111 @@
+"""How far each block's local error travels: the scale that puts every block's errors on one axis.
+
+A relative reconstruction error of 1% in block 2's MLP and 1% in block 11's Q/K do not cost the same:
+what matters is how much each moves the model's final features. For every targeted (block, part),
+prune that part ALONE at a reference width (compensated, from the same statistics), run held-out
+images through the rest of the network, and divide the relative error of the final features
+(pre-logits) by the part's local error. ``allocation.allocate`` multiplies local error curves by
+these weights. No labels are used; the images are calibration images kept out of the statistics.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Iterable, Iterator
+from statistics import median
+
+import torch
+from torch import Tensor, nn
+
+from corp_deploy.allocation import PART_ORDER, Key, candidate_widths, targets
+from corp_deploy.pruner import PruneConfig, Timer, Widths, prune_block
+from corp_deploy.stats import CalibrationStats
+from corp_deploy.surgery import head_widths
+
+REFERENCE_SPARSITY = 0.5
+"""Each part is probed at its uniform-50% width: near the widths a 0.4-0.7 MACs budget picks."""
+NEGLIGIBLE = 1e-9
+"""A local error below this (fully redundant channels) gives no usable ratio: the part's median is used."""
+REPORT_KEY = {"mlp": "mlp", "qk": "attn", "v": "v"}
+"""Where ``pruner.prune_block``'s diagnostics keep each part's errors."""
+
+
+def split_heldout(batches: Iterable[tuple[Tensor, int]], n: int) -> tuple[Tensor, Iterator[tuple[Tensor, int]]]:
+    """The first ``n`` images of a calibration stream, and the rest of the stream (for the statistics).
+
+    Reads only as many batches as it needs; a batch that straddles the split is cut, and unreadable
+    counts of the batches read stay with the calibration stream so they are still reported.
+    """
+    it = iter(batches)
+    held: list[Tensor] = []
+    rest: list[tuple[Tensor, int]] = []
+    have = 0
+    for images, skipped in it:
+        take = images[: n - have]
+        held.append(take)
+        rest.append((images[take.shape[0] :], skipped))
+        have += take.shape[0]
+        if have >= n:
+            break
+    images = torch.cat(held) if held else torch.empty(0)
+    return images, itertools.chain(rest, it)
+
+
+def _final(model: nn.Module, start: int, x: Tensor) -> Tensor:
+    """Pre-logit features from the input of block ``start`` on (timm ViT: blocks, norm, pooled head input)."""
+    for block in model.blocks[start:]:
+        x = block(x)
+    return model.forward_head(model.norm(x), pre_logits=True)
+
+
+def _block_inputs(model: nn.Module, images: Tensor) -> tuple[list[Tensor], Tensor]:
+    """Every block's input for ``images`` (one dense forward) and the dense pre-logit features."""
+    inputs: list[Tensor] = []
+    handles = [b.register_forward_pre_hook(lambda _m, args: inputs.append(args[0])) for b in model.blocks]
+    try:
+        features = model.forward_head(model.forward_features(images), pre_logits=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return inputs, features
+
+
+def _relative(x: Tensor, ref: Tensor) -> float:
+    return float((x - ref).double().square().sum() / ref.double().square().sum())
+
+
+@torch.inference_mode()
+def measure(model: nn.Module, stats: CalibrationStats, config: PruneConfig, images: Tensor) -> dict[Key, float]:
+    """Sensitivity (final-feature relative error / local relative error) of every targeted (block, part).
+
+    ``model`` is the dense model (left unchanged); ``images`` the held-out images.
+    """
+    model.eval()
+    param = next(model.parameters())
+    inputs, dense = _block_inputs(model, images.to(param.device, param.dtype))
+    parts = [p for p in PART_ORDER if p in targets(config)]
+    out: dict[Key, float] = {}
+    for i, block in enumerate(model.blocks):
+        full = {"mlp": block.mlp.fc1.out_features, "qk": head_widths(block.attn)[0], "v": head_widths(block.attn)[1]}
+        for part in parts:
+            reference = (1 - REFERENCE_SPARSITY) * full[part]
+            kept = min(candidate_widths(full[part], config.round_to), key=lambda w: abs(w - reference))
+            if kept == full[part]:  # nothing can be removed: the weight never matters
+                out[(i, part)] = 1.0
+                continue
+            widths: Widths = tuple(kept if p == part else None for p in PART_ORDER)  # type: ignore[assignment]
+            trial = copy.deepcopy(block)
+            local = prune_block(trial, i, stats, widths, config, Timer())[REPORT_KEY[part]]["rel_error"]["corp"]
+            model.blocks[i] = trial
+            try:
+                final = _relative(_final(model, i, inputs[i]), dense)
+            finally:
+                model.blocks[i] = block
+            out[(i, part)] = final / local if local > NEGLIGIBLE else float("nan")
+    for part in parts:  # redundant parts: the typical weight of their kind
+        known = [v for (_, p), v in out.items() if p == part and v == v]
+        for key, v in out.items():
+            if key[1] == part and v != v:
+                out[key] = median(known) if known else 1.0
+    return out
