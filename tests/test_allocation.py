@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,3 +254,54 @@ def test_uniform_config_record_only_gains_the_new_fields() -> None:
         "allocation": "sensitivity",
         "sensitivity_images": 32,
     }
+
+
+RANK_SCRIPT = """
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[3])
+from conftest import tiny_batches, tiny_vit
+from corp_deploy import api, distributed
+from corp_deploy.pruner import PruneConfig
+
+world, _ = distributed.init(torch.device("cpu"), 120)
+batches = [b for i, b in enumerate(tiny_batches(64, 8)) if i % world.size == world.rank]
+config = PruneConfig(budget="macs=0.6", target="all", allocation=sys.argv[1], sensitivity_images=8)
+result = api.prune(tiny_vit(), batches, config, "cpu", progress=False, world=world)
+if result is not None:
+    json.dump({"allocation": result.report["allocation"], "calibration": result.report["calibration"],
+               "widths": [[e[p]["kept"] for p in ("mlp", "attn", "v")] for e in result.report["blocks"]]},
+              open(sys.argv[2], "w"))
+distributed.finish()
+"""
+
+
+def test_budget_under_two_gloo_processes(tmp_path) -> None:
+    """Sums are all-reduced; rank 0 holds out its first images, measures sensitivity and plans alone."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = {}
+    for allocation in ("local", "sensitivity"):
+        out[allocation] = tmp_path / f"{allocation}.json"
+        run = subprocess.run(
+            [*torchrun, str(script), allocation, str(out[allocation]), str(Path(__file__).parent)],
+            cwd=Path(__file__).resolve().parents[1],
+            env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+            capture_output=True,
+            text=True,
+            timeout=420,
+        )
+        assert run.returncode == 0, run.stderr[:3000]
+    local, sens = (json.loads(out[a].read_text()) for a in ("local", "sensitivity"))
+    single = api.prune(
+        tiny_vit(),
+        tiny_batches(64, 8),
+        PruneConfig(budget="macs=0.6", target="all", allocation="local"),
+        progress=False,
+    )
+    assert local["calibration"] == {"images": 64, "skipped": 0, "processes": 2}
+    assert local["widths"] == [[e[p]["kept"] for p in ("mlp", "attn", "v")] for e in single.report["blocks"]]
+    assert sens["calibration"]["images"] == 56 and sens["allocation"]["heldout_images"] == 8
+    assert sens["allocation"]["planned_macs"] <= sens["allocation"]["limit_macs"]
