@@ -107,6 +107,11 @@ def format_report(report: dict[str, Any]) -> str:
         "(errors: relative reconstruction error on the calibration data; mlp = fc2 output, logit = Q K^T, "
         "proj = attention output projection; v kept is per head)"
     )
+    if alloc := report.get("allocation"):
+        lines.append(
+            f"widths per block from --budget {alloc['budget']} ({alloc['criterion']} errors): "
+            f"{alloc['planned_macs'] / alloc['dense_macs']:.3f} of the dense MACs"
+        )
     params = _pct(pruned["params"], dense["params"])
     lines.append(
         f"params {dense['params'] / 1e6:.2f}M -> {pruned['params'] / 1e6:.2f}M ({params})"

@@ -31,7 +31,7 @@ from corp_deploy.artifact import load_pruned
 from corp_deploy.errors import CorpError
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.ranking import mlp_scores
-from corp_deploy.report import model_size
+from corp_deploy.report import format_report, model_size
 from corp_deploy.sensitivity import split_heldout
 
 
@@ -223,6 +223,7 @@ def test_budgeted_prune_end_to_end_reloads(tmp_path) -> None:
     assert all(v > 0 for vs in alloc["sensitivity"].values() for v in vs)
     assert report["pruned"]["macs"] == alloc["planned_macs"] <= 0.6 * report["dense"]["macs"]
     assert report["config"]["budget"] == "macs=0.6" and report["config"]["sparsity"] is None
+    assert "widths per block from --budget macs=0.6 (sensitivity errors)" in format_report(report)
     out = api.save(
         result,
         tmp_path / "run",
