@@ -82,13 +82,11 @@ def unit_macs(tokens: int, dim: int, heads: int) -> dict[str, int]:
 
     Every MAC of a block is linear in its widths: qkv ``N D H (2 qk + v)``, the attention matmuls
     ``H N^2 (qk + v)``, proj ``N H v D`` and the MLP ``2 N D m``. That is what ``report.model_size``
-    counts (the math attention backend; norms, softmax and activations are not MACs).
+    counts (the math attention backend; norms, softmax and activations are not MACs). A Q/K dim and a
+    V channel cost the same: two D-wide projections (q and k; v and proj) and one N x N matmul.
     """
-    return {
-        "mlp": 2 * tokens * dim,
-        "qk": heads * (2 * tokens * dim + tokens * tokens),
-        "v": heads * 2 * tokens * dim + heads * tokens * tokens,
-    }
+    head_unit = heads * (2 * tokens * dim + tokens * tokens)
+    return {"mlp": 2 * tokens * dim, "qk": head_unit, "v": head_unit}
 
 
 def block_parts(model: nn.Module) -> list[dict[str, Any]]:
