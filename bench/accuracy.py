@@ -20,7 +20,7 @@ from torch import Tensor
 
 from corp_deploy.compensation import ridge_solve
 from corp_deploy.errors import CorpError
-from corp_deploy.report import text_table
+from corp_deploy.tables import text_table
 
 Runner = Callable[[np.ndarray], np.ndarray]
 """FP32 NCHW batch in, FP32 outputs (logits or features) out: ``exporters.runners`` and ``TrtRunner``."""

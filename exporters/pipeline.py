@@ -7,7 +7,7 @@
 - ``export_run``: all of it for a dense and a pruned model, as ``prune-export`` writes it.
 
 Every ONNX file gets a ``<file>.json`` sidecar holding its verification record; engines get theirs
-from ``tensorrt_engine``. Callers stage the outputs (``corp_deploy.artifact.staged``/``atomic_dir``).
+from ``tensorrt_engine``. Callers stage the outputs (``corp_deploy.fsio.staged``/``atomic_dir``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from corp_deploy.errors import CorpError
-from corp_deploy.report import text_table
+from corp_deploy.tables import text_table
 from exporters.compare import FP16, FP32, INT8, Tolerance, check, summary, verify
 from exporters.fp16 import convert_fp16
 from exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata, sha256

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from corp_deploy.api import SYNTHETIC
-from corp_deploy.artifact import check_writable, staged
 from corp_deploy.data import folder_batches, list_images, sample, synthetic_batches
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import check_writable, staged
 from exporters.compare import Comparison, Runner, Tolerance, check, compare, summary
 from exporters.onnx_export import (
     add_metadata,

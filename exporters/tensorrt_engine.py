@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-import corp_deploy
-from corp_deploy.artifact import atomic_file, cache_dir, check_writable, staged
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import atomic_file, cache_dir, check_writable, staged
+from corp_deploy.version import __version__
 from exporters.onnx_export import graph_precision, load_onnx, read_metadata, sha256
 
 FORMAT = "corp-deploy/tensorrt-engine"
@@ -283,7 +283,7 @@ def build_engine(
         "attention": {"blocks": len(read_metadata(proto).get("structure", [])) or None, **log.attention()},
         # Relative to the engine, so that a run folder can move as a whole.
         "onnx": {"path": os.path.relpath(onnx_path.resolve(), out.parent.resolve()), "sha256": sha256(onnx_path)},
-        "corp_deploy": corp_deploy.__version__,
+        "corp_deploy": __version__,
     }
     with staged(out, overwrite) as stage:
         engine = stage / out.name

@@ -24,8 +24,9 @@ from test_cli import run
 
 import corp_deploy
 from bench import gate
-from corp_deploy.artifact import FORMAT, FORMAT_VERSION, META_FILE, WEIGHTS_FILE, atomic_file, save_pruned
+from corp_deploy.artifact import FORMAT, FORMAT_VERSION, META_FILE, WEIGHTS_FILE, save_pruned
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import atomic_file
 from corp_deploy.pruner import PruneConfig
 
 # ------------------------------------------------------------------------------------------ gate

@@ -30,7 +30,7 @@ from bench.gpu_suite.core import (
     warm_device,
 )
 from corp_deploy.models import input_size
-from corp_deploy.report import markdown_table
+from corp_deploy.tables import markdown_table
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from corp_deploy.artifact import atomic_dir, cache_dir
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import atomic_dir, cache_dir
 
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 FASHION_CLASSES = ("tshirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "boot")

