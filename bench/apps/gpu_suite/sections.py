@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.gpu_suite.core import (
+from bench.apps.gpu_suite.core import (
     DTYPES,
     PRUNED,
     Context,
