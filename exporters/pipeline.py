@@ -4,7 +4,9 @@
 - ``convert_verified``: FP32 ONNX -> FP16 ONNX, checked against the FP32 graph;
 - ``engine_verified``: ONNX -> TensorRT or TensorRT-RTX engine, checked against onnxruntime on the same
   graph where this machine can run it, else recorded as built only;
-- ``export_run``: all of it for a dense and a pruned model, as ``prune-export`` writes it.
+- ``export_run``: all of it for a dense and a pruned model, as ``prune-export`` writes it, and
+  ``write_export_record`` its ``export.json``;
+- ``fp16_graph``: the FP16 copy an engine build needs, reused while its FP32 source is unchanged.
 
 Every ONNX file gets a ``<file>.json`` sidecar holding its verification record; engines get theirs
 from ``tensorrt_engine``. Callers stage the outputs (``corp_deploy.fsio.staged``/``atomic_dir``).

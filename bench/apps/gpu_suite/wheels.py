@@ -29,7 +29,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2] / ".gpu-wheels"
+ROOT = Path(__file__).resolve().parents[3] / ".gpu-wheels"
 STASH = Path(tempfile.gettempdir()) / "corp-deploy-gpu-wheels"
 PLAIN = ("onnxconverter-common==1.16.0", "tensorrt-rtx-cu13-bindings==1.7.1.116")
 RTX_LIBS = "tensorrt-rtx-cu13-libs==1.7.1.116"
