@@ -8,6 +8,7 @@ every batch, so each image is decoded once and all models get identical inputs.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from corp_deploy.compensation import ridge_solve
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import atomic_file
 from corp_deploy.tables import text_table
 
 Runner = Callable[[np.ndarray], np.ndarray]
@@ -384,6 +386,15 @@ def evaluate_run(
         "skipped_backends": skipped,
         "input_size": list(cfg["input_size"]),
     }
+
+
+def append_evaluation(root: str | Path, record: dict[str, Any]) -> Path:
+    """Append ``record`` to ``root/eval.json``, the run folder's list of evaluations (oldest first); its path."""
+    log = Path(root) / "eval.json"
+    history = json.loads(log.read_text()) if log.is_file() else []
+    with atomic_file(log, overwrite=True) as tmp:
+        tmp.write_text(json.dumps([*history, record], indent=2) + "\n")
+    return log
 
 
 # ------------------------------------------------------------------------ linear-probe task

@@ -23,9 +23,21 @@ def cache_dir() -> Path:
 
 
 def check_writable(out: str | Path, overwrite: bool) -> None:
-    """Fail before any work when ``out`` exists and may not be replaced."""
-    if Path(out).exists() and not overwrite:
+    """Fail before any work when ``out`` exists and may not be replaced, or cannot be created at all.
+
+    Creating is tried, not guessed from permission bits (root passes every ``os.access`` check, yet
+    cannot write under /proc): a scratch folder made and removed in the nearest existing ancestor.
+    """
+    out = Path(out)
+    if out.exists() and not overwrite:
         raise CorpError(f"output {out} already exists; choose another --out or pass --overwrite")
+    ancestor = out.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.check-", dir=ancestor))
+    except OSError as e:
+        raise CorpError(f"cannot write {out}: {e.strerror} ({ancestor})") from None
 
 
 @contextmanager

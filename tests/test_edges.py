@@ -17,10 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, pruned_copy, tiny_vit
-from test_bench import BASE as RECORD
-from test_bench import _record
-from test_cli import BASE as PRUNE
-from test_cli import run
+from helpers import PRUNE, RECORD, bench_record, run
 
 import corp_deploy
 from bench import gate
@@ -42,8 +39,8 @@ from corp_deploy.pruner import PruneConfig
 )
 def test_absolute_gate_passes_a_change_equal_to_the_threshold_and_fails_just_beyond(baseline, current, limit) -> None:
     """The docs promise a failure for a slowdown *beyond* --max-regression: equal passes."""
-    base = _record({("ort", "dense", 1): baseline, ("ort", "pruned", 1): baseline})
-    now = _record({("ort", "dense", 1): current, ("ort", "pruned", 1): current * (1 + 1e-6)})
+    base = bench_record({("ort", "dense", 1): baseline, ("ort", "pruned", 1): baseline})
+    now = bench_record({("ort", "dense", 1): current, ("ort", "pruned", 1): current * (1 + 1e-6)})
     dense, pruned = gate.compare(now, base, limit, "absolute")
     assert dense.change == pytest.approx(limit, abs=1e-12) and not dense.regressed
     assert pruned.regressed  # one part in a million beyond the threshold
@@ -51,8 +48,8 @@ def test_absolute_gate_passes_a_change_equal_to_the_threshold_and_fails_just_bey
 
 
 def test_ratio_gate_passes_a_speedup_loss_equal_to_the_threshold() -> None:
-    base = _record({("ort", "dense", 1): 10.0, ("ort", "pruned", 1): 8.0})  # speedup 1.25
-    even = _record({("ort", "dense", 1): 10.0, ("ort", "pruned", 1): 10.0})  # speedup 1.0: 25% lost
+    base = bench_record({("ort", "dense", 1): 10.0, ("ort", "pruned", 1): 8.0})  # speedup 1.25
+    even = bench_record({("ort", "dense", 1): 10.0, ("ort", "pruned", 1): 10.0})  # speedup 1.0: 25% lost
     (check,) = gate.compare(even, base, 0.25, "ratio")
     assert check.change == 0.25 and not check.regressed
     (check,) = gate.compare(even, base, 0.2499, "ratio")
@@ -96,7 +93,7 @@ def test_a_run_missing_baseline_measurements_fails_the_gate(mode) -> None:
     with pytest.raises(CorpError, match=f"this run lacks 1 of the baseline's \\d measurements \\({missing}\\)"):
         gate.compare(partial, RECORD, 0.05, mode)
     extra = copy.deepcopy(RECORD)  # measuring MORE than the baseline is fine: the extra is not gated
-    extra["results"] += _record({("trt", "dense", 1): 1.0, ("trt", "pruned", 1): 0.5})["results"]
+    extra["results"] += bench_record({("trt", "dense", 1): 1.0, ("trt", "pruned", 1): 0.5})["results"]
     assert len(gate.compare(extra, RECORD, 0.05, mode)) == (4 if mode == "absolute" else 2)
 
 
@@ -113,6 +110,7 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
+@pytest.mark.e2e
 def test_overwrite_whose_write_fails_leaves_the_old_artifact(tmp_path, capsys, monkeypatch) -> None:
     out = _tiny_artifact(tmp_path / "run")
     before = _snapshot(out)
@@ -217,6 +215,7 @@ def test_a_truncated_corp_json_or_missing_weights_are_refused(artifact, tmp_path
         corp_deploy.load_pruned(copy_)
 
 
+@pytest.mark.e2e
 def test_a_future_artifact_through_the_cli_is_one_line(artifact, tmp_path, capsys) -> None:
     copy_ = shutil.copytree(artifact, tmp_path / "run")
     meta = json.loads((copy_ / META_FILE).read_text())

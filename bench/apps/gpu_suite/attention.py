@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.gpu_suite.core import DTYPES, Context, measure, precision_mode, sync
+from bench.apps.gpu_suite.core import DTYPES, Context, measure, precision_mode, sync
 from corp_deploy.tables import markdown_table
 
 SDPA_OPS = {

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu_suite.core import Context
+from bench.apps.gpu_suite.core import Context
 from corp_deploy.tables import markdown_table
 
 
