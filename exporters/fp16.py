@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
 from exporters.onnx_export import add_metadata, check_onnx, load_onnx
 
@@ -28,10 +29,7 @@ KEEP_FP32 = (
 
 def convert_fp16(src: str | Path, out: str | Path) -> Path:
     """Write an FP16 copy of the FP32 graph ``src`` to ``out`` (single file), checked; callers stage ``out``."""
-    try:
-        from onnxconverter_common import float16
-    except ImportError:
-        raise CorpError("FP16 ONNX needs onnxconverter-common: pip install 'corp-deploy[onnx]'") from None
+    float16 = require("onnxconverter_common.float16", "FP16 ONNX")
     proto = load_onnx(src)
     blocked = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(KEEP_FP32))
     try:

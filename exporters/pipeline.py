@@ -22,10 +22,11 @@ from typing import Any
 from torch import nn
 
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import sha256
 from corp_deploy.tables import text_table
 from exporters.compare import FP16, FP32, INT8, Tolerance, check, summary, verify
 from exporters.fp16 import convert_fp16
-from exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata, sha256
+from exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata
 from exporters.runners import OrtRunner, TorchRunner
 from exporters.tensorrt_engine import VERIFIED, BuildOptions, TrtRunner, build_engine, build_missing
 

@@ -12,9 +12,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
 from exporters.onnx_export import load_onnx
 
+ORT_PURPOSE = "running ONNX graphs"
 GPU_PROVIDERS = ("CUDAExecutionProvider",)
 """onnxruntime's GPU backend is its CUDA provider, named explicitly: its TensorRT provider (first in
 onnxruntime-gpu's list) would make ``ort-cuda`` a TensorRT benchmark and compare our engines with
@@ -42,11 +44,7 @@ def ort_providers(device: str = "auto") -> tuple[list[str], str]:
     when there is none. What actually runs is ``OrtRunner.provider`` (a provider whose libraries do
     not load is dropped by onnxruntime at session creation).
     """
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        raise CorpError("onnxruntime is not installed: pip install 'corp-deploy[onnx]'") from None
-    available = ort.get_available_providers()
+    available = require("onnxruntime", ORT_PURPOSE).get_available_providers()
     gpu = [p for p in GPU_PROVIDERS if p in available]
     if device == "cpu":
         return ["CPUExecutionProvider"], "CPU requested"
@@ -67,8 +65,7 @@ class OrtRunner:
     """An ONNX file in onnxruntime; ``provider`` is the one that actually got the graph."""
 
     def __init__(self, path: str | Path, device: str = "auto", threads: int | None = None):
-        import onnxruntime as ort
-
+        ort = require("onnxruntime", ORT_PURPOSE)
         load_onnx(path, weights=False)  # one-line errors for missing or non-ONNX files
         providers, self.why = ort_providers(device)
         options = ort.SessionOptions()

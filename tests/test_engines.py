@@ -18,8 +18,9 @@ from conftest import pruned_copy, tiny_vit
 
 from corp_deploy.api import describe
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import sha256
 from corp_deploy.pruner import PruneConfig
-from exporters.onnx_export import load_onnx, read_metadata, sha256
+from exporters.onnx_export import load_onnx, read_metadata
 from exporters.pipeline import VerifyOptions, engine_verified, export_run, format_summary
 from exporters.tensorrt_engine import (
     FLAVOURS,
@@ -235,7 +236,7 @@ def test_no_tensorrt_of_either_flavour_names_both_install_commands(monkeypatch) 
     for flavour in FLAVOURS.values():
         monkeypatch.setitem(sys.modules, flavour.module, None)  # import fails as if not installed
     why = build_missing()
-    assert "pip install tensorrt --extra-index-url https://pypi.nvidia.com" in why
+    assert "pip install 'corp-deploy[tensorrt]' --extra-index-url https://pypi.nvidia.com" in why
     assert "pip install 'corp-deploy[tensorrt-rtx]'" in why and "\n" not in why
     assert (
         build_missing(BuildOptions(runtime="tensorrt-rtx"))

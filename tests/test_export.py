@@ -236,7 +236,7 @@ def test_build_options_reject_unknown_precision() -> None:
 
 def _fake_engine(tmp_path: Path, onnx: Path, **meta) -> Path:
     """An engine file with a sidecar as build_engine writes it (the engine bytes are arbitrary)."""
-    from exporters.onnx_export import sha256
+    from corp_deploy.fsio import sha256
 
     engine = tmp_path / "m.fp16.plan"
     engine.write_bytes(b"serialized engine bytes")
@@ -261,7 +261,7 @@ HERE = {"version": "10.13.0", "gpu": "NVIDIA H100 80GB HBM3", "compute_capabilit
 
 def test_engine_metadata_accepts_its_own_platform(tmp_path) -> None:
     """Same GPU, TensorRT and ONNX: accepted, whatever else differs (CUDA minor version) or is gone (the ONNX)."""
-    from exporters.onnx_export import sha256
+    from corp_deploy.fsio import sha256
 
     onnx = tmp_path / "m.onnx"
     onnx.write_bytes(b"graph")

