@@ -12,7 +12,7 @@ import torch
 from bench.backends import MODELS, Backend, RunFolder
 from bench.measure import Method, interleaved, median_of_repeats, summarize
 from corp_deploy import env
-from corp_deploy.errors import CorpError
+from corp_deploy.errors import CorpError, first_line
 from exporters.tensorrt_engine import FLAVOURS
 
 SCHEMA = "corp-deploy/bench"
@@ -68,15 +68,20 @@ def benchmark(
         "results": [],
     }
     for backend in backends:
-        loaders = {m: backend.load(run, m, include_copies, threads) for m in MODELS}
+        try:
+            loaders = {m: backend.load(run, m, include_copies, threads) for m in MODELS}
+        except (torch.cuda.OutOfMemoryError, CorpError) as e:  # this backend cannot run: the others still do
+            record["skipped"][backend.name] = first_line(e)
+            progress(f"{backend.name:16s} skipped ({first_line(e)})")
+            continue
         device = record["environment"]["gpu"] if backend.device == "cuda" else "cpu"
         for batch in batch_sizes:
             try:
                 steps = {m: loaders[m](batch) for m in MODELS}
                 repeats_ = [interleaved(steps, method, warm_up=i == 0) for i in range(repeats)]
             except (torch.cuda.OutOfMemoryError, CorpError) as e:
-                record["skipped"][f"{backend.name}@{batch}"] = str(e).splitlines()[0]
-                progress(f"{backend.name:16s} batch {batch:4d}: skipped ({str(e).splitlines()[0]})")
+                record["skipped"][f"{backend.name}@{batch}"] = first_line(e)
+                progress(f"{backend.name:16s} batch {batch:4d}: skipped ({first_line(e)})")
                 continue
             for m in MODELS:
                 stats = median_of_repeats([summarize(r[m], batch) for r in repeats_])

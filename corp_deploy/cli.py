@@ -710,7 +710,8 @@ def bench(
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def eval_command(run_dir: str, quiet: bool, **kwargs) -> None:
     """Accuracy of dense and pruned models from RUN_DIR on every backend that can run; appended to RUN_DIR/eval.json."""
-    record = evaluate_run(run_dir, progress=not quiet, **kwargs)
+    dense = functools.partial(api.dense_original, checkpoint=kwargs.pop("checkpoint"))
+    record = evaluate_run(run_dir, dense=dense, progress=not quiet, **kwargs)
     record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": api.device_name(torch.device("cpu"))}
     for name, why in record["skipped_backends"].items():
         click.echo(f"skipped {name}: {why}")

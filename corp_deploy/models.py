@@ -14,6 +14,7 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import Attention, VisionTransformer
 from torch import nn
 
+from corp_deploy.data import data_config, input_size  # noqa: F401 (apps import them from here)
 from corp_deploy.errors import CorpError
 
 ALIASES: dict[str, str] = {
@@ -193,20 +194,3 @@ def check_supported(model: nn.Module, name: str) -> None:
             problem = "MLP has a norm over its hidden channels"
         if problem:
             raise CorpError(f"{name} is not supported: block {i} {problem}; corp-deploy prunes {SUPPORTED}")
-
-
-def input_size(model: nn.Module) -> tuple[int, int, int]:
-    """(C, H, W) the instantiated model expects.
-
-    Taken from the model itself: timm's data config reports the pretrained config's size (518 for
-    DINOv2) even when the model was built with ``img_size=224``.
-    """
-    h, w = model.patch_embed.img_size
-    return (model.patch_embed.proj.in_channels, h, w)
-
-
-def data_config(model: nn.Module) -> dict[str, Any]:
-    """timm preprocessing config of ``model`` with the input size it was actually built for."""
-    cfg = timm.data.resolve_model_data_config(model)
-    cfg["input_size"] = input_size(model)
-    return cfg

@@ -30,8 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from corp_deploy.api import SYNTHETIC
-from corp_deploy.data import folder_batches, list_images, sample, synthetic_batches
+from corp_deploy.data import SYNTHETIC, folder_batches, list_images, sample, synthetic_batches
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
 from corp_deploy.fsio import check_writable, sha256, staged

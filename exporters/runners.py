@@ -6,6 +6,7 @@ any two runners. The TensorRT runner lives in ``exporters.tensorrt_engine``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +79,21 @@ class OrtRunner:
             raise CorpError(f"onnxruntime cannot load {path}: {str(e).splitlines()[0]}") from None
         self.provider = self.session.get_providers()[0]
         self.input = self.session.get_inputs()[0].name
+        self.output = self.session.get_outputs()[0].name
         self.name = f"ort-{self.provider.removesuffix('ExecutionProvider').lower()}"
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         (out,) = self.session.run(None, {self.input: x})
         return out.astype(np.float32, copy=False)
+
+    def on_gpu(self, x: np.ndarray) -> Callable[[], object]:
+        """``x`` copied to the GPU once; a call that runs on it and leaves the output there.
+
+        onnxruntime's I/O binding: what a GPU latency is without the host<->device copies that
+        ``__call__`` makes. The call returns once the result is on the device.
+        """
+        ort = require("onnxruntime", ORT_PURPOSE)
+        binding = self.session.io_binding()
+        binding.bind_ortvalue_input(self.input, ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0))
+        binding.bind_output(self.output, "cuda")
+        return lambda: self.session.run_with_iobinding(binding)
