@@ -13,16 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from corp_deploy.errors import CorpError
 from corp_deploy.tables import text_table
-
-Runner = Callable[[np.ndarray], np.ndarray]
-"""FP32 NCHW batch in, FP32 outputs (logits or features) out: ``exporters.runners`` and ``TrtRunner``."""
+from exporters.compare import Runner
 
 Head = Callable[[Tensor], Tensor]
 """Outputs -> class logits: the identity for a classifier, a ``Probe`` for a backbone."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import socket
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,13 +112,9 @@ def _build(name: str, model_args: dict, pretrained: bool) -> nn.Module:
 
 def _pretrained(name: str, model_args: dict) -> nn.Module:
     hub_reachable = _resolves("huggingface.co")
-    if not hub_reachable:
-        # Offline: look in the local cache only instead of retrying the network for a minute.
-        import huggingface_hub.constants
-
-        huggingface_hub.constants.HF_HUB_OFFLINE = True
     try:
-        return _build(name, model_args, pretrained=True)
+        with _hub_offline(not hub_reachable):
+            return _build(name, model_args, pretrained=True)
     except CorpError:
         raise
     except Exception as e:  # hub, cache and download errors come in many types
@@ -125,6 +123,24 @@ def _pretrained(name: str, model_args: dict) -> nn.Module:
             f"cannot load pretrained weights for {name} ({where}); "
             "pass --checkpoint PATH, or --weights random for structure/latency work"
         ) from None
+
+
+@contextlib.contextmanager
+def _hub_offline(offline: bool) -> Iterator[None]:
+    """Offline: look in the local hub cache only instead of retrying the network for a minute.
+
+    Only for this load: the setting is the hub library's, process-wide, and is put back after.
+    """
+    if not offline:
+        yield
+        return
+    import huggingface_hub.constants as hub
+
+    saved, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, True
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE = saved
 
 
 def _resolves(host: str) -> bool:

@@ -2,8 +2,9 @@
 
 TensorRT 11 builds exactly the types in the graph (no FP16 builder flag), so precision is decided
 here. onnxconverter-common's converter does the rewrite; the ops in ``KEEP_FP32`` stay in FP32
-because their accumulations (mean/variance, exp-sum) lose accuracy in half precision, and casts
-around them are cheap next to the matmuls that FP16 speeds up.
+(beside the converter's own block list; the graph's ``fp16_kept_fp32_ops`` records both) because
+their accumulations (mean/variance, exp-sum) lose accuracy in half precision, and casts around them
+are cheap next to the matmuls that FP16 speeds up.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def convert_fp16(src: str | Path, out: str | Path) -> Path:
             half = float16.convert_float_to_float16(proto, keep_io_types=True, op_block_list=blocked)
     except Exception as e:
         raise CorpError(f"FP16 conversion of {src} failed: {str(e).splitlines()[0]}") from None
-    add_metadata(half, {"precision": "fp16", "fp16_kept_fp32_ops": list(KEEP_FP32)})
+    add_metadata(half, {"precision": "fp16", "fp16_kept_fp32_ops": blocked})
     import onnx
 
     onnx.save(half, str(out))

@@ -23,7 +23,8 @@ from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
 
 DEFAULT_OPSET = 20
-"""Verified here: the pruned SDPA decomposes to MatMul/Softmax and matches onnxruntime (DESIGN.md 2)."""
+"""Verified here: the pruned SDPA decomposes to MatMul/Softmax and matches onnxruntime (tests/test_export.py,
+docs/BENCHMARKS.md "Export")."""
 
 OPSETS = range(18, 24)
 INPUT = "images"

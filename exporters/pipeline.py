@@ -41,6 +41,10 @@ class VerifyOptions:
     int8: Tolerance = INT8
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if len(set(self.batches)) < 2 or min(self.batches) < 1:
+            raise CorpError(f"verify batches must be two or more batch sizes >= 1 (e.g. 1,4), got {self.batches}")
+
 
 def _verified(reference, candidate, input_size: Sequence[int], opts: VerifyOptions, tol: Tolerance, what: str) -> dict:
     comparisons = verify(reference, candidate, input_size, opts.batches, opts.seed)
@@ -107,7 +111,7 @@ def engine_verified(
     tol = {"fp32": opts.fp16 if options.tf32 else opts.fp32, "fp16": opts.fp16, "int8": opts.int8}[options.precision]
 
     def check_engine(engine: Path) -> dict:
-        runner = TrtRunner(engine)
+        runner = TrtRunner(engine, onnx=onnx_path)  # still staged: name its graph for the staleness check
         what = f"{runner.label} {options.precision} engine {out.name}"
         return _verified(OrtRunner(onnx_path), runner, runner.meta["input"]["shape"], opts, tol, what)
 

@@ -278,7 +278,7 @@ def build_engine(
         engine = stage / out.name
         engine.write_bytes(memoryview(serialized))
         record["engine_sha256"] = sha256(engine)
-        why = "no check asked for" if check is None else run_missing(engine, meta=record)
+        why = "no check asked for" if check is None else run_missing(engine, meta=record, onnx=onnx_path)
         record |= {"verify": None, "status": f"built only (not executed: {why})" if why else VERIFIED}
         sidecar(engine).write_text(json.dumps(record, indent=2) + "\n")
         if not why:
@@ -377,8 +377,14 @@ def read_engine_meta(engine: str | Path) -> dict[str, Any]:
     return meta
 
 
-def check_compatible(meta: dict[str, Any], here: dict[str, str], engine: str | Path) -> None:
+def check_compatible(
+    meta: dict[str, Any], here: dict[str, str], engine: str | Path, onnx: str | Path | None = None
+) -> None:
     """Refuse an engine this GPU and library cannot run, or built from an ONNX since changed.
+
+    ``onnx`` is the graph it was built from where the caller knows it: during the build the engine
+    is still in its staging folder, from which the sidecar's path (relative to the engine's final
+    folder) leads nowhere. Otherwise that path is followed; a missing ONNX is not staleness.
 
     ``here`` holds the running library's ``version`` and the GPU (``corp_deploy.env.gpu``). A TensorRT
     engine is tied to the GPU model that built it; a TensorRT-RTX engine to its target compute
@@ -403,12 +409,12 @@ def check_compatible(meta: dict[str, Any], here: dict[str, str], engine: str | P
             f"{name} was built on {meta['gpu']} ({meta['compute_capability']}) but this GPU is {gpu}; "
             "TensorRT engines are tied to the GPU that built them: rebuild it with `corp-deploy build-engine`"
         )
-    source = Path(engine).parent / meta["onnx"]["path"]
+    source = Path(onnx) if onnx is not None else Path(engine).parent / meta["onnx"]["path"]
     if source.is_file() and sha256(source) != meta["onnx"]["sha256"]:
         raise CorpError(f"{engine} is stale: {source} changed after it was built; rebuild the engine")
 
 
-def load_runtime(meta: dict[str, Any], engine: str | Path, runtime: str = "auto"):
+def load_runtime(meta: dict[str, Any], engine: str | Path, runtime: str = "auto", onnx: str | Path | None = None):
     """The module that runs ``engine`` here (auto: its own flavour), after every check short of deserializing."""
     flavour, asked = FLAVOURS[meta["flavour"]], FLAVOURS.get(runtime, FLAVOURS[meta["flavour"]])
     if asked != flavour:
@@ -421,14 +427,16 @@ def load_runtime(meta: dict[str, Any], engine: str | Path, runtime: str = "auto"
         raise CorpError(f"{Path(engine).name} is a {flavour.label} engine: {flavour_missing(flavour)}")
     if not torch.cuda.is_available():
         raise CorpError("no supported GPU here: no CUDA GPU is visible")
-    check_compatible(meta, {"version": trt.__version__, **env.gpu()}, engine)
+    check_compatible(meta, {"version": trt.__version__, **env.gpu()}, engine, onnx)
     return trt
 
 
-def run_missing(engine: str | Path, runtime: str = "auto", meta: dict[str, Any] | None = None) -> str | None:
-    """Why ``engine`` cannot run here (its sidecar, the library, the GPU), or None."""
+def run_missing(
+    engine: str | Path, runtime: str = "auto", meta: dict[str, Any] | None = None, onnx: str | Path | None = None
+) -> str | None:
+    """Why ``engine`` cannot run here (its sidecar, the library, the GPU, a changed ``onnx``), or None."""
     try:
-        load_runtime(meta or read_engine_meta(engine), engine, runtime)
+        load_runtime(meta or read_engine_meta(engine), engine, runtime, onnx)
     except CorpError as e:
         return str(e)
     return None
@@ -437,9 +445,9 @@ def run_missing(engine: str | Path, runtime: str = "auto", meta: dict[str, Any] 
 class TrtRunner:
     """A deserialized engine with one execution context; I/O through torch CUDA tensors."""
 
-    def __init__(self, engine: str | Path, runtime: str = "auto"):
+    def __init__(self, engine: str | Path, runtime: str = "auto", onnx: str | Path | None = None):
         self.meta = read_engine_meta(engine)
-        trt = load_runtime(self.meta, engine, runtime)
+        trt = load_runtime(self.meta, engine, runtime, onnx)
         self.label = FLAVOURS[self.meta["flavour"]].label
         self._logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self._logger)

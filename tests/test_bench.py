@@ -266,3 +266,9 @@ def test_sweep_command_line(tmp_path, capsys) -> None:
     )
     assert code == 0, stderr
     assert "FLOP ideal" in stdout and (tmp_path / "sw" / "s0.50" / "bench.json").is_file()
+
+
+@pytest.mark.parametrize("field", ["min_iters", "round_iters", "warmup_seconds"])
+def test_timing_method_validates_itself_naming_the_field(field) -> None:
+    with pytest.raises(CorpError, match=f"timing method {field} must be >= "):
+        Method(**{field: -1})

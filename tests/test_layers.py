@@ -9,6 +9,7 @@ the entry point imports the CLI.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -154,3 +155,16 @@ def test_rooms_load_neither_torch_nor_timm() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_documents_cited_in_the_code_are_in_the_repository() -> None:
+    """A docstring that cites a document (``DESIGN.md``, ``docs/BENCHMARKS.md``) must find it in this repository."""
+    cited = {
+        (path.relative_to(ROOT), name)
+        for path in modules().values()
+        for name in re.findall(r"\b(?:docs/)?[A-Z][A-Z_]*\.md\b", path.read_text())
+    }
+    missing = sorted(
+        f"{path} cites {name}" for path, name in cited if not any((d / name).is_file() for d in (ROOT, ROOT / "docs"))
+    )
+    assert not missing, missing
