@@ -14,7 +14,8 @@ from corp_deploy.fsio import sha256
 
 
 def test_the_gate_names_the_distribution_and_the_install_command(monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "onnxconverter_common", None)  # import fails as if not installed
+    for name in ("onnxconverter_common", "onnxconverter_common.float16"):  # imports fail as if not installed
+        monkeypatch.setitem(sys.modules, name, None)
     assert deps.optional("onnxconverter_common") is None
     assert deps.missing("json", "onnxconverter_common") == "onnxconverter-common (pip install 'corp-deploy[onnx]')"
     with pytest.raises(CorpError, match=r"^FP16 ONNX needs onnxconverter-common: pip install 'corp-deploy\[onnx\]'$"):
