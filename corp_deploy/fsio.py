@@ -7,6 +7,7 @@ Imports nothing heavy: exporters and benchmarks use it without loading the pruni
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -20,6 +21,15 @@ from corp_deploy.errors import CorpError
 def cache_dir() -> Path:
     """Where corp-deploy keeps what is costly to remake and safe to share: ``$XDG_CACHE_HOME/corp-deploy``."""
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "corp-deploy"
+
+
+def sha256(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks: what sidecars record to tie an output to its input."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def check_writable(out: str | Path, overwrite: bool) -> None:

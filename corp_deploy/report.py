@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from corp_deploy.models import input_size
+from corp_deploy.data import input_size
 
 
 def model_size(model: nn.Module) -> dict[str, Any]:

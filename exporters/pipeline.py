@@ -24,11 +24,11 @@ from typing import Any
 from torch import nn
 
 from corp_deploy.errors import CorpError
-from corp_deploy.fsio import staged
+from corp_deploy.fsio import sha256, staged
 from corp_deploy.tables import text_table
 from exporters.compare import FP16, FP32, INT8, Tolerance, check, summary, verify
 from exporters.fp16 import convert_fp16
-from exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata, sha256
+from exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata
 from exporters.runners import OrtRunner, TorchRunner
 from exporters.tensorrt_engine import VERIFIED, BuildOptions, TrtRunner, build_engine, build_missing
 
@@ -42,6 +42,10 @@ class VerifyOptions:
     fp16: Tolerance = FP16
     int8: Tolerance = INT8
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if len(set(self.batches)) < 2 or min(self.batches) < 1:
+            raise CorpError(f"verify batches must be two or more batch sizes >= 1 (e.g. 1,4), got {self.batches}")
 
 
 def _verified(reference, candidate, input_size: Sequence[int], opts: VerifyOptions, tol: Tolerance, what: str) -> dict:
@@ -109,7 +113,7 @@ def engine_verified(
     tol = {"fp32": opts.fp16 if options.tf32 else opts.fp32, "fp16": opts.fp16, "int8": opts.int8}[options.precision]
 
     def check_engine(engine: Path) -> dict:
-        runner = TrtRunner(engine)
+        runner = TrtRunner(engine, onnx=onnx_path)  # still staged: name its graph for the staleness check
         what = f"{runner.label} {options.precision} engine {out.name}"
         return _verified(OrtRunner(onnx_path), runner, runner.meta["input"]["shape"], opts, tol, what)
 

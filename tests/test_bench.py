@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 from conftest import TINY_CLI_ARGS
 from helpers import RECORD, bench_record, run
 
 from bench import gate
-from bench.backends import RunFolder, select
+from bench.backends import BACKENDS, Backend, RunFolder, select
 from bench.measure import Method, interleaved, median_of_repeats, summarize
-from bench.run import SCHEMA, pairs, parse_batch_sizes
+from bench.run import SCHEMA, benchmark, pairs, parse_batch_sizes
 from corp_deploy.cli import main
 from corp_deploy.errors import CorpError
 
@@ -127,6 +128,32 @@ def test_backend_selection_explains_what_it_skips(run_dir) -> None:
         RunFolder.open(run_dir / "nothing")
     with pytest.raises(CorpError, match="is a prune artifact"):
         RunFolder.open(run_dir / "pruned")
+
+
+def test_run_folder_reads_the_recorded_input_size_without_building_a_model(run_dir, tmp_path, monkeypatch) -> None:
+    def no_model(self, which):
+        raise AssertionError("a model was built to learn the input size")
+
+    monkeypatch.setattr(RunFolder, "torch_model", no_model)
+    assert RunFolder.open(run_dir).input_size == (3, 32, 32)
+    bare = tmp_path / "bare"
+    shutil.copytree(run_dir / "pruned", bare / "pruned")
+    with pytest.raises(CorpError, match="pruned.onnx.json is missing or records no input_size; re-run"):
+        RunFolder.open(bare).input_size  # noqa: B018 (the property is the call under test)
+
+
+def test_a_backend_that_cannot_load_is_skipped_and_the_others_still_run(run_dir) -> None:
+    def broken(run, which, include_copies, threads):
+        raise CorpError("the engine library failed to load\nits second line")
+
+    backends = [Backend("broken", "cpu", "fp32", broken, lambda run: None), BACKENDS["torch-cpu-fp32"]]
+    method = Method(warmup_iters=1, warmup_seconds=0, min_iters=3, min_seconds=0, round_iters=1)
+    record = benchmark(RunFolder.open(run_dir), backends, [1], method)
+    assert record["skipped"] == {"broken": "the engine library failed to load"}
+    assert {(r["backend"], r["model"]) for r in record["results"]} == {
+        ("torch-cpu-fp32", "dense"),
+        ("torch-cpu-fp32", "pruned"),
+    }
 
 
 FAST = ["--min-iters", "3", "--min-seconds", "0", "--warmup-iters", "1", "--warmup-seconds", "0"]
@@ -282,3 +309,9 @@ def test_sweep_plot_with_a_backend_skipped_at_one_sparsity(tmp_path) -> None:
     result = {"model": "m", "rows": [row(0.0, ["ort", "torch"]), row(0.5, ["ort"])]}
     plot_sweep(result, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("field", ["min_iters", "round_iters", "warmup_seconds"])
+def test_timing_method_validates_itself_naming_the_field(field) -> None:
+    with pytest.raises(CorpError, match=f"timing method {field} must be >= "):
+        Method(**{field: -1})

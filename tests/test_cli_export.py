@@ -117,8 +117,9 @@ BAD = {
 NO_ENGINES = {
     "build-engine": (
         ["build-engine", "{onnx}"],
-        "cannot build TensorRT engines here: TensorRT is not installed (pip install tensorrt --extra-index-url "
-        "https://pypi.nvidia.com); TensorRT-RTX is not installed (pip install 'corp-deploy[tensorrt-rtx]')",
+        "cannot build TensorRT engines here: TensorRT is not installed (pip install 'corp-deploy[tensorrt]' "
+        "--extra-index-url https://pypi.nvidia.com); TensorRT-RTX is not installed "
+        "(pip install 'corp-deploy[tensorrt-rtx]')",
     ),
     "require engines": ([*PRUNE_EXPORT, "--require-engines", "--out", "{tmp}/run"], "--require-engines: cannot"),
     "runtime tensorrt-rtx": (["build-engine", "{onnx}", "--runtime", "tensorrt-rtx"], "TensorRT-RTX is not installed"),

@@ -24,7 +24,7 @@ from bench import gate
 from corp_deploy.artifact import FORMAT, FORMAT_VERSION, META_FILE, WEIGHTS_FILE, save_pruned
 from corp_deploy.errors import CorpError
 from corp_deploy.fsio import atomic_file
-from corp_deploy.pruner import PruneConfig
+from corp_deploy.pruner import PruneConfig, plan_widths
 
 # ------------------------------------------------------------------------------------------ gate
 
@@ -230,3 +230,28 @@ def test_the_untouched_artifact_loads(artifact) -> None:
     """The fixture itself is sound, so the failures above are caused by the edits alone."""
     model = corp_deploy.load_pruned(artifact)
     assert model(torch.randn(1, 3, 32, 32)).shape == (1, 10)
+
+
+def test_a_bias_free_mlp_is_refused_for_compensation_and_pruned_without_it() -> None:
+    """fc2 without a bias cannot take the constant ``W2_P c``: refuse before calibrating, not drop it silently."""
+    model = tiny_vit(proj_bias=False)  # timm: proj_bias is also the MLP's bias
+    assert model.blocks[0].mlp.fc2.bias is None
+    for compensation in ("corp", "mean"):
+        with pytest.raises(CorpError, match=f"--compensation {compensation} is not supported for block 0: its fc2 "):
+            plan_widths(model, PruneConfig(sparsity=0.5, target="mlp", compensation=compensation))
+    pruned, blocks = pruned_copy(model, PruneConfig(sparsity=0.5, target="mlp", compensation="none"))
+    assert [b["mlp"]["kept"] for b in blocks] == [64, 64] and pruned.blocks[0].mlp.fc2.bias is None
+    assert pruned(torch.zeros(1, 3, 32, 32)).shape == (1, 10)
+
+
+def test_offline_hub_setting_is_put_back_after_the_load(monkeypatch) -> None:
+    import huggingface_hub.constants as hub
+
+    from corp_deploy import models
+
+    seen = []
+    monkeypatch.setattr(models, "_resolves", lambda host: False)
+    monkeypatch.setattr(models, "_build", lambda name, args, pretrained: seen.append(hub.HF_HUB_OFFLINE) or "built")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    assert models._pretrained("deit_tiny_patch16_224", {}) == "built"
+    assert seen == [True] and hub.HF_HUB_OFFLINE is False

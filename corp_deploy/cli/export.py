@@ -30,6 +30,7 @@ from corp_deploy.cli.options import (
     verify_options,
 )
 from corp_deploy.cli.prune import pruned
+from corp_deploy.env import versions
 from corp_deploy.errors import CorpError
 from corp_deploy.fsio import atomic_dir, check_writable, staged
 from corp_deploy.models import parse_model_args
@@ -257,6 +258,6 @@ def prune_export(
     with atomic_dir(out, overwrite) as tmp:
         api.save(run.result, tmp / "pruned", run.name, run.args, weights=run.weights)
         record = export_run(models, tmp, precisions_, opset, simplify, opts, build, require_engines, quantize)
-        record = write_export_record(tmp, run.name, run.result.report, record, api.versions())
+        record = write_export_record(tmp, run.name, run.result.report, record, versions())
     click.echo(format_summary(record, {k: v["params"] for k, v in record["size"].items()}))
     click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json)")

@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from bench.measure import Method
-from corp_deploy import api
+from corp_deploy.data import SYNTHETIC
 from corp_deploy.deps import missing
 from corp_deploy.errors import CorpError
 from corp_deploy.fsio import check_writable
@@ -297,7 +297,7 @@ def precisions(text: str) -> tuple[str, ...]:
 
 
 def calibration_source(calib_dir: str | None, calib: str | None) -> str:
-    if calib is not None and calib != api.SYNTHETIC:
+    if calib is not None and calib != SYNTHETIC:
         raise CorpError(f"--calib accepts only 'synthetic', got {calib!r}; real images go in --calib-dir")
     if calib_dir is not None and calib is not None:
         raise CorpError("pass one of --calib-dir DIR (real images) or --calib synthetic (smoke tests), not both")
@@ -306,7 +306,7 @@ def calibration_source(calib_dir: str | None, calib: str | None) -> str:
             "no calibration images: pass --calib-dir DIR (a few thousand unlabelled images of your domain, e.g. "
             f"ImageNet train); a smoke run on noise (structure and speed only, no accuracy): {_smoke_command()}"
         )
-    return calib_dir or api.SYNTHETIC
+    return calib_dir or SYNTHETIC
 
 
 def _smoke_command() -> str:

@@ -20,6 +20,7 @@ from corp_deploy.cli.options import (
     prune_config,
     prune_options,
 )
+from corp_deploy.data import SYNTHETIC
 from corp_deploy.errors import CorpError
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.report import format_report
@@ -78,7 +79,7 @@ def inputs(
     """``dist_timeout`` marks a command that may run data-parallel under torchrun (prune, prune-export)."""
     source = calibration_source(calib_dir, calib)
     if num_calib is None:
-        num_calib = SMOKE_IMAGES if source == api.SYNTHETIC else CALIB_IMAGES
+        num_calib = SMOKE_IMAGES if source == SYNTHETIC else CALIB_IMAGES
     args = parse_model_args(model_arg)
     device_ = api.resolve_device(device)
     world = distributed.SINGLE_PROCESS

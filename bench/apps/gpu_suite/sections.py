@@ -29,7 +29,7 @@ from bench.apps.gpu_suite.core import (
     sync,
     warm_device,
 )
-from corp_deploy.models import input_size
+from corp_deploy.data import input_size
 from corp_deploy.tables import markdown_table
 
 REPO = Path(__file__).resolve().parents[3]
