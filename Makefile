@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx
 
-.PHONY: setup demo smoke test lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study bench-dist \
+.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study bench-dist \
 	gpu-suite gpu-wheels clean
 
 setup: $(BIN)/corp-deploy
@@ -28,6 +28,15 @@ smoke: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+# The pruning and surgery tests against the oldest timm pyproject.toml allows (its `timm>=` floor), laid over
+# the venv's packages in a throwaway folder (no second torch): ~2 min on 2 cores.
+TIMM_FLOOR := $(shell sed -n 's/.*"timm>=\([0-9.]*\).*/\1/p' pyproject.toml)
+test-timm-floor: setup
+	rm -rf .timm-floor && $(BIN)/pip install -q --no-deps --target .timm-floor "timm==$(TIMM_FLOOR)"
+	PYTHONPATH=.timm-floor $(BIN)/python -c "import timm; assert timm.__version__ == '$(TIMM_FLOOR)', timm.__version__"
+	PYTHONPATH=.timm-floor $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_pruning.py tests/test_values.py
+	rm -rf .timm-floor
+
 lint: setup
 	$(BIN)/ruff check corp_deploy exporters bench tests
 	$(BIN)/ruff format --check corp_deploy exporters bench tests
@@ -46,41 +55,41 @@ bench-gpu: setup
 
 # Pruning time and memory (docs/BENCHMARKS.md). CPU figure: deit_small, 256 images.
 bench-prune: setup
-	$(BIN)/python -m bench.prune_time deit_small --num-calib 256
+	$(BIN)/python -m bench.apps.prune_time deit_small --num-calib 256
 
 # GPU target: deit_base, 4000 images, <= 30 s on one H100-class GPU.
 bench-prune-gpu: setup
-	$(BIN)/python -m bench.prune_time deit_base --num-calib 4000 --calib-batch-size 128 --device cuda
+	$(BIN)/python -m bench.apps.prune_time deit_base --num-calib 4000 --calib-batch-size 128 --device cuda
 
 # Calibration time: 1 process vs 2 torchrun (gloo) processes on the same images, CPU.
 bench-dist: setup
-	$(BIN)/python -m bench.dist_scaling deit_small --num-calib 128 --procs 2
+	$(BIN)/python -m bench.apps.dist_scaling deit_small --num-calib 128 --procs 2
 
 # Accuracy vs sparsity (mlp / attn / joint, with and without compensation) and the knob study, real weights.
 accuracy-sweep: setup
-	$(BIN)/python -m bench.accuracy_sweep --out docs/accuracy-sweep
+	$(BIN)/python -m bench.apps.accuracy_sweep --out docs/accuracy-sweep
 
 knob-study: setup
-	$(BIN)/python -m bench.knob_study --out docs/knob-study --test 200
+	$(BIN)/python -m bench.apps.knob_study --out docs/knob-study --test 200
 
 # MLP+Q/K vs MLP+Q/K+V on real weights: probe accuracy against measured CPU throughput (same-run ratios).
 v-study: setup
-	$(BIN)/python -m bench.v_study --out docs/v-study
+	$(BIN)/python -m bench.apps.v_study --out docs/v-study
 
 # Prune + INT8 on real weights: accuracy and same-run onnxruntime CPU throughput of dense/pruned x fp32/int8.
 int8-study: setup
-	$(BIN)/python -m bench.int8_study --out docs/int8-study
+	$(BIN)/python -m bench.apps.int8_study --out docs/int8-study
 
 # On a GPU machine, from the repository root, with no installation step (its python3 needs torch and timm):
 # every CUDA path tested and measured into $(GPU_OUT) (~5 min on one H200). ONLY=tests,prune splits it.
-# Then, here: python -m bench.gpu_suite --ingest DIR [DIR ...] writes the docs' GPU rows.
+# Then, here: python -m bench.apps.gpu_suite --ingest DIR [DIR ...] writes the docs' GPU rows.
 GPU_OUT ?= runs/gpu-suite
 gpu-suite:
-	$(PY) -m bench.gpu_suite --out $(GPU_OUT) $(if $(ONLY),--only $(ONLY)) $(GPU_ARGS)
+	$(PY) -m bench.apps.gpu_suite --out $(GPU_OUT) $(if $(ONLY),--only $(ONLY)) $(GPU_ARGS)
 
-# Wheels the GPU image lacks (onnxconverter-common, TensorRT-RTX), into .gpu-wheels/: bench/gpu_suite/wheels.py.
+# Wheels the GPU image lacks (onnxconverter-common, TensorRT-RTX), into .gpu-wheels/: bench/apps/gpu_suite/wheels.py.
 gpu-wheels: setup
-	$(BIN)/python -m bench.gpu_suite.wheels download
+	$(BIN)/python -m bench.apps.gpu_suite.wheels download
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

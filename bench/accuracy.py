@@ -8,22 +8,20 @@ every batch, so each image is decoded once and all models get identical inputs.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from corp_deploy.compensation import ridge_solve
 from corp_deploy.errors import CorpError
-from corp_deploy.report import text_table
-
-Runner = Callable[[np.ndarray], np.ndarray]
-"""FP32 NCHW batch in, FP32 outputs (logits or features) out: ``exporters.runners`` and ``TrtRunner``."""
+from corp_deploy.fsio import atomic_file
+from corp_deploy.tables import text_table
+from exporters.compare import Runner
 
 Head = Callable[[Tensor], Tensor]
 """Outputs -> class logits: the identity for a classifier, a ``Probe`` for a backbone."""
@@ -68,9 +66,15 @@ class Probe:
 
 
 def _ridge_fit(x: Tensor, y: Tensor, ridge: float) -> tuple[Tensor, Tensor]:
-    """Least squares of centred one-hot targets on centred features, damped relative to the scale."""
+    """Least squares of centred one-hot targets on centred features, damped relative to the scale.
+
+    The damping is ``ridge * mean(diag(gram))`` (as CORP's own ridge), which keeps the system
+    positive definite, so a Cholesky solve is all it takes.
+    """
     xm, ym = x.mean(0), y.mean(0)
-    weight = ridge_solve((x - xm).T @ (x - xm), (x - xm).T @ (y - ym), ridge)
+    gram = (x - xm).T @ (x - xm)
+    damping = ridge * gram.diagonal().mean().clamp_min(1e-12) * torch.eye(len(gram), dtype=gram.dtype)
+    weight = torch.cholesky_solve((x - xm).T @ (y - ym), torch.linalg.cholesky(gram + damping))
     return weight, ym - xm @ weight
 
 
@@ -221,31 +225,20 @@ def format_evaluation(evaluation: Evaluation, header: str) -> str:
 EVAL_BACKENDS = ("torch", "onnx", "onnx-int8", "tensorrt-fp32", "tensorrt-fp16", "tensorrt-int8")
 
 
-def dense_model(meta: dict[str, Any], checkpoint: str | None = None) -> torch.nn.Module | None:
-    """The dense original with its real weights, or None when they cannot be had (random init).
+DenseLoader = Callable[[dict[str, Any]], tuple[torch.nn.Module | None, str]]
+"""An artifact's ``corp.json`` -> (its dense original with real weights, "") or (None, why not).
 
-    From ``checkpoint`` if given, else from what the artifact records: the checkpoint path it was
-    pruned from (if that file is still there) or timm's pretrained weights.
-    """
-    from corp_deploy.models import create_model
-
-    model, weights = meta["model"], meta["model"].get("weights", "")
-    recorded = weights.removeprefix("checkpoint:") if weights.startswith("checkpoint:") else None
-    checkpoint = checkpoint or (recorded if recorded and Path(recorded).is_file() else None)
-    if checkpoint:
-        return create_model(model["name"], checkpoint=checkpoint, model_args=model.get("args", {}))
-    if weights == "pretrained":
-        return create_model(model["name"], weights="pretrained", model_args=model.get("args", {}))
-    return None
+Rebuilding a dense timm model with its weights (hub, checkpoint) is the caller's business: the CLI
+passes ``corp_deploy.api.dense_original``."""
 
 
 def run_runners(
-    root: str | Path, backends: str = "auto", checkpoint: str | None = None, threads: int | None = None
+    root: str | Path, backends: str = "auto", dense: DenseLoader | None = None, threads: int | None = None
 ) -> tuple[dict[str, Runner], str, dict[str, str], torch.nn.Module]:
     """Every (model, backend) of a prune-export folder or prune artifact that can run here.
 
-    Returns the runners by name ("pruned onnx"), the dense reference's name (PyTorch when the
-    dense weights can be had, else dense.onnx), ``{skipped: why}`` and the pruned module.
+    Returns the runners by name ("pruned onnx"), the dense reference's name (PyTorch when ``dense``
+    gives the dense weights, else dense.onnx), ``{skipped: why}`` and the pruned module.
     """
     from corp_deploy.artifact import META_FILE, load_pruned, read_meta
     from exporters.runners import OrtRunner, TorchRunner
@@ -265,17 +258,13 @@ def run_runners(
     runners: dict[str, Runner] = {}
     skipped: dict[str, str] = {}
     if "torch" in wanted:
-        try:
-            dense = dense_model(read_meta(artifact), checkpoint)
-            why = "dense weights were random or their checkpoint moved (pass --checkpoint)"
-        except CorpError as e:
-            if checkpoint:
-                raise
-            dense, why = None, str(e)
-        if dense is None:
+        model, why = (
+            (None, "no way to load the dense weights was given") if dense is None else dense(read_meta(artifact))
+        )
+        if model is None:
             skipped["dense torch"] = why
         else:
-            runners["dense torch"] = TorchRunner(dense.eval())
+            runners["dense torch"] = TorchRunner(model.eval())
         runners["pruned torch"] = TorchRunner(pruned)
     for backend in wanted:
         if backend.startswith("onnx"):
@@ -334,7 +323,7 @@ def evaluate_run(
     num: int = 10**9,
     batch_size: int = 32,
     backends: str = "auto",
-    checkpoint: str | None = None,
+    dense: DenseLoader | None = None,
     seed: int = 0,
     workers: int = 0,
     progress: bool = False,
@@ -344,16 +333,17 @@ def evaluate_run(
     ``data_dir`` is a labelled ImageFolder (top-1/top-5), ``images`` a folder of unlabelled images
     (agreement, KL, cosine against the dense model). A backbone without a classifier needs
     ``probe_train``, a labelled ImageFolder on whose DENSE features a linear probe is fitted.
+    ``dense`` loads the dense original for the PyTorch reference (without it: dense.onnx).
     """
     from tqdm import tqdm
 
-    from corp_deploy.models import data_config
+    from corp_deploy.data import data_config
 
     if (data_dir is None) == (images is None):
         raise CorpError("pass exactly one of --data-dir (labelled ImageFolder) or --images (unlabelled folder)")
     if num < 1 or batch_size < 1:
         raise CorpError("--num and --batch-size must be >= 1")
-    runners, reference, skipped, pruned = run_runners(root, backends, checkpoint)
+    runners, reference, skipped, pruned = run_runners(root, backends, dense)
     cfg = data_config(pruned)
     classifier = getattr(pruned, "num_classes", 0) > 0
     head: Head | None = (lambda t: t) if classifier else None
@@ -384,6 +374,15 @@ def evaluate_run(
         "skipped_backends": skipped,
         "input_size": list(cfg["input_size"]),
     }
+
+
+def append_evaluation(root: str | Path, record: dict[str, Any]) -> Path:
+    """Append ``record`` to ``root/eval.json``, the run folder's list of evaluations (oldest first); its path."""
+    log = Path(root) / "eval.json"
+    history = json.loads(log.read_text()) if log.is_file() else []
+    with atomic_file(log, overwrite=True) as tmp:
+        tmp.write_text(json.dumps([*history, record], indent=2) + "\n")
+    return log
 
 
 # ------------------------------------------------------------------------ linear-probe task

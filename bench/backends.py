@@ -7,6 +7,7 @@ current stream, CPU steps with ``perf_counter``. ``missing`` says why a backend 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,8 +21,8 @@ from torch import nn
 
 from bench.measure import Step
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta
+from corp_deploy.deps import optional
 from corp_deploy.errors import CorpError
-from corp_deploy.models import input_size
 from exporters.tensorrt_engine import run_missing
 
 MODELS = ("dense", "pruned")
@@ -66,7 +67,14 @@ class RunFolder:
 
     @cached_property
     def input_size(self) -> tuple[int, int, int]:
-        return input_size(self.torch_model("pruned"))
+        """(C, H, W) as ``prune-export`` recorded it beside pruned.onnx: no model is built to learn it."""
+        record = self.root / "pruned.onnx.json"
+        try:
+            return tuple(json.loads(record.read_text())["input_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise CorpError(
+                f"{record} is missing or records no input_size; re-run `corp-deploy prune-export`"
+            ) from None
 
 
 def cpu_step(call: Callable[[], object]) -> Step:
@@ -141,12 +149,7 @@ def _ort(device: str, precision: str = "fp32") -> Callable:
             x = np.random.default_rng(batch).standard_normal((batch, *shape), dtype=np.float32)
             if device == "cpu" or include_copies:
                 return cpu_step(lambda: runner(x))  # session.run blocks until the result is on the host
-            import onnxruntime as ort
-
-            binding = runner.session.io_binding()
-            binding.bind_ortvalue_input(runner.input, ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0))
-            binding.bind_output(runner.session.get_outputs()[0].name, "cuda")
-            return cpu_step(lambda: runner.session.run_with_iobinding(binding))
+            return cpu_step(runner.on_gpu(x))
 
         return at
 
@@ -178,10 +181,9 @@ def _no_gpu(_: RunFolder) -> str | None:
 
 def _ort_missing(device: str, precision: str = "fp32") -> Callable[[RunFolder], str | None]:
     def missing(run: RunFolder) -> str | None:
-        try:
-            import onnxruntime as ort
-        except ImportError:
-            return "onnxruntime not installed (pip install 'corp-deploy[onnx]')"
+        ort = optional("onnxruntime")
+        if ort is None:
+            return f"not installed: {missing('onnxruntime')}"
         absent = [run.onnx(m, precision).name for m in MODELS if not run.onnx(m, precision).is_file()]
         if absent and precision == "int8":
             return f"no {', '.join(absent)} in {run.root} (corp-deploy quantize {run.root} --calib-dir DIR)"

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from corp_deploy.errors import CorpError
+
 Step = Callable[[], float]
 """One timed inference; returns its own latency in seconds (the backend decides how to time it)."""
 
@@ -25,6 +27,12 @@ class Method:
     min_iters: int = 30
     min_seconds: float = 2.0
     round_iters: int = 5
+
+    def __post_init__(self) -> None:
+        at_least = {"warmup_iters": 0, "warmup_seconds": 0, "min_iters": 1, "min_seconds": 0, "round_iters": 1}
+        for name, low in at_least.items():
+            if not getattr(self, name) >= low:
+                raise CorpError(f"timing method {name} must be >= {low}, got {getattr(self, name)}")
 
     def describe(self) -> str:
         return (

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.run import pairs
-from corp_deploy.errors import CorpError
-from corp_deploy.report import markdown_table, text_table
+from corp_deploy.deps import require
+from corp_deploy.tables import markdown_table, text_table
 
 COLUMNS = (
     ("backend", "backend", "{}"),
@@ -51,14 +51,8 @@ def to_csv(record: dict[str, Any]) -> str:
 
 def pyplot():
     """matplotlib's pyplot on the file-only backend, or a one-line error saying what to install."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise CorpError("plots need matplotlib: pip install 'corp-deploy[bench]'") from None
-    return plt
+    require("matplotlib", "a plot").use("Agg")
+    return require("matplotlib.pyplot", "a plot")
 
 
 def plot(record: dict[str, Any], path: Path) -> None:

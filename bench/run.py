@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import importlib
-import platform
-import shutil
-import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
-import corp_deploy
 from bench.backends import MODELS, Backend, RunFolder
 from bench.measure import Method, interleaved, median_of_repeats, summarize
-from corp_deploy.errors import CorpError
+from corp_deploy import env
+from corp_deploy.errors import CorpError, first_line
 from exporters.tensorrt_engine import FLAVOURS
 
 SCHEMA = "corp-deploy/bench"
@@ -35,41 +30,8 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 
 def environment(threads: int) -> dict[str, Any]:
-    """Everything a latency number depends on that is not in the model."""
-    env: dict[str, Any] = {
-        "cpu": platform.processor() or platform.machine(),
-        "torch_threads": threads,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "corp_deploy": corp_deploy.__version__,
-    }
-    try:
-        import onnxruntime
-
-        env["onnxruntime"] = onnxruntime.__version__
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        env |= {
-            "gpu": torch.cuda.get_device_name(),
-            "cuda": torch.version.cuda,
-            "driver": _driver_version(),
-            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-        }
-        for flavour in FLAVOURS.values():
-            with contextlib.suppress(ImportError):
-                env[flavour.name] = importlib.import_module(flavour.module).__version__
-    return env
-
-
-def _driver_version() -> str:
-    if not shutil.which("nvidia-smi"):
-        return "unknown"
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
-    )
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    """Everything a latency number depends on that is not in the model, TensorRT flavours included."""
+    return env.environment(threads, {flavour.name: flavour.module for flavour in FLAVOURS.values()})
 
 
 def benchmark(
@@ -106,15 +68,20 @@ def benchmark(
         "results": [],
     }
     for backend in backends:
-        loaders = {m: backend.load(run, m, include_copies, threads) for m in MODELS}
+        try:
+            loaders = {m: backend.load(run, m, include_copies, threads) for m in MODELS}
+        except (torch.cuda.OutOfMemoryError, CorpError) as e:  # this backend cannot run: the others still do
+            record["skipped"][backend.name] = first_line(e)
+            progress(f"{backend.name:16s} skipped ({first_line(e)})")
+            continue
         device = record["environment"]["gpu"] if backend.device == "cuda" else "cpu"
         for batch in batch_sizes:
             try:
                 steps = {m: loaders[m](batch) for m in MODELS}
                 repeats_ = [interleaved(steps, method, warm_up=i == 0) for i in range(repeats)]
             except (torch.cuda.OutOfMemoryError, CorpError) as e:
-                record["skipped"][f"{backend.name}@{batch}"] = str(e).splitlines()[0]
-                progress(f"{backend.name:16s} batch {batch:4d}: skipped ({str(e).splitlines()[0]})")
+                record["skipped"][f"{backend.name}@{batch}"] = first_line(e)
+                progress(f"{backend.name:16s} batch {batch:4d}: skipped ({first_line(e)})")
                 continue
             for m in MODELS:
                 stats = median_of_repeats([summarize(r[m], batch) for r in repeats_])

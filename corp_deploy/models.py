@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import socket
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,13 +111,9 @@ def _build(name: str, model_args: dict, pretrained: bool) -> nn.Module:
 
 def _pretrained(name: str, model_args: dict) -> nn.Module:
     hub_reachable = _resolves("huggingface.co")
-    if not hub_reachable:
-        # Offline: look in the local cache only instead of retrying the network for a minute.
-        import huggingface_hub.constants
-
-        huggingface_hub.constants.HF_HUB_OFFLINE = True
     try:
-        return _build(name, model_args, pretrained=True)
+        with _hub_offline(not hub_reachable):
+            return _build(name, model_args, pretrained=True)
     except CorpError:
         raise
     except Exception as e:  # hub, cache and download errors come in many types
@@ -124,6 +122,24 @@ def _pretrained(name: str, model_args: dict) -> nn.Module:
             f"cannot load pretrained weights for {name} ({where}); "
             "pass --checkpoint PATH, or --weights random for structure/latency work"
         ) from None
+
+
+@contextlib.contextmanager
+def _hub_offline(offline: bool) -> Iterator[None]:
+    """Offline: look in the local hub cache only instead of retrying the network for a minute.
+
+    Only for this load: the setting is the hub library's, process-wide, and is put back after.
+    """
+    if not offline:
+        yield
+        return
+    import huggingface_hub.constants as hub
+
+    saved, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, True
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE = saved
 
 
 def _resolves(host: str) -> bool:
@@ -193,20 +209,3 @@ def check_supported(model: nn.Module, name: str) -> None:
             problem = "MLP has a norm over its hidden channels"
         if problem:
             raise CorpError(f"{name} is not supported: block {i} {problem}; corp-deploy prunes {SUPPORTED}")
-
-
-def input_size(model: nn.Module) -> tuple[int, int, int]:
-    """(C, H, W) the instantiated model expects.
-
-    Taken from the model itself: timm's data config reports the pretrained config's size (518 for
-    DINOv2) even when the model was built with ``img_size=224``.
-    """
-    h, w = model.patch_embed.img_size
-    return (model.patch_embed.proj.in_channels, h, w)
-
-
-def data_config(model: nn.Module) -> dict[str, Any]:
-    """timm preprocessing config of ``model`` with the input size it was actually built for."""
-    cfg = timm.data.resolve_model_data_config(model)
-    cfg["input_size"] = input_size(model)
-    return cfg

@@ -205,6 +205,11 @@ def plan_widths(model: nn.Module, config: PruneConfig) -> list[tuple[int | None,
     for i, block in enumerate(model.blocks):
         mlp_kept = attn_kept = v_kept = None
         if config.prunes_mlp:
+            if block.mlp.fc2.bias is None and config.compensation != "none":
+                raise CorpError(
+                    f"MLP pruning with --compensation {config.compensation} is not supported for block {i}: its fc2 "
+                    "has no bias to take the compensation's constant; use --compensation none or --target qk"
+                )
             width = block.mlp.fc2.in_features
             mlp_kept = kept_width(width, config.effective_mlp_sparsity, config.round_to, f"MLP channels (block {i})")
         if config.prunes_attn:

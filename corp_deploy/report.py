@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import resource
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from corp_deploy.models import input_size
+from corp_deploy.data import input_size
 
 
 def model_size(model: nn.Module) -> dict[str, Any]:
@@ -50,28 +49,6 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         out["cuda_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     return out
-
-
-def text_table(rows: Sequence[Sequence[object]], right_from: int | None = None) -> str:
-    """Header row, a rule, then aligned rows; columns from ``right_from`` on are right-aligned (numbers)."""
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-
-    def line(row: list[str]) -> str:
-        right = right_from if right_from is not None else len(row)
-        return "  ".join(
-            c.rjust(w) if i >= right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        )
-
-    return "\n".join(
-        [line(cells[0]).rstrip(), "  ".join("-" * w for w in widths), *(line(r).rstrip() for r in cells[1:])]
-    )
-
-
-def markdown_table(header: Sequence[object], rows: Sequence[Sequence[object]]) -> str:
-    """A GitHub markdown table (no trailing newline): the one writer behind every markdown report."""
-    lines = ["| " + " | ".join(str(c) for c in header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
 def _pct(after: float, before: float) -> str:

@@ -112,7 +112,7 @@ def pruned_attention_like(attn: Attention | PrunedAttention, qk_dim: int, v_dim:
         dim_out=attn.proj.out_features,
     )
     if v_dim == old_v:
-        new.norm, new.gate, new.proj = attn.norm, attn.gate, attn.proj
+        new.norm, new.gate, new.proj = attn.norm, getattr(attn, "gate", None), attn.proj  # gate: timm >= 1.0.28
     return new.to(attn.qkv.weight.device, attn.qkv.weight.dtype)
 
 
@@ -184,7 +184,8 @@ def fill_attention(
     ``q_w``/``k_w``: (heads, qk_dim, in_features); biases (heads, qk_dim) or None.
     """
     new = pruned_attention_like(attn, q_w.shape[1])
-    v_rows = slice(2 * attn.attn_dim, 3 * attn.attn_dim)
+    attn_dim = attn.num_heads * attn.head_dim  # timm's ``attn.attn_dim``, which timm < 1.0.23 lacks
+    v_rows = slice(2 * attn_dim, 3 * attn_dim)
     new.qkv.weight.copy_(torch.cat([q_w.flatten(0, 1), k_w.flatten(0, 1), attn.qkv.weight[v_rows]]))
     if new.qkv.bias is not None:
         new.qkv.bias.copy_(torch.cat([q_b.flatten(), k_b.flatten(), attn.qkv.bias[v_rows]]))

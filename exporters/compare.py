@@ -17,7 +17,8 @@ import numpy as np
 from corp_deploy.errors import CorpError
 
 Runner = Callable[[np.ndarray], np.ndarray]
-"""Anything that maps an FP32 NCHW batch to an FP32 output array (see ``exporters.runners``)."""
+"""Anything that maps an FP32 NCHW batch to an FP32 output array (logits or features): ``exporters.runners``,
+``TrtRunner``; the one definition, used by the comparators and by ``bench.accuracy``."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ file describes itself.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import io
 import json
@@ -20,10 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
 
 DEFAULT_OPSET = 20
-"""Verified here: the pruned SDPA decomposes to MatMul/Softmax and matches onnxruntime (DESIGN.md 2)."""
+"""Verified here: the pruned SDPA decomposes to MatMul/Softmax and matches onnxruntime (tests/test_export.py,
+docs/BENCHMARKS.md "Export")."""
 
 OPSETS = range(18, 24)
 INPUT = "images"
@@ -36,11 +37,7 @@ MAX_SINGLE_FILE = 2 * 2**30
 
 
 def _onnx():
-    try:
-        import onnx
-    except ImportError:
-        raise CorpError("ONNX export needs the onnx extra: pip install 'corp-deploy[onnx]'") from None
-    return onnx
+    return require("onnx", "ONNX export")
 
 
 def export_onnx(
@@ -54,7 +51,7 @@ def export_onnx(
     """Export ``model`` (moved to CPU, eval) to ``path`` with a symbolic batch axis, and check it.
 
     Writes ``path`` (and ``path.data`` for models over 2 GB) in place: callers stage it
-    (``corp_deploy.artifact.staged``) so that a failed export or verification leaves nothing.
+    (``corp_deploy.fsio.staged``) so that a failed export or verification leaves nothing.
     """
     onnx = _onnx()
     if opset not in OPSETS:
@@ -102,10 +99,7 @@ def _quiet():
 
 
 def _simplify(proto):
-    try:
-        import onnxslim
-    except ImportError:
-        raise CorpError("--simplify needs onnxslim: pip install onnxslim") from None
+    onnxslim = require("onnxslim", "--simplify")
     with _quiet():
         return onnxslim.slim(proto)
 
@@ -180,11 +174,3 @@ def graph_precision(proto) -> str:
         if init.data_type in counts:
             counts[init.data_type] += 1
     return "fp16" if counts[TensorProto.FLOAT16] > counts[TensorProto.FLOAT] else "fp32"
-
-
-def sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -4,10 +4,12 @@
 - ``convert_verified``: FP32 ONNX -> FP16 ONNX, checked against the FP32 graph;
 - ``engine_verified``: ONNX -> TensorRT or TensorRT-RTX engine, checked against onnxruntime on the same
   graph where this machine can run it, else recorded as built only;
-- ``export_run``: all of it for a dense and a pruned model, as ``prune-export`` writes it.
+- ``export_run``: all of it for a dense and a pruned model, as ``prune-export`` writes it, and
+  ``write_export_record`` its ``export.json``;
+- ``fp16_graph``: the FP16 copy an engine build needs, reused while its FP32 source is unchanged.
 
 Every ONNX file gets a ``<file>.json`` sidecar holding its verification record; engines get theirs
-from ``tensorrt_engine``. Callers stage the outputs (``corp_deploy.artifact.staged``/``atomic_dir``).
+from ``tensorrt_engine``. Callers stage the outputs (``corp_deploy.fsio.staged``/``atomic_dir``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from typing import Any
 from torch import nn
 
 from corp_deploy.errors import CorpError
-from corp_deploy.report import text_table
+from corp_deploy.fsio import sha256, staged
+from corp_deploy.tables import text_table
 from exporters.compare import FP16, FP32, INT8, Tolerance, check, summary, verify
 from exporters.fp16 import convert_fp16
-from exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata, sha256
+from exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata
 from exporters.runners import OrtRunner, TorchRunner
 from exporters.tensorrt_engine import VERIFIED, BuildOptions, TrtRunner, build_engine, build_missing
 
@@ -39,6 +42,10 @@ class VerifyOptions:
     fp16: Tolerance = FP16
     int8: Tolerance = INT8
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if len(set(self.batches)) < 2 or min(self.batches) < 1:
+            raise CorpError(f"verify batches must be two or more batch sizes >= 1 (e.g. 1,4), got {self.batches}")
 
 
 def _verified(reference, candidate, input_size: Sequence[int], opts: VerifyOptions, tol: Tolerance, what: str) -> dict:
@@ -106,11 +113,25 @@ def engine_verified(
     tol = {"fp32": opts.fp16 if options.tf32 else opts.fp32, "fp16": opts.fp16, "int8": opts.int8}[options.precision]
 
     def check_engine(engine: Path) -> dict:
-        runner = TrtRunner(engine)
+        runner = TrtRunner(engine, onnx=onnx_path)  # still staged: name its graph for the staleness check
         what = f"{runner.label} {options.precision} engine {out.name}"
         return _verified(OrtRunner(onnx_path), runner, runner.meta["input"]["shape"], opts, tol, what)
 
     return build_engine(onnx_path, out, options, overwrite=overwrite, check=check_engine)
+
+
+def fp16_graph(src: Path, half: Path, opts: VerifyOptions, say: Callable[[str], None] = print) -> Path:
+    """``half`` if it was converted from the current ``src`` (its sidecar says so), else a fresh verified conversion."""
+    try:
+        if json.loads(Path(f"{half}.json").read_text())["source_sha256"] == sha256(src):
+            say(f"using {half} (converted from the current {src.name})")
+            return half
+    except (OSError, KeyError, json.JSONDecodeError):
+        pass
+    with staged(half, overwrite=True) as stage:
+        record = convert_verified(src, stage / half.name, opts)
+    say(f"converted {src.name} -> {half.name}: cosine {record['verify']['cosine']:.6f} vs FP32")
+    return half
 
 
 def export_run(
@@ -154,6 +175,17 @@ def export_run(
             options = replace(build, precision=precision)
             engine = out / f"{stem}.{precision}.plan"
             record["engines"].append({"file": engine.name, **engine_verified(source, engine, options, opts)})
+    return record
+
+
+def write_export_record(
+    out: Path, model: str, report: dict[str, Any], record: dict[str, Any], versions: dict[str, Any]
+) -> dict[str, Any]:
+    """``out/export.json``: the model, its prune config and sizes (from the prune ``report``), ``export_run``'s
+    record and the library versions; returns it."""
+    sizes = {k: {m: report[k][m] for m in ("params", "macs")} for k in ("dense", "pruned")}
+    record = {"model": model, "prune_config": report["config"], "size": sizes, **record, "versions": versions}
+    (out / "export.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from corp_deploy.api import SYNTHETIC
-from corp_deploy.artifact import check_writable, staged
-from corp_deploy.data import folder_batches, list_images, sample, synthetic_batches
+from corp_deploy.data import SYNTHETIC, folder_batches, list_images, sample, synthetic_batches
+from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import check_writable, sha256, staged
 from exporters.compare import Comparison, Runner, Tolerance, check, compare, summary
 from exporters.onnx_export import (
     add_metadata,
@@ -42,7 +42,6 @@ from exporters.onnx_export import (
     input_shape,
     load_onnx,
     read_metadata,
-    sha256,
 )
 
 INT8_OPS = ("MatMul", "Gemm", "Conv")
@@ -171,12 +170,9 @@ def quantize_int8(
 
     ``info`` (calibration source, seed) is recorded with the image count in ``int8_calibration``.
     """
-    try:
-        from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-    except ImportError:
-        raise CorpError("INT8 quantization needs onnxruntime: pip install 'corp-deploy[onnx]'") from None
-    methods = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile}
-    methods["entropy"] = CalibrationMethod.Entropy
+    q = require("onnxruntime.quantization", "INT8 quantization")
+    methods = {"minmax": q.CalibrationMethod.MinMax, "percentile": q.CalibrationMethod.Percentile}
+    methods["entropy"] = q.CalibrationMethod.Entropy
     if method not in methods:
         raise CorpError(f"--calib-method must be one of {', '.join(CALIB_METHODS)}, got {method!r}")
     proto = float_graph(src)
@@ -184,16 +180,16 @@ def quantize_int8(
     try:
         with warnings.catch_warnings(), _quiet_logging():
             warnings.simplefilter("ignore")
-            quantize_static(
+            q.quantize_static(
                 str(src),
                 str(out),
                 _Reader(proto.graph.input[0].name, images),
-                quant_format=QuantFormat.QDQ,
+                quant_format=q.QuantFormat.QDQ,
                 op_types_to_quantize=list(INT8_OPS),
                 nodes_to_exclude=activation_gemms(proto),
                 per_channel=True,
-                activation_type=QuantType.QInt8,
-                weight_type=QuantType.QInt8,
+                activation_type=q.QuantType.QInt8,
+                weight_type=q.QuantType.QInt8,
                 calibrate_method=methods[method],
                 extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
             )

@@ -6,15 +6,18 @@ any two runners. The TensorRT runner lives in ``exporters.tensorrt_engine``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
 from exporters.onnx_export import load_onnx
 
+ORT_PURPOSE = "running ONNX graphs"
 GPU_PROVIDERS = ("CUDAExecutionProvider",)
 """onnxruntime's GPU backend is its CUDA provider, named explicitly: its TensorRT provider (first in
 onnxruntime-gpu's list) would make ``ort-cuda`` a TensorRT benchmark and compare our engines with
@@ -42,11 +45,7 @@ def ort_providers(device: str = "auto") -> tuple[list[str], str]:
     when there is none. What actually runs is ``OrtRunner.provider`` (a provider whose libraries do
     not load is dropped by onnxruntime at session creation).
     """
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        raise CorpError("onnxruntime is not installed: pip install 'corp-deploy[onnx]'") from None
-    available = ort.get_available_providers()
+    available = require("onnxruntime", ORT_PURPOSE).get_available_providers()
     gpu = [p for p in GPU_PROVIDERS if p in available]
     if device == "cpu":
         return ["CPUExecutionProvider"], "CPU requested"
@@ -67,8 +66,7 @@ class OrtRunner:
     """An ONNX file in onnxruntime; ``provider`` is the one that actually got the graph."""
 
     def __init__(self, path: str | Path, device: str = "auto", threads: int | None = None):
-        import onnxruntime as ort
-
+        ort = require("onnxruntime", ORT_PURPOSE)
         load_onnx(path, weights=False)  # one-line errors for missing or non-ONNX files
         providers, self.why = ort_providers(device)
         options = ort.SessionOptions()
@@ -81,8 +79,21 @@ class OrtRunner:
             raise CorpError(f"onnxruntime cannot load {path}: {str(e).splitlines()[0]}") from None
         self.provider = self.session.get_providers()[0]
         self.input = self.session.get_inputs()[0].name
+        self.output = self.session.get_outputs()[0].name
         self.name = f"ort-{self.provider.removesuffix('ExecutionProvider').lower()}"
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         (out,) = self.session.run(None, {self.input: x})
         return out.astype(np.float32, copy=False)
+
+    def on_gpu(self, x: np.ndarray) -> Callable[[], object]:
+        """``x`` copied to the GPU once; a call that runs on it and leaves the output there.
+
+        onnxruntime's I/O binding: what a GPU latency is without the host<->device copies that
+        ``__call__`` makes. The call returns once the result is on the device.
+        """
+        ort = require("onnxruntime", ORT_PURPOSE)
+        binding = self.session.io_binding()
+        binding.bind_ortvalue_input(self.input, ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0))
+        binding.bind_output(self.output, "cuda")
+        return lambda: self.session.run_with_iobinding(binding)

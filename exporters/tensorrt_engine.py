@@ -16,7 +16,6 @@ The runner uses torch CUDA tensors as I/O buffers; no pycuda.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -30,10 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 
-import corp_deploy
-from corp_deploy.artifact import atomic_file, cache_dir, check_writable, staged
+from corp_deploy import env
+from corp_deploy.deps import install_hint, optional
 from corp_deploy.errors import CorpError
-from exporters.onnx_export import graph_precision, load_onnx, read_metadata, sha256
+from corp_deploy.fsio import atomic_file, cache_dir, check_writable, sha256, staged
+from corp_deploy.version import __version__
+from exporters.onnx_export import graph_precision, load_onnx, read_metadata
 
 FORMAT = "corp-deploy/tensorrt-engine"
 FORMAT_VERSION = 2
@@ -48,24 +49,24 @@ MAKE_GRAPH = {
 
 @dataclass(frozen=True)
 class Flavour:
-    """One TensorRT distribution: its ``--runtime`` name, import name and install command."""
+    """One TensorRT distribution: its ``--runtime`` name, label and import name."""
 
     name: str
     label: str
     module: str
-    install: str
     builds_without_gpu: bool
+
+    @property
+    def install(self) -> str:
+        """The pip command that brings it (from the dependency gate, ``corp_deploy.deps``)."""
+        return install_hint(self.module)
 
 
 FLAVOURS = {
     f.name: f
     for f in (
-        Flavour(
-            "tensorrt", "TensorRT", "tensorrt", "pip install tensorrt --extra-index-url https://pypi.nvidia.com", False
-        ),
-        Flavour(
-            "tensorrt-rtx", "TensorRT-RTX", "tensorrt_rtx_bindings", "pip install 'corp-deploy[tensorrt-rtx]'", True
-        ),
+        Flavour("tensorrt", "TensorRT", "tensorrt", False),
+        Flavour("tensorrt-rtx", "TensorRT-RTX", "tensorrt_rtx_bindings", True),
     )
 }
 RUNTIMES = ("auto", *FLAVOURS)
@@ -160,9 +161,7 @@ class BuildOptions:
 
 def flavour_missing(flavour: Flavour) -> str | None:
     """Why ``flavour`` cannot build engines here, or None when it can."""
-    try:
-        importlib.import_module(flavour.module)
-    except ImportError:
+    if optional(flavour.module) is None:
         return f"{flavour.label} is not installed ({flavour.install})"
     if not flavour.builds_without_gpu and not torch.cuda.is_available():
         return f"{flavour.label} needs a CUDA GPU to build (none visible)"
@@ -179,23 +178,13 @@ def select_flavour(options: BuildOptions = BuildOptions()) -> tuple[Flavour, Any
     """The flavour that builds here and its module; one line naming every install command if none."""
     for flavour in options.candidates:
         if flavour_missing(flavour) is None:
-            return flavour, importlib.import_module(flavour.module)
+            return flavour, optional(flavour.module)
     raise CorpError(f"cannot build TensorRT engines here: {build_missing(options)}")
-
-
-def gpu_here() -> dict[str, str]:
-    """The current CUDA GPU, as engine sidecars name it."""
-    major, minor = torch.cuda.get_device_capability()
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "compute_capability": f"{major}.{minor}",
-        "cuda": torch.version.cuda or "unknown",
-    }
 
 
 def default_timing_cache(trt) -> Path:
     """One cache per TensorRT version and GPU model, shared by every build on this machine."""
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"trt{trt.__version__}-{gpu_here()['gpu']}").strip("-")
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"trt{trt.__version__}-{env.gpu()['gpu']}").strip("-")
     return cache_dir() / f"{slug}.timing-cache"
 
 
@@ -256,7 +245,7 @@ def build_engine(
         target = _set_targets(trt, config, options.compute_capabilities)
         cache_path = None
     else:
-        target = {**gpu_here(), "targets": [gpu_here()["compute_capability"]]}
+        target = {**env.gpu(), "targets": [env.gpu()["compute_capability"]]}
         cache_path = options.timing_cache or default_timing_cache(trt)
         _use_timing_cache(config, cache_path)
 
@@ -283,13 +272,13 @@ def build_engine(
         "attention": {"blocks": len(read_metadata(proto).get("structure", [])) or None, **log.attention()},
         # Relative to the engine, so that a run folder can move as a whole.
         "onnx": {"path": os.path.relpath(onnx_path.resolve(), out.parent.resolve()), "sha256": sha256(onnx_path)},
-        "corp_deploy": corp_deploy.__version__,
+        "corp_deploy": __version__,
     }
     with staged(out, overwrite) as stage:
         engine = stage / out.name
         engine.write_bytes(memoryview(serialized))
         record["engine_sha256"] = sha256(engine)
-        why = "no check asked for" if check is None else run_missing(engine, meta=record)
+        why = "no check asked for" if check is None else run_missing(engine, meta=record, onnx=onnx_path)
         record |= {"verify": None, "status": f"built only (not executed: {why})" if why else VERIFIED}
         sidecar(engine).write_text(json.dumps(record, indent=2) + "\n")
         if not why:
@@ -388,10 +377,16 @@ def read_engine_meta(engine: str | Path) -> dict[str, Any]:
     return meta
 
 
-def check_compatible(meta: dict[str, Any], here: dict[str, str], engine: str | Path) -> None:
+def check_compatible(
+    meta: dict[str, Any], here: dict[str, str], engine: str | Path, onnx: str | Path | None = None
+) -> None:
     """Refuse an engine this GPU and library cannot run, or built from an ONNX since changed.
 
-    ``here`` holds the running library's ``version`` and the GPU (``gpu_here``). A TensorRT
+    ``onnx`` is the graph it was built from where the caller knows it: during the build the engine
+    is still in its staging folder, from which the sidecar's path (relative to the engine's final
+    folder) leads nowhere. Otherwise that path is followed; a missing ONNX is not staleness.
+
+    ``here`` holds the running library's ``version`` and the GPU (``corp_deploy.env.gpu``). A TensorRT
     engine is tied to the GPU model that built it; a TensorRT-RTX engine to its target compute
     capabilities, which must be in TensorRT-RTX's support matrix (RTX-class GPUs, not Hopper).
     """
@@ -414,12 +409,12 @@ def check_compatible(meta: dict[str, Any], here: dict[str, str], engine: str | P
             f"{name} was built on {meta['gpu']} ({meta['compute_capability']}) but this GPU is {gpu}; "
             "TensorRT engines are tied to the GPU that built them: rebuild it with `corp-deploy build-engine`"
         )
-    source = Path(engine).parent / meta["onnx"]["path"]
+    source = Path(onnx) if onnx is not None else Path(engine).parent / meta["onnx"]["path"]
     if source.is_file() and sha256(source) != meta["onnx"]["sha256"]:
         raise CorpError(f"{engine} is stale: {source} changed after it was built; rebuild the engine")
 
 
-def load_runtime(meta: dict[str, Any], engine: str | Path, runtime: str = "auto"):
+def load_runtime(meta: dict[str, Any], engine: str | Path, runtime: str = "auto", onnx: str | Path | None = None):
     """The module that runs ``engine`` here (auto: its own flavour), after every check short of deserializing."""
     flavour, asked = FLAVOURS[meta["flavour"]], FLAVOURS.get(runtime, FLAVOURS[meta["flavour"]])
     if asked != flavour:
@@ -427,20 +422,21 @@ def load_runtime(meta: dict[str, Any], engine: str | Path, runtime: str = "auto"
             f"{Path(engine).name} is a {flavour.label} engine, not a {asked.label} one: "
             f"run it with --runtime {flavour.name} or rebuild it with --runtime {asked.name}"
         )
-    try:
-        trt = importlib.import_module(flavour.module)
-    except ImportError:
-        raise CorpError(f"{Path(engine).name} is a {flavour.label} engine: {flavour_missing(flavour)}") from None
+    trt = optional(flavour.module)
+    if trt is None:
+        raise CorpError(f"{Path(engine).name} is a {flavour.label} engine: {flavour_missing(flavour)}")
     if not torch.cuda.is_available():
         raise CorpError("no supported GPU here: no CUDA GPU is visible")
-    check_compatible(meta, {"version": trt.__version__, **gpu_here()}, engine)
+    check_compatible(meta, {"version": trt.__version__, **env.gpu()}, engine, onnx)
     return trt
 
 
-def run_missing(engine: str | Path, runtime: str = "auto", meta: dict[str, Any] | None = None) -> str | None:
-    """Why ``engine`` cannot run here (its sidecar, the library, the GPU), or None."""
+def run_missing(
+    engine: str | Path, runtime: str = "auto", meta: dict[str, Any] | None = None, onnx: str | Path | None = None
+) -> str | None:
+    """Why ``engine`` cannot run here (its sidecar, the library, the GPU, a changed ``onnx``), or None."""
     try:
-        load_runtime(meta or read_engine_meta(engine), engine, runtime)
+        load_runtime(meta or read_engine_meta(engine), engine, runtime, onnx)
     except CorpError as e:
         return str(e)
     return None
@@ -449,9 +445,9 @@ def run_missing(engine: str | Path, runtime: str = "auto", meta: dict[str, Any] 
 class TrtRunner:
     """A deserialized engine with one execution context; I/O through torch CUDA tensors."""
 
-    def __init__(self, engine: str | Path, runtime: str = "auto"):
+    def __init__(self, engine: str | Path, runtime: str = "auto", onnx: str | Path | None = None):
         self.meta = read_engine_meta(engine)
-        trt = load_runtime(self.meta, engine, runtime)
+        trt = load_runtime(self.meta, engine, runtime, onnx)
         self.label = FLAVOURS[self.meta["flavour"]].label
         self._logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self._logger)

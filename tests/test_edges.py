@@ -17,16 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, pruned_copy, tiny_vit
-from test_bench import BASE as RECORD
-from test_bench import _record
-from test_cli import BASE as PRUNE
-from test_cli import run
+from helpers import PRUNE, RECORD, bench_record, run
 
 import corp_deploy
 from bench import gate
-from corp_deploy.artifact import FORMAT, FORMAT_VERSION, META_FILE, WEIGHTS_FILE, atomic_file, save_pruned
+from corp_deploy.artifact import FORMAT, FORMAT_VERSION, META_FILE, WEIGHTS_FILE, save_pruned
 from corp_deploy.errors import CorpError
-from corp_deploy.pruner import PruneConfig
+from corp_deploy.fsio import atomic_file
+from corp_deploy.pruner import PruneConfig, plan_widths
 
 # ------------------------------------------------------------------------------------------ gate
 
@@ -41,8 +39,8 @@ from corp_deploy.pruner import PruneConfig
 )
 def test_absolute_gate_passes_a_change_equal_to_the_threshold_and_fails_just_beyond(baseline, current, limit) -> None:
     """The docs promise a failure for a slowdown *beyond* --max-regression: equal passes."""
-    base = _record({("ort", "dense", 1): baseline, ("ort", "pruned", 1): baseline})
-    now = _record({("ort", "dense", 1): current, ("ort", "pruned", 1): current * (1 + 1e-6)})
+    base = bench_record({("ort", "dense", 1): baseline, ("ort", "pruned", 1): baseline})
+    now = bench_record({("ort", "dense", 1): current, ("ort", "pruned", 1): current * (1 + 1e-6)})
     dense, pruned = gate.compare(now, base, limit, "absolute")
     assert dense.change == pytest.approx(limit, abs=1e-12) and not dense.regressed
     assert pruned.regressed  # one part in a million beyond the threshold
@@ -50,8 +48,8 @@ def test_absolute_gate_passes_a_change_equal_to_the_threshold_and_fails_just_bey
 
 
 def test_ratio_gate_passes_a_speedup_loss_equal_to_the_threshold() -> None:
-    base = _record({("ort", "dense", 1): 10.0, ("ort", "pruned", 1): 8.0})  # speedup 1.25
-    even = _record({("ort", "dense", 1): 10.0, ("ort", "pruned", 1): 10.0})  # speedup 1.0: 25% lost
+    base = bench_record({("ort", "dense", 1): 10.0, ("ort", "pruned", 1): 8.0})  # speedup 1.25
+    even = bench_record({("ort", "dense", 1): 10.0, ("ort", "pruned", 1): 10.0})  # speedup 1.0: 25% lost
     (check,) = gate.compare(even, base, 0.25, "ratio")
     assert check.change == 0.25 and not check.regressed
     (check,) = gate.compare(even, base, 0.2499, "ratio")
@@ -95,7 +93,7 @@ def test_a_run_missing_baseline_measurements_fails_the_gate(mode) -> None:
     with pytest.raises(CorpError, match=f"this run lacks 1 of the baseline's \\d measurements \\({missing}\\)"):
         gate.compare(partial, RECORD, 0.05, mode)
     extra = copy.deepcopy(RECORD)  # measuring MORE than the baseline is fine: the extra is not gated
-    extra["results"] += _record({("trt", "dense", 1): 1.0, ("trt", "pruned", 1): 0.5})["results"]
+    extra["results"] += bench_record({("trt", "dense", 1): 1.0, ("trt", "pruned", 1): 0.5})["results"]
     assert len(gate.compare(extra, RECORD, 0.05, mode)) == (4 if mode == "absolute" else 2)
 
 
@@ -112,6 +110,7 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
+@pytest.mark.e2e
 def test_overwrite_whose_write_fails_leaves_the_old_artifact(tmp_path, capsys, monkeypatch) -> None:
     out = _tiny_artifact(tmp_path / "run")
     before = _snapshot(out)
@@ -216,6 +215,7 @@ def test_a_truncated_corp_json_or_missing_weights_are_refused(artifact, tmp_path
         corp_deploy.load_pruned(copy_)
 
 
+@pytest.mark.e2e
 def test_a_future_artifact_through_the_cli_is_one_line(artifact, tmp_path, capsys) -> None:
     copy_ = shutil.copytree(artifact, tmp_path / "run")
     meta = json.loads((copy_ / META_FILE).read_text())
@@ -230,3 +230,28 @@ def test_the_untouched_artifact_loads(artifact) -> None:
     """The fixture itself is sound, so the failures above are caused by the edits alone."""
     model = corp_deploy.load_pruned(artifact)
     assert model(torch.randn(1, 3, 32, 32)).shape == (1, 10)
+
+
+def test_a_bias_free_mlp_is_refused_for_compensation_and_pruned_without_it() -> None:
+    """fc2 without a bias cannot take the constant ``W2_P c``: refuse before calibrating, not drop it silently."""
+    model = tiny_vit(proj_bias=False)  # timm: proj_bias is also the MLP's bias
+    assert model.blocks[0].mlp.fc2.bias is None
+    for compensation in ("corp", "mean"):
+        with pytest.raises(CorpError, match=f"--compensation {compensation} is not supported for block 0: its fc2 "):
+            plan_widths(model, PruneConfig(sparsity=0.5, target="mlp", compensation=compensation))
+    pruned, blocks = pruned_copy(model, PruneConfig(sparsity=0.5, target="mlp", compensation="none"))
+    assert [b["mlp"]["kept"] for b in blocks] == [64, 64] and pruned.blocks[0].mlp.fc2.bias is None
+    assert pruned(torch.zeros(1, 3, 32, 32)).shape == (1, 10)
+
+
+def test_offline_hub_setting_is_put_back_after_the_load(monkeypatch) -> None:
+    import huggingface_hub.constants as hub
+
+    from corp_deploy import models
+
+    seen = []
+    monkeypatch.setattr(models, "_resolves", lambda host: False)
+    monkeypatch.setattr(models, "_build", lambda name, args, pretrained: seen.append(hub.HF_HUB_OFFLINE) or "built")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    assert models._pretrained("deit_tiny_patch16_224", {}) == "built"
+    assert seen == [True] and hub.HF_HUB_OFFLINE is False

@@ -18,8 +18,10 @@ from conftest import pruned_copy, tiny_vit
 
 from corp_deploy.api import describe
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import sha256
 from corp_deploy.pruner import PruneConfig
-from exporters.onnx_export import load_onnx, read_metadata, sha256
+from exporters import tensorrt_engine
+from exporters.onnx_export import load_onnx, read_metadata
 from exporters.pipeline import VerifyOptions, engine_verified, export_run, format_summary
 from exporters.tensorrt_engine import (
     FLAVOURS,
@@ -29,6 +31,7 @@ from exporters.tensorrt_engine import (
     BuildOptions,
     Profile,
     TrtRunner,
+    build_engine,
     build_missing,
     check_compatible,
     flavour_missing,
@@ -122,6 +125,16 @@ def test_profile_covers_the_verify_batches_or_nothing_is_built(run, tmp_path) ->
     with pytest.raises(CorpError, match="verify batch sizes 16 are outside the engine batch range 1:4:8"):
         engine_verified(out / "pruned.onnx", tmp_path / "p.plan", BUILD, VerifyOptions(batches=(1, 16)))
     assert list(tmp_path.iterdir()) == []
+
+
+@needs_rtx
+def test_build_verification_checks_staleness_against_the_graph_it_built_from(run, tmp_path, monkeypatch) -> None:
+    out, _ = run
+    asked: list = []
+    real = tensorrt_engine.run_missing
+    monkeypatch.setattr(tensorrt_engine, "run_missing", lambda *a, **k: asked.append(k.get("onnx")) or real(*a, **k))
+    build_engine(out / "pruned.fp16.onnx", tmp_path / "p.plan", BUILD, check=lambda engine: {})
+    assert asked == [out / "pruned.fp16.onnx"]
 
 
 @needs_rtx
@@ -235,7 +248,7 @@ def test_no_tensorrt_of_either_flavour_names_both_install_commands(monkeypatch) 
     for flavour in FLAVOURS.values():
         monkeypatch.setitem(sys.modules, flavour.module, None)  # import fails as if not installed
     why = build_missing()
-    assert "pip install tensorrt --extra-index-url https://pypi.nvidia.com" in why
+    assert "pip install 'corp-deploy[tensorrt]' --extra-index-url https://pypi.nvidia.com" in why
     assert "pip install 'corp-deploy[tensorrt-rtx]'" in why and "\n" not in why
     assert (
         build_missing(BuildOptions(runtime="tensorrt-rtx"))

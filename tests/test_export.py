@@ -143,6 +143,10 @@ def test_fp16_conversion_keeps_every_listed_op_in_fp32(tmp_path) -> None:
     onnx.save(onnx.shape_inference.infer_shapes(model), str(src))
     convert_fp16(src, half)
     assert assert_kept_ops_in_fp32(load_onnx(half)) == set(KEEP_FP32)
+    recorded = read_metadata(load_onnx(half, weights=False))["fp16_kept_fp32_ops"]
+    from onnxconverter_common.float16 import DEFAULT_OP_BLOCK_LIST
+
+    assert recorded == sorted(set(KEEP_FP32) | set(DEFAULT_OP_BLOCK_LIST))  # every op kept in FP32, not some
     x = random_inputs(3, (8,))
     assert compare(OrtRunner(src, "cpu")(x), OrtRunner(half, "cpu")(x)).within(FP16)
 
@@ -236,7 +240,7 @@ def test_build_options_reject_unknown_precision() -> None:
 
 def _fake_engine(tmp_path: Path, onnx: Path, **meta) -> Path:
     """An engine file with a sidecar as build_engine writes it (the engine bytes are arbitrary)."""
-    from exporters.onnx_export import sha256
+    from corp_deploy.fsio import sha256
 
     engine = tmp_path / "m.fp16.plan"
     engine.write_bytes(b"serialized engine bytes")
@@ -261,7 +265,7 @@ HERE = {"version": "10.13.0", "gpu": "NVIDIA H100 80GB HBM3", "compute_capabilit
 
 def test_engine_metadata_accepts_its_own_platform(tmp_path) -> None:
     """Same GPU, TensorRT and ONNX: accepted, whatever else differs (CUDA minor version) or is gone (the ONNX)."""
-    from exporters.onnx_export import sha256
+    from corp_deploy.fsio import sha256
 
     onnx = tmp_path / "m.onnx"
     onnx.write_bytes(b"graph")
@@ -299,6 +303,23 @@ def test_engine_built_from_a_changed_onnx_is_stale(tmp_path) -> None:
     onnx.write_bytes(b"graph, re-exported")
     with pytest.raises(CorpError, match="stale"):
         check_compatible(read_engine_meta(engine), HERE, engine)
+
+
+def test_staleness_is_checked_while_the_engine_is_still_staged(tmp_path) -> None:
+    """During the build the engine sits in a staging folder; the graph it was built from is named explicitly."""
+    onnx = tmp_path / "m.onnx"
+    onnx.write_bytes(b"graph")
+    engine = _fake_engine(tmp_path, onnx)
+    stage = tmp_path / ".m.plan.tmp-1"
+    stage.mkdir()
+    for f in (engine, sidecar(engine)):
+        f.rename(stage / f.name)
+    staged, meta = stage / engine.name, read_engine_meta(stage / engine.name)
+    assert check_compatible(meta, HERE, staged, onnx) is None
+    onnx.write_bytes(b"graph, re-exported during the build")
+    assert check_compatible(meta, HERE, staged) is None  # relative to the stage, the sidecar's path finds nothing
+    with pytest.raises(CorpError, match="stale"):
+        check_compatible(meta, HERE, staged, onnx)
 
 
 def test_foreign_corrupt_or_swapped_engine_files_are_refused(tmp_path) -> None:
@@ -356,3 +377,15 @@ def test_onnxruntime_gpu_provider_is_reported(exported) -> None:
     assert runner.provider == "CUDAExecutionProvider"
     x = random_inputs(3, (3, 32, 32))
     assert compare(OrtRunner(exported["pruned"], "cpu")(x), runner(x)).within(FP16)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: VerifyOptions(batches=(4,)), "verify batches must be two or more batch sizes >= 1"),
+        (lambda: VerifyOptions(batches=(0, 4)), "verify batches must be two or more"),
+    ],
+)
+def test_verify_options_validate_themselves_naming_the_field(make, message) -> None:
+    with pytest.raises(CorpError, match=message):
+        make()

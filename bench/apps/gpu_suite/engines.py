@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from bench.gpu_suite.core import Context
-from corp_deploy.report import markdown_table
+from bench.apps.gpu_suite.core import Context
+from corp_deploy.tables import markdown_table
 
 
 class _StepFailed(Exception):

@@ -1,0 +1,5 @@
+import sys
+
+from bench.apps.gpu_suite.suite import main
+
+sys.exit(main())

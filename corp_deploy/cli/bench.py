@@ -1,0 +1,215 @@
+"""The measurement stage: latency (``bench``), the sparsity sweep (``sweep``) and accuracy (``eval``)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from bench import gate
+from bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
+from bench.apps.sweep import format_sweep, parse_sparsities, plot_sweep
+from bench.apps.sweep import sweep as run_sweep
+from bench.backends import RunFolder
+from bench.backends import select as select_backends
+from bench.measure import Method
+from bench.report import format_markdown, format_table, to_csv
+from bench.report import plot as draw
+from bench.run import benchmark, parse_batch_sizes
+from corp_deploy import api
+from corp_deploy.cli.options import (
+    ONNX_EXPORT,
+    bench_method,
+    calib_options,
+    group,
+    method_options,
+    model_options,
+    needs,
+    prune_config,
+    quiet_option,
+    timing_group,
+)
+from corp_deploy.cli.prune import inputs
+from corp_deploy.env import device_name
+from corp_deploy.errors import CorpError
+from corp_deploy.fsio import atomic_file, check_writable
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path())
+@click.option("--batch-sizes", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--backends", default="auto", show_default=True, help="auto, or a comma list (see bench.backends).")
+@click.option("--repeats", default=1, show_default=True, help="Repeat the measurement; report medians.")
+@click.option("--threads", type=int, help="CPU threads for PyTorch and onnxruntime [default: theirs].")
+@click.option("--include-copies", is_flag=True, help="Time host->device input and device->host output copies too.")
+@timing_group
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the versioned record here.")
+@click.option("--csv", "csv_out", type=click.Path(dir_okay=False), help="Write every statistic as CSV.")
+@click.option("--markdown", type=click.Path(dir_okay=False), help="Write the table as markdown.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: throughput and p50 vs batch size.")
+@click.option("--baseline", type=click.Path(dir_okay=False), help="Bench JSON to gate against.")
+@click.option("--max-regression", default="5%", show_default=True, help="Gate threshold.")
+@click.option(
+    "--gate",
+    "gate_mode",
+    type=click.Choice(gate.MODES),
+    default="absolute",
+    show_default=True,
+    help="absolute (p50) or ratio (speedup).",
+)
+def bench(
+    run_dir: str,
+    batch_sizes: str,
+    backends: str,
+    repeats: int,
+    threads: int | None,
+    include_copies: bool,
+    timing: dict[str, Any],
+    json_out: str | None,
+    csv_out: str | None,
+    markdown: str | None,
+    plot: str | None,
+    baseline: str | None,
+    max_regression: str,
+    gate_mode: str,
+) -> None:
+    """Time dense against pruned from a prune-export RUN_DIR on every backend this machine has."""
+    run = RunFolder.open(run_dir)
+    sizes = parse_batch_sizes(batch_sizes)
+    method = bench_method(timing)
+    limit = gate.parse_fraction(max_regression)
+    reference = gate.load_baseline(baseline) if baseline else None
+    for path in (json_out, csv_out, markdown, plot):
+        if path:
+            check_writable(path, overwrite=True)
+    if plot:
+        needs("--plot", "matplotlib")
+    chosen, skipped = select_backends(backends, run)
+    click.echo(
+        f"method: {method.describe()}; {repeats} repeat(s); inputs on the device"
+        + (" (host copies timed)" if include_copies else " (copies not timed)")
+    )
+    record = benchmark(run, chosen, sizes, method, repeats, include_copies, threads, skipped, click.echo)
+    env = record["environment"]
+    click.echo(
+        f"{record['model']} | cpu {env['cpu']} ({env['torch_threads']} threads)"
+        + (
+            f" | gpu {env['gpu']}, CUDA {env['cuda']}, driver {env['driver']}, TF32 matmul {env['tf32_matmul']}"
+            if "gpu" in env
+            else ""
+        )
+    )
+    click.echo(format_table(record))
+    outputs = {
+        json_out: lambda: json.dumps(record, indent=2) + "\n",
+        csv_out: lambda: to_csv(record),
+        markdown: lambda: format_markdown(record),
+    }
+    for path, text in outputs.items():
+        if path:
+            with atomic_file(path, overwrite=True) as tmp:
+                tmp.write_text(text())
+    if plot:
+        with atomic_file(plot, overwrite=True) as tmp:
+            draw(record, tmp)
+    if reference is not None:
+        checks = gate.compare(record, reference, limit, gate_mode)
+        click.echo(gate.format_checks(checks, limit, gate_mode))
+        bad = sum(c.regressed for c in checks)
+        if bad:
+            raise CorpError(f"latency regression: {bad} of {len(checks)} checks beyond {limit:.1%} ({gate_mode} gate)")
+
+
+@click.command()
+@click.argument("model")
+@model_options
+@calib_options
+@quiet_option
+@group(method_options, into="pruning")
+@click.option("--sparsities", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7", show_default=True)
+@click.option("--backends", default="auto", show_default=True, help="auto, or a comma list of bench backends.")
+@click.option("--batch-sizes", default="1,32", show_default=True, help="Small (latency) and large (throughput).")
+@click.option("--min-seconds", default=2.0, show_default=True, help="Timed seconds per model and batch, at least.")
+@click.option("--out", required=True, type=click.Path(), help="Sweep folder (s0.50/, ..., sweep.json, sweep.png).")
+@click.option("--overwrite", is_flag=True, help="Write into --out even if it exists (same-name files are replaced).")
+def sweep(
+    pruning: dict[str, Any],
+    quiet: bool,
+    sparsities: str,
+    backends: str,
+    batch_sizes: str,
+    min_seconds: float,
+    out: str,
+    overwrite: bool,
+    **flags: Any,
+) -> None:
+    """Calibrate MODEL once, then prune, export and bench it at every sparsity (the paper's Table 10)."""
+    values = parse_sparsities(sparsities)
+    sizes = parse_batch_sizes(batch_sizes)
+    config = prune_config(pruning, sparsity=max(values))
+    check_writable(out, overwrite)
+    needs("sweep", *ONNX_EXPORT)
+    got = inputs(**flags)
+    description = api.describe(got.net, got.name, got.args, got.weights)
+    method = Method(warmup_iters=3, min_iters=5, min_seconds=min_seconds)  # large batches: seconds dominate
+    result = run_sweep(
+        got.net,
+        description,
+        got.batches,
+        values,
+        config,
+        Path(out),
+        backends,
+        sizes,
+        method,
+        got.device,
+        None if quiet else got.total,
+        click.echo,
+        overwrite,
+    )
+    click.echo(format_sweep(result))
+    try:
+        plot_sweep(result, Path(out) / "sweep.png")
+    except CorpError as e:
+        click.echo(f"no plot: {e}")
+    click.echo(f"wrote {out}/ (s*/ run folders with bench.json, sweep.json, sweep.png)")
+
+
+@click.command("eval")
+@click.argument("run_dir", type=click.Path())
+@click.option("--data-dir", type=click.Path(), help="Labelled ImageFolder (a subfolder per class): top-1/top-5.")
+@click.option("--images", type=click.Path(), help="Unlabelled images: agreement, KL and cosine vs the dense model.")
+@click.option("--probe-train", type=click.Path(), help="Labelled ImageFolder to fit a linear probe (backbones).")
+@click.option("--num", default=10**9, show_default="all", help="Evaluate a seeded subset of this many images.")
+@click.option("--batch-size", default=32, show_default=True)
+@click.option(
+    "--backends",
+    default="auto",
+    show_default=True,
+    help="auto, or a comma list of torch, onnx, onnx-int8, tensorrt-fp32/fp16/int8.",
+)
+@click.option("--checkpoint", type=click.Path(dir_okay=False), help="The dense weights, if the recorded ones moved.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--workers", default=0, show_default=True, help="Image decoding worker processes.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def eval_command(run_dir: str, quiet: bool, **kwargs: Any) -> None:
+    """Accuracy of dense and pruned models from RUN_DIR on every backend that can run; appended to RUN_DIR/eval.json."""
+    check_writable(Path(run_dir) / "eval.json", overwrite=True)
+    dense = functools.partial(api.dense_original, checkpoint=kwargs.pop("checkpoint"))
+    record = evaluate_run(run_dir, dense=dense, progress=not quiet, **kwargs)
+    record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": device_name(torch.device("cpu"))}
+    for name, why in record["skipped_backends"].items():
+        click.echo(f"skipped {name}: {why}")
+    probe = record["probe"]
+    header = (
+        f"{record['images']} images from {record['data']} ({'labelled' if record['labelled'] else 'unlabelled'}), "
+        f"input {'x'.join(map(str, record['input_size']))}"
+        + (f"; linear probe fit on {probe['train_images']} dense features (ridge {probe['ridge']:g})" if probe else "")
+    )
+    click.echo(format_evaluation(Evaluation(record["reference"], record["results"]), header))
+    click.echo(f"appended to {append_evaluation(run_dir, record)}")

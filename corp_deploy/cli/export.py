@@ -1,0 +1,263 @@
+"""The export stage: ONNX (``export``), engines (``build-engine``), INT8 (``quantize``), and all of them after
+pruning (``prune-export``). The files and their records are written by ``exporters``."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import click
+from torch import nn
+
+from corp_deploy import api, surgery
+from corp_deploy.cli.options import (
+    build_options,
+    calibration_source,
+    engine_group,
+    int8_options,
+    model_options,
+    needs,
+    onnx_needs,
+    onnx_options,
+    out_options,
+    out_path,
+    precisions,
+    prune_config,
+    prune_options,
+    tolerance,
+    verify_group,
+    verify_options,
+)
+from corp_deploy.cli.prune import pruned
+from corp_deploy.env import versions
+from corp_deploy.errors import CorpError
+from corp_deploy.fsio import atomic_dir, check_writable, staged
+from corp_deploy.models import parse_model_args
+from corp_deploy.report import format_report
+from exporters.compare import INT8
+from exporters.onnx_export import graph_precision, load_onnx
+from exporters.pipeline import (
+    convert_verified,
+    engine_verified,
+    export_run,
+    export_verified,
+    format_summary,
+    fp16_graph,
+    write_export_record,
+)
+from exporters.quantize import quantize_graphs
+from exporters.tensorrt_engine import PRECISIONS, build_missing, require_precision, select_flavour
+
+
+def _pad_qk(model: nn.Module, description: dict, enabled: bool) -> dict:
+    """Switch ``--pad-qk`` on in ``model``; the exported graph's description says how many blocks it padded."""
+    return description | {"pad_qk_blocks": surgery.pad_qk(model)} if enabled else description
+
+
+@click.command()
+@click.argument("source")
+@model_options
+@onnx_options
+@verify_group
+@click.option("--fp16", is_flag=True, help="Also write <name>.fp16.onnx (FP16 inside, FP32 I/O), verified.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="ONNX file to write (*.onnx).")
+@click.option("--overwrite", is_flag=True, help="Replace existing files.")
+def export(
+    source: str,
+    weights: str,
+    checkpoint: str | None,
+    model_arg: tuple[str, ...],
+    opset: int,
+    simplify: bool,
+    pad_qk: bool,
+    verify: dict[str, Any],
+    fp16: bool,
+    out: str,
+    overwrite: bool,
+) -> None:
+    """Export SOURCE (a prune artifact folder or a timm model name) to ONNX, verified with onnxruntime."""
+    opts = verify_options(verify)
+    out_ = Path(out)
+    if out_.suffix != ".onnx":
+        raise CorpError(f"--out must be a .onnx file, got {out}")
+    half = out_.with_name(f"{out_.stem}.fp16.onnx")
+    for path in (out_, half) if fp16 else (out_,):
+        check_writable(path, overwrite)
+    needs("ONNX export", *onnx_needs(("fp16",) if fp16 else (), simplify))
+    model, description = api.load_source(source, weights, checkpoint, parse_model_args(model_arg))
+    description = _pad_qk(model, description, pad_qk)
+    with staged(out_, overwrite) as stage:
+        records = [export_verified(model, stage / out_.name, description, opset, simplify, opts)]
+        if fp16:
+            records.append(convert_verified(stage / out_.name, stage / half.name, opts))
+    params = {out_.stem: sum(p.numel() for p in model.parameters())}
+    click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}, params))
+    click.echo(f"wrote {', '.join(str(out_.with_name(r['file'])) for r in records)} (each with a .json record)")
+
+
+@click.command("build-engine")
+@click.argument("onnx_file", type=click.Path())
+@click.option(
+    "--precision",
+    type=click.Choice(PRECISIONS),
+    default="fp16",
+    show_default=True,
+    help="fp32, fp16 or int8 (from a Q/DQ graph).",
+)
+@engine_group
+@verify_group
+@click.option("--out", type=click.Path(dir_okay=False), help="Engine file [<name>.<precision>.plan beside the ONNX].")
+@click.option("--overwrite", is_flag=True, help="Replace an existing engine.")
+def build_engine(
+    onnx_file: str, precision: str, engine: dict[str, Any], verify: dict[str, Any], out: str | None, overwrite: bool
+) -> None:
+    """Build a TensorRT or TensorRT-RTX engine from ONNX_FILE; verify it against onnxruntime where it can run.
+
+    An FP32 graph asked for as fp16 is converted first (<name>.fp16.onnx beside it, reused while
+    the FP32 graph is unchanged): TensorRT builds the graph's own types. Without a supported GPU
+    (TensorRT-RTX builds ahead of time) the engine is recorded as built only, not executed.
+    """
+    opts = verify_options(verify)
+    options = build_options(engine, precision, opts)
+    source = Path(onnx_file)
+    proto = load_onnx(source, weights=False)
+    stem = source.name.removesuffix(".onnx").removesuffix(".fp16").removesuffix(".int8")
+    plan = Path(out) if out else source.with_name(f"{stem}.{precision}.plan")
+    check_writable(plan, overwrite)
+    if precision == "int8":  # made by `quantize`, never converted here: it needs calibration images
+        require_precision(proto, source, precision)
+    select_flavour(options)  # fail before converting anything
+    if precision == "fp16" and graph_precision(proto) == "fp32":
+        source = fp16_graph(source, source.with_name(f"{stem}.fp16.onnx"), opts, click.echo)
+    record = engine_verified(source, plan, options, opts, overwrite)
+    click.echo(format_summary({"onnx": [], "engines": [{"file": plan.name, **record}], "engines_skipped": None}))
+    target = record.get("gpu") or f"targets {','.join(record['targets'])}"
+    click.echo(f"wrote {plan} and {plan}.json ({record['flavour']} {record['version']}, {target}; {record['status']})")
+
+
+@click.command()
+@click.argument("source", type=click.Path())
+@click.option("--calib-dir", type=click.Path(), help="The images CORP calibrated on (same --seed).")
+@click.option("--calib", type=str, help="'synthetic': noise images, for smoke tests only.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the calibration sample (CORP's).")
+@int8_options
+@click.option("--tol-cosine", type=float, help=f"Minimum cosine vs the FP32 graph [int8 {INT8.min_cosine}].")
+@click.option("--tol-rel", type=float, help=f"Maximum max-abs error / max |FP32| [int8 {INT8.max_rel_error}].")
+@click.option("--workers", default=0, show_default=True, help="Image decoding worker processes.")
+@click.option("--overwrite", is_flag=True, help="Replace existing INT8 files.")
+def quantize(
+    source: str,
+    calib_dir: str | None,
+    calib: str | None,
+    seed: int,
+    int8_calib: int,
+    int8_verify: int,
+    calib_method: str,
+    tol_cosine: float | None,
+    tol_rel: float | None,
+    workers: int,
+    overwrite: bool,
+) -> None:
+    """Static INT8 (Q/DQ) of SOURCE (a prune-export folder's dense/pruned.onnx, or one .onnx): <name>.int8.onnx.
+
+    Calibrated on the first --int8-calib images of CORP's seeded sample, verified against the FP32
+    graph on the next --int8-verify; written only if it passes the INT8 gate.
+    """
+    images = calibration_source(calib_dir, calib)
+    pairs = _int8_pairs(Path(source))
+    for _, out in pairs:
+        check_writable(out, overwrite)
+    needs("INT8 quantization", "onnx", "onnxruntime")
+    tol = tolerance(INT8, tol_cosine, tol_rel)
+    records = quantize_graphs(pairs, images, tol, int8_calib, int8_verify, seed, calib_method, workers, overwrite)
+    click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}))
+    click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
+
+
+def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
+    """(FP32 graph, INT8 file) for a run folder's dense and pruned graphs, or for one .onnx file."""
+    if source.is_dir():
+        graphs = [source / f"{m}.onnx" for m in ("dense", "pruned") if (source / f"{m}.onnx").is_file()]
+        if not graphs:
+            raise CorpError(
+                f"{source} has no dense.onnx or pruned.onnx; run `corp-deploy prune-export` or pass a .onnx"
+            )
+    elif source.suffix == ".onnx":
+        graphs = [source]
+    else:
+        raise CorpError(f"{source} is neither a prune-export folder nor a .onnx file")
+    return [(g, g.with_name(f"{g.stem}.int8.onnx")) for g in graphs]
+
+
+@click.command("prune-export")
+@prune_options
+@onnx_options
+@verify_group
+@engine_group
+@click.option(
+    "--precision", default="fp32,fp16", show_default=True, help="Engine precisions: fp32, fp16, int8 (implies --int8)."
+)
+@click.option("--require-engines", is_flag=True, help="Fail (instead of skipping engines) where none can be built.")
+@click.option("--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (static INT8, Q/DQ), verified.")
+@int8_options
+@out_options("Run folder")
+def prune_export(
+    opset: int,
+    simplify: bool,
+    pad_qk: bool,
+    verify: dict[str, Any],
+    engine: dict[str, Any],
+    precision: str,
+    require_engines: bool,
+    int8: bool,
+    int8_calib: int,
+    int8_verify: int,
+    calib_method: str,
+    out: str | None,
+    overwrite: bool,
+    **prune_args: Any,
+) -> None:
+    """Prune MODEL, export dense and pruned to ONNX, build TensorRT engines; verify every step that can run.
+
+    Writes --out/{pruned/, dense.onnx, pruned.onnx, *.fp16.onnx, *.plan, export.json}. Engines
+    built ahead of time by TensorRT-RTX without a supported GPU are marked built, not executed.
+    """
+    precisions_ = precisions(precision)
+    opts = verify_options(verify)
+    build = build_options(engine, "fp32", opts)
+    if require_engines and build_missing(build):
+        raise CorpError(f"--require-engines: cannot build TensorRT engines here: {build_missing(build)}")
+    out = out_path(out, prune_args["model"], prune_args["pruning"]["sparsity"], overwrite)
+    prune_config(prune_args["pruning"])  # a bad pruning flag fails here, before the package check
+    needs("prune-export", *onnx_needs(precisions_, simplify))
+    quantize = None
+    if int8 or "int8" in precisions_:  # INT8 engines are built from the INT8 graphs
+        source = calibration_source(prune_args["calib_dir"], prune_args["calib"])
+        quantize = functools.partial(
+            quantize_graphs,
+            source=source,
+            tol=opts.int8,
+            num_calib=int8_calib,
+            num_verify=int8_verify,
+            seed=prune_args["seed"],
+            method=calib_method,
+            workers=prune_args["workers"] or 0,
+        )
+    run = pruned(**prune_args, keep_dense=True)
+    if run is None:
+        return
+    click.echo(format_report(run.result.report))
+    models = {
+        "dense": (run.dense, api.describe(run.dense, run.name, run.args, run.weights)),
+        "pruned": (
+            run.result.model,
+            _pad_qk(run.result.model, api.describe(run.result.model, run.name, run.args, "corp-pruned"), pad_qk),
+        ),
+    }
+    with atomic_dir(out, overwrite) as tmp:
+        api.save(run.result, tmp / "pruned", run.name, run.args, weights=run.weights)
+        record = export_run(models, tmp, precisions_, opset, simplify, opts, build, require_engines, quantize)
+        record = write_export_record(tmp, run.name, run.result.report, record, versions())
+    click.echo(format_summary(record, {k: v["params"] for k, v in record["size"].items()}))
+    click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json)")

@@ -1,0 +1,318 @@
+"""Option groups shared by the commands, and the converters that turn their flags into config objects.
+
+A group with ``into=NAME`` hands its flags to the command as one dict ``NAME``, so a command passes
+the group to its converter (``prune_config``, ``verify_options``, ``build_options``, ``method``) instead
+of repeating the parameter list. Choices come from the library's own tuples.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from bench.measure import Method
+from corp_deploy.data import SYNTHETIC
+from corp_deploy.deps import missing
+from corp_deploy.errors import CorpError
+from corp_deploy.fsio import check_writable
+from corp_deploy.models import WEIGHTS
+from corp_deploy.pruner import COMPENSATIONS, DEFAULT_RIDGE, PruneConfig
+from corp_deploy.ranking import RANKERS
+from exporters.compare import FP16, FP32, INT8, Tolerance
+from exporters.onnx_export import DEFAULT_OPSET
+from exporters.pipeline import VerifyOptions
+from exporters.quantize import CALIB_METHODS
+from exporters.tensorrt_engine import (
+    PRECISIONS,
+    RUNTIMES,
+    BuildOptions,
+    parse_compute_capabilities,
+    parse_profile,
+)
+
+CALIB_IMAGES = 4000
+SMOKE_IMAGES = 64  # noise only has to exercise the pass: enough for the statistics, minutes not hours on a CPU
+
+
+def group(*decorators: Callable, into: str | None = None) -> Callable:
+    """Apply click options as one decorator; with ``into``, the command gets their values as one dict."""
+
+    def apply(f: Callable) -> Callable:
+        if into is not None:
+            f = _collect(f, into, _names(decorators))
+        for decorator in reversed(decorators):
+            f = decorator(f)
+        return f
+
+    return apply
+
+
+def _names(decorators: tuple[Callable, ...]) -> list[str]:
+    """The parameter names a list of click decorators declares (applied to a throwaway function)."""
+
+    def probe() -> None: ...
+
+    for decorator in decorators:
+        probe = decorator(probe)
+    return [p.name for p in getattr(probe, "__click_params__", [])]
+
+
+def _collect(f: Callable, into: str, names: list[str]) -> Callable:
+    @functools.wraps(f)
+    def command(*args: Any, **kwargs: Any) -> Any:
+        kwargs[into] = {name: kwargs.pop(name) for name in names}
+        return f(*args, **kwargs)
+
+    return command
+
+
+model_options = group(
+    click.option(
+        "--weights",
+        type=click.Choice(WEIGHTS),
+        default="pretrained",
+        show_default=True,
+        help="pretrained (timm hub) or random.",
+    ),
+    click.option("--checkpoint", type=click.Path(dir_okay=False), help="Weights file (.safetensors or .pth/.pt)."),
+    click.option(
+        "--model-arg", multiple=True, metavar="KEY=VALUE", help="Extra timm.create_model argument (repeatable)."
+    ),
+)
+
+calib_options = group(
+    click.option("--calib-dir", type=click.Path(), help="Folder of unlabeled calibration images (recursive)."),
+    click.option("--calib", type=str, help="'synthetic': noise images, for smoke tests only."),
+    click.option(
+        "--num-calib",
+        type=int,
+        help=f"Calibration images [default: {CALIB_IMAGES} (the paper's); {SMOKE_IMAGES} with --calib synthetic].",
+    ),
+    click.option("--calib-batch-size", default=64, show_default=True),
+    click.option("--workers", type=int, help="Image decoding processes [default: min(8, CPUs)]."),
+    click.option("--seed", default=0, show_default=True, help="Seed of the calibration subset."),
+    click.option("--device", default="auto", show_default=True, help="auto (GPU if present), cpu or cuda[:N]."),
+)
+
+quiet_option = click.option("--quiet", is_flag=True, help="No progress bar.")
+
+method_options = group(
+    click.option(
+        "--target",
+        default="both",
+        show_default=True,
+        help="What to prune: a comma list of mlp, qk (attention Q/K dims), v (attention V channels); "
+        "all = mlp,qk,v; both = mlp,qk; attn = qk.",
+    ),
+    click.option(
+        "--ranker",
+        type=click.Choice(RANKERS),
+        default="combined",
+        show_default=True,
+        help="energy, magnitude, combined or active.",
+    ),
+    click.option(
+        "--compensation",
+        type=click.Choice(COMPENSATIONS),
+        default="corp",
+        show_default=True,
+        help="corp (closed form), mean (VBP mean shift) or none (plain removal).",
+    ),
+    click.option("--ridge", default=DEFAULT_RIDGE, show_default=True, help="Relative ridge damping alpha."),
+    click.option("--round-to", default=8, show_default=True, help="Kept widths are multiples of this."),
+)
+
+sparsity_options = group(
+    click.option("--sparsity", default=0.5, show_default=True, help="Fraction of channels to remove, in [0, 1)."),
+    click.option("--mlp-sparsity", type=float, help="Override --sparsity for MLP hidden channels."),
+    click.option("--attn-sparsity", type=float, help="Override --sparsity for attention Q/K dims."),
+    click.option("--v-sparsity", type=float, help="Override --sparsity for attention V channels."),
+)
+
+dist_option = click.option(
+    "--dist-timeout",
+    default=1800.0,
+    show_default=True,
+    help="Under torchrun: seconds to wait for the other ranks before failing.",
+)
+
+prune_options = group(
+    click.argument("model"),
+    model_options,
+    calib_options,
+    quiet_option,
+    group(sparsity_options, method_options, into="pruning"),
+    dist_option,
+)
+
+verify_group = group(
+    click.option("--verify-batches", default="1,4", show_default=True, help="Batch sizes compared (two or more)."),
+    click.option("--tol-cosine", type=float, help=f"Minimum cosine vs the reference [fp32 {FP32.min_cosine}]."),
+    click.option("--tol-rel", type=float, help=f"Maximum max-abs error / max |reference| [fp32 {FP32.max_rel_error}]."),
+    into="verify",
+)
+
+onnx_options = group(
+    click.option("--opset", default=DEFAULT_OPSET, show_default=True, help="ONNX opset (18..23)."),
+    click.option("--simplify", is_flag=True, help="Simplify the graph with onnxslim."),
+    click.option(
+        "--pad-qk",
+        is_flag=True,
+        help="Zero-pad pruned Q/K to the V width inside the graph (exact): one head size, so fused "
+        "attention kernels apply while the smaller qkv GEMM is kept.",
+    ),
+)
+
+engine_group = group(
+    click.option("--batch", default="1:32:256", show_default=True, help="Engine batch range MIN:OPT:MAX."),
+    click.option("--workspace-gib", default=8.0, show_default=True, help="TensorRT workspace limit."),
+    click.option("--opt-level", default=3, show_default=True, help="TensorRT builder optimization level 0..5."),
+    click.option("--tf32", is_flag=True, help="Allow TF32 in FP32 engines (off: exact FP32)."),
+    click.option("--timing-cache", type=click.Path(dir_okay=False), help="Timing cache file [per GPU, ~/.cache]."),
+    click.option(
+        "--runtime",
+        type=click.Choice(RUNTIMES),
+        default="auto",
+        show_default=True,
+        help="Engine flavour; auto: TensorRT with a CUDA GPU, else TensorRT-RTX (builds without a GPU).",
+    ),
+    click.option(
+        "--compute-capability",
+        metavar="CC[,CC]",
+        help="TensorRT-RTX target GPUs, e.g. 8.9 (RTX 4090) or 7.5 (Turing) [8.0,8.6,8.9,12.0,12.1].",
+    ),
+    into="engine",
+)
+
+int8_options = group(
+    click.option("--int8-calib", default=256, show_default=True, help="INT8 calibration images: CORP's first N."),
+    click.option("--int8-verify", default=64, show_default=True, help="Held-out images (the next N) verifying INT8."),
+    click.option(
+        "--calib-method",
+        type=click.Choice(CALIB_METHODS),
+        default="minmax",
+        show_default=True,
+        help=f"{', '.join(CALIB_METHODS)}.",
+    ),
+)
+
+timing_group = group(
+    click.option("--warmup-iters", default=Method.warmup_iters, show_default=True),
+    click.option("--warmup-seconds", default=Method.warmup_seconds, show_default=True),
+    click.option("--min-iters", default=Method.min_iters, show_default=True, help="Timed iterations, at least."),
+    click.option("--min-seconds", default=Method.min_seconds, show_default=True, help="Timed seconds, at least."),
+    into="timing",
+)
+
+
+def out_options(what: str) -> Callable:
+    return group(
+        click.option("--out", type=click.Path(), help=f"{what} to write [default: runs/<MODEL>-s<SPARSITY %>]."),
+        click.option("--overwrite", is_flag=True, help="Replace --out if it exists."),
+    )
+
+
+def out_path(out: str | None, model: str, sparsity: float, overwrite: bool) -> str:
+    """--out, or ``runs/<model>-s<percent>`` (``runs/deit_base-s50``); checked writable before any work."""
+    out = out or f"runs/{re.sub(r'[^A-Za-z0-9_.-]+', '_', model)}-s{100 * sparsity:g}"
+    check_writable(out, overwrite)
+    return out
+
+
+ONNX_EXPORT = ("onnx", "onnxscript", "onnxruntime")
+"""What every verified ONNX export imports: the graph format, torch's exporter, the runtime that verifies it."""
+
+
+def onnx_needs(precisions: tuple[str, ...], simplify: bool = False) -> tuple[str, ...]:
+    """The optional modules an export writing ``precisions`` needs (FP16 conversion, onnxslim when simplifying)."""
+    fp16 = ("onnxconverter_common",) if "fp16" in precisions else ()
+    return (*ONNX_EXPORT, *fp16, *(("onnxslim",) if simplify else ()))
+
+
+def needs(purpose: str, *modules: str) -> None:
+    """Fail in one line, before any expensive work, when a module ``purpose`` imports later is missing."""
+    reason = missing(*modules)
+    if reason:
+        raise CorpError(f"{purpose} needs {reason}")
+
+
+def prune_config(pruning: dict[str, Any], **override: Any) -> PruneConfig:
+    """The pruning group (``--sparsity``... ``--round-to``) as a validated ``PruneConfig``."""
+    return PruneConfig(**{**pruning, **override})
+
+
+def verify_options(verify: dict[str, Any]) -> VerifyOptions:
+    """Two or more batch sizes; a given tolerance replaces the per-precision defaults."""
+    batches = verify["verify_batches"]
+    try:
+        sizes = tuple(sorted({int(b) for b in batches.split(",")}))
+    except ValueError:
+        sizes = ()
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise CorpError(f"--verify-batches needs two or more batch sizes >= 1 (e.g. 1,4), got {batches!r}")
+    return VerifyOptions(sizes, *(tolerance(t, verify["tol_cosine"], verify["tol_rel"]) for t in (FP32, FP16, INT8)))
+
+
+def tolerance(default: Tolerance, tol_cosine: float | None, tol_rel: float | None) -> Tolerance:
+    """``default`` with the gates the user gave (--tol-cosine, --tol-rel) in place of its own."""
+    cosine = default.min_cosine if tol_cosine is None else tol_cosine
+    return Tolerance(cosine, default.max_rel_error if tol_rel is None else tol_rel)
+
+
+def build_options(engine: dict[str, Any], precision: str, opts: VerifyOptions) -> BuildOptions:
+    """The engine group as ``BuildOptions``, checked before any work: the batch range must take the verify batches."""
+    cache = None if engine["timing_cache"] is None else Path(engine["timing_cache"])
+    options = BuildOptions(
+        precision,
+        parse_profile(engine["batch"]),
+        engine["workspace_gib"],
+        engine["opt_level"],
+        engine["tf32"],
+        cache,
+        engine["runtime"],
+        parse_compute_capabilities(engine["compute_capability"]),
+    )
+    options.profile.covers(opts.batches)
+    return options
+
+
+def bench_method(timing: dict[str, Any]) -> Method:
+    """The timing group as a bench ``Method``."""
+    return Method(**timing)
+
+
+def precisions(text: str) -> tuple[str, ...]:
+    values = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in values if p not in PRECISIONS]
+    if bad or not values:
+        raise CorpError(f"--precision takes a comma-separated list of {', '.join(PRECISIONS)}, got {text!r}")
+    return values
+
+
+def calibration_source(calib_dir: str | None, calib: str | None) -> str:
+    if calib is not None and calib != SYNTHETIC:
+        raise CorpError(f"--calib accepts only 'synthetic', got {calib!r}; real images go in --calib-dir")
+    if calib_dir is not None and calib is not None:
+        raise CorpError("pass one of --calib-dir DIR (real images) or --calib synthetic (smoke tests), not both")
+    if calib_dir is None and calib is None:
+        raise CorpError(
+            "no calibration images: pass --calib-dir DIR (a few thousand unlabelled images of your domain, e.g. "
+            f"ImageNet train); a smoke run on noise (structure and speed only, no accuracy): {_smoke_command()}"
+        )
+    return calib_dir or SYNTHETIC
+
+
+def _smoke_command() -> str:
+    """The command line as typed plus noise calibration, and random weights unless weights were chosen."""
+    ctx = click.get_current_context()
+    typed = ctx.find_root().obj
+    argv = ["corp-deploy", *(sys.argv[1:] if typed is None else typed)]
+    chose = [p for p in ("weights", "checkpoint") if ctx.get_parameter_source(p) != click.core.ParameterSource.DEFAULT]
+    return shlex.join(argv + ([] if chose else ["--weights", "random"]) + ["--calib", "synthetic"])

