@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 import corp_deploy
+from corp_deploy import blockwise
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta, save_pruned
 from corp_deploy.data import folder_batches, list_images, sample, synthetic_batches
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
@@ -93,33 +94,48 @@ def prune(
     progress: bool = True,
     world: World = SINGLE_PROCESS,
     dist_timeout: float = 1800.0,
+    max_stats_gib: float | None = None,
 ) -> PruneResult | None:
     """Calibrate ``model`` once, then prune and compensate it in place; measure what changed.
 
     Data-parallel (``world.size > 1``, batches from this rank's shard): the statistics are summed
     over all ranks, then rank 0 prunes and gets the result; the other ranks get ``None``.
+    ``max_stats_gib`` (bounded memory) or ``config.sequential`` calibrate block by block (``blockwise``).
     """
     config = config or PruneConfig()
     device = resolve_device(device) if isinstance(device, str) else device
     plan_widths(model, config)  # an impossible sparsity fails here, not after calibration
+    walked = config.sequential or max_stats_gib is not None
+    if walked:  # an unsupported model or a bound below one block fails here too
+        blockwise.check_supported(model)
+        blockwise.plan_groups(model, config, max_stats_gib)
     dense = model_size(model)
     model.to(device).eval()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     timer = Timer()
     start = time.perf_counter()
-    merge = None if world.size == 1 else lambda st: all_reduce_stats(st, world, dist_timeout)
-    stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
-    timer.add("calibration", start)
+    if walked:
+        blocks, walk = blockwise.walk(
+            model, batches, config, device, max_stats_gib, total, progress, world, dist_timeout, timer
+        )
+        statistics = walk.pop("statistics_bytes")
+        calibration = {"images": walk.pop("images"), "skipped": walk.pop("skipped"), **walk}
+    else:
+        merge = None if world.size == 1 else lambda st: all_reduce_stats(st, world, dist_timeout)
+        stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
+        timer.add("calibration", start)
+        if world.is_main:
+            blocks = prune_model(model, stats, config, timer)
+        statistics, calibration = stats.nbytes(), {"images": stats.images, "skipped": stats.skipped, "mode": "one-pass"}
     if not world.is_main:
         return None
-    blocks = prune_model(model, stats, config, timer)
     report = {
         "config": config.to_dict(),
         "device": device_name(device),
-        "calibration": {"images": stats.images, "skipped": stats.skipped, "processes": world.size},
+        "calibration": {**calibration, "processes": world.size},
         "seconds": timer.seconds,
-        "memory": {"statistics_mib": stats.nbytes() / 2**20, **peak_memory(device)},
+        "memory": {"statistics_mib": statistics / 2**20, **peak_memory(device)},
         "dense": dense,
         "pruned": model_size(model),
         "blocks": blocks,

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from corp_deploy import compensation as C
 from corp_deploy.errors import CorpError
 from corp_deploy.ranking import RANKERS, attn_scores, kept_width, mlp_scores, split_top
-from corp_deploy.stats import AttnStats, CalibrationStats, MlpStats, collect, empty_stats
+from corp_deploy.stats import AttnStats, CalibrationStats, MlpStats, PairStats, collect, empty_stats
 from corp_deploy.surgery import fill_attention, fill_mlp, fill_values
 
 PARTS = ("mlp", "qk", "v")
@@ -45,6 +45,9 @@ class PruneConfig:
     compensation: str = "corp"
     ridge: float = DEFAULT_RIDGE
     round_to: int = 8
+    sequential: bool = False
+    """Error-correcting calibration (``blockwise``): block i's statistics come from the stream pruned up to it and
+    its compensation regresses the dense model's targets. Costs about 4 block passes per block instead of one."""
 
     def __post_init__(self) -> None:
         for label, value in (
@@ -202,19 +205,38 @@ def prune_model(
     """
     timer = timer or Timer()
     plan = plan_widths(model, config)
-    report = []
-    for i, (block, (mlp_kept, attn_kept, v_kept)) in enumerate(zip(model.blocks, plan, strict=True)):
-        entry: dict[str, Any] = {"block": i}
-        if mlp_kept is not None:
-            entry["mlp"] = _prune_mlp(block.mlp, stats.mlp[i], mlp_kept, config, timer)
-        if attn_kept is not None:
-            entry["attn"], new_attn = _prune_attn(block.attn, stats.attn[i], attn_kept, config, timer)
-            if new_attn is not None:
-                block.attn = new_attn
-        if v_kept is not None:
-            entry["v"], block.attn = _prune_v(block.attn, stats.proj[i], v_kept, config, timer)
-        report.append(entry)
-    return report
+    return [prune_block(model.blocks, i, stats, widths, config, timer) for i, widths in enumerate(plan)]
+
+
+LogitTargets = Callable[[Tensor], tuple[Tensor, Tensor]]
+"""Sequential Q/K: kept dims (heads, d') -> (``sum_b (Q~_S^T Q)(K^T K~_S)`` per head, dense logit energy per head)."""
+
+
+def prune_block(
+    blocks: nn.Sequential,
+    i: int,
+    stats: CalibrationStats,
+    widths: tuple[int | None, int | None, int | None],
+    config: PruneConfig,
+    timer: Timer,
+    logit_targets: LogitTargets | None = None,
+) -> dict:
+    """Prune block ``i`` of ``blocks`` in place to ``widths`` (a ``plan_widths`` entry); its diagnostics.
+
+    ``stats`` holds at least block i's sums; ``PairStats`` and ``logit_targets`` make the fits sequential.
+    """
+    block = blocks[i]
+    mlp_kept, attn_kept, v_kept = widths
+    entry: dict[str, Any] = {"block": i}
+    if mlp_kept is not None:
+        entry["mlp"] = _prune_mlp(block.mlp, stats.mlp[i], mlp_kept, config, timer)
+    if attn_kept is not None:
+        entry["attn"], new_attn = _prune_attn(block.attn, stats.attn[i], attn_kept, config, timer, logit_targets)
+        if new_attn is not None:
+            block.attn = new_attn
+    if v_kept is not None:
+        entry["v"], block.attn = _prune_v(block.attn, stats.proj[i], v_kept, config, timer)
+    return entry
 
 
 def _compensate(
@@ -225,12 +247,32 @@ def _compensate(
     Shared by the MLP (x = fc2's input) and V (x = proj's input): the same closed form at a
     different Linear.
     """
+    if isinstance(s, PairStats):
+        return _regress(s, w, b, keep, config)
     mean, second = s.mean(), s.second_moment()
     zero_b = torch.zeros(prune.numel(), keep.numel(), dtype=torch.float64, device=mean.device)
     candidates = {"none": (zero_b, torch.zeros_like(mean[prune])), "mean": (zero_b, mean[prune])}
     candidates["corp"] = C.mlp_affine(mean, second, keep, prune, config.ridge)
     errors = {k: float(C.mlp_output_error(mean, second, w, b, keep, prune, *bc)) for k, bc in candidates.items()}
     new_w, new_b = C.fold_mlp(w, b, keep, prune, *candidates[config.compensation])
+    return new_w, new_b, errors
+
+
+def _regress(
+    s: PairStats, w: Tensor, b: Tensor, keep: Tensor, config: PruneConfig
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """``_compensate``'s sequential form: regress the dense stream's activation from the pruned stream's kept part."""
+    mean_s, second_s = s.mean(), s.second_moment()
+    mean_t, second_t, cross = s.target.mean(), s.target.second_moment(), s.cross / s.count
+    zero_d = torch.zeros(mean_t.numel(), keep.numel(), dtype=torch.float64, device=mean_t.device)
+    candidates = {
+        "none": (zero_d, torch.zeros_like(mean_t)),
+        "mean": (zero_d, mean_t - C.embed_kept(mean_s[keep], keep, mean_t.numel())),
+        "corp": C.regression_affine(mean_s, second_s, mean_t, cross, keep, config.ridge),
+    }
+    moments = (mean_t, second_t, mean_s, second_s, cross)
+    errors = {k: float(C.regression_error(*moments, w, b, keep, *dc)) for k, dc in candidates.items()}
+    new_w, new_b = C.fold_regression(w, b, keep, *candidates[config.compensation])
     return new_w, new_b, errors
 
 
@@ -279,7 +321,11 @@ def _prune_v(attn: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer
     return info, new
 
 
-def _prune_attn(attn: nn.Module, s: AttnStats, kept: int, config: PruneConfig, timer: Timer) -> tuple[dict, Any]:
+def _prune_attn(
+    attn: nn.Module, s: AttnStats, kept: int, config: PruneConfig, timer: Timer, logit_targets: LogitTargets | None
+) -> tuple[dict, Any]:
+    """Q/K dims per head. With ``logit_targets`` (sequential) ``s`` is the pruned stream's moment and the fit
+    regresses the dense logits (``compensation.sequential_logit_system``) instead of the pruned pairs'."""
     heads, d = s.heads, s.head_dim
     info: dict[str, Any] = {"head_dim": d, "kept": kept}
     if kept == d:
@@ -292,6 +338,8 @@ def _prune_attn(attn: nn.Module, s: AttnStats, kept: int, config: PruneConfig, t
     scores = attn_scores(config.ranker, C.logit_energy(s.moment, s.index), w[0], w[1])
     keep, prune = split_top(scores, kept)
     t = timer.add("ranking", t)
+    targets = None if logit_targets is None else logit_targets(keep)
+    t = timer.add("calibration", t)
 
     all_dims = torch.arange(d, device=dev)
     q_w, k_w, q_b, k_b = [], [], [], []
@@ -300,9 +348,13 @@ def _prune_attn(attn: nn.Module, s: AttnStats, kept: int, config: PruneConfig, t
     for h in range(heads):
         moment = s.moment[h]
         a, r = C.logit_system(moment, s.index, keep[h], prune[h])
-        removed = C.pair_energy(moment, s.index, prune[h])
+        if targets is None:
+            removed, energy = C.pair_energy(moment, s.index, prune[h]), C.pair_energy(moment, s.index, all_dims)
+        else:
+            energy = targets[1][h]
+            r, removed = C.sequential_logit_system(a, targets[0][h], energy)
         m = C.solve_logit_compensation(a, r, config.ridge)
-        total += float(C.pair_energy(moment, s.index, all_dims))
+        total += float(energy)
         err_none += float(removed)
         err_corp += float(C.logit_error(a, r, removed, m))
         if config.compensation != "corp":  # VBP's mean shift has no logit-space analogue: plain removal
