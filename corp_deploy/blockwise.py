@@ -91,7 +91,7 @@ def plan_groups(model: nn.Module, config: PruneConfig, max_stats_gib: float | No
             raise CorpError(f"--max-stats-gib must be > 0, got {max_stats_gib:g}")
         biggest = max(range(len(sizes)), key=sizes.__getitem__)
         if sizes[biggest] > max_stats_gib * GIB:
-            need = math.ceil(sizes[biggest] / GIB * 1000) / 1000
+            need = math.ceil(sizes[biggest] / GIB * 1e4) / 1e4
             raise CorpError(
                 f"--max-stats-gib {max_stats_gib:g} is below one block's statistics ({need:g} GiB for block "
                 f"{biggest}{' in sequential mode' if config.sequential else ''}); pass at least {need:g}"
@@ -100,9 +100,9 @@ def plan_groups(model: nn.Module, config: PruneConfig, max_stats_gib: float | No
         return [[i] for i in range(len(sizes))]
     bound = math.inf if max_stats_gib is None else max_stats_gib * GIB
     groups: list[list[int]] = []
-    used = math.inf
+    used = 0
     for i, size in enumerate(sizes):
-        if used + size > bound:
+        if not groups or used + size > bound:
             groups.append([])
             used = 0
         groups[-1].append(i)
