@@ -163,6 +163,8 @@ def walk(
     peak statistics bytes and cache size.
     """
     check_supported(model)
+    if device.type == "cuda" and device.index is None:  # tensors report cuda:N: compare like with like
+        device = torch.device("cuda", torch.cuda.current_device())
     timer = timer or Timer()
     plan = plan_widths(model, config)
     groups = plan_groups(model, config, max_stats_gib)

@@ -172,6 +172,19 @@ def test_groups_fill_the_bound_and_bad_bounds_are_refused_before_calibration() -
         blockwise.check_supported(NotAViT())
 
 
+def test_token_cache_keeps_chunks_on_the_device_while_they_fit_then_on_the_host() -> None:
+    """The meta device stands in for a GPU: placement is decided per chunk against the budget, for both streams."""
+    chunk = torch.randn(4, 17, 64)
+    cache = blockwise.TokenCache(torch.device("meta"), streams=2, budget=2.5 * 2 * chunk.nbytes)
+    for _ in range(4):
+        cache.add(chunk)
+    assert [[t.device.type for t in c] for c in cache.chunks] == [["meta"] * 2] * 2 + [["cpu"] * 2] * 2
+    assert cache.nbytes(torch.device("meta")) == 4 * chunk.nbytes and cache.nbytes() == 8 * chunk.nbytes
+    assert all(t.device.type == "meta" for t in cache.load(3))  # moved over for the computation
+    cache.store(0, 1, chunk)  # a result goes back to where its chunk lives
+    assert cache.chunks[0][1].device.type == "meta" and cache.chunks[3][0] is not cache.chunks[3][1]
+
+
 @pytest.mark.parametrize("target", ["both", "all"])
 def test_sequential_at_sparsity_zero_reproduces_the_dense_model(target: str) -> None:
     model = tiny_vit()
