@@ -61,7 +61,7 @@ def check_supported(model: nn.Module) -> None:
         and all(isinstance(b, Block) for b in blocks)
     ):
         raise CorpError(
-            f"block-by-block calibration (sequential or max_stats_gib) supports timm VisionTransformer models with "
+            f"block-by-block calibration (--sequential, --max-stats-gib) supports timm VisionTransformer models with "
             f"standard blocks; {type(model).__name__} is not one: use the one-pass default"
         )
 
