@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from corp_deploy import blockwise
 from corp_deploy.allocation import check_budget, plan_budget
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta, save_pruned
 from corp_deploy.data import SYNTHETIC, data_config, folder_batches, input_size, list_images, sample, synthetic_batches
@@ -91,6 +92,7 @@ def prune(
     progress: bool = True,
     world: World = SINGLE_PROCESS,
     dist_timeout: float = 1800.0,
+    max_stats_gib: float | None = None,
 ) -> PruneResult | None:
     """Calibrate ``model`` once, then prune and compensate it in place; measure what changed.
 
@@ -100,14 +102,25 @@ def prune(
     With ``config.budget`` and ``allocation="sensitivity"``, the first ``config.sensitivity_images``
     images of ``batches`` (of rank 0's shard) are held out of the statistics and used for the
     sensitivity pass (``sensitivity.measure``), which runs on rank 0 after the statistics are merged.
+    ``max_stats_gib`` (bounded memory) or ``config.sequential`` calibrate block by block (``blockwise``);
+    a budget with ``sequential`` takes two passes over the (then materialised) batches: the dense
+    statistics choose the widths, the sequential walk prunes to them.
     """
     config = config or PruneConfig()
     device = resolve_device(device) if isinstance(device, str) else device
+    walked = config.sequential or max_stats_gib is not None
+    if config.budget is not None and max_stats_gib is not None:
+        raise CorpError("--budget compares every block's statistics at once; drop --max-stats-gib or --budget")
+    if config.budget is not None and config.sequential and world.size > 1:
+        raise CorpError("--budget with --sequential runs in one process; drop torchrun or one of the two")
     dense = model_size(model)
     if config.budget is None:
         plan_widths(model, config)  # an impossible sparsity fails here, not after calibration
     else:
         check_budget(model, config, dense["macs"])
+    if walked:  # an unsupported model or a bound below one block fails here too
+        blockwise.check_supported(model)
+        blockwise.plan_groups(model, config, max_stats_gib)
     heldout = None
     if config.budget is not None and config.allocation == "sensitivity" and world.is_main:
         heldout, batches, total = _hold_out(batches, config.sensitivity_images, total)
@@ -117,25 +130,41 @@ def prune(
     timer = Timer()
     start = time.perf_counter()
     merge = None if world.size == 1 else lambda st: all_reduce_stats(st, world, dist_timeout)
-    stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
-    timer.add("calibration", start)
+    stats = plan = allocation = None
+    if config.budget is not None:
+        if config.sequential:
+            batches = list(batches)
+        stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
+        start = timer.add("calibration", start)
+        if world.is_main:
+            weights = None if heldout is None else measure(model, stats, config, heldout)
+            plan, allocation = plan_budget(model, stats, config, dense["macs"], weights)
+            if heldout is not None:
+                allocation["heldout_images"] = heldout.shape[0]
+            timer.add("allocation", start)
+    if walked:
+        statistics = 0 if stats is None else stats.nbytes()
+        stats = None  # the walk keeps its own, block by block
+        blocks, walk = blockwise.walk(
+            model, batches, config, device, max_stats_gib, total, progress, world, dist_timeout, timer, plan
+        )
+        statistics = max(statistics, walk.pop("statistics_bytes"))
+        calibration = {"images": walk.pop("images"), "skipped": walk.pop("skipped"), **walk}
+    else:
+        if stats is None:
+            stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
+            timer.add("calibration", start)
+        if world.is_main:
+            blocks = prune_model(model, stats, config, timer, plan)
+        statistics, calibration = stats.nbytes(), {"images": stats.images, "skipped": stats.skipped, "mode": "one-pass"}
     if not world.is_main:
         return None
-    plan = allocation = None
-    if config.budget is not None:
-        start = time.perf_counter()
-        weights = None if heldout is None else measure(model, stats, config, heldout)
-        plan, allocation = plan_budget(model, stats, config, dense["macs"], weights)
-        if heldout is not None:
-            allocation["heldout_images"] = heldout.shape[0]
-        timer.add("allocation", start)
-    blocks = prune_model(model, stats, config, timer, plan)
     report = {
         "config": config.to_dict(),
         "device": device_name(device),
-        "calibration": {"images": stats.images, "skipped": stats.skipped, "processes": world.size},
+        "calibration": {**calibration, "processes": world.size},
         "seconds": timer.seconds,
-        "memory": {"statistics_mib": stats.nbytes() / 2**20, **peak_memory(device)},
+        "memory": {"statistics_mib": statistics / 2**20, **peak_memory(device)},
         "dense": dense,
         "pruned": model_size(model),
         "blocks": blocks,

@@ -20,6 +20,12 @@ is exactly the MLP compensation at proj's input, so ``mlp_affine`` / ``fold_mlp`
 on z is right: rows of ``A_h`` sum to 1, so an affine relation among v-channels carries over to
 o-channels exactly (``A (V b + 1 c) = (A V) b + 1 c``); fitting on z captures it and any relation
 the attention mixing adds.
+
+Sequential calibration (beyond the paper; ``blockwise``): the block's inputs come from the PRUNED
+stream (earlier blocks already pruned), and the fit regresses the DENSE model's targets, so it also
+undoes upstream error. Each fit is ridge-shrunk towards "keep the kept channels as they are", not
+towards zero: then, with no upstream error, it is CORP's fit exactly, for any damping (a fit
+shrunk towards zero would reduce to CORP only at lam = 0).
 """
 
 from __future__ import annotations
@@ -90,6 +96,70 @@ def mlp_output_error(
 def output_energy(mean: Tensor, second: Tensor, w: Tensor, b: Tensor) -> Tensor:
     """``E||W x + b||^2`` over the calibration tokens: the denominator of every relative output error."""
     return ((w @ second) * w).sum() + 2 * torch.dot(b, w @ mean) + torch.dot(b, b)
+
+
+def embed_kept(v: Tensor, keep: Tensor, width: int) -> Tensor:
+    """``J v``: a kept-channel vector (|S|) or matrix (|S| x k) placed at rows ``keep`` of ``width`` zero rows."""
+    out = torch.zeros(width, *v.shape[1:], dtype=v.dtype, device=v.device)
+    out[keep] = v
+    return out
+
+
+def regression_affine(
+    mean_s: Tensor, second_s: Tensor, mean_t: Tensor, cross: Tensor, keep: Tensor, alpha: float
+) -> tuple[Tensor, Tensor]:
+    """Sequential MLP/V fit: the dense activation x (all channels) from the pruned stream's kept channels.
+
+    ``x ~ (J + D) x~_S + c`` with ``J`` placing x~_S at the kept rows; ridge on D (shrinks towards J).
+    ``mean_s``/``second_s``: the pruned stream's ``E[x~]``, ``E[x~ x~^T]``; ``mean_t = E[x]``;
+    ``cross = E[x x~^T]`` over the same tokens. Returns D (width x |S|) and c (width).
+
+    Reduction to CORP: with no upstream error (x~ = x) the residual target ``x - J x_S`` is 0 on S and
+    x_P on P, so D is 0 on S and ``mlp_affine``'s B on P, and c is 0 on S and its c on P.
+    """
+    width = mean_t.numel()
+    mu_s = mean_s[keep]
+    cov_ss = second_s[keep][:, keep] - torch.outer(mu_s, mu_s)
+    cov_ys = cross[:, keep] - torch.outer(mean_t, mu_s) - embed_kept(cov_ss, keep, width)
+    d = ridge_solve(cov_ss, cov_ys.T, alpha).T
+    c = mean_t - embed_kept(mu_s, keep, width) - d @ mu_s
+    return d, c
+
+
+def fold_regression(w: Tensor, b: Tensor, keep: Tensor, d: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """Fold ``x ~ (J + D) x~_S + c`` into the Linear (w, b) that reads x: ``W_S + W D`` and ``b + W c``."""
+    return w[:, keep] + w @ d, b + w @ c
+
+
+def regression_error(
+    mean_t: Tensor,
+    second_t: Tensor,
+    mean_s: Tensor,
+    second_s: Tensor,
+    cross: Tensor,
+    w: Tensor,
+    b: Tensor,
+    keep: Tensor,
+    d: Tensor,
+    c: Tensor,
+) -> Tensor:
+    """Relative error of the folded Linear on the pruned stream against the DENSE output, from moments.
+
+    ``E||W x + b - (W' x~_S + b')||^2 / E||W x + b||^2`` with ``x - (J + D) x~_S - c`` the residual.
+    ``D = 0, c = 0`` is plain removal, ``D = 0, c = E[x] - J E[x~_S]`` the mean shift.
+    """
+    g = w @ (embed_kept(torch.eye(keep.numel(), dtype=d.dtype, device=d.device), keep, d.shape[0]) + d)
+    wc = w @ c
+    second_ss = second_s[keep][:, keep]
+    err = (
+        ((w @ second_t) * w).sum()
+        - 2 * ((w @ cross[:, keep]) * g).sum()
+        + ((g @ second_ss) * g).sum()
+        - 2 * torch.dot(wc, w @ mean_t - g @ mean_s[keep])
+        + torch.dot(wc, wc)
+    )
+    signal = ((w @ second_t) * w).sum() + 2 * torch.dot(b, w @ mean_t) + torch.dot(b, b)
+    return err.clamp_min(0) / signal
 
 
 def head_channels(keep: Tensor, head_dim: int) -> tuple[Tensor, Tensor]:
@@ -171,6 +241,25 @@ def logit_compensation(
     removed = pair_energy(moment, idx, prune)
     m = solve_logit_compensation(a, r, alpha)
     return m, removed, logit_error(a, r, removed, m)
+
+
+def sequential_logit_system(a: Tensor, cross: Tensor, dense_energy: Tensor) -> tuple[Tensor, Tensor]:
+    """Right-hand side and target energy for regressing the DENSE logits from the pruned stream, one head.
+
+    Minimises ``sum_b ||Q_b K_b^T - Q~_S,b (I + N) K~_S,b^T||^2 + lam ||N||^2`` (shrinks towards I, the
+    uncompensated map). ``a``: ``logit_system``'s matrix from the PRUNED stream's moment;
+    ``cross = sum_b (Q~_S,b^T Q_b)(K_b^T K~_S,b)`` (d' x d'); ``dense_energy = sum_b ||Q_b K_b^T||^2``.
+    Returns ``r`` and ``E_T = sum_b ||Q K^T - Q~_S K~_S^T||^2`` such that ``solve_logit_compensation(a, r)``
+    gives N and ``logit_error(a, r, E_T, N)`` its error: factor ``I + N`` with ``qk_factors`` as in CORP.
+
+    Reduction to CORP: with Q~ = Q, ``cross = sum_b (Q_S^T Q_S)(K_S^T K_S) + sum_b (Q_S^T Q_P)(K_P^T K_S)``
+    whose first term is ``a vec(I)``: r is ``logit_system``'s r and E_T the removed pairs' energy.
+    """
+    s = cross.shape[0]
+    eye = torch.eye(s, dtype=a.dtype, device=a.device).reshape(-1)
+    a_eye = a @ eye
+    r = cross - a_eye.reshape(s, s)
+    return r, (dense_energy - 2 * cross.trace() + eye @ a_eye).clamp_min(0)
 
 
 def qk_factors(m: Tensor) -> tuple[Tensor, Tensor]:

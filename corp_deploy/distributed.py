@@ -82,8 +82,17 @@ def all_reduce_stats(stats: CalibrationStats, world: World, timeout_s: float) ->
         return stats
     device = stats.tensors()[0].device if stats.tensors() else torch.device("cpu")
     counts = torch.tensor([stats.images, stats.skipped], dtype=torch.float64, device=device)
+    all_reduce_tensors([counts, *stats.tensors()], world, timeout_s)
+    stats.images, stats.skipped = int(counts[0]), int(counts[1])
+    return stats
+
+
+def all_reduce_tensors(tensors: Sequence[torch.Tensor], world: World, timeout_s: float) -> None:
+    """Sum each (contiguous) tensor over all ranks in place, in ``CHUNK_BYTES`` pieces."""
+    if world.size == 1:
+        return
     try:
-        for tensor in [counts, *stats.tensors()]:
+        for tensor in tensors:
             flat = tensor.view(-1)
             step = max(1, CHUNK_BYTES // flat.element_size())
             for start in range(0, flat.numel(), step):
@@ -93,8 +102,6 @@ def all_reduce_stats(stats: CalibrationStats, world: World, timeout_s: float) ->
             f"rank {world.rank}: merging calibration statistics failed (another rank died or did not answer "
             f"within --dist-timeout {timeout_s:g} s): {first_line(e)}"
         ) from None
-    stats.images, stats.skipped = int(counts[0]), int(counts[1])
-    return stats
 
 
 def finish() -> None:

@@ -12,7 +12,8 @@ avoids the cancellation of ``E[xx^T] - mu mu^T`` when means are large against va
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,22 @@ ACTIVE_EPS = 1e-3
 def _at_least_fp32(t: Tensor) -> Tensor:
     """Per-batch products run in fp32 (fp64 inputs stay fp64); half-precision activations are upcast."""
     return t if t.dtype == torch.float64 else t.float()
+
+
+def _outer_sum(a: Tensor, b: Tensor) -> Tensor:
+    """``sum_n a_n b_n^T`` in float64 of the rows of two fp32 matrices over the same tokens.
+
+    The product runs on batch-centred rows and the shift is added back in float64:
+    sum a b^T = sum ac bc^T + ma tb^T + ta mb^T - n ma mb^T holds for ANY shifts ma, mb. Adding n ma mb^T
+    alone would let the float32 error e of a batch mean in as n (ma e^T + e mb^T): it swamps small variances.
+    """
+    n = a.shape[0]
+    ma, mb = a.mean(0), b.mean(0)
+    ac = a - ma
+    bc = ac if b is a else b - mb
+    ta, tb = a.sum(0, dtype=torch.float64), b.sum(0, dtype=torch.float64)
+    ma, mb = ma.double(), mb.double()
+    return (ac.T @ bc).double() + torch.outer(ma, tb) + torch.outer(ta, mb) - n * torch.outer(ma, mb)
 
 
 class _Sums:
@@ -57,16 +74,9 @@ class MlpStats(_Sums):
 
     def update(self, x: Tensor) -> None:
         x = _at_least_fp32(x.reshape(-1, x.shape[-1]))
-        n = x.shape[0]
-        shift = x.mean(0)
-        xc = x - shift
-        total = x.sum(0, dtype=torch.float64)
-        # sum x x^T = sum xc xc^T + m t^T + t m^T - n m m^T holds for ANY shift m. Adding n m m^T alone
-        # would let the float32 error e of the batch mean in as n (m e^T + e m^T): it swamps small variances.
-        m = shift.double()
-        self.count += n
-        self.sum += total
-        self.outer += (xc.T @ xc).double() + torch.outer(m, total) + torch.outer(total, m) - n * torch.outer(m, m)
+        self.count += x.shape[0]
+        self.sum += x.sum(0, dtype=torch.float64)
+        self.outer += _outer_sum(x, x)
         self.active += (x.abs() > ACTIVE_EPS).sum(0, dtype=torch.float64)
 
     def mean(self) -> Tensor:
@@ -77,6 +87,31 @@ class MlpStats(_Sums):
 
     def tensors(self) -> list[Tensor]:
         return [self.count, self.sum, self.outer, self.active]
+
+
+class PairStats(MlpStats):
+    """Sequential calibration at a Linear's input: two streams of the same tokens.
+
+    ``self`` holds the PRUNED stream's sums (what ranking and the ridge system use, as ``MlpStats``),
+    ``target`` the DENSE stream's, and ``cross`` sums ``x_dense x_pruned^T``: the compensation regresses
+    the dense activation onto the pruned stream's kept channels (``compensation.regression_affine``).
+    """
+
+    def __init__(self, width: int, device: torch.device | str = "cpu") -> None:
+        super().__init__(width, device)
+        self.target = MlpStats(width, device)
+        self.cross = torch.zeros(width, width, dtype=torch.float64, device=device)
+
+    def update(self, x: Tensor) -> None:
+        """x: ``[dense rows; pruned rows]`` along dim 0, the same images in the same order in both halves."""
+        target, source = x.chunk(2)
+        super().update(source)
+        self.target.update(target)
+        flat = lambda t: _at_least_fp32(t.reshape(-1, t.shape[-1]))  # noqa: E731
+        self.cross += _outer_sum(flat(target), flat(source))
+
+    def tensors(self) -> list[Tensor]:
+        return super().tensors() + self.target.tensors() + [self.cross]
 
 
 class AttnStats(_Sums):
@@ -117,6 +152,8 @@ class CalibrationStats:
     proj: dict[int, MlpStats] = field(default_factory=dict)
     images: int = 0
     skipped: int = 0
+    paired: bool = False
+    """Sequential calibration: hooked tensors are ``[dense; pruned]`` halves (``PairStats``; Q/K read the pruned)."""
 
     def tensors(self) -> list[Tensor]:
         """All sums in a fixed order, for an all-reduce across processes."""
@@ -144,25 +181,60 @@ class CalibrationStats:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def _split_qk(out: Tensor, heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
+def split_qk(out: Tensor, heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
     """timm's fused qkv output (B, N, 3*H*d) -> q, k as (B, N, H, d)."""
     qkv = out.unflatten(-1, (3, heads, head_dim))
     return qkv[..., 0, :, :], qkv[..., 1, :, :]
 
 
 def empty_stats(
-    model: nn.Module, mlp: bool, attn: bool, device: torch.device | str, proj: bool = False
+    model: nn.Module,
+    mlp: bool,
+    attn: bool,
+    device: torch.device | str,
+    proj: bool = False,
+    blocks: Iterable[int] | None = None,
+    paired: bool = False,
 ) -> CalibrationStats:
-    """Zeroed accumulators for every block of a supported ViT (``proj``: attention outputs, for V)."""
-    stats = CalibrationStats()
-    for i, block in enumerate(model.blocks):
+    """Zeroed accumulators for ``blocks`` (default: all) of a supported ViT (``proj``: attention outputs, for V).
+
+    ``paired``: sequential calibration (``PairStats``). ``device="meta"`` sizes them without allocating.
+    """
+    stats = CalibrationStats(paired=paired)
+    linear = PairStats if paired else MlpStats
+    for i in range(len(model.blocks)) if blocks is None else blocks:
+        block = model.blocks[i]
         if mlp:
-            stats.mlp[i] = MlpStats(block.mlp.fc2.in_features, device)
+            stats.mlp[i] = linear(block.mlp.fc2.in_features, device)
         if attn:
             stats.attn[i] = AttnStats(block.attn.num_heads, block.attn.head_dim, device)
         if proj:
-            stats.proj[i] = MlpStats(block.attn.proj.in_features, device)
+            stats.proj[i] = linear(block.attn.proj.in_features, device)
     return stats
+
+
+@contextmanager
+def recording(blocks: nn.Sequential, stats: CalibrationStats) -> Iterator[None]:
+    """Hooks feeding ``stats`` from forward passes of ``blocks``; removed however the pass ends.
+
+    They read the input of each ``mlp.fc2`` and ``attn.proj`` and the output of each ``attn.qkv``.
+    """
+    handles = []
+    inputs = [(blocks[i].mlp.fc2, s) for i, s in stats.mlp.items()]
+    inputs += [(blocks[i].attn.proj, s) for i, s in stats.proj.items()]
+    for linear, s in inputs:
+        handles.append(linear.register_forward_pre_hook(lambda _m, args, s=s: s.update(args[0])))
+    for i, s in stats.attn.items():
+
+        def on_qkv(_m: nn.Module, _args: tuple, out: Tensor, s: AttnStats = s) -> None:
+            s.update(*split_qk(out[out.shape[0] // 2 :] if stats.paired else out, s.heads, s.head_dim))
+
+        handles.append(blocks[i].attn.qkv.register_forward_hook(on_qkv))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def collect(
@@ -173,32 +245,17 @@ def collect(
     total: int | None = None,
     progress: bool = True,
 ) -> CalibrationStats:
-    """Run the model once over ``batches`` of (images, skipped-count), accumulating into ``stats``.
-
-    Hooks read the input of each ``mlp.fc2`` and ``attn.proj`` and the output of each ``attn.qkv``;
-    they are removed however the pass ends.
-    """
-    handles = []
-    inputs = [(model.blocks[i].mlp.fc2, s) for i, s in stats.mlp.items()]
-    inputs += [(model.blocks[i].attn.proj, s) for i, s in stats.proj.items()]
-    for linear, s in inputs:
-        handles.append(linear.register_forward_pre_hook(lambda _m, args, s=s: s.update(args[0])))
-    for i, s in stats.attn.items():
-
-        def on_qkv(_m: nn.Module, _args: tuple, out: Tensor, s: AttnStats = s) -> None:
-            s.update(*_split_qk(out, s.heads, s.head_dim))
-
-        handles.append(model.blocks[i].attn.qkv.register_forward_hook(on_qkv))
-    try:
-        model.eval()
-        with torch.inference_mode(), tqdm(total=total, unit="img", desc="calibration", disable=not progress) as bar:
-            for images, skipped in batches:
-                stats.skipped += skipped
-                if images.shape[0]:
-                    model(images.to(device, non_blocking=True))
-                    stats.images += images.shape[0]
-                bar.update(images.shape[0] + skipped)
-    finally:
-        for h in handles:
-            h.remove()
+    """Run the model once over ``batches`` of (images, skipped-count), accumulating into ``stats``."""
+    model.eval()
+    with (
+        recording(model.blocks, stats),
+        torch.inference_mode(),
+        tqdm(total=total, unit="img", desc="calibration", disable=not progress) as bar,
+    ):
+        for images, skipped in batches:
+            stats.skipped += skipped
+            if images.shape[0]:
+                model(images.to(device, non_blocking=True))
+                stats.images += images.shape[0]
+            bar.update(images.shape[0] + skipped)
     return stats

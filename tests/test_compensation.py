@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import attn_moment, correlated_activations, qk_images, split
 
 from corp_deploy import compensation as C
-from corp_deploy.stats import AttnStats, MlpStats
+from corp_deploy.stats import MlpStats
 
 
 @pytest.fixture(autouse=True)
@@ -15,18 +16,6 @@ def float64_default():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
-
-
-def correlated_activations(n: int, width: int, seed: int) -> torch.Tensor:
-    """Tokens with cross-channel correlation and non-zero means, like post-GELU activations."""
-    g = torch.Generator().manual_seed(seed)
-    mix = torch.randn(width, width, generator=g) / width**0.5
-    return torch.nn.functional.gelu(torch.randn(n, width, generator=g) @ mix + 0.3)
-
-
-def split(width: int, kept: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    perm = torch.randperm(width, generator=torch.Generator().manual_seed(seed))
-    return perm[:kept].sort().values, perm[kept:].sort().values
 
 
 def mlp_stats(x: torch.Tensor) -> MlpStats:
@@ -81,20 +70,6 @@ def test_mlp_stats_are_exact_and_mergeable() -> None:
         torch.testing.assert_close(a, b)
     cov = first.second_moment() - torch.outer(first.mean(), first.mean())
     torch.testing.assert_close(cov, torch.cov(x.T, correction=0), rtol=1e-6, atol=1e-9)
-
-
-def qk_images(images: int, tokens: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    mix = torch.randn(d, d, generator=g)
-    q = torch.randn(images, tokens, 1, d, generator=g) @ mix + 0.5
-    k = torch.randn(images, tokens, 1, d, generator=g) @ mix.T - 0.2
-    return q, k
-
-
-def attn_moment(q: torch.Tensor, k: torch.Tensor) -> AttnStats:
-    s = AttnStats(heads=1, head_dim=q.shape[-1])
-    s.update(q, k)
-    return s
 
 
 def test_logit_system_matches_brute_force_least_squares() -> None:
