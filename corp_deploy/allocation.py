@@ -123,8 +123,12 @@ def affine_curve(s: MlpStats, w: Tensor, b: Tensor, order: Tensor, kept: list[in
     """
     mean, second = s.mean(), s.second_moment()
     cov = (second - torch.outer(mean, mean))[order][:, order]
-    jitter = CHOLESKY_JITTER * cov.diagonal().mean().clamp_min(torch.finfo(cov.dtype).tiny)
-    chol = torch.linalg.cholesky(cov + jitter * torch.eye(len(order), dtype=cov.dtype, device=cov.device))
+    scale = cov.diagonal().mean().clamp_min(torch.finfo(cov.dtype).tiny)
+    eye = torch.eye(len(order), dtype=cov.dtype, device=cov.device)
+    for jitter in (CHOLESKY_JITTER, 1e-6, 1e-4, 1e-2):  # few tokens: rank-deficient, rounding makes it indefinite
+        chol, info = torch.linalg.cholesky_ex(cov + jitter * scale * eye)
+        if not info:
+            break
     energy = ((w[:, order] @ chol) ** 2).sum(0)
     tail = torch.cat([energy.flip(0).cumsum(0).flip(0), energy.new_zeros(1)])
     return (tail[kept] / C.output_energy(mean, second, w, b)).tolist()

@@ -92,6 +92,22 @@ BAD_INPUTS = {
     "bad model arg": ([*PRUNE, "--calib", "synthetic", "--model-arg", "depth"], "key=value"),
     "no cuda": ([*PRUNE, "--calib", "synthetic", "--device", "cuda"], "no CUDA GPU"),
     "not a number": ([*PRUNE, "--calib", "synthetic", "--sparsity", "half"], "not a valid float"),
+    "budget with a typed sparsity": (
+        [*PRUNE, "--calib", "synthetic", "--budget", "macs=0.6", "--sparsity", "0.5"],
+        "--budget chooses every block's widths; drop --sparsity",
+    ),
+    "budget with a part's sparsity": (
+        [*PRUNE, "--calib", "synthetic", "--budget", "macs=0.6", "--mlp-sparsity", "0.3"],
+        "drop --mlp-sparsity or drop --budget",
+    ),
+    "budget below the smallest widths": ([*PRUNE, "--calib", "synthetic", "--budget", "macs=0.01"], "is below"),
+    "budget above 1": ([*PRUNE, "--calib", "synthetic", "--budget", "macs=1.5"], "0 < F <= 1"),
+    "budget of another kind": ([*PRUNE, "--calib", "synthetic", "--budget", "latency=0.5"], "--budget must be"),
+    "budget with bounded memory": (
+        [*PRUNE, "--calib", "synthetic", "--budget", "macs=0.6", "--max-stats-gib", "1"],
+        "drop --max-stats-gib or --budget",
+    ),
+    "bound below one block": ([*PRUNE, "--calib", "synthetic", "--max-stats-gib", "1e-6"], "pass at least"),
 }
 
 
@@ -216,3 +232,15 @@ def test_one_definition_of_the_compensations() -> None:
     from corp_deploy import demo, pruner
 
     assert demo.COMPENSATIONS is pruner.COMPENSATIONS
+
+
+def test_a_budgeted_sequential_prune_meets_its_budget_and_names_its_folder(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = [*PRUNE, "--calib", "synthetic", "--num-calib", "48", "--budget", "macs=0.7", "--sequential", "--quiet"]
+    code, stdout, stderr = run(argv, capsys)
+    assert code == 0, stderr
+    report = json.loads((tmp_path / "runs" / "deit_tiny-macs70" / "corp.json").read_text())["report"]
+    assert report["config"]["budget"] == "macs=0.7" and report["config"]["sparsity"] is None
+    assert report["calibration"]["mode"] == "sequential" and report["allocation"]["heldout_images"] == 32
+    assert report["pruned"]["macs"] <= 0.7 * report["dense"]["macs"]
+    assert "widths per block from --budget macs=0.7" in stdout

@@ -228,7 +228,7 @@ def prune_export(
     build = build_options(engine, "fp32", opts)
     if require_engines and build_missing(build):
         raise CorpError(f"--require-engines: cannot build TensorRT engines here: {build_missing(build)}")
-    out = out_path(out, prune_args["model"], prune_args["pruning"]["sparsity"], overwrite)
+    out = out_path(out, prune_args["model"], prune_args["pruning"], overwrite)
     prune_config(prune_args["pruning"])  # a bad pruning flag fails here, before the package check
     needs("prune-export", *onnx_needs(precisions_, simplify))
     quantize = None

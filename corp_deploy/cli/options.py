@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from bench.measure import Method
+from corp_deploy.allocation import CRITERIA, parse_budget
 from corp_deploy.data import SYNTHETIC
 from corp_deploy.deps import missing
 from corp_deploy.errors import CorpError
@@ -134,6 +135,29 @@ sparsity_options = group(
     click.option("--mlp-sparsity", type=float, help="Override --sparsity for MLP hidden channels."),
     click.option("--attn-sparsity", type=float, help="Override --sparsity for attention Q/K dims."),
     click.option("--v-sparsity", type=float, help="Override --sparsity for attention V channels."),
+    click.option(
+        "--budget",
+        metavar="macs=F",
+        help="Instead of --sparsity: keep fraction F of the dense MACs, with every block's widths chosen "
+        "where they hurt least (see --allocation).",
+    ),
+    click.option(
+        "--allocation",
+        type=click.Choice(CRITERIA),
+        default="sensitivity",
+        show_default=True,
+        help="--budget: weight block errors by their measured effect on the final features (sensitivity; "
+        "holds out --sensitivity-images calibration images) or compare them as they are (local).",
+    ),
+    click.option(
+        "--sensitivity-images", default=32, show_default=True, help="Calibration images held out for sensitivity."
+    ),
+    click.option(
+        "--sequential",
+        is_flag=True,
+        help="Error-correcting calibration: block by block, each block's compensation regresses the dense "
+        "model's targets from the stream pruned so far (about 4x the calibration passes; pays at high sparsity).",
+    ),
 )
 
 dist_option = click.option(
@@ -143,12 +167,20 @@ dist_option = click.option(
     help="Under torchrun: seconds to wait for the other ranks before failing.",
 )
 
+max_stats_option = click.option(
+    "--max-stats-gib",
+    type=float,
+    help="Bound the calibration statistics held at once (GiB): blocks are calibrated in groups that fit "
+    "(the same result as one pass; for big models on small GPUs).",
+)
+
 prune_options = group(
     click.argument("model"),
     model_options,
     calib_options,
     quiet_option,
     group(sparsity_options, method_options, into="pruning"),
+    max_stats_option,
     dist_option,
 )
 
@@ -214,14 +246,20 @@ timing_group = group(
 
 def out_options(what: str) -> Callable:
     return group(
-        click.option("--out", type=click.Path(), help=f"{what} to write [default: runs/<MODEL>-s<SPARSITY %>]."),
+        click.option(
+            "--out", type=click.Path(), help=f"{what} to write [default: runs/<MODEL>-s<SPARSITY %> or -macs<F %>]."
+        ),
         click.option("--overwrite", is_flag=True, help="Replace --out if it exists."),
     )
 
 
-def out_path(out: str | None, model: str, sparsity: float, overwrite: bool) -> str:
-    """--out, or ``runs/<model>-s<percent>`` (``runs/deit_base-s50``); checked writable before any work."""
-    out = out or f"runs/{re.sub(r'[^A-Za-z0-9_.-]+', '_', model)}-s{100 * sparsity:g}"
+def out_path(out: str | None, model: str, pruning: dict[str, Any], overwrite: bool) -> str:
+    """--out, or ``runs/<model>-s<percent>`` (``runs/deit_base-s50``; ``-macs40`` under ``--budget macs=0.4``);
+    checked writable before any work."""
+    config = prune_config(pruning)
+    budget = None if config.budget is None else parse_budget(config.budget)
+    tag = f"s{100 * config.sparsity:g}" if budget is None else f"{budget.kind}{100 * budget.fraction:g}"
+    out = out or f"runs/{re.sub(r'[^A-Za-z0-9_.-]+', '_', model)}-{tag}"
     check_writable(out, overwrite)
     return out
 
@@ -244,7 +282,14 @@ def needs(purpose: str, *modules: str) -> None:
 
 
 def prune_config(pruning: dict[str, Any], **override: Any) -> PruneConfig:
-    """The pruning group (``--sparsity``... ``--round-to``) as a validated ``PruneConfig``."""
+    """The pruning group (``--sparsity``... ``--round-to``) as a validated ``PruneConfig``.
+
+    A ``--sparsity`` typed next to ``--budget`` (which chooses every width) is refused, not silently ignored.
+    """
+    ctx = click.get_current_context(silent=True)
+    typed = ctx is not None and ctx.get_parameter_source("sparsity") is click.core.ParameterSource.COMMANDLINE
+    if pruning.get("budget") is not None and typed:
+        raise CorpError("--budget chooses every block's widths; drop --sparsity or drop --budget")
     return PruneConfig(**{**pruning, **override})
 
 

@@ -39,7 +39,7 @@ class Pruned(NamedTuple):
 @out_options("Artifact folder")
 def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
     """Prune MODEL (timm name or alias such as deit_base) with CORP and write an artifact to --out."""
-    out = out_path(out, kwargs["model"], kwargs["pruning"]["sparsity"], overwrite)
+    out = out_path(out, kwargs["model"], kwargs["pruning"], overwrite)
     run = pruned(**kwargs)
     if run is None:  # a data-parallel rank other than 0: its shard is merged, rank 0 writes
         return
@@ -95,7 +95,12 @@ def inputs(
 
 
 def pruned(
-    pruning: dict[str, Any], quiet: bool, dist_timeout: float, keep_dense: bool = False, **flags: Any
+    pruning: dict[str, Any],
+    quiet: bool,
+    dist_timeout: float,
+    max_stats_gib: float | None = None,
+    keep_dense: bool = False,
+    **flags: Any,
 ) -> Pruned | None:
     """Validate everything cheap first, then build, calibrate and prune (the dense copy kept on request).
 
@@ -105,7 +110,9 @@ def pruned(
     got = inputs(**flags, dist_timeout=dist_timeout)
     dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
     progress = not quiet and got.world.is_main
-    result = api.prune(got.net, got.batches, config, got.device, got.total, progress, got.world, dist_timeout)
+    result = api.prune(
+        got.net, got.batches, config, got.device, got.total, progress, got.world, dist_timeout, max_stats_gib
+    )
     if result is None:
         return None
     result.report["calibration"] |= {"source": got.source, "seed": flags["seed"]}
