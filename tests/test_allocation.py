@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.ranking import mlp_scores
 from corp_deploy.report import format_report, model_size
 from corp_deploy.sensitivity import split_heldout
+from corp_deploy.stats import MlpStats
 
 
 @pytest.fixture(scope="module")
@@ -306,3 +308,21 @@ def test_budget_under_two_gloo_processes(tmp_path) -> None:
     assert local["widths"] == [[e[p]["kept"] for p in ("mlp", "attn", "v")] for e in single.report["blocks"]]
     assert sens["calibration"]["images"] == 56 and sens["allocation"]["heldout_images"] == 8
     assert sens["allocation"]["planned_macs"] <= sens["allocation"]["limit_macs"]
+
+
+def test_curves_survive_an_indefinite_covariance() -> None:
+    """Few tokens make the covariance singular and float rounding makes it slightly indefinite (seen on DINOv2 with
+    16 images): the curve must still come out, finite and falling with the kept width, not as a traceback."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=g, dtype=torch.float64) @ torch.randn(8, 32, generator=g, dtype=torch.float64)
+    s = MlpStats(32)
+    s.update(x + 3.0)
+    null = torch.linalg.svd(x - x.mean(0)).Vh[-1]  # a direction the tokens never take
+    s.outer -= 1e-7 * s.count * s.second_moment().diagonal().mean() * torch.outer(null, null)
+    w = torch.randn(16, 32, generator=g, dtype=torch.float64)
+    kept = candidate_widths(32, 4)
+    errors = affine_curve(s, w, torch.zeros(16, dtype=torch.float64), torch.arange(32), kept)
+    assert all(math.isfinite(e) for e in errors)
+    assert errors == sorted(errors) and errors[0] == 0.0  # widths descend, errors rise; the full width is exact
+    rank8 = [e for k, e in zip(kept, errors, strict=True) if k >= 8]
+    assert max(rank8) < 1e-4 < errors[-1]  # 8 generic channels predict the other 24 (the tokens have rank 8)
