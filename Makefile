@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx
 
-.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study bench-dist \
+.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study bench-dist \
 	gpu-suite gpu-wheels clean
 
 setup: $(BIN)/corp-deploy
@@ -79,6 +79,13 @@ v-study: setup
 # Prune + INT8 on real weights: accuracy and same-run onnxruntime CPU throughput of dense/pruned x fp32/int8.
 int8-study: setup
 	$(BIN)/python -m bench.apps.int8_study --out docs/int8-study
+
+# Uniform vs budget-allocated vs allocated + sequential CORP at equal MACs, both probes, real weights (issue 16).
+budget-study: setup
+	$(BIN)/python -m bench.apps.budget_study --dataset fashion-mnist --out docs/budget-study-fashion-mnist
+	$(BIN)/python -m bench.apps.budget_study --dataset digits --out docs/budget-study-digits
+	$(BIN)/python -m bench.apps.budget_study --plot docs/budget-study.png docs/budget-study-fashion-mnist.json \
+	    docs/budget-study-digits.json
 
 # On a GPU machine, from the repository root, with no installation step (its python3 needs torch and timm):
 # every CUDA path tested and measured into $(GPU_OUT) (~5 min on one H200). ONLY=tests,prune splits it.
