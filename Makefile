@@ -38,8 +38,8 @@ test-timm-floor: setup
 	rm -rf .timm-floor
 
 lint: setup
-	$(BIN)/ruff check corp_deploy exporters bench tests
-	$(BIN)/ruff format --check corp_deploy exporters bench tests
+	$(BIN)/ruff check corp_deploy exporters bench studies tools tests
+	$(BIN)/ruff format --check corp_deploy exporters bench studies tools tests
 
 # Dense vs pruned latency (docs/BENCHMARKS.md). CPU target: deit_small 50%, onnxruntime, batch 32, >= 1.6x.
 bench: smoke
@@ -55,48 +55,50 @@ bench-gpu: setup
 
 # Pruning time and memory (docs/BENCHMARKS.md). CPU figure: deit_small, 256 images.
 bench-prune: setup
-	$(BIN)/python -m bench.apps.prune_time deit_small --num-calib 256
+	$(BIN)/python -m studies.prune_time deit_small --num-calib 256
 
 # GPU target: deit_base, 4000 images, <= 30 s on one H100-class GPU.
 bench-prune-gpu: setup
-	$(BIN)/python -m bench.apps.prune_time deit_base --num-calib 4000 --calib-batch-size 128 --device cuda
+	$(BIN)/python -m studies.prune_time deit_base --num-calib 4000 --calib-batch-size 128 --device cuda
 
 # Calibration time: 1 process vs 2 torchrun (gloo) processes on the same images, CPU.
 bench-dist: setup
-	$(BIN)/python -m bench.apps.dist_scaling deit_small --num-calib 128 --procs 2
+	$(BIN)/python -m studies.dist_scaling deit_small --num-calib 128 --procs 2
 
 # Accuracy vs sparsity (mlp / attn / joint, with and without compensation) and the knob study, real weights.
 accuracy-sweep: setup
-	$(BIN)/python -m bench.apps.accuracy_sweep --out docs/accuracy-sweep
+	$(BIN)/python -m studies.accuracy_sweep --out docs/accuracy-sweep
 
 knob-study: setup
-	$(BIN)/python -m bench.apps.knob_study --out docs/knob-study --test 200
+	$(BIN)/python -m studies.knob_study --out docs/knob-study --test 200
 
 # MLP+Q/K vs MLP+Q/K+V on real weights: probe accuracy against measured CPU throughput (same-run ratios).
 v-study: setup
-	$(BIN)/python -m bench.apps.v_study --out docs/v-study
+	$(BIN)/python -m studies.v_study --out docs/v-study
 
 # Prune + INT8 on real weights: accuracy and same-run onnxruntime CPU throughput of dense/pruned x fp32/int8.
 int8-study: setup
-	$(BIN)/python -m bench.apps.int8_study --out docs/int8-study
+	$(BIN)/python -m studies.int8_study --out docs/int8-study
 
 # Uniform vs budget-allocated vs allocated + sequential CORP at equal MACs, both probes, real weights (issue 16).
 budget-study: setup
-	$(BIN)/python -m bench.apps.budget_study --dataset fashion-mnist --out docs/budget-study-fashion-mnist
-	$(BIN)/python -m bench.apps.budget_study --dataset digits --out docs/budget-study-digits
-	$(BIN)/python -m bench.apps.budget_study --plot docs/budget-study.png docs/budget-study-fashion-mnist.json \
+	$(BIN)/python -m studies.budget_study --dataset fashion-mnist --out docs/budget-study-fashion-mnist
+	$(BIN)/python -m studies.budget_study --dataset digits --out docs/budget-study-digits
+	$(BIN)/python -m studies.budget_study --plot docs/budget-study.png docs/budget-study-fashion-mnist.json \
 	    docs/budget-study-digits.json
 
-# On a GPU machine, from the repository root, with no installation step (its python3 needs torch and timm):
-# every CUDA path tested and measured into $(GPU_OUT) (~5 min on one H200). ONLY=tests,prune splits it.
-# Then, here: python -m bench.apps.gpu_suite --ingest DIR [DIR ...] writes the docs' GPU rows.
+# On a GPU machine, from the repository root (its python3 needs torch and timm; no network): an offline editable
+# install of the package (no dependencies, once), then every CUDA path tested and measured into $(GPU_OUT)
+# (~5 min on one H200). ONLY=tests,prune splits it. Then, here: python -m tools.gpu_suite --ingest DIR [DIR ...]
+# writes the docs' GPU rows.
 GPU_OUT ?= runs/gpu-suite
 gpu-suite:
-	$(PY) -m bench.apps.gpu_suite --out $(GPU_OUT) $(if $(ONLY),--only $(ONLY)) $(GPU_ARGS)
+	$(PY) -c "import corp_deploy.exporters" 2>/dev/null || $(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m tools.gpu_suite --out $(GPU_OUT) $(if $(ONLY),--only $(ONLY)) $(GPU_ARGS)
 
-# Wheels the GPU image lacks (onnxconverter-common, TensorRT-RTX), into .gpu-wheels/: bench/apps/gpu_suite/wheels.py.
+# Wheels the GPU image lacks (onnxconverter-common, TensorRT-RTX), into .gpu-wheels/: tools/gpu_suite/wheels.py.
 gpu-wheels: setup
-	$(BIN)/python -m bench.apps.gpu_suite.wheels download
+	$(BIN)/python -m tools.gpu_suite.wheels download
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

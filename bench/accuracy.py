@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from corp_deploy.errors import CorpError
+from corp_deploy.exporters.compare import Runner
 from corp_deploy.fsio import atomic_file
 from corp_deploy.tables import text_table
-from exporters.compare import Runner
 
 Head = Callable[[Tensor], Tensor]
 """Outputs -> class logits: the identity for a classifier, a ``Probe`` for a backbone."""
@@ -241,8 +241,8 @@ def run_runners(
     gives the dense weights, else dense.onnx), ``{skipped: why}`` and the pruned module.
     """
     from corp_deploy.artifact import META_FILE, load_pruned, read_meta
-    from exporters.runners import OrtRunner, TorchRunner
-    from exporters.tensorrt_engine import TrtRunner, run_missing
+    from corp_deploy.exporters.runners import OrtRunner, TorchRunner
+    from corp_deploy.exporters.tensorrt_engine import TrtRunner, run_missing
 
     root = Path(root)
     artifact = root / "pruned" if (root / "pruned" / META_FILE).is_file() else root

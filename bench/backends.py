@@ -19,11 +19,11 @@ import timm
 import torch
 from torch import nn
 
-from bench.measure import Step
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta
+from corp_deploy.bench.measure import Step
 from corp_deploy.deps import optional
 from corp_deploy.errors import CorpError
-from exporters.tensorrt_engine import run_missing
+from corp_deploy.exporters.tensorrt_engine import run_missing
 
 MODELS = ("dense", "pruned")
 
@@ -138,7 +138,7 @@ def _torch(device: str, dtype: torch.dtype) -> Callable:
 
 def _ort(device: str, precision: str = "fp32") -> Callable:
     def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
-        from exporters.runners import OrtRunner
+        from corp_deploy.exporters.runners import OrtRunner
 
         runner = OrtRunner(run.onnx(which, precision), device, threads)
         if device == "gpu" and runner.provider == "CPUExecutionProvider":
@@ -158,7 +158,7 @@ def _ort(device: str, precision: str = "fp32") -> Callable:
 
 def _tensorrt(precision: str) -> Callable:
     def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
-        from exporters.tensorrt_engine import TrtRunner
+        from corp_deploy.exporters.tensorrt_engine import TrtRunner
 
         runner = TrtRunner(run.engine(which, precision))
         shape = run.input_size

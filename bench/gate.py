@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.run import SCHEMA, SCHEMA_VERSION, pairs
+from corp_deploy.bench.run import SCHEMA, SCHEMA_VERSION, pairs
 from corp_deploy.errors import CorpError
 
 MODES = ("absolute", "ratio")

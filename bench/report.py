@@ -7,7 +7,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from bench.run import pairs
+from corp_deploy.bench.run import pairs
 from corp_deploy.deps import require
 from corp_deploy.tables import markdown_table, text_table
 

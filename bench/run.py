@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from bench.backends import MODELS, Backend, RunFolder
-from bench.measure import Method, interleaved, median_of_repeats, summarize
 from corp_deploy import env
+from corp_deploy.bench.backends import MODELS, Backend, RunFolder
+from corp_deploy.bench.measure import Method, interleaved, median_of_repeats, summarize
 from corp_deploy.errors import CorpError, first_line
-from exporters.tensorrt_engine import FLAVOURS
+from corp_deploy.exporters.tensorrt_engine import FLAVOURS
 
 SCHEMA = "corp-deploy/bench"
 SCHEMA_VERSION = 1

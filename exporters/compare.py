@@ -17,8 +17,9 @@ import numpy as np
 from corp_deploy.errors import CorpError
 
 Runner = Callable[[np.ndarray], np.ndarray]
-"""Anything that maps an FP32 NCHW batch to an FP32 output array (logits or features): ``exporters.runners``,
-``TrtRunner``; the one definition, used by the comparators and by ``bench.accuracy``."""
+"""Anything that maps an FP32 NCHW batch to an FP32 output array (logits or features): the runners in
+``corp_deploy.exporters.runners``, ``TrtRunner``; the one definition, used by the comparators and by
+``corp_deploy.bench.accuracy``."""
 
 
 @dataclass(frozen=True)

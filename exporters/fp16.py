@@ -14,7 +14,7 @@ from pathlib import Path
 
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
-from exporters.onnx_export import add_metadata, check_onnx, load_onnx
+from corp_deploy.exporters.onnx_export import add_metadata, check_onnx, load_onnx
 
 KEEP_FP32 = (
     "LayerNormalization",

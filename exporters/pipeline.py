@@ -24,13 +24,13 @@ from typing import Any
 from torch import nn
 
 from corp_deploy.errors import CorpError
+from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance, check, summary, verify
+from corp_deploy.exporters.fp16 import convert_fp16
+from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata
+from corp_deploy.exporters.runners import OrtRunner, TorchRunner
+from corp_deploy.exporters.tensorrt_engine import VERIFIED, BuildOptions, TrtRunner, build_engine, build_missing
 from corp_deploy.fsio import sha256, staged
 from corp_deploy.tables import text_table
-from exporters.compare import FP16, FP32, INT8, Tolerance, check, summary, verify
-from exporters.fp16 import convert_fp16
-from exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata
-from exporters.runners import OrtRunner, TorchRunner
-from exporters.tensorrt_engine import VERIFIED, BuildOptions, TrtRunner, build_engine, build_missing
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def export_run(
     """ONNX for every model (FP16 and INT8 too when asked), then an engine per model and precision.
 
     ``models`` maps a stem (``dense``, ``pruned``) to (model, description). ``quantize`` turns
-    (FP32 graph, INT8 file) pairs into verified INT8 graphs (``exporters.quantize.quantize_graphs``
+    (FP32 graph, INT8 file) pairs into verified INT8 graphs (``corp_deploy.exporters.quantize.quantize_graphs``
     bound to calibration images); INT8 engines need it. Engines are skipped, with the reason
     recorded, where no TensorRT flavour can build them, unless ``require_engines``.
     """

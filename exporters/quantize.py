@@ -33,9 +33,8 @@ import numpy as np
 from corp_deploy.data import SYNTHETIC, folder_batches, list_images, sample, synthetic_batches
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
-from corp_deploy.fsio import check_writable, sha256, staged
-from exporters.compare import Comparison, Runner, Tolerance, check, compare, summary
-from exporters.onnx_export import (
+from corp_deploy.exporters.compare import Comparison, Runner, Tolerance, check, compare, summary
+from corp_deploy.exporters.onnx_export import (
     add_metadata,
     check_onnx,
     graph_precision,
@@ -43,6 +42,7 @@ from exporters.onnx_export import (
     load_onnx,
     read_metadata,
 )
+from corp_deploy.fsio import check_writable, sha256, staged
 
 INT8_OPS = ("MatMul", "Gemm", "Conv")
 """Op types quantized where one input is a weight (linear layers, patch embedding)."""
@@ -250,8 +250,8 @@ def quantize_verified(
     Raises (one line, measured cosine and gate) when the INT8 graph is outside ``tol``; callers
     stage ``out`` so that nothing is left.
     """
-    from exporters.pipeline import write_sidecar
-    from exporters.runners import OrtRunner
+    from corp_deploy.exporters.pipeline import write_sidecar
+    from corp_deploy.exporters.runners import OrtRunner
 
     start = time.perf_counter()
     quantize_int8(src, out, calibration, method, info)

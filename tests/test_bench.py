@@ -10,10 +10,10 @@ import pytest
 from conftest import TINY_CLI_ARGS
 from helpers import RECORD, bench_record, run
 
-from bench import gate
-from bench.backends import BACKENDS, Backend, RunFolder, select
-from bench.measure import Method, interleaved, median_of_repeats, summarize
-from bench.run import SCHEMA, benchmark, pairs, parse_batch_sizes
+from corp_deploy.bench import gate
+from corp_deploy.bench.backends import BACKENDS, Backend, RunFolder, select
+from corp_deploy.bench.measure import Method, interleaved, median_of_repeats, summarize
+from corp_deploy.bench.run import SCHEMA, benchmark, pairs, parse_batch_sizes
 from corp_deploy.cli import main
 from corp_deploy.errors import CorpError
 
@@ -224,9 +224,9 @@ def test_sweep_calibrates_once_and_each_sparsity_equals_a_direct_prune(tmp_path)
     from conftest import TINY, pruned_copy, tiny_batches, tiny_vit
 
     import corp_deploy
-    from bench.apps.sweep import format_sweep, parse_sparsities, sweep
     from corp_deploy.api import describe
     from corp_deploy.pruner import PruneConfig
+    from corp_deploy.sweep import format_sweep, parse_sparsities, sweep
 
     model = tiny_vit()
     description = describe(model, "deit_tiny_patch16_224", {**TINY, "num_classes": 10}, "random")
@@ -283,11 +283,13 @@ def test_sweep_links_the_dense_graph_with_its_external_weights_and_sidecar(tmp_p
     pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
     from conftest import TINY, tiny_batches, tiny_vit
 
-    from bench.apps.sweep import sweep
     from corp_deploy.api import describe
     from corp_deploy.pruner import PruneConfig
+    from corp_deploy.sweep import sweep
 
-    monkeypatch.setattr("exporters.onnx_export.MAX_SINGLE_FILE", 0)  # every graph keeps its weights beside it
+    monkeypatch.setattr(
+        "corp_deploy.exporters.onnx_export.MAX_SINGLE_FILE", 0
+    )  # every graph keeps its weights beside it
     model = tiny_vit()
     description = describe(model, "deit_tiny_patch16_224", {**TINY, "num_classes": 10}, "random")
     fast = Method(warmup_iters=1, warmup_seconds=0, min_iters=2, min_seconds=0)
@@ -300,7 +302,7 @@ def test_sweep_links_the_dense_graph_with_its_external_weights_and_sidecar(tmp_p
 
 def test_sweep_plot_with_a_backend_skipped_at_one_sparsity(tmp_path) -> None:
     pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install '.[bench]')")
-    from bench.apps.sweep import plot_sweep
+    from corp_deploy.sweep import plot_sweep
 
     def row(sparsity: float, backends: list[str]) -> dict:
         bench = [{"backend": b, "batch": 32, "throughput_ratio": 1 + sparsity} for b in backends]

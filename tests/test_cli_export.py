@@ -11,9 +11,9 @@ from conftest import TINY_CLI_ARGS
 from helpers import PRUNE, run
 
 import corp_deploy
-from exporters.compare import FP32, compare, random_inputs
-from exporters.runners import OrtRunner, TorchRunner
-from exporters.tensorrt_engine import FLAVOURS, VERIFIED, build_missing
+from corp_deploy.exporters.compare import FP32, compare, random_inputs
+from corp_deploy.exporters.runners import OrtRunner, TorchRunner
+from corp_deploy.exporters.tensorrt_engine import FLAVOURS, VERIFIED, build_missing
 
 pytestmark = pytest.mark.e2e
 

@@ -20,8 +20,8 @@ from conftest import TINY, pruned_copy, tiny_vit
 from helpers import PRUNE, RECORD, bench_record, run
 
 import corp_deploy
-from bench import gate
 from corp_deploy.artifact import FORMAT, FORMAT_VERSION, META_FILE, WEIGHTS_FILE, save_pruned
+from corp_deploy.bench import gate
 from corp_deploy.errors import CorpError
 from corp_deploy.fsio import atomic_file
 from corp_deploy.pruner import PruneConfig, plan_widths

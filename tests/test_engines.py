@@ -18,12 +18,10 @@ from conftest import pruned_copy, tiny_vit
 
 from corp_deploy.api import describe
 from corp_deploy.errors import CorpError
-from corp_deploy.fsio import sha256
-from corp_deploy.pruner import PruneConfig
-from exporters import tensorrt_engine
-from exporters.onnx_export import load_onnx, read_metadata
-from exporters.pipeline import VerifyOptions, engine_verified, export_run, format_summary
-from exporters.tensorrt_engine import (
+from corp_deploy.exporters import tensorrt_engine
+from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
+from corp_deploy.exporters.pipeline import VerifyOptions, engine_verified, export_run, format_summary
+from corp_deploy.exporters.tensorrt_engine import (
     FLAVOURS,
     RTX_COMPUTE_CAPABILITIES,
     RTX_DEFAULT_TARGETS,
@@ -40,6 +38,8 @@ from exporters.tensorrt_engine import (
     read_engine_meta,
     sidecar,
 )
+from corp_deploy.fsio import sha256
+from corp_deploy.pruner import PruneConfig
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")

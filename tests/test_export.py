@@ -12,13 +12,12 @@ from conftest import pruned_copy, tiny_vit
 
 from corp_deploy.api import describe
 from corp_deploy.errors import CorpError
-from corp_deploy.pruner import PruneConfig
-from exporters.compare import FP16, FP32, Tolerance, check, compare, random_inputs, verify
-from exporters.fp16 import KEEP_FP32, convert_fp16
-from exporters.onnx_export import graph_precision, input_shape, load_onnx, read_metadata
-from exporters.pipeline import VerifyOptions, convert_verified, export_verified
-from exporters.runners import OrtRunner, TorchRunner, ort_providers
-from exporters.tensorrt_engine import (
+from corp_deploy.exporters.compare import FP16, FP32, Tolerance, check, compare, random_inputs, verify
+from corp_deploy.exporters.fp16 import KEEP_FP32, convert_fp16
+from corp_deploy.exporters.onnx_export import graph_precision, input_shape, load_onnx, read_metadata
+from corp_deploy.exporters.pipeline import VerifyOptions, convert_verified, export_verified
+from corp_deploy.exporters.runners import OrtRunner, TorchRunner, ort_providers
+from corp_deploy.exporters.tensorrt_engine import (
     BuildOptions,
     Profile,
     check_compatible,
@@ -27,6 +26,7 @@ from exporters.tensorrt_engine import (
     run_missing,
     sidecar,
 )
+from corp_deploy.pruner import PruneConfig
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
@@ -344,8 +344,8 @@ def test_foreign_corrupt_or_swapped_engine_files_are_refused(tmp_path) -> None:
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_engine_builds_runs_and_matches_onnxruntime(exported, tmp_path, precision) -> None:
     """On a GPU either flavour can run (TensorRT, or TensorRT-RTX on an RTX-class GPU): built, executed, verified."""
-    from exporters.pipeline import engine_verified
-    from exporters.tensorrt_engine import VERIFIED, TrtRunner, build_missing
+    from corp_deploy.exporters.pipeline import engine_verified
+    from corp_deploy.exporters.tensorrt_engine import VERIFIED, TrtRunner, build_missing
 
     if not torch.cuda.is_available() or build_missing():
         pytest.skip(f"no CUDA GPU or no engine library here: {build_missing() or 'no CUDA GPU visible'}")

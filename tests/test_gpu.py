@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_batches, tiny_vit
 from helpers import PRUNE, run
 
-from bench.backends import cuda_step
+from corp_deploy.bench.backends import cuda_step
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 
 pytestmark = [

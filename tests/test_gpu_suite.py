@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.apps.gpu_suite.record import BEGIN, END, ingest
-from bench.apps.gpu_suite.registry import SECTIONS
-from bench.apps.gpu_suite.sections import kernel_kind
-from bench.apps.gpu_suite.suite import main
+from tools.gpu_suite.record import BEGIN, END, ingest
+from tools.gpu_suite.registry import SECTIONS
+from tools.gpu_suite.sections import kernel_kind
+from tools.gpu_suite.suite import main
 
 REPO = Path(__file__).resolve().parent.parent
 

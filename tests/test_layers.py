@@ -1,14 +1,17 @@
 """The house: no import runs upward. Parsed with ast (nothing is imported), so a new arrow fails here.
 
 Floors, bottom up: the rooms (import nothing of the project but each other); the pruning core; the
-libraries beside it (``exporters/``, ``bench/`` measurement modules), which read the core only
-through the artifact and input formats; the apps on top, which may import anything. Nothing but
-the entry point imports the CLI.
+libraries beside it (``exporters/`` and ``bench/``, installed as ``corp_deploy.exporters`` and
+``corp_deploy.bench``), which read the core only through the artifact and input formats; the apps on
+top, which may import anything: the CLI, the demo, the sweep, and the scripts outside the package
+(``studies/``, ``tools/``), which nothing in the package imports. Nothing but the entry point imports
+the CLI.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -17,7 +20,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("corp_deploy", "exporters", "bench")
+FOLDERS = {
+    "corp_deploy": "corp_deploy",
+    "exporters": "corp_deploy.exporters",
+    "bench": "corp_deploy.bench",
+    "studies": "studies",
+    "tools": "tools",
+}
+"""Repository folder -> the dotted name its modules import as (pyproject's ``package-dir``)."""
+LIBRARIES = ("corp_deploy.exporters", "corp_deploy.bench")
+SCRIPTS = ("studies", "tools")
+"""Run from the repository root, never installed: the package must not import them."""
 
 ROOMS = frozenset({"corp_deploy.errors", "corp_deploy.fsio", "corp_deploy.tables", "corp_deploy.version"})
 ROOMS |= {"corp_deploy.deps", "corp_deploy.env"}
@@ -27,11 +40,11 @@ APPS = (
     "corp_deploy.cli",
     "corp_deploy.__main__",
     "corp_deploy.demo",
-    "bench.apps",
+    "corp_deploy.sweep",
+    "corp_deploy.real",
+    *SCRIPTS,
 )
-"""App-level modules and packages (a name covers its submodules): they may import anything.
-
-Update this list when the studies and scripts move to their app-level place."""
+"""App-level modules and packages (a name covers its submodules): they may import anything but the scripts."""
 CLI = "corp_deploy.cli"
 ENTRY_POINTS = frozenset({"corp_deploy.__main__"})
 
@@ -45,7 +58,7 @@ def floor(module: str) -> str:
         return "room"
     if any(_within(module, app) for app in APPS):
         return "app"
-    if module.split(".")[0] in ("exporters", "bench"):
+    if any(_within(module, lib) for lib in LIBRARIES):
         return "library"
     return "core"
 
@@ -53,6 +66,8 @@ def floor(module: str) -> str:
 def allowed(src: str, dst: str) -> bool:
     """Whether module ``src`` may import project module ``dst``."""
     if _within(dst, CLI) and not (_within(src, CLI) or src in ENTRY_POINTS):
+        return False
+    if dst.split(".")[0] in SCRIPTS and src.split(".")[0] not in SCRIPTS:
         return False
     rules = {
         "room": dst in ROOMS,
@@ -63,19 +78,21 @@ def allowed(src: str, dst: str) -> bool:
     return rules[floor(src)]
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     """Every project module by dotted name (``pkg/__init__.py`` is ``pkg``)."""
     found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = (*package.split("."), *path.relative_to(ROOT / folder).with_suffix("").parts)
             found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
 def imported(module: str, source: str, known: set[str]) -> set[str]:
     """Project modules that ``source`` imports anywhere (top level, functions, TYPE_CHECKING blocks)."""
-    is_package = (ROOT / module.replace(".", "/") / "__init__.py").is_file()
+    files = modules()
+    is_package = module in files and files[module].name == "__init__.py"
     package = (module if is_package else module.rpartition(".")[0]).split(".")
     out = set()
     for node in ast.walk(ast.parse(source)):
@@ -86,7 +103,7 @@ def imported(module: str, source: str, known: set[str]) -> set[str]:
             base = base if node.level else node.module or ""
             # ``from pkg import sub`` imports the submodule when there is one, else a name of ``pkg``.
             out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
-    return {m for m in out if m.split(".")[0] in PACKAGES}
+    return {m for m in out if m.split(".")[0] in ("corp_deploy", *SCRIPTS)}
 
 
 def violations(module: str, source: str, known: set[str]) -> list[str]:
@@ -109,12 +126,14 @@ def test_no_import_runs_upward() -> None:
     [
         ("corp_deploy.fsio", "from corp_deploy.models import create_model"),
         ("corp_deploy.env", "def f():\n    import corp_deploy.api"),
-        ("corp_deploy.pruner", "from exporters.runners import OrtRunner"),
-        ("corp_deploy.models", "from bench import accuracy"),
-        ("exporters.quantize", "from corp_deploy.api import SYNTHETIC"),
-        ("bench.accuracy", "from corp_deploy.compensation import ridge_solve"),
-        ("bench.backends", "from corp_deploy import models"),
+        ("corp_deploy.pruner", "from corp_deploy.exporters.runners import OrtRunner"),
+        ("corp_deploy.models", "from corp_deploy.bench import accuracy"),
+        ("corp_deploy.exporters.quantize", "from corp_deploy.api import SYNTHETIC"),
+        ("corp_deploy.bench.accuracy", "from corp_deploy.compensation import ridge_solve"),
+        ("corp_deploy.bench.backends", "from corp_deploy import models"),
         ("corp_deploy.demo", "from corp_deploy.cli import main"),
+        ("corp_deploy.demo", "from studies.budget_study import main"),
+        ("corp_deploy.bench.run", "from tools.gpu_suite.core import measure"),
     ],
 )
 def test_the_check_catches_an_upward_import(module: str, source: str) -> None:
@@ -126,10 +145,17 @@ def test_the_check_allows_the_floors_below() -> None:
     for module, source in [
         ("corp_deploy.env", "from corp_deploy.deps import optional"),
         ("corp_deploy.api", "from corp_deploy.pruner import prune_model\nfrom corp_deploy import env"),
-        ("exporters.quantize", "from corp_deploy.data import SYNTHETIC\nfrom corp_deploy.fsio import staged"),
-        ("bench.backends", "from corp_deploy.artifact import load_pruned\nfrom exporters.runners import OrtRunner"),
-        ("bench.apps.sweep", "from corp_deploy.pruner import calibrate"),
+        (
+            "corp_deploy.exporters.quantize",
+            "from corp_deploy.data import SYNTHETIC\nfrom corp_deploy.fsio import staged",
+        ),
+        (
+            "corp_deploy.bench.backends",
+            "from corp_deploy.artifact import load_pruned\nfrom corp_deploy.exporters.runners import OrtRunner",
+        ),
+        ("corp_deploy.sweep", "from corp_deploy.pruner import calibrate"),
         ("corp_deploy.__main__", "from corp_deploy.cli import main"),
+        ("studies.budget_study", "from corp_deploy.real import real_model\nfrom corp_deploy.sweep import sweep"),
     ]:
         assert violations(module, source, known) == [], module
 

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -46,3 +47,56 @@ def test_build_backend_does_not_warn_and_writes_the_spdx_license(tmp_path) -> No
     assert "deprecat" not in output.lower(), output
     with zipfile.ZipFile(tmp_path / "wheel" / wheel) as z:
         assert f"{info}/licenses/LICENSE" in z.namelist()
+
+
+def _project_copy(tmp_path: Path) -> Path:
+    """A fresh checkout's files (no venv, caches or build output), so a build leaves nothing in this one."""
+    project = tmp_path / "project"
+    ignore = shutil.ignore_patterns(".*", "__pycache__", "*.egg-info", "build", "runs", "docs")
+    shutil.copytree(ROOT, project, ignore=ignore)
+    return project
+
+
+def test_the_wheel_installs_one_package(tmp_path) -> None:
+    """``pip install corp-deploy`` adds ``corp_deploy`` and nothing else at the top level: ``exporters/`` and
+    ``bench/`` install inside it, and the studies and the GPU suite stay in the repository."""
+    project = _project_copy(tmp_path)
+    (tmp_path / "dist").mkdir()
+    wheel, _ = _hook("build_wheel", project, tmp_path / "dist")
+    with zipfile.ZipFile(tmp_path / "dist" / wheel) as z:
+        names = z.namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"corp_deploy"}, top
+    for module in ("exporters/pipeline.py", "bench/run.py", "sweep.py", "real.py", "cli/__init__.py"):
+        assert f"corp_deploy/{module}" in names, module
+    assert not [n for n in names if "study" in n or "gpu_suite" in n], names
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    with zipfile.ZipFile(tmp_path / "dist" / wheel) as z:
+        assert "corp-deploy = corp_deploy.cli:main" in z.read(entry).decode()
+
+
+def test_an_offline_editable_install_maps_the_folders(tmp_path) -> None:
+    """What the GPU machine does (``pip install --no-deps --no-build-isolation -e .``, no network): the editable
+    wheel's import hook finds ``corp_deploy.exporters`` and ``corp_deploy.bench`` in the checkout's own folders,
+    from any working directory. ``-S`` plus the bare site-packages path keeps this checkout's own editable hook out."""
+    project = _project_copy(tmp_path)
+    (tmp_path / "wheel").mkdir()
+    wheel, _ = _hook("build_editable", project, tmp_path / "wheel")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(tmp_path / "wheel" / wheel) as z:
+        z.extractall(site)
+    code = (
+        "import site, sys; site.addsitedir(sys.argv[1]); sys.path.append(sys.argv[2]); "
+        "import corp_deploy.exporters.pipeline as p, corp_deploy.bench.run as r, corp_deploy.version as v; "
+        "print(p.__file__); print(r.__file__); print(v.__file__)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code, str(site), sysconfig.get_paths()["purelib"]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    files = [Path(line) for line in done.stdout.split()]
+    assert files == [project / "exporters/pipeline.py", project / "bench/run.py", project / "corp_deploy/version.py"]

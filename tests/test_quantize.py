@@ -11,14 +11,13 @@ from conftest import TINY_CLI_ARGS, pruned_copy, tiny_vit
 from helpers import run
 from PIL import Image
 
-from bench.backends import RunFolder, select
 from corp_deploy.api import describe
+from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.data import list_images, sample
-from corp_deploy.pruner import PruneConfig
-from exporters.compare import INT8, compare
-from exporters.onnx_export import load_onnx, read_metadata
-from exporters.pipeline import export_verified
-from exporters.quantize import (
+from corp_deploy.exporters.compare import INT8, compare
+from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
+from corp_deploy.exporters.pipeline import export_verified
+from corp_deploy.exporters.quantize import (
     ATTENTION_MATMUL,
     INT8_OPS,
     activation_gemms,
@@ -26,8 +25,9 @@ from exporters.quantize import (
     quantize_graphs,
     split_images,
 )
-from exporters.runners import OrtRunner
-from exporters.tensorrt_engine import FLAVOURS, VERIFIED, flavour_missing
+from corp_deploy.exporters.runners import OrtRunner
+from corp_deploy.exporters.tensorrt_engine import FLAVOURS, VERIFIED, flavour_missing
+from corp_deploy.pruner import PruneConfig
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")

@@ -285,7 +285,7 @@ def variants():
 @torch.no_grad()
 def test_sdpa_backend_on_cpu_follows_the_head_widths(variants) -> None:
     """Flash for one head size (dense, equal widths, padded Q/K); math for Q/K narrower than V."""
-    from bench.apps.gpu_suite.attention import _dispatched
+    from tools.gpu_suite.attention import _dispatched
 
     x = torch.randn(2, 3, 32, 32)
     expected = {"dense": "flash", "qk_pruned": "math", "equal_width": "flash", "qk_padded": "flash"}
@@ -295,9 +295,9 @@ def test_sdpa_backend_on_cpu_follows_the_head_widths(variants) -> None:
 def test_onnx_of_equal_width_and_padded_models_matches_pytorch(variants, tmp_path) -> None:
     pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
     from corp_deploy.api import describe
-    from exporters.compare import FP32, verify
-    from exporters.pipeline import export_verified
-    from exporters.runners import OrtRunner, TorchRunner
+    from corp_deploy.exporters.compare import FP32, verify
+    from corp_deploy.exporters.pipeline import export_verified
+    from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 
     sizes = {}
     for name in ("qk_pruned", "equal_width", "qk_padded"):

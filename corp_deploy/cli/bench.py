@@ -11,17 +11,15 @@ from typing import Any
 import click
 import torch
 
-from bench import gate
-from bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
-from bench.apps.sweep import format_sweep, parse_sparsities, plot_sweep
-from bench.apps.sweep import sweep as run_sweep
-from bench.backends import RunFolder
-from bench.backends import select as select_backends
-from bench.measure import Method
-from bench.report import format_markdown, format_table, to_csv
-from bench.report import plot as draw
-from bench.run import benchmark, parse_batch_sizes
 from corp_deploy import api
+from corp_deploy.bench import gate
+from corp_deploy.bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
+from corp_deploy.bench.backends import RunFolder
+from corp_deploy.bench.backends import select as select_backends
+from corp_deploy.bench.measure import Method
+from corp_deploy.bench.report import format_markdown, format_table, to_csv
+from corp_deploy.bench.report import plot as draw
+from corp_deploy.bench.run import benchmark, parse_batch_sizes
 from corp_deploy.cli.options import (
     ONNX_EXPORT,
     bench_method,
@@ -38,12 +36,16 @@ from corp_deploy.cli.prune import inputs
 from corp_deploy.env import device_name
 from corp_deploy.errors import CorpError
 from corp_deploy.fsio import atomic_file, check_writable
+from corp_deploy.sweep import format_sweep, parse_sparsities, plot_sweep
+from corp_deploy.sweep import sweep as run_sweep
 
 
 @click.command()
 @click.argument("run_dir", type=click.Path())
 @click.option("--batch-sizes", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
-@click.option("--backends", default="auto", show_default=True, help="auto, or a comma list (see bench.backends).")
+@click.option(
+    "--backends", default="auto", show_default=True, help="auto, or a comma list (see corp_deploy.bench.backends)."
+)
 @click.option("--repeats", default=1, show_default=True, help="Repeat the measurement; report medians.")
 @click.option("--threads", type=int, help="CPU threads for PyTorch and onnxruntime [default: theirs].")
 @click.option("--include-copies", is_flag=True, help="Time host->device input and device->host output copies too.")

@@ -32,12 +32,9 @@ from corp_deploy.cli.options import (
 from corp_deploy.cli.prune import pruned
 from corp_deploy.env import versions
 from corp_deploy.errors import CorpError
-from corp_deploy.fsio import atomic_dir, check_writable, staged
-from corp_deploy.models import parse_model_args
-from corp_deploy.report import format_report
-from exporters.compare import INT8
-from exporters.onnx_export import graph_precision, load_onnx
-from exporters.pipeline import (
+from corp_deploy.exporters.compare import INT8
+from corp_deploy.exporters.onnx_export import graph_precision, load_onnx
+from corp_deploy.exporters.pipeline import (
     convert_verified,
     engine_verified,
     export_run,
@@ -46,8 +43,11 @@ from exporters.pipeline import (
     fp16_graph,
     write_export_record,
 )
-from exporters.quantize import quantize_graphs
-from exporters.tensorrt_engine import PRECISIONS, build_missing, require_precision, select_flavour
+from corp_deploy.exporters.quantize import quantize_graphs
+from corp_deploy.exporters.tensorrt_engine import PRECISIONS, build_missing, require_precision, select_flavour
+from corp_deploy.fsio import atomic_dir, check_writable, staged
+from corp_deploy.models import parse_model_args
+from corp_deploy.report import format_report
 
 
 def _pad_qk(model: nn.Module, description: dict, enabled: bool) -> dict:

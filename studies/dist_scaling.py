@@ -1,6 +1,6 @@
 """Calibration time with 1 process and with N torchrun processes on the same images (make bench-dist).
 
-    python -m bench.apps.dist_scaling deit_small --num-calib 128 --procs 2
+    python -m studies.dist_scaling deit_small --num-calib 128 --procs 2
 
 Runs ``corp-deploy prune`` (random weights, noise images, CPU) once alone and once under
 ``torchrun --nproc-per-node N`` with the machine's cores split between the ranks, and reads the

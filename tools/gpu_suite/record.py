@@ -7,11 +7,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bench.apps.gpu_suite.core import SCHEMA, SuiteError
-from bench.apps.gpu_suite.registry import SECTIONS
 from corp_deploy.tables import markdown_table
+from tools.gpu_suite.core import SCHEMA, SuiteError
+from tools.gpu_suite.registry import SECTIONS
 
-DOCS = Path(__file__).resolve().parents[3] / "docs" / "BENCHMARKS.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "BENCHMARKS.md"
 BEGIN, END = "<!-- gpu-suite:begin -->", "<!-- gpu-suite:end -->"
 
 

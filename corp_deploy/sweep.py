@@ -18,16 +18,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bench.backends import RunFolder, select
-from bench.measure import Method
-from bench.run import benchmark, pairs
 from corp_deploy import api
+from corp_deploy.bench.backends import RunFolder, select
+from corp_deploy.bench.measure import Method
+from corp_deploy.bench.run import benchmark, pairs
 from corp_deploy.errors import CorpError
+from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.fsio import atomic_dir, atomic_file, check_writable
 from corp_deploy.pruner import PruneConfig, calibrate, plan_widths, prune_model
 from corp_deploy.report import model_size
 from corp_deploy.tables import text_table
-from exporters.pipeline import export_verified
 
 
 def parse_sparsities(text: str) -> list[float]:
@@ -149,7 +149,7 @@ def format_sweep(result: dict[str, Any]) -> str:
 
 def plot_sweep(result: dict[str, Any], path: Path) -> None:
     """Measured largest-batch throughput ratio vs sparsity, per backend, beside the FLOP-ideal line."""
-    from bench.report import pyplot
+    from corp_deploy.bench.report import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.2))

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from bench.apps.gpu_suite import __doc__ as DOC
-from bench.apps.gpu_suite.core import SCHEMA, SCHEMA_VERSION, Context, Plan, SuiteError, environment, write_json
-from bench.apps.gpu_suite.record import ingest, summary_markdown
-from bench.apps.gpu_suite.registry import SECTIONS
-from bench.apps.gpu_suite.wheels import activate
+from tools.gpu_suite import __doc__ as DOC
+from tools.gpu_suite.core import SCHEMA, SCHEMA_VERSION, Context, Plan, SuiteError, environment, write_json
+from tools.gpu_suite.record import ingest, summary_markdown
+from tools.gpu_suite.registry import SECTIONS
+from tools.gpu_suite.wheels import activate
 
 
 def run_suite(
@@ -102,7 +102,7 @@ def parse_only(text: str | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.apps.gpu_suite", description=DOC, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m tools.gpu_suite", description=DOC, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", type=Path, help="folder for the records (must not exist, unless --overwrite)")
     p.add_argument("--only", help=f"comma list of sections: {', '.join(SECTIONS)}")
@@ -130,12 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SuiteError("--device cpu measures nothing worth recording; add --smoke (CI) or run on a GPU")
         if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())) and not a.overwrite:
             raise SuiteError(f"{a.out} exists; choose another --out or pass --overwrite")
-        command = "python -m bench.apps.gpu_suite " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "python -m tools.gpu_suite " + " ".join(sys.argv[1:] if argv is None else argv)
         suite = run_suite(a.out, torch.device(a.device), only, plan, a.smoke, a.budget, command)
     except SuiteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     failed = [s["name"] for s in suite["sections"] if s["status"] != "ok"]
     print(f"gpu-suite: {len(suite['sections']) - len(failed)} sections ok, not ok: {', '.join(failed) or 'none'}")
-    print(f"records in {a.out}; fold them into the docs with: python -m bench.apps.gpu_suite --ingest {a.out}")
+    print(f"records in {a.out}; fold them into the docs with: python -m tools.gpu_suite --ingest {a.out}")
     return 1 if failed else 0

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from bench.apps.gpu_suite.core import Context
 from corp_deploy.tables import markdown_table
+from tools.gpu_suite.core import Context
 
 
 class _StepFailed(Exception):
@@ -102,8 +102,8 @@ def _pipeline(ctx: Context, flavour: str) -> list[dict[str, Any]]:
 
     import corp_deploy
     from corp_deploy.errors import CorpError
-    from exporters import BuildOptions, Profile, VerifyOptions, convert_fp16, engine_verified, export_onnx
-    from exporters.tensorrt_engine import run_missing
+    from corp_deploy.exporters import BuildOptions, Profile, VerifyOptions, convert_fp16, engine_verified, export_onnx
+    from corp_deploy.exporters.tensorrt_engine import run_missing
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # random weights and noise calibration, on purpose

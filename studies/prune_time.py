@@ -1,7 +1,7 @@
 """How long CORP pruning takes, split into calibration / ranking / compensation, and its peak memory.
 
-    python -m bench.apps.prune_time deit_small --num-calib 256                 # CPU figure
-    python -m bench.apps.prune_time deit_base --num-calib 4000 --device cuda   # GPU target: <= 30 s
+    python -m studies.prune_time deit_small --num-calib 256                 # CPU figure
+    python -m studies.prune_time deit_base --num-calib 4000 --device cuda   # GPU target: <= 30 s
 
 Weights are random unless --checkpoint is given: the time of a calibration pass and of the solves
 does not depend on the weights' values. Images are noise unless --calib-dir is given (then image

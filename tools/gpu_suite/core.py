@@ -118,7 +118,7 @@ class SuiteError(Exception):
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    from bench.run import environment as bench_environment
+    from corp_deploy.bench.run import environment as bench_environment
 
     env = bench_environment(torch.get_num_threads()) | {
         "host": platform.node(),
@@ -209,14 +209,14 @@ def warm_device(ctx: Context) -> None:
 
 
 def step(ctx: Context, call: Callable[[], object]) -> Callable[[], float]:
-    from bench.backends import cpu_step, cuda_step
+    from corp_deploy.bench.backends import cpu_step, cuda_step
 
     return cuda_step(call) if ctx.device.type == "cuda" else cpu_step(call)
 
 
 def measure(ctx: Context, calls: dict[str, Callable[[], object]], batch: int) -> dict[str, dict[str, float]]:
     """Interleaved timing of named calls (same run, alternating rounds); summary statistics per call."""
-    from bench.measure import Method, interleaved, summarize
+    from corp_deploy.bench.measure import Method, interleaved, summarize
 
     method = Method(
         warmup_iters=3 if ctx.smoke else 10,

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.apps.gpu_suite.core import (
+from corp_deploy.data import input_size
+from corp_deploy.tables import markdown_table
+from tools.gpu_suite.core import (
     DTYPES,
     PRUNED,
     Context,
@@ -29,10 +31,8 @@ from bench.apps.gpu_suite.core import (
     sync,
     warm_device,
 )
-from corp_deploy.data import input_size
-from corp_deploy.tables import markdown_table
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_tests(ctx: Context) -> dict[str, Any]:

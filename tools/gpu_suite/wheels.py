@@ -1,6 +1,6 @@
 """Wheels the GPU image lacks, carried in ``.gpu-wheels/`` (git-ignored) and installed for one run.
 
-    make gpu-wheels       # here (PyPI reachable): python -m bench.apps.gpu_suite.wheels download
+    make gpu-wheels       # here (PyPI reachable): python -m tools.gpu_suite.wheels download
 
 The GPU machine has no network and takes at most 64 MiB of working tree per call. What it lacks:
 ``onnxconverter-common`` (FP16 ONNX; pure Python, 90 kB) and TensorRT-RTX: its bindings (1.2 MB)
@@ -9,7 +9,7 @@ recompressed with xz (62 MiB) and split into ``part-a/`` and ``part-b/`` (31 MiB
 travels in two consecutive calls to the same warm machine:
 
     call 1: carry .gpu-wheels/wheels and .gpu-wheels/part-a;
-            python -m bench.apps.gpu_suite.wheels stash && make gpu-suite GPU_OUT=$OUT/gpu
+            python -m tools.gpu_suite.wheels stash && make gpu-suite GPU_OUT=$OUT/gpu
     call 2, at once (before the machine is given back): carry .gpu-wheels/wheels and .gpu-wheels/part-b;
             make gpu-suite ONLY=engines GPU_OUT=$OUT/engines
 
@@ -29,7 +29,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3] / ".gpu-wheels"
+ROOT = Path(__file__).resolve().parents[2] / ".gpu-wheels"
 STASH = Path(tempfile.gettempdir()) / "corp-deploy-gpu-wheels"
 PLAIN = ("onnxconverter-common==1.16.0", "tensorrt-rtx-cu13-bindings==1.7.1.116")
 RTX_LIBS = "tensorrt-rtx-cu13-libs==1.7.1.116"
@@ -102,5 +102,5 @@ def activate(root: Path = ROOT) -> list[str]:
 if __name__ == "__main__":
     commands = {"download": download, "stash": stash}
     if len(sys.argv) != 2 or sys.argv[1] not in commands:
-        sys.exit(f"usage: python -m bench.apps.gpu_suite.wheels {{{'|'.join(commands)}}}")
+        sys.exit(f"usage: python -m tools.gpu_suite.wheels {{{'|'.join(commands)}}}")
     commands[sys.argv[1]]()

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.apps.gpu_suite.core import DTYPES, Context, measure, precision_mode, sync
 from corp_deploy.tables import markdown_table
+from tools.gpu_suite.core import DTYPES, Context, measure, precision_mode, sync
 
 SDPA_OPS = {
     "aten::_scaled_dot_product_flash_attention": "flash",

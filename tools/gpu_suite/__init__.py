@@ -1,9 +1,9 @@
 """One command for a GPU machine: every CUDA path tested and measured, written as three files.
 
-    python -m bench.apps.gpu_suite --out DIR                        # every section (about 5 min on one H200)
-    python -m bench.apps.gpu_suite --out DIR --only tests,prune     # split over calls on a slow machine
-    python -m bench.apps.gpu_suite --out DIR --smoke --device cpu   # every code path on a tiny model, seconds (CI)
-    python -m bench.apps.gpu_suite --ingest DIR [DIR ...]           # fold the records into docs/BENCHMARKS.md
+    python -m tools.gpu_suite --out DIR                        # every section (about 5 min on one H200)
+    python -m tools.gpu_suite --out DIR --only tests,prune     # split over calls on a slow machine
+    python -m tools.gpu_suite --out DIR --smoke --device cpu   # every code path on a tiny model, seconds (CI)
+    python -m tools.gpu_suite --ingest DIR [DIR ...]           # fold the records into docs/BENCHMARKS.md
 
 Runs from the repository root with no installation step. Sections (``registry.SECTIONS``) run in
 order, each timed and each failing alone: its traceback goes to the log and the others still run;

@@ -1,6 +1,6 @@
 """Which defaults hold up on real weights: ridge damping, ranker, calibration images, width rounding.
 
-    python -m bench.apps.knob_study --out docs/knob-study        # make knob-study
+    python -m studies.knob_study --out docs/knob-study        # make knob-study
 
 Each knob is varied alone around the defaults (50% joint sparsity, CORP), on DINOv2 ViT-S/14 with
 real weights, scored by the dense model's linear probe on held-out labelled images and by the
@@ -17,9 +17,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.apps.real import add_setup_arguments, calibration, real_setup, write_study
 from corp_deploy.pruner import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.ranking import RANKERS
+from corp_deploy.real import add_setup_arguments, calibration, real_setup, write_study
 
 RIDGES = (0.0, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 CALIBRATION_SIZES = (32, 64, 128, 256, 500)
