@@ -19,54 +19,23 @@ Everything here is pure (statistics, weights and shapes in, widths out); the for
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from corp_deploy import compensation as C
 from corp_deploy.errors import CorpError
-from corp_deploy.ranking import attn_scores, mlp_scores
+from corp_deploy.pruner import PARTS, PruneConfig, Widths
+from corp_deploy.ranking import attn_scores, channel_scores
 from corp_deploy.stats import AttnStats, CalibrationStats, MlpStats
 from corp_deploy.surgery import check_v_prunable, head_widths, linear_float64
 
-if TYPE_CHECKING:
-    from corp_deploy.pruner import PruneConfig
-
-BUDGET_KINDS = ("macs",)
-"""What a budget bounds. ``latency`` (per-device profile tables) would be the next kind."""
-CRITERIA = ("sensitivity", "local")
-"""How errors of different blocks are put on one scale: measured end-to-end sensitivity, or none."""
-PART_ORDER = ("mlp", "qk", "v")
-"""A plan entry is (MLP channels, Q/K dims per head, V channels per head), as ``pruner.plan_widths``."""
 CHOLESKY_JITTER = 1e-10
 """Relative diagonal jitter for the ridge-free Cholesky: dead or duplicated channels make covariances singular."""
 
 Key = tuple[int, str]
 """(block, part)."""
-
-
-@dataclass(frozen=True)
-class Budget:
-    kind: str
-    fraction: float
-
-
-def parse_budget(text: str) -> Budget:
-    """``"macs=0.5"`` -> Budget("macs", 0.5): keep that fraction of the dense model's MACs."""
-    kind, sep, value = text.partition("=")
-    kind = kind.strip()
-    try:
-        fraction = float(value)
-    except ValueError:
-        fraction = float("nan")
-    if not sep or kind not in BUDGET_KINDS or not 0.0 < fraction <= 1.0:
-        raise CorpError(
-            f"--budget must be {'|'.join(BUDGET_KINDS)}=F with F the fraction of the dense MACs to keep, "
-            f"0 < F <= 1 (e.g. macs=0.5), got {text!r}"
-        )
-    return Budget(kind, fraction)
 
 
 # ------------------------------------------------------------------------------------------ MACs
@@ -102,7 +71,7 @@ def block_parts(model: nn.Module) -> list[dict[str, Any]]:
 def block_macs(tokens: int, dim: int, heads: int, widths: dict[str, int]) -> int:
     """Closed-form MACs of one block for one image (equals ``model_size``'s counted per-block MACs)."""
     unit = unit_macs(tokens, dim, heads)
-    return sum(unit[part] * widths[part] for part in PART_ORDER)
+    return sum(unit[part] * widths[part] for part in PARTS)
 
 
 def candidate_widths(width: int, round_to: int) -> list[int]:
@@ -164,7 +133,7 @@ def error_curves(
         if "mlp" in parts:
             s = stats.mlp[i]
             w, b = linear_float64(block.mlp.fc2, s.sum.device)
-            order = torch.sort(_scores(config, s, w), descending=True, stable=True).indices
+            order = torch.sort(channel_scores(config.ranker, s, w), descending=True, stable=True).indices
             widths = candidate_widths(w.shape[1], config.round_to)
             curves[(i, "mlp")] = (widths, affine_curve(s, w, b, order, widths))
         if "qk" in parts:
@@ -177,16 +146,13 @@ def error_curves(
             s, heads = stats.proj[i], block.attn.num_heads
             w, b = linear_float64(block.attn.proj, s.sum.device)
             d = w.shape[1] // heads
-            ranks = torch.sort(_scores(config, s, w).view(heads, d), dim=-1, descending=True, stable=True).indices
+            ranks = torch.sort(
+                channel_scores(config.ranker, s, w).view(heads, d), dim=-1, descending=True, stable=True
+            ).indices
             order = (ranks + d * torch.arange(heads, device=ranks.device)[:, None]).T.flatten()  # rank-major
             widths = candidate_widths(d, config.round_to)
             curves[(i, "v")] = (widths, affine_curve(s, w, b, order, [k * heads for k in widths]))
     return curves
-
-
-def _scores(config: PruneConfig, s: MlpStats, w: Tensor) -> Tensor:
-    """The pruner's channel ranking (MLP hidden channels, or V channels at proj's input)."""
-    return mlp_scores(config.ranker, s.second_moment().diagonal(), s.active / s.count, w)
 
 
 # ------------------------------------------------------------------------------------- allocator
@@ -234,12 +200,6 @@ def allocate(
 # ------------------------------------------------------------------------------------- planning
 
 
-def targets(config: PruneConfig) -> frozenset[str]:
-    """The parts ``config`` prunes, by ``PART_ORDER`` names."""
-    on = {"mlp": config.prunes_mlp, "qk": config.prunes_attn, "v": config.prunes_v}
-    return frozenset(p for p in PART_ORDER if on[p])
-
-
 def macs_layout(model: nn.Module, dense_macs: int, parts: frozenset[str]) -> tuple[dict[Key, int], int, dict[Key, int]]:
     """(MACs per width unit of each targeted part, MACs that no targeted width changes, current widths)."""
     n = tokens(model)
@@ -257,17 +217,16 @@ def check_budget(model: nn.Module, config: PruneConfig, dense_macs: int) -> int:
 
     Call it before calibrating. The smallest model keeps ``round_to`` channels of every targeted part.
     """
-    parts = targets(config)
+    parts = config.target
     if "v" in parts:
         for i, block in enumerate(model.blocks):
             check_v_prunable(block.attn, i)
-    budget = parse_budget(config.budget)
-    limit = int(budget.fraction * dense_macs)
+    limit = int(config.budget.fraction * dense_macs)
     unit, fixed, widths = macs_layout(model, dense_macs, parts)
     smallest = fixed + sum(unit[k] * min(w, config.round_to) for k, w in widths.items())
     if smallest > limit:
         raise CorpError(
-            f"--budget {config.budget} is below the smallest model --target {config.target} allows "
+            f"--budget {config.budget} is below the smallest model --target {','.join(config.target)} allows "
             f"({smallest / dense_macs:.3f} of the dense MACs, every part at --round-to {config.round_to}); "
             "raise the budget, add targets or lower --round-to"
         )
@@ -288,23 +247,23 @@ def plan_budget(
     ``curves``: ``error_curves`` already computed (a study planning several budgets from one calibration).
     """
     limit = check_budget(model, config, dense_macs)
-    parts = targets(config)
+    parts = config.target
     curves = error_curves(model, stats, config, parts) if curves is None else curves
     unit, fixed, _ = macs_layout(model, dense_macs, parts)
     chosen = allocate(curves, weights or dict.fromkeys(curves, 1.0), unit, fixed, limit)
-    plan = [tuple(chosen.get((i, p)) for p in PART_ORDER) for i in range(len(model.blocks))]
+    plan = [Widths(**{p: chosen[(i, p)] for p in parts}) for i in range(len(model.blocks))]
     record = {
-        "budget": config.budget,
+        "budget": str(config.budget),
         "criterion": "local" if weights is None else "sensitivity",
         "dense_macs": dense_macs,
         "limit_macs": limit,
         "planned_macs": fixed + sum(unit[k] * w for k, w in chosen.items()),
         "planned_error": {
             p: [curves[(i, p)][1][curves[(i, p)][0].index(chosen[(i, p)])] for i in range(len(plan))]
-            for p in PART_ORDER
+            for p in PARTS
             if p in parts
         },
     }
     if weights is not None:
-        record["sensitivity"] = {p: [weights[(i, p)] for i in range(len(plan))] for p in PART_ORDER if p in parts}
+        record["sensitivity"] = {p: [weights[(i, p)] for i in range(len(plan))] for p in PARTS if p in parts}
     return plan, record

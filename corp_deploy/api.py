@@ -12,9 +12,9 @@ import os
 import time
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -22,14 +22,26 @@ from torch import Tensor, nn
 from corp_deploy import blockwise
 from corp_deploy.allocation import check_budget, plan_budget
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta, save_pruned
-from corp_deploy.data import SYNTHETIC, data_config, folder_batches, input_size, list_images, sample, synthetic_batches
+from corp_deploy.data import (
+    HELDOUT_SEED_OFFSET,
+    SYNTHETIC,
+    data_config,
+    folder_batches,
+    folder_counts,
+    input_size,
+    list_images,
+    sample,
+    split,
+    synthetic_batches,
+)
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
 from corp_deploy.env import device_name, versions
 from corp_deploy.errors import CorpError
 from corp_deploy.models import create_model, resolve_name
-from corp_deploy.pruner import PruneConfig, Timer, calibrate, plan_widths, prune_model
+from corp_deploy.pruner import PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
 from corp_deploy.report import model_size, peak_memory
 from corp_deploy.sensitivity import measure, split_heldout
+from corp_deploy.stats import CalibrationStats
 from corp_deploy.surgery import block_widths
 from corp_deploy.version import __version__
 
@@ -53,6 +65,72 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+class Heldout(NamedTuple):
+    """Calibration images kept out of the statistics for the width planning (the sensitivity pass)."""
+
+    images: Tensor
+    folders: dict[str, int]
+    """Where they came from: count per folder (class) of the source, or ``{"synthetic": n}``."""
+
+
+class Calibration(NamedTuple):
+    batches: Iterable[tuple[Tensor, int]]
+    total: int
+    """Images the batches cover (this rank's shard)."""
+    heldout: Heldout | None
+
+
+def calibration_data(
+    model: nn.Module,
+    source: str | Path,
+    num: int = 4000,
+    batch_size: int = 64,
+    seed: int = 0,
+    workers: int | None = None,
+    world: World = SINGLE_PROCESS,
+    hold_out: int = 0,
+) -> Calibration:
+    """Batches of (images, skipped) from a folder, or noise when ``source == "synthetic"``, and ``hold_out`` of the
+    ``num`` images kept apart (``data.split``: a seeded draw across the whole sample, the batches keep their order).
+
+    Under torch.distributed each rank gets its own disjoint shard of the same seeded sample (``distributed.shard``);
+    every rank makes the same split, and the held-out images are read on rank 0 only (the planning runs there).
+    """
+    if num < 1 or batch_size < 1:
+        raise CorpError("--num-calib and --calib-batch-size must be >= 1")
+    if hold_out >= num:
+        raise CorpError(
+            f"{hold_out} of the {num} calibration images are held out for --allocation sensitivity "
+            "(--sensitivity-images); pass more images or lower --sensitivity-images"
+        )
+    if str(source) == SYNTHETIC:
+        warnings.warn(
+            "--calib synthetic: calibrating on NOISE images. Use only for smoke tests; the pruned "
+            "model's accuracy is meaningless. Pass --calib-dir with real images for real use.",
+            stacklevel=2,
+        )
+        num -= hold_out
+        noise = synthetic_batches(num, batch_size, input_size(model), seed)  # whole batches per rank
+        sizes = [min(batch_size, num - start) for start in range(0, num, batch_size)]
+        batches = (b for i, b in enumerate(noise) if i % world.size == world.rank)
+        heldout = None
+        if hold_out and world.is_main:
+            images = next(synthetic_batches(hold_out, hold_out, input_size(model), seed + HELDOUT_SEED_OFFSET))[0]
+            heldout = Heldout(images, {SYNTHETIC: hold_out})
+        return Calibration(batches, sum(shard(sizes, world)), heldout)
+    root = Path(source)
+    files, held = split(sample(list_images(root), num, seed), hold_out, seed)
+    files = shard(files, world)
+    workers = min(8, os.cpu_count() or 1) if workers is None else workers
+    heldout = None
+    if held and world.is_main:
+        loaded = [images for images, _ in folder_batches(held, data_config(model), len(held), 0)]
+        if not loaded or sum(x.shape[0] for x in loaded) == 0:
+            raise CorpError(f"none of the {len(held)} held-out calibration images could be read; check the files")
+        heldout = Heldout(torch.cat(loaded), folder_counts(held, root))
+    return Calibration(folder_batches(files, data_config(model), batch_size, workers), len(files), heldout)
+
+
 def calibration_batches(
     model: nn.Module,
     source: str | Path,
@@ -62,25 +140,64 @@ def calibration_batches(
     workers: int | None = None,
     world: World = SINGLE_PROCESS,
 ) -> tuple[Iterable[tuple[Tensor, int]], int]:
-    """Batches of (images, skipped) from a folder, or noise when ``source == "synthetic"``.
+    """``calibration_data`` without a held-out set: (batches, images they cover)."""
+    data = calibration_data(model, source, num, batch_size, seed, workers, world)
+    return data.batches, data.total
 
-    Returns the batches and the number of images they will cover. Under torch.distributed each rank
-    gets its own disjoint shard of the same seeded sample (``distributed.shard``).
+
+ONE_PASS, GROUPED, SEQUENTIAL = "one-pass", "grouped", "sequential"
+"""How the statistics are gathered: all blocks in one pass; blocks in groups that fit a memory bound, from a
+cached stem pass; block by block over the stream pruned so far (``blockwise``)."""
+
+
+def calibration_mode(config: PruneConfig, max_stats_gib: float | None, world: World) -> str:
+    """The calibration step for ``config``; combinations no step supports are refused here, before any work."""
+    if config.sequential:
+        if config.budget is not None and world.size > 1:
+            raise CorpError("--budget with --sequential runs in one process; drop torchrun or one of the two")
+        return SEQUENTIAL
+    if max_stats_gib is None:
+        return ONE_PASS
+    if needs_statistics(config):
+        what = "--budget" if config.budget is not None else "--selection global"
+        raise CorpError(f"{what} compares every block's statistics at once; drop --max-stats-gib or {what}")
+    return GROUPED
+
+
+def needs_statistics(config: PruneConfig) -> bool:
+    """Whether the widths come from the statistics (a budget, a global threshold) rather than the sparsities."""
+    return config.budget is not None or config.selection == "global"
+
+
+def check_widths(model: nn.Module, config: PruneConfig, dense_macs: int) -> list[Widths] | None:
+    """Data-free: refuse what no calibration can fix (bad sparsity, unsupported block, unreachable budget).
+
+    Returns the widths when they do not depend on the data, else None (``plan`` makes them after calibration).
     """
-    if num < 1 or batch_size < 1:
-        raise CorpError("--num-calib and --calib-batch-size must be >= 1")
-    if str(source) == SYNTHETIC:
-        warnings.warn(
-            "--calib synthetic: calibrating on NOISE images. Use only for smoke tests; the pruned "
-            "model's accuracy is meaningless. Pass --calib-dir with real images for real use.",
-            stacklevel=2,
-        )
-        noise = synthetic_batches(num, batch_size, input_size(model), seed)  # whole batches per rank
-        sizes = [min(batch_size, num - start) for start in range(0, num, batch_size)]
-        return (b for i, b in enumerate(noise) if i % world.size == world.rank), sum(shard(sizes, world))
-    files = shard(sample(list_images(source), num, seed), world)
-    workers = min(8, os.cpu_count() or 1) if workers is None else workers
-    return folder_batches(files, data_config(model), batch_size, workers), len(files)
+    if config.budget is not None:
+        check_parts(model, config)
+        check_budget(model, config, dense_macs)
+        return None
+    if config.selection == "global":
+        plan_widths(model, replace(config, selection="per-layer"))  # every other width, and the blocks
+        return None
+    return plan_widths(model, config)
+
+
+def plan(
+    model: nn.Module, stats: CalibrationStats, config: PruneConfig, dense_macs: int, heldout: Heldout | None
+) -> tuple[list[Widths], dict[str, Any] | None]:
+    """Widths from the statistics: a budget's allocation (with sensitivities from ``heldout``), or a threshold.
+
+    Returns the widths and what the report records about how they were chosen.
+    """
+    if config.budget is None:
+        return plan_widths(model, config, stats), None
+    weights = None if heldout is None else measure(model, stats, config, heldout.images)
+    widths, record = plan_budget(model, stats, config, dense_macs, weights)
+    if heldout is not None:
+        record["heldout"] = {"images": heldout.images.shape[0], "folders": heldout.folders}
+    return widths, record
 
 
 def prune(
@@ -93,70 +210,60 @@ def prune(
     world: World = SINGLE_PROCESS,
     dist_timeout: float = 1800.0,
     max_stats_gib: float | None = None,
+    heldout: Heldout | None = None,
 ) -> PruneResult | None:
-    """Calibrate ``model`` once, then prune and compensate it in place; measure what changed.
+    """Calibrate ``model``, then prune and compensate it in place; measure what changed.
 
-    Data-parallel (``world.size > 1``, batches from this rank's shard): the statistics are summed
-    over all ranks, then rank 0 prunes and gets the result; the other ranks get ``None``.
+    The steps, each a function of its own inputs: ``check_widths`` (data-free), ``calibration_mode``, the
+    statistics (``pruner.calibrate``, or ``blockwise.walk`` which calibrates and prunes block by block),
+    ``plan`` (widths from the statistics, when a budget or a global threshold needs them) and
+    ``pruner.prune_model``. Data-parallel (``world.size > 1``): the sums are merged over all ranks, rank 0
+    plans and prunes and gets the result; the other ranks get ``None``.
 
-    With ``config.budget`` and ``allocation="sensitivity"``, the first ``config.sensitivity_images``
-    images of ``batches`` (of rank 0's shard) are held out of the statistics and used for the
-    sensitivity pass (``sensitivity.measure``), which runs on rank 0 after the statistics are merged.
-    ``max_stats_gib`` (bounded memory) or ``config.sequential`` calibrate block by block (``blockwise``);
-    a budget with ``sequential`` takes two passes over the (then materialised) batches: the dense
-    statistics choose the widths, the sequential walk prunes to them.
+    A budget with ``allocation="sensitivity"`` needs ``config.sensitivity_images`` held-out images:
+    ``calibration_data(..., hold_out=n)`` draws them across the whole sample; without ``heldout`` they are
+    cut from the start of ``batches`` (which is biased when the stream is in class order).
     """
     config = config or PruneConfig()
     device = resolve_device(device) if isinstance(device, str) else device
-    walked = config.sequential or max_stats_gib is not None
-    if config.budget is not None and max_stats_gib is not None:
-        raise CorpError("--budget compares every block's statistics at once; drop --max-stats-gib or --budget")
-    if config.budget is not None and config.sequential and world.size > 1:
-        raise CorpError("--budget with --sequential runs in one process; drop torchrun or one of the two")
+    mode = calibration_mode(config, max_stats_gib, world)
     dense = model_size(model)
-    if config.budget is None:
-        plan_widths(model, config)  # an impossible sparsity fails here, not after calibration
-    else:
-        check_budget(model, config, dense["macs"])
-    if walked:  # an unsupported model or a bound below one block fails here too
+    widths = check_widths(model, config, dense["macs"])
+    if mode != ONE_PASS:  # an unsupported model or a bound below one block fails here too
         blockwise.check_supported(model)
         blockwise.plan_groups(model, config, max_stats_gib)
-    heldout = None
-    if config.budget is not None and config.allocation == "sensitivity" and world.is_main:
-        heldout, batches, total = _hold_out(batches, config.sensitivity_images, total)
+    if config.heldout_images and heldout is None and world.is_main:
+        heldout, batches, total = _hold_out(batches, config.heldout_images, total)
     model.to(device).eval()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     timer = Timer()
-    start = time.perf_counter()
     merge = None if world.size == 1 else lambda st: all_reduce_stats(st, world, dist_timeout)
-    stats = plan = allocation = None
-    if config.budget is not None:
-        if config.sequential:
-            batches = list(batches)
+    stats, record = None, None
+    if widths is None:  # the widths come from the statistics: gather them first
+        if mode == SEQUENTIAL:
+            batches = list(batches)  # read twice: once for the widths, once by the walk
+        start = time.perf_counter()
         stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
         start = timer.add("calibration", start)
         if world.is_main:
-            weights = None if heldout is None else measure(model, stats, config, heldout)
-            plan, allocation = plan_budget(model, stats, config, dense["macs"], weights)
-            if heldout is not None:
-                allocation["heldout_images"] = heldout.shape[0]
+            widths, record = plan(model, stats, config, dense["macs"], heldout)
             timer.add("allocation", start)
-    if walked:
+    if mode == ONE_PASS:
+        if stats is None:
+            start = time.perf_counter()
+            stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
+            timer.add("calibration", start)
+        blocks = prune_model(model, stats, config, timer, widths) if world.is_main else []
+        statistics, calibration = stats.nbytes(), {"images": stats.images, "skipped": stats.skipped, "mode": mode}
+    else:
         statistics = 0 if stats is None else stats.nbytes()
         stats = None  # the walk keeps its own, block by block
         blocks, walk = blockwise.walk(
-            model, batches, config, device, max_stats_gib, total, progress, world, dist_timeout, timer, plan
+            model, batches, config, device, max_stats_gib, total, progress, world, dist_timeout, timer, widths
         )
         statistics = max(statistics, walk.pop("statistics_bytes"))
         calibration = {"images": walk.pop("images"), "skipped": walk.pop("skipped"), **walk}
-    else:
-        if stats is None:
-            stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
-            timer.add("calibration", start)
-        if world.is_main:
-            blocks = prune_model(model, stats, config, timer, plan)
-        statistics, calibration = stats.nbytes(), {"images": stats.images, "skipped": stats.skipped, "mode": "one-pass"}
     if not world.is_main:
         return None
     report = {
@@ -169,24 +276,24 @@ def prune(
         "pruned": model_size(model),
         "blocks": blocks,
     }
-    if allocation is not None:
-        report["allocation"] = allocation
+    if record is not None:
+        report["allocation"] = record
     return PruneResult(model, report)
 
 
 def _hold_out(
     batches: Iterable[tuple[Tensor, int]], n: int, total: int | None
-) -> tuple[Tensor, Iterable[tuple[Tensor, int]], int | None]:
-    """The sensitivity pass's images, the calibration stream without them, and its new size."""
+) -> tuple[Heldout, Iterable[tuple[Tensor, int]], int | None]:
+    """The first ``n`` images of the stream (no ``heldout`` given), the stream without them, and its new size."""
     if total is not None and total <= n:
         raise CorpError(
-            f"--allocation sensitivity holds out the first {n} calibration images (--sensitivity-images) and "
+            f"--allocation sensitivity holds out {n} calibration images (--sensitivity-images) and "
             f"only {total} are given; pass more images or lower --sensitivity-images"
         )
-    heldout, rest = split_heldout(batches, n)
-    if heldout.shape[0] == 0:
+    images, rest = split_heldout(batches, n)
+    if images.shape[0] == 0:
         raise CorpError("no calibration images to hold out for --allocation sensitivity; check the calibration data")
-    return heldout, rest, None if total is None else total - heldout.shape[0]
+    return Heldout(images, {"first images of the stream": images.shape[0]}), rest, total and total - images.shape[0]
 
 
 def save(

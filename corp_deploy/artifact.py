@@ -1,12 +1,20 @@
 """The prune artifact: ``model.safetensors`` + ``corp.json``, written atomically, reloadable alone.
 
-``corp.json`` records the timm name, model args and per-block widths, which is everything needed to
-rebuild the module tree; the weights then load strictly. No calibration data, no surgery replay.
+``corp.json`` records the model family, its name and arguments and the per-block structure, which is
+everything needed to rebuild the module tree; the weights then load strictly. No calibration data, no
+surgery replay.
+
+Extending the format without a version bump: a family is a name in ``FAMILIES`` (how to build the dense
+tree and apply the structure), and each block's entry is a dict whose keys the family declares. A reader
+refuses a family or a block key it does not know ("upgrade corp-deploy") instead of silently building
+another model, so a new kind of entry (a removed module, another family's widths) needs no new version.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +29,31 @@ from corp_deploy.fsio import atomic_dir
 from corp_deploy.surgery import apply_widths, block_widths
 
 FORMAT = "corp-deploy/pruned-vit"
-FORMAT_VERSION = 2
-"""2: ``structure`` records each block's ``v_dim``; version 1 artifacts (V never pruned) still load."""
+FORMAT_VERSION = 3
+"""3: a ``family`` and unknown block keys refused; 2: each block's ``v_dim``; 1 (V never pruned). All load."""
+DEFAULT_FAMILY = "timm-vit"
+"""The family of artifacts written before families were recorded (every one of them is a timm ViT)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to rebuild one family's pruned module tree: the dense tree, then the recorded structure on it."""
+
+    build: Callable[[str, dict[str, Any]], nn.Module]
+    """(name, model arguments) -> the dense module tree, weights unfilled."""
+    apply: Callable[[nn.Module, list[dict[str, Any]]], None]
+    """Give every block its recorded structure."""
+    block_keys: frozenset[str]
+    """What a block entry may hold."""
+
+
+FAMILIES = {
+    DEFAULT_FAMILY: Family(
+        lambda name, args: timm.create_model(name, pretrained=False, **args),
+        apply_widths,
+        frozenset({"heads", "mlp_hidden", "qk_dim", "v_dim"}),
+    )
+}
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "corp.json"
 
@@ -32,7 +63,13 @@ def save_pruned(model: nn.Module, out: str | Path, meta: dict[str, Any], overwri
 
     ``meta`` must hold ``model: {name, args}``; the per-block widths are taken from the model itself.
     """
-    record = {"format": FORMAT, "format_version": FORMAT_VERSION, **meta, "structure": block_widths(model)}
+    record = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "family": DEFAULT_FAMILY,
+        **meta,
+        "structure": block_widths(model),
+    }
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     try:
         with atomic_dir(out, overwrite) as tmp:
@@ -62,6 +99,14 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         and isinstance(meta.get("structure"), list)
     ):
         raise CorpError(f"{meta_path} lacks the model name, arguments or structure; re-run `corp-deploy prune`")
+    family = FAMILIES.get(meta.setdefault("family", DEFAULT_FAMILY))
+    if family is None:
+        raise CorpError(f"{meta_path} is a {meta['family']!r} model, which this corp-deploy cannot build; upgrade it")
+    unknown = sorted({k for b in meta["structure"] if isinstance(b, dict) for k in b} - family.block_keys)
+    if unknown:
+        raise CorpError(
+            f"{meta_path} records block entries this corp-deploy does not know ({', '.join(unknown)}); upgrade it"
+        )
     return meta
 
 
@@ -69,8 +114,9 @@ def load_pruned(path: str | Path, device: str | torch.device = "cpu") -> nn.Modu
     """Rebuild a pruned model (eval mode) from an artifact folder, without calibration data."""
     meta = read_meta(path)
     try:
-        model = timm.create_model(meta["model"]["name"], pretrained=False, **meta["model"].get("args", {}))
-        apply_widths(model, meta["structure"])
+        family = FAMILIES[meta["family"]]
+        model = family.build(meta["model"]["name"], meta["model"].get("args", {}))
+        family.apply(model, meta["structure"])
     except (RuntimeError, TypeError, ValueError, KeyError, AttributeError) as e:
         raise CorpError(
             f"{Path(path) / META_FILE} describes a model this corp-deploy cannot build ({first_line(e)}); "

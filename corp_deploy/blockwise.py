@@ -76,7 +76,7 @@ def block_stats(
 ) -> CalibrationStats:
     """Zeroed sums for ``blocks`` (``device="meta"`` to size them without allocating)."""
     return empty_stats(
-        model, config.prunes_mlp, config.prunes_attn, device, config.prunes_v, list(blocks), config.sequential
+        model, config.prunes("mlp"), config.prunes("qk"), device, config.prunes("v"), list(blocks), config.sequential
     )
 
 
@@ -191,7 +191,7 @@ def walk(
         "mode": "sequential" if config.sequential else "blockwise",
         "groups": len(groups),
         "block_passes": passes,
-        "qkv_passes": 2 * len(plan) if config.sequential and config.prunes_attn else 0,
+        "qkv_passes": 2 * len(plan) if config.sequential and config.prunes("qk") else 0,
         "statistics_bytes": peak,
         "cache_mib": cache.nbytes() / 2**20,
         "cache_on_device_mib": cache.nbytes(device) / 2**20 if device.type == "cuda" else 0.0,

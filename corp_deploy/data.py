@@ -25,6 +25,8 @@ T = TypeVar("T")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 SYNTHETIC = "synthetic"
 """The image source that means noise (``--calib synthetic``): for smoke runs only."""
+HELDOUT_SEED_OFFSET = 1
+"""Held-out draws use ``seed + 1``, so they do not repeat the sample's own permutation (drawn with ``seed``)."""
 
 
 def input_size(model: nn.Module) -> tuple[int, int, int]:
@@ -64,6 +66,27 @@ def sample(files: Sequence[T], num: int, seed: int) -> list[T]:
     g = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(files), generator=g)[:num].sort().values
     return [files[i] for i in pick.tolist()]
+
+
+def split(items: Sequence[T], n: int, seed: int) -> tuple[list[T], list[T]]:
+    """(the rest, in their original order; ``n`` items drawn by a seeded permutation of ALL of them).
+
+    A held-out set (the sensitivity pass's images, INT8's verification images) must be drawn across the
+    whole sample: the sample keeps its files in path order, so its first ``n`` would come from the first
+    class folders of an ImageFolder tree. The rest keep their order, so calibration reads as before.
+    """
+    g = torch.Generator().manual_seed(seed + HELDOUT_SEED_OFFSET)
+    held = set(torch.randperm(len(items), generator=g)[:n].tolist())
+    return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
+
+
+def folder_counts(files: Sequence[Path], root: str | Path) -> dict[str, int]:
+    """How many of ``files`` lie in each folder under ``root`` (the class of an ImageFolder tree; ``.`` when flat)."""
+    counts: dict[str, int] = {}
+    for f in files:
+        parent = f.parent.relative_to(root).as_posix() if f.is_relative_to(root) else f.parent.as_posix()
+        counts[parent] = counts.get(parent, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 class ImageFiles(Dataset):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import platform
 import shutil
 import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from corp_deploy.deps import optional
@@ -99,3 +100,25 @@ def environment(threads: int, gpu_modules: Mapping[str, str] | None = None) -> d
         installed = module_versions((gpu_modules or {}).values())
         env |= {key: installed[module] for key, module in (gpu_modules or {}).items() if module in installed}
     return env
+
+
+@contextmanager
+def exact_fp32() -> Iterator[None]:
+    """Float32 matmuls and convolutions in full float32 inside, whatever the process set (restored on exit).
+
+    A process with ``torch.backends.cuda.matmul.allow_tf32`` or ``set_float32_matmul_precision("high")``
+    gets TF32 GEMMs (~1e-3 relative error): too coarse for calibration sums whose Q/K systems have
+    condition numbers of 1e10 and more, and for the references exports are verified against.
+    SparseGPT turns TF32 off for the same reason.
+    """
+    import torch
+
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (torch.get_float32_matmul_precision(), matmul.allow_tf32, cudnn.allow_tf32)
+    torch.set_float32_matmul_precision("highest")
+    matmul.allow_tf32 = cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        matmul.allow_tf32, cudnn.allow_tf32 = saved[1:]

@@ -8,71 +8,123 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from corp_deploy import compensation as C
-from corp_deploy.allocation import CRITERIA, parse_budget
+from corp_deploy.env import exact_fp32
 from corp_deploy.errors import CorpError
-from corp_deploy.ranking import RANKERS, attn_scores, kept_width, mlp_scores, split_top
+from corp_deploy.ranking import RANKERS, attn_scores, channel_scores, global_widths, kept_width, split_top
 from corp_deploy.stats import AttnStats, CalibrationStats, MlpStats, PairStats, collect, empty_stats
 from corp_deploy.surgery import check_v_prunable, fill_attention, fill_mlp, fill_values, linear_float64
 
 PARTS = ("mlp", "qk", "v")
-"""Prunable structures: MLP hidden channels, attention Q/K dims per head, attention V channels per head."""
-TARGET_ALIASES = {"attn": ("qk",), "both": ("mlp", "qk"), "all": PARTS}
+"""Prunable structures: MLP hidden channels, attention Q/K dims per head, attention V channels per head.
+The one vocabulary of the code, the CLI (``--target mlp,qk,v``) and ``corp.json`` (block report keys)."""
+PART_NAMES = {"mlp": "MLP channels", "qk": "Q/K dims per head", "v": "V channels per head"}
+TARGET_ALIASES = {"attn": ("qk",), "both": ("mlp", "qk"), "joint": ("mlp", "qk"), "all": PARTS}
 """Older and shorter spellings of ``--target``: ``attn`` and ``both`` keep their pre-V meanings."""
 COMPENSATIONS = ("corp", "mean", "none")
+SELECTIONS = ("per-layer", "global")
+"""How MLP channels are chosen at a sparsity: the same fraction in every block, or VBP's network-wide threshold."""
+BUDGET_KINDS = ("macs",)
+"""What a budget bounds. ``latency`` (per-device profile tables) would be the next kind."""
+CRITERIA = ("sensitivity", "local")
+"""How errors of different blocks are put on one scale: measured end-to-end sensitivity, or none."""
 DEFAULT_RIDGE = 1e-3
 """Relative ridge damping alpha: lam = alpha * mean(diag(system)); see docs/BENCHMARKS.md."""
 
 
 @dataclass(frozen=True)
+class Budget:
+    """What a budget bounds and the fraction of the dense model's cost it keeps."""
+
+    kind: str
+    fraction: float
+
+    def __str__(self) -> str:
+        return f"{self.kind}={self.fraction:g}"
+
+
+def parse_budget(text: str) -> Budget:
+    """``"macs=0.5"`` -> Budget("macs", 0.5): keep that fraction of the dense model's MACs."""
+    kind, sep, value = text.partition("=")
+    kind = kind.strip()
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = float("nan")
+    if not sep or kind not in BUDGET_KINDS or not 0.0 < fraction <= 1.0:
+        raise CorpError(
+            f"--budget must be {'|'.join(BUDGET_KINDS)}=F with F the fraction of the dense MACs to keep, "
+            f"0 < F <= 1 (e.g. macs=0.5), got {text!r}"
+        )
+    return Budget(kind, fraction)
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Kept widths of one block: MLP channels, Q/K dims per head, V channels per head; None = left as is."""
+
+    mlp: int | None = None
+    qk: int | None = None
+    v: int | None = None
+
+    def get(self, part: str) -> int | None:
+        return getattr(self, part)
+
+
+@dataclass(frozen=True)
 class PruneConfig:
-    """What to prune and how. ``mlp_sparsity``/``attn_sparsity`` (Q/K)/``v_sparsity`` override ``sparsity`` per part.
+    """What to prune and how. ``mlp_sparsity``/``qk_sparsity``/``v_sparsity`` override ``sparsity`` per part.
 
-    ``target`` is a comma-separated combination of ``PARTS`` and ``TARGET_ALIASES`` (``mlp,qk,v``, ``all``).
-
-    ``budget`` (``"macs=F"``) replaces the uniform sparsity: every block's widths of every targeted part
-    are chosen by ``allocation`` to keep fraction F of the dense MACs, and ``sparsity`` is then ignored
-    (the per-part sparsities must stay unset). ``allocation`` picks how block errors are compared:
-    ``sensitivity`` weights them by their measured effect on the final features, which needs the first
-    ``sensitivity_images`` calibration images held out (``api.prune`` does it); ``local`` does not.
+    ``target`` names ``PARTS`` (``"mlp,qk,v"``, an alias such as ``"all"``, or a sequence of part names) and is
+    parsed once into a tuple in ``PARTS`` order; ``budget`` (``"macs=F"`` or an ``allocation.Budget``) is parsed
+    once into a ``Budget``. A budget replaces the uniform sparsity: every block's widths of every targeted part
+    are chosen by ``allocation`` to keep fraction F of the dense MACs (the per-part sparsities must stay unset).
+    ``allocation`` picks how block errors are compared: ``sensitivity`` weights them by their measured effect on
+    the final features, from ``sensitivity_images`` held-out calibration images; ``local`` does not.
+    ``selection="global"`` keeps VBP's network-wide choice of MLP channels: one score threshold across all
+    blocks removes ``mlp_sparsity`` of all MLP channels (each block's count rounded to ``round_to``).
     """
 
     sparsity: float = 0.5
     mlp_sparsity: float | None = None
-    attn_sparsity: float | None = None
+    qk_sparsity: float | None = None
     v_sparsity: float | None = None
-    target: str = "both"
+    target: tuple[str, ...] | str = ("mlp", "qk")
     ranker: str = "combined"
     compensation: str = "corp"
     ridge: float = DEFAULT_RIDGE
     round_to: int = 8
-    budget: str | None = None
+    budget: Budget | str | None = None
     allocation: str = "sensitivity"
     sensitivity_images: int = 32
+    selection: str = "per-layer"
     sequential: bool = False
     """Error-correcting calibration (``blockwise``): block i's statistics come from the stream pruned up to it and
     its compensation regresses the dense model's targets. Costs about 4 block passes per block instead of one."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "target", parse_target(self.target))
+        if isinstance(self.budget, str):
+            object.__setattr__(self, "budget", parse_budget(self.budget))
         for label, value in (
             ("--sparsity", self.sparsity),
             ("--mlp-sparsity", self.mlp_sparsity),
-            ("--attn-sparsity", self.attn_sparsity),
+            ("--qk-sparsity", self.qk_sparsity),
             ("--v-sparsity", self.v_sparsity),
         ):
             if value is not None and not 0.0 <= value < 1.0:
                 raise CorpError(f"{label} must be in [0, 1), got {value:g}")
-        parse_target(self.target)
         choices = (
             ("--ranker", self.ranker, RANKERS),
             ("--compensation", self.compensation, COMPENSATIONS),
             ("--allocation", self.allocation, CRITERIA),
+            ("--selection", self.selection, SELECTIONS),
         )
         for label, value, allowed in choices:
             if value not in allowed:
@@ -83,15 +135,16 @@ class PruneConfig:
             raise CorpError(f"--round-to must be >= 1, got {self.round_to}")
         if self.budget is not None:
             self._check_budget()
+        if self.selection == "global" and "mlp" not in self.target:
+            raise CorpError("--selection global chooses MLP channels across blocks; add mlp to --target")
 
     def _check_budget(self) -> None:
         """A budget chooses every width, so nothing else may fix one; it ranks widths by CORP's error."""
-        parse_budget(self.budget)
         fixed = [
             n
             for n, v in (
                 ("--mlp-sparsity", self.mlp_sparsity),
-                ("--attn-sparsity", self.attn_sparsity),
+                ("--qk-sparsity", self.qk_sparsity),
                 ("--v-sparsity", self.v_sparsity),
             )
             if v is not None
@@ -100,55 +153,44 @@ class PruneConfig:
             raise CorpError(f"--budget chooses every block's widths; drop {', '.join(fixed)} or drop --budget")
         if self.compensation != "corp":
             raise CorpError("--budget allocates widths by CORP's compensated error; use --compensation corp")
+        if self.selection != "per-layer":
+            raise CorpError("--budget allocates every block's widths itself; drop --selection global or --budget")
         if self.allocation == "sensitivity" and self.sensitivity_images < 1:
             raise CorpError(
                 f"--sensitivity-images must be >= 1 with --allocation sensitivity, got {self.sensitivity_images}"
             )
 
-    @property
-    def prunes_mlp(self) -> bool:
-        return "mlp" in parse_target(self.target)
+    def prunes(self, part: str) -> bool:
+        return part in self.target
 
     @property
-    def prunes_attn(self) -> bool:
-        """Q/K dims (the paper's attention pruning)."""
-        return "qk" in parse_target(self.target)
+    def heldout_images(self) -> int:
+        """Calibration images the width planning needs kept out of the statistics (the sensitivity pass)."""
+        return self.sensitivity_images if self.budget is not None and self.allocation == "sensitivity" else 0
 
-    @property
-    def prunes_v(self) -> bool:
-        return "v" in parse_target(self.target)
-
-    def _effective(self, pruned: bool, override: float | None) -> float | None:
-        """None under a budget: the widths differ per block (see the report's ``allocation``)."""
+    def part_sparsity(self, part: str) -> float | None:
+        """The fraction of ``part`` removed in every block; 0 when not targeted; None under a budget (per block)."""
         if self.budget is not None:
             return None
-        return (self.sparsity if override is None else override) if pruned else 0.0
-
-    @property
-    def effective_mlp_sparsity(self) -> float | None:
-        return self._effective(self.prunes_mlp, self.mlp_sparsity)
-
-    @property
-    def effective_attn_sparsity(self) -> float | None:
-        return self._effective(self.prunes_attn, self.attn_sparsity)
-
-    @property
-    def effective_v_sparsity(self) -> float | None:
-        return self._effective(self.prunes_v, self.v_sparsity)
+        if part not in self.target:
+            return 0.0
+        override = getattr(self, f"{part}_sparsity")
+        return self.sparsity if override is None else override
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {
+            "target": ",".join(self.target),
+            "budget": None if self.budget is None else str(self.budget),
             "sparsity": None if self.budget is not None else self.sparsity,
-            "mlp_sparsity": self.effective_mlp_sparsity,
-            "attn_sparsity": self.effective_attn_sparsity,
-            "v_sparsity": self.effective_v_sparsity,
+            **{f"{p}_sparsity": self.part_sparsity(p) for p in PARTS},
         }
 
 
-def parse_target(target: str) -> frozenset[str]:
-    """``"mlp,qk,v"`` / ``"all"`` / ``"both"`` -> the set of ``PARTS`` it names."""
+def parse_target(target: str | Iterable[str]) -> tuple[str, ...]:
+    """``"mlp,qk,v"`` / ``"all"`` / ``("mlp", "qk")`` -> the ``PARTS`` it names, in ``PARTS`` order."""
+    words = target.split(",") if isinstance(target, str) else list(target)
     parts: set[str] = set()
-    for word in target.split(","):
+    for word in words:
         word = word.strip()
         if word not in PARTS and word not in TARGET_ALIASES:
             raise CorpError(
@@ -156,7 +198,9 @@ def parse_target(target: str) -> frozenset[str]:
                 f"(or {', '.join(TARGET_ALIASES)}), got {target!r}"
             )
         parts.update(TARGET_ALIASES.get(word, (word,)))
-    return frozenset(parts)
+    if not parts:
+        raise CorpError(f"--target names nothing to prune; use a combination of {', '.join(PARTS)}")
+    return tuple(p for p in PARTS if p in parts)
 
 
 @dataclass
@@ -185,10 +229,15 @@ def calibrate(
     """One forward pass over the calibration batches, collecting what ``config`` needs.
 
     ``merge`` combines this process's sums with other processes' (``distributed.all_reduce_stats``)
-    before the emptiness check, so a rank with no readable images still joins the reduction.
+    before the emptiness check, so a rank with no readable images still joins the reduction. The
+    pass runs in exact float32 (``env.exact_fp32``): TF32 would put ~1e-3 relative error into sums
+    that the Q/K systems (condition numbers of 1e10 and more) are solved from.
     """
-    stats = empty_stats(model, mlp=config.prunes_mlp, attn=config.prunes_attn, device=device, proj=config.prunes_v)
-    collect(model, batches, stats, device, total=total, progress=progress)
+    stats = empty_stats(
+        model, mlp=config.prunes("mlp"), attn=config.prunes("qk"), device=device, proj=config.prunes("v")
+    )
+    with exact_fp32():
+        collect(model, batches, stats, device, total=total, progress=progress)
     if merge is not None:
         stats = merge(stats)
     if stats.images == 0:
@@ -196,38 +245,47 @@ def calibrate(
     return stats
 
 
-def plan_widths(model: nn.Module, config: PruneConfig) -> list[tuple[int | None, int | None, int | None]]:
-    """Kept (MLP channels, Q/K dims per head, V channels per head) of every block, None where not pruned.
+def check_parts(model: nn.Module, config: PruneConfig) -> None:
+    """What every width rule needs of the blocks: a compensated fc2 takes the constant term in its bias,
+    and V pruning folds into proj. Data-free, so a refusal comes before calibration."""
+    for i, block in enumerate(model.blocks):
+        if config.prunes("mlp") and block.mlp.fc2.bias is None and config.compensation != "none":
+            raise CorpError(
+                f"MLP pruning with --compensation {config.compensation} is not supported for block {i}: its fc2 "
+                "has no bias to take the compensation's constant; use --compensation none or --target qk"
+            )
+        if config.prunes("v"):
+            check_v_prunable(block.attn, i)
 
-    Cheap and data-free: call it before calibrating so an impossible sparsity or an unsupported block
-    fails in a second. Uniform sparsity only: a budget's widths come from ``allocation.plan_budget``.
+
+def plan_widths(model: nn.Module, config: PruneConfig, stats: CalibrationStats | None = None) -> list[Widths]:
+    """Every block's kept widths at ``config``'s sparsities: the same fraction in every block, or with
+    ``selection="global"`` VBP's one threshold over all blocks' MLP channel scores (needs ``stats``).
+
+    Data-free for the per-layer rule: call it before calibrating so an impossible sparsity or an
+    unsupported block fails in a second. A budget's widths come from ``allocation.plan_budget``.
     """
     if config.budget is not None:
         raise CorpError("a --budget config's widths come from corp_deploy.allocation.plan_budget, not plan_widths")
+    check_parts(model, config)
     plan = []
     for i, block in enumerate(model.blocks):
-        mlp_kept = attn_kept = v_kept = None
-        if config.prunes_mlp:
-            if block.mlp.fc2.bias is None and config.compensation != "none":
-                raise CorpError(
-                    f"MLP pruning with --compensation {config.compensation} is not supported for block {i}: its fc2 "
-                    "has no bias to take the compensation's constant; use --compensation none or --target qk"
-                )
-            width = block.mlp.fc2.in_features
-            mlp_kept = kept_width(width, config.effective_mlp_sparsity, config.round_to, f"MLP channels (block {i})")
-        if config.prunes_attn:
-            d = block.attn.head_dim
-            attn_kept = kept_width(d, config.effective_attn_sparsity, config.round_to, f"Q/K dims per head (block {i})")
-        if config.prunes_v:
-            check_v_prunable(block.attn, i)
-            d = block.attn.head_dim
-            v_kept = kept_width(d, config.effective_v_sparsity, config.round_to, f"V channels per head (block {i})")
-        plan.append((mlp_kept, attn_kept, v_kept))
+        full = {"mlp": block.mlp.fc2.in_features, "qk": block.attn.head_dim, "v": block.attn.head_dim}
+        kept = {
+            p: kept_width(full[p], config.part_sparsity(p), config.round_to, f"{PART_NAMES[p]} (block {i})")
+            for p in config.target
+        }
+        plan.append(Widths(**kept))
+    if config.selection == "global":
+        if stats is None:
+            raise CorpError("--selection global chooses MLP widths from the calibration statistics; pass them")
+        scores = [
+            channel_scores(config.ranker, stats.mlp[i], linear_float64(block.mlp.fc2, stats.mlp[i].sum.device)[0])
+            for i, block in enumerate(model.blocks)
+        ]
+        counts = global_widths(scores, config.part_sparsity("mlp"), config.round_to)
+        plan = [replace(w, mlp=n) for w, n in zip(plan, counts, strict=True)]
     return plan
-
-
-Widths = tuple[int | None, int | None, int | None]
-"""Kept (MLP channels, Q/K dims per head, V channels per head) of one block, None where not pruned."""
 
 
 def prune_model(
@@ -243,7 +301,7 @@ def prune_model(
     given: a budget's ``allocation.plan_budget``), so a bad sparsity never leaves a half-pruned model.
     """
     timer = timer or Timer()
-    plan = plan_widths(model, config) if plan is None else plan
+    plan = plan_widths(model, config, stats) if plan is None else plan
     return [prune_block(model.blocks[i], i, stats, widths, config, timer) for i, widths in enumerate(plan)]
 
 
@@ -260,21 +318,20 @@ def prune_block(
     timer: Timer,
     logit_targets: LogitTargets | None = None,
 ) -> dict[str, Any]:
-    """Prune block ``i`` in place to ``widths``; its diagnostics.
+    """Prune block ``i`` in place to ``widths``; its diagnostics, keyed by part (``mlp``, ``qk``, ``v``).
 
     ``stats`` holds at least block i's sums; ``PairStats`` and ``logit_targets`` make the fits sequential.
     Q/K are pruned before V; they touch disjoint weights (Q/K rows of qkv; V rows of qkv and proj's columns).
     """
-    mlp_kept, attn_kept, v_kept = widths
     entry: dict[str, Any] = {"block": i}
-    if mlp_kept is not None:
-        entry["mlp"] = _prune_mlp(block.mlp, stats.mlp[i], mlp_kept, config, timer)
-    if attn_kept is not None:
-        entry["attn"], new_attn = _prune_attn(block.attn, stats.attn[i], attn_kept, config, timer, logit_targets)
+    if widths.mlp is not None:
+        entry["mlp"] = _prune_mlp(block.mlp, stats.mlp[i], widths.mlp, config, timer)
+    if widths.qk is not None:
+        entry["qk"], new_attn = _prune_qk(block.attn, stats.attn[i], widths.qk, config, timer, logit_targets)
         if new_attn is not None:
             block.attn = new_attn
-    if v_kept is not None:
-        entry["v"], block.attn = _prune_v(block.attn, stats.proj[i], v_kept, config, timer)
+    if widths.v is not None:
+        entry["v"], block.attn = _prune_v(block.attn, stats.proj[i], widths.v, config, timer)
     return entry
 
 
@@ -318,8 +375,7 @@ def _regress(
 def _prune_mlp(mlp: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer: Timer) -> dict:
     t = time.perf_counter()
     w2, b2 = linear_float64(mlp.fc2, s.sum.device)
-    scores = mlp_scores(config.ranker, s.second_moment().diagonal(), s.active / s.count, w2)
-    keep, prune = split_top(scores, kept)
+    keep, prune = split_top(channel_scores(config.ranker, s, w2), kept)
     t = timer.add("ranking", t)
     new_w2, new_b2, errors = _compensate(s, w2, b2, keep, prune, config)
     dtype, wdev = mlp.fc2.weight.dtype, mlp.fc2.weight.device
@@ -342,8 +398,7 @@ def _prune_v(attn: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer
     t = time.perf_counter()
     dev = s.sum.device
     w, b = linear_float64(attn.proj, dev)
-    scores = mlp_scores(config.ranker, s.second_moment().diagonal(), s.active / s.count, w).view(heads, d)
-    keep_h, _ = split_top(scores, kept)
+    keep_h, _ = split_top(channel_scores(config.ranker, s, w).view(heads, d), kept)
     keep, prune = C.head_channels(keep_h, d)
     t = timer.add("ranking", t)
     new_w, new_b, info["rel_error"] = _compensate(s, w, b, keep, prune, config)
@@ -353,7 +408,7 @@ def _prune_v(attn: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer
     return info, new
 
 
-def _prune_attn(
+def _prune_qk(
     attn: nn.Module, s: AttnStats, kept: int, config: PruneConfig, timer: Timer, logit_targets: LogitTargets | None
 ) -> tuple[dict, Any]:
     """Q/K dims per head. With ``logit_targets`` (sequential) ``s`` is the pruned stream's moment and the fit

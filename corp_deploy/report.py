@@ -72,7 +72,7 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for entry, d_blk, p_blk in zip(report["blocks"], dense["blocks"], pruned["blocks"], strict=True):
         mlp_cols, attn_cols, v_cols = _affine_cols(entry.get("mlp"), "width"), ("-", "-"), _affine_cols(entry.get("v"))
-        if attn := entry.get("attn"):
+        if attn := entry.get("qk"):
             e = attn["rel_error"]
             attn_cols = (f"{attn['kept']}/{attn['head_dim']}", f"{e['none']:.3f}/{e['corp']:.3f}")
         macs = f"{d_blk['macs'] / 1e6:.1f}->{p_blk['macs'] / 1e6:.1f}"

@@ -18,7 +18,7 @@ from statistics import median
 import torch
 from torch import Tensor, nn
 
-from corp_deploy.allocation import PART_ORDER, Key, candidate_widths, targets
+from corp_deploy.allocation import Key, candidate_widths
 from corp_deploy.pruner import PruneConfig, Timer, Widths, prune_block
 from corp_deploy.stats import CalibrationStats
 from corp_deploy.surgery import head_widths
@@ -27,8 +27,6 @@ REFERENCE_SPARSITY = 0.5
 """Each part is probed at its uniform-50% width: near the widths a 0.4-0.7 MACs budget picks."""
 NEGLIGIBLE = 1e-9
 """A local error below this (fully redundant channels) gives no usable ratio: the part's median is used."""
-REPORT_KEY = {"mlp": "mlp", "qk": "attn", "v": "v"}
-"""Where ``pruner.prune_block``'s diagnostics keep each part's errors."""
 
 
 def split_heldout(batches: Iterable[tuple[Tensor, int]], n: int) -> tuple[Tensor, Iterator[tuple[Tensor, int]]]:
@@ -84,7 +82,7 @@ def measure(model: nn.Module, stats: CalibrationStats, config: PruneConfig, imag
     model.eval()
     param = next(model.parameters())
     inputs, dense = _block_inputs(model, images.to(param.device, param.dtype))
-    parts = [p for p in PART_ORDER if p in targets(config)]
+    parts = config.target
     out: dict[Key, float] = {}
     for i, block in enumerate(model.blocks):
         full = {"mlp": block.mlp.fc1.out_features, "qk": head_widths(block.attn)[0], "v": head_widths(block.attn)[1]}
@@ -94,9 +92,8 @@ def measure(model: nn.Module, stats: CalibrationStats, config: PruneConfig, imag
             if kept == full[part]:  # nothing can be removed: the weight never matters
                 out[(i, part)] = 1.0
                 continue
-            widths: Widths = tuple(kept if p == part else None for p in PART_ORDER)  # type: ignore[assignment]
             trial = copy.deepcopy(block)
-            local = prune_block(trial, i, stats, widths, config, Timer())[REPORT_KEY[part]]["rel_error"]["corp"]
+            local = prune_block(trial, i, stats, Widths(**{part: kept}), config, Timer())[part]["rel_error"]["corp"]
             model.blocks[i] = trial
             try:
                 final = _relative(_final(model, i, inputs[i]), dense)

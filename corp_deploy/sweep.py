@@ -60,7 +60,7 @@ def sweep(
     An existing ``out`` is refused unless ``overwrite``; then the files of the same names are replaced.
     """
     check_writable(out, overwrite)
-    configs = [replace(config, sparsity=s, mlp_sparsity=None, attn_sparsity=None, v_sparsity=None) for s in sparsities]
+    configs = [replace(config, sparsity=s, mlp_sparsity=None, qk_sparsity=None, v_sparsity=None) for s in sparsities]
     for c in configs:
         plan_widths(model, c)  # every sparsity must be possible before the calibration pass
     dense_size = model_size(model)

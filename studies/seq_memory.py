@@ -39,7 +39,7 @@ def main() -> None:
     a = p.parse_args()
     warnings.simplefilter("ignore")
     model = create_model(a.model, weights="random")
-    config = PruneConfig(0.5, attn_sparsity=a.attn_sparsity, target=a.target, sequential=a.mode == "sequential")
+    config = PruneConfig(0.5, qk_sparsity=a.qk_sparsity, target=a.target, sequential=a.mode == "sequential")
     one_pass = blockwise.block_stats(model, PruneConfig(target=a.target), range(len(model.blocks)), "meta")
     batches, total = api.calibration_batches(model, "synthetic", a.num_calib, a.batch_size)
     bound = a.max_stats_gib if a.mode != "one-pass" else None

@@ -50,7 +50,7 @@ def study(setup: RealSetup, sparsities: list[float], num_calib: int, log=print) 
             out = features(model, setup.task.images)
             row["feature_rel_error"] = float((out - reference).norm() / reference.norm())
             row |= setup.task.score(TorchRunner(model))
-            row["block_errors"] = [{k: b[k]["rel_error"]["corp"] for k in ("mlp", "attn")} for b in blocks]
+            row["block_errors"] = [{k: b[k]["rel_error"]["corp"] for k in ("mlp", "qk")} for b in blocks]
             rows.append(row)
             log(f"{s:.1f} {mode:10s} feature error {row['feature_rel_error']:.4f} top-1 {row['top1']:.1%}")
     return rows

@@ -24,14 +24,13 @@ from corp_deploy.allocation import (
     candidate_widths,
     error_curves,
     macs_layout,
-    parse_budget,
     plan_budget,
     tokens,
 )
 from corp_deploy.artifact import load_pruned
 from corp_deploy.errors import CorpError
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
-from corp_deploy.ranking import mlp_scores
+from corp_deploy.pruner import PruneConfig, Widths, calibrate, parse_budget, prune_model
+from corp_deploy.ranking import channel_scores
 from corp_deploy.report import format_report, model_size
 from corp_deploy.sensitivity import split_heldout
 from corp_deploy.stats import MlpStats
@@ -54,7 +53,7 @@ def test_cholesky_curve_equals_direct_errors_mlp_and_v(calibrated) -> None:
     block = model.blocks[1]
     s = stats.mlp[1]
     w, b = block.mlp.fc2.weight.detach().double(), block.mlp.fc2.bias.detach().double()
-    order = torch.sort(mlp_scores("combined", s.second_moment().diagonal(), s.active / s.count, w), descending=True)
+    order = torch.sort(channel_scores("combined", s, w), descending=True)
     order = order.indices
     widths = candidate_widths(w.shape[1], 8)
     curve = affine_curve(s, w, b, order, widths)
@@ -67,7 +66,7 @@ def test_cholesky_curve_equals_direct_errors_mlp_and_v(calibrated) -> None:
     widths, curve = curves[(1, "v")]
     s, heads = stats.proj[1], block.attn.num_heads
     w, b = block.attn.proj.weight.detach().double(), block.attn.proj.bias.detach().double()
-    scores = mlp_scores("combined", s.second_moment().diagonal(), s.active / s.count, w).view(heads, -1)
+    scores = channel_scores("combined", s, w).view(heads, -1)
     for k, err in zip(widths[1:], curve[1:], strict=True):
         keep_h = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
         keep, prune = C.head_channels(keep_h.sort(-1).values, scores.shape[1])
@@ -81,9 +80,9 @@ def test_logit_curve_matches_the_pruner(calibrated) -> None:
     widths, curve = curves[(0, "qk")]
     for k, err in zip(widths[1:], curve[1:], strict=True):
         trial = copy.deepcopy(model)
-        plan = [(None, k, None)] + [(None, None, None)] * (len(model.blocks) - 1)
+        plan = [Widths(qk=k)] + [Widths()] * (len(model.blocks) - 1)
         report = prune_model(trial, stats, PruneConfig(), plan=plan)
-        assert err == pytest.approx(report[0]["attn"]["rel_error"]["corp"], rel=1e-9)
+        assert err == pytest.approx(report[0]["qk"]["rel_error"]["corp"], rel=1e-9)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"reg_tokens": 3, "qkv_bias": False}])
@@ -91,7 +90,7 @@ def test_closed_form_macs_equal_counted_macs(overrides) -> None:
     """Including Q/K != V widths and register tokens, per block and in total."""
     dense = tiny_vit(**overrides)
     pruned, _ = pruned_copy(
-        dense, PruneConfig(mlp_sparsity=0.25, attn_sparsity=0.5, v_sparsity=0.75, target="all", round_to=4)
+        dense, PruneConfig(mlp_sparsity=0.25, qk_sparsity=0.5, v_sparsity=0.75, target="all", round_to=4)
     )
     dense_macs = model_size(dense)["macs"]
     for model in (dense, pruned):
@@ -117,7 +116,8 @@ def test_budget_met_exactly_with_the_counted_macs(calibrated, target, fraction) 
     unit, _, _ = macs_layout(model, dense_macs, frozenset(record["planned_error"]))
     full = block_parts(model)
     for i, widths in enumerate(plan):
-        for part, kept in zip(("mlp", "qk", "v"), widths, strict=True):
+        for part in ("mlp", "qk", "v"):
+            kept = widths.get(part)
             if kept is None or kept == full[i]["widths"][part]:
                 continue
             bigger = candidate_widths(full[i]["widths"][part], 8)
@@ -169,7 +169,7 @@ def test_allocator_follows_the_error_curves() -> None:
     config = PruneConfig(budget="macs=0.8", target="mlp", allocation="local")
     stats = calibrate(model, tiny_batches(), config, "cpu", progress=False)
     plan, record = plan_budget(model, stats, config, model_size(model)["macs"])
-    (redundant, _, _), (normal, _, _) = plan[1], plan[0]
+    redundant, normal = plan[1].mlp, plan[0].mlp
     assert redundant < normal
     widths, errors = error_curves(model, stats, config, frozenset({"mlp"}))[(1, "mlp")]
     assert errors[widths.index(64)] < 1e-6 < record["planned_error"]["mlp"][0]
@@ -181,8 +181,8 @@ def test_bad_budgets_are_refused_in_one_line() -> None:
             parse_budget(text)
         assert "\n" not in str(e.value)
     assert parse_budget("macs=1").fraction == 1.0
-    with pytest.raises(CorpError, match="drop --attn-sparsity or drop --budget"):
-        PruneConfig(budget="macs=0.5", attn_sparsity=0.3)
+    with pytest.raises(CorpError, match="drop --qk-sparsity or drop --budget"):
+        PruneConfig(budget="macs=0.5", qk_sparsity=0.3)
     with pytest.raises(CorpError, match="use --compensation corp"):
         PruneConfig(budget="macs=0.5", compensation="mean")
     with pytest.raises(CorpError, match="--allocation must be one of"):
@@ -201,7 +201,7 @@ def test_impossible_budget_fails_before_calibration() -> None:
         with pytest.raises(CorpError, match="is below the smallest model") as e:
             api.prune(tiny_vit(), _never_read(), config, progress=False)
         assert "\n" not in str(e.value)
-    with pytest.raises(CorpError, match="holds out the first 32 calibration images"):
+    with pytest.raises(CorpError, match="holds out 32 calibration images"):
         api.prune(tiny_vit(), _never_read(), PruneConfig(budget="macs=0.7"), total=32, progress=False)
 
 
@@ -220,7 +220,7 @@ def test_budgeted_prune_end_to_end_reloads(tmp_path) -> None:
     result = api.prune(model, tiny_batches(64), config, progress=False)
     report = result.report
     alloc = report["allocation"]
-    assert report["calibration"]["images"] == 48 and alloc["heldout_images"] == 16
+    assert report["calibration"]["images"] == 48 and alloc["heldout"]["images"] == 16
     assert alloc["criterion"] == "sensitivity" and set(alloc["sensitivity"]) == {"mlp", "qk", "v"}
     assert all(v > 0 for vs in alloc["sensitivity"].values() for v in vs)
     assert report["pruned"]["macs"] == alloc["planned_macs"] <= 0.6 * report["dense"]["macs"]
@@ -245,7 +245,7 @@ def test_budgeted_prune_end_to_end_reloads(tmp_path) -> None:
     with torch.inference_mode():
         torch.testing.assert_close(reloaded(x), result.model(x))
         assert not torch.equal(reloaded(x), dense(x))
-    widths = [(e.get("mlp", {}).get("kept"), e["attn"]["kept"], e["v"]["kept"]) for e in report["blocks"]]
+    widths = [(e.get("mlp", {}).get("kept"), e["qk"]["kept"], e["v"]["kept"]) for e in report["blocks"]]
     assert widths == [(b.mlp.fc1.out_features, b.attn.qk_dim, b.attn.v_dim) for b in reloaded.blocks]
 
 
@@ -273,7 +273,7 @@ config = PruneConfig(budget="macs=0.6", target="all", allocation=sys.argv[1], se
 result = api.prune(tiny_vit(), batches, config, "cpu", progress=False, world=world)
 if result is not None:
     json.dump({"allocation": result.report["allocation"], "calibration": result.report["calibration"],
-               "widths": [[e[p]["kept"] for p in ("mlp", "attn", "v")] for e in result.report["blocks"]]},
+               "widths": [[e[p]["kept"] for p in ("mlp", "qk", "v")] for e in result.report["blocks"]]},
               open(sys.argv[2], "w"))
 distributed.finish()
 """
@@ -305,8 +305,8 @@ def test_budget_under_two_gloo_processes(tmp_path) -> None:
         progress=False,
     )
     assert local["calibration"] == {"images": 64, "skipped": 0, "mode": "one-pass", "processes": 2}
-    assert local["widths"] == [[e[p]["kept"] for p in ("mlp", "attn", "v")] for e in single.report["blocks"]]
-    assert sens["calibration"]["images"] == 56 and sens["allocation"]["heldout_images"] == 8
+    assert local["widths"] == [[e[p]["kept"] for p in ("mlp", "qk", "v")] for e in single.report["blocks"]]
+    assert sens["calibration"]["images"] == 56 and sens["allocation"]["heldout"]["images"] == 8
     assert sens["allocation"]["planned_macs"] <= sens["allocation"]["limit_macs"]
 
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from corp_deploy import api, blockwise
 from corp_deploy import compensation as C
 from corp_deploy.errors import CorpError
-from corp_deploy.pruner import PruneConfig
+from corp_deploy.pruner import PruneConfig, Widths
 from corp_deploy.stats import MlpStats, PairStats
 from corp_deploy.surgery import block_widths
 
@@ -204,7 +204,7 @@ def test_sequential_reduces_the_final_feature_error(monkeypatch) -> None:
     Only the part of block 0's error that reaches block 1's MLP is corrected (not the residual stream itself): ~5%.
     """
     model = tiny_vit()
-    monkeypatch.setattr(blockwise, "plan_widths", lambda _model, _config: [(16, None, None), (128, None, None)])
+    monkeypatch.setattr(api, "plan_widths", lambda _model, _config, _stats=None: [Widths(16), Widths(128)])
     batches = tiny_batches(n=256, batch=64, seed=1)
     config = PruneConfig(sparsity=0.5, target="mlp", round_to=4)
     one_pass = _prune(model, config, batches, max_stats_gib=1.0)  # the one-pass method (bounded == one-pass)

@@ -67,7 +67,7 @@ def _foreign_checkpoint(tmp_path: Path) -> Path:
 BAD_INPUTS = {
     "unknown model": (["prune", "deit_tinyy", "--calib", "synthetic"], "did you mean"),
     "sparsity >= 1": ([*PRUNE, "--calib", "synthetic", "--sparsity", "1.0"], "--sparsity must be in [0, 1)"),
-    "negative sparsity": ([*PRUNE, "--calib", "synthetic", "--attn-sparsity", "-0.1"], "--attn-sparsity"),
+    "negative sparsity": ([*PRUNE, "--calib", "synthetic", "--attn-sparsity", "-0.1"], "--qk-sparsity"),
     "zero channels left": ([*PRUNE, "--calib", "synthetic", "--sparsity", "0.9", "--round-to", "8"], "leaves 0"),
     "zero V channels left": (
         [*PRUNE, "--calib", "synthetic", "--target", "all", "--v-sparsity", "0.9", "--round-to", "8"],
@@ -100,7 +100,10 @@ BAD_INPUTS = {
         [*PRUNE, "--calib", "synthetic", "--budget", "macs=0.6", "--mlp-sparsity", "0.3"],
         "drop --mlp-sparsity or drop --budget",
     ),
-    "budget below the smallest widths": ([*PRUNE, "--calib", "synthetic", "--budget", "macs=0.01"], "is below"),
+    "budget below the smallest widths": (
+        [*PRUNE, "--calib", "synthetic", "--budget", "macs=0.01", "--allocation", "local"],
+        "is below",
+    ),
     "budget above 1": ([*PRUNE, "--calib", "synthetic", "--budget", "macs=1.5"], "0 < F <= 1"),
     "budget of another kind": ([*PRUNE, "--calib", "synthetic", "--budget", "latency=0.5"], "--budget must be"),
     "budget with bounded memory": (
@@ -241,6 +244,9 @@ def test_a_budgeted_sequential_prune_meets_its_budget_and_names_its_folder(tmp_p
     assert code == 0, stderr
     report = json.loads((tmp_path / "runs" / "deit_tiny-macs70" / "corp.json").read_text())["report"]
     assert report["config"]["budget"] == "macs=0.7" and report["config"]["sparsity"] is None
-    assert report["calibration"]["mode"] == "sequential" and report["allocation"]["heldout_images"] == 32
+    assert report["calibration"]["mode"] == "sequential" and report["allocation"]["heldout"] == {
+        "images": 32,
+        "folders": {"synthetic": 32},
+    }
     assert report["pruned"]["macs"] <= 0.7 * report["dense"]["macs"]
     assert "widths per block from --budget macs=0.7" in stdout

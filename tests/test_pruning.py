@@ -58,7 +58,7 @@ def test_reported_errors_match_the_pruned_layers() -> None:
     mlp_err = float(((y - y_p) ** 2).sum() / (y**2).sum())
     assert mlp_err == pytest.approx(report[0]["mlp"]["rel_error"]["corp"], rel=1e-3)
 
-    heads, d, kept = 4, 16, report[0]["attn"]["kept"]
+    heads, d, kept = 4, 16, report[0]["qk"]["kept"]
     qkv, qkv_p = torch.cat(captured["qkv"]), torch.cat(captured["qkv_p"])
     q, k = (
         qkv[..., : heads * d].unflatten(-1, (heads, d)),
@@ -69,8 +69,8 @@ def test_reported_errors_match_the_pruned_layers() -> None:
     logits = torch.einsum("bnhd,bmhd->bhnm", q, k)
     logits_p = torch.einsum("bnhd,bmhd->bhnm", q_p, k_p)
     logit_err = float(((logits - logits_p) ** 2).sum() / (logits**2).sum())
-    assert logit_err == pytest.approx(report[0]["attn"]["rel_error"]["corp"], rel=1e-3)
-    for part in ("mlp", "attn"):
+    assert logit_err == pytest.approx(report[0]["qk"]["rel_error"]["corp"], rel=1e-3)
+    for part in ("mlp", "qk"):
         assert report[0][part]["rel_error"]["corp"] < report[0][part]["rel_error"]["none"]
 
 
@@ -89,7 +89,7 @@ def test_corp_beats_plain_removal_and_mean_shift_on_held_out_images() -> None:
 
 def test_pruned_shapes_and_parameter_count() -> None:
     model = tiny_vit()
-    pruned, report = pruned_copy(model, PruneConfig(mlp_sparsity=0.25, attn_sparsity=0.5, round_to=4))
+    pruned, report = pruned_copy(model, PruneConfig(mlp_sparsity=0.25, qk_sparsity=0.5, round_to=4))
     dim, heads, d, hidden = 64, 4, 16, 128
     kept_h, kept_d = 96, 8
     for block in pruned.blocks:
@@ -198,10 +198,10 @@ def test_fold_with_nonzero_qkv_biases_gives_the_reported_logit_error() -> None:
     model(torch.cat([b for b, _ in batches]))
     hook.remove()
     (tokens,) = captured
-    heads, d, kept = 4, 16, report[0]["attn"]["kept"]
+    heads, d, kept = 4, 16, report[0]["qk"]["kept"]
     q, k = model.blocks[0].attn.qkv(tokens)[..., : 2 * heads * d].unflatten(-1, (2, heads, d)).unbind(-3)
     q_p, k_p = pruned.blocks[0].attn.qkv(tokens)[..., : 2 * heads * kept].unflatten(-1, (2, heads, kept)).unbind(-3)
     logits = torch.einsum("bnhd,bmhd->bhnm", q, k)
     error = float(((logits - torch.einsum("bnhd,bmhd->bhnm", q_p, k_p)) ** 2).sum() / (logits**2).sum())
-    assert error == pytest.approx(report[0]["attn"]["rel_error"]["corp"], rel=1e-3)
-    assert error < 0.9 * report[0]["attn"]["rel_error"]["none"]
+    assert error == pytest.approx(report[0]["qk"]["rel_error"]["corp"], rel=1e-3)
+    assert error < 0.9 * report[0]["qk"]["rel_error"]["none"]

@@ -53,9 +53,31 @@ def test_mlp_rankers_score_as_documented() -> None:
     w2 = w2 / w2.norm(dim=0) * magnitude
     active = torch.tensor(ACTIVE, dtype=torch.float64) / 10
     for ranker, kept in MLP_KEPT.items():
-        scores = mlp_scores(ranker, energy, active, w2)
+        scores = mlp_scores(ranker, energy, active, w2, torch.zeros(8, dtype=torch.float64))
         assert split_top(scores, 4)[0].tolist() == kept, ranker
+    mean = torch.tensor([1.9, 0, 0, 0, 2.8, 0, 3.9, 5.65], dtype=torch.float64)  # var 0.39, .16, .79, .0775
+    assert split_top(mlp_scores("variance", energy, active, w2, mean), 4)[0].tolist() == [1, 2, 5, 6]
     assert split_top(energy / magnitude, 4)[0].tolist() == WRONG_COMBINED  # the test can tell them apart
+
+
+def test_variance_ranks_by_spread_not_offset() -> None:
+    """VBP's criterion through the real pruner: a channel with a large constant offset carries energy but no
+    information (mean shift restores it), so ``variance`` drops it where ``energy`` keeps it."""
+    model = tiny_vit(embed_dim=16, num_heads=2, mlp_ratio=0.5, depth=1)  # 8 hidden channels
+    g = torch.Generator().manual_seed(0)
+    offset = torch.tensor([20.0, 0, 0, 0, 15.0, 0, 0, 0], dtype=torch.float64)
+    spread = torch.tensor([0.1, 3.0, 1.0, 2.0, 0.1, 0.5, 4.0, 0.2], dtype=torch.float64)
+    stats = MlpStats(8)
+    stats.update(offset + spread * torch.randn(4000, 8, generator=g, dtype=torch.float64))
+    kept = {}
+    for ranker in ("energy", "variance"):
+        pruned = copy.deepcopy(model)
+        config = PruneConfig(sparsity=0.5, target="mlp", ranker=ranker, compensation="mean", round_to=1)
+        prune_model(pruned, CalibrationStats(mlp={0: stats}, images=1), config)
+        rows = pruned.blocks[0].mlp.fc1.weight
+        kept[ranker] = [i for i in range(8) if any(torch.equal(r, model.blocks[0].mlp.fc1.weight[i]) for r in rows)]
+    assert kept["variance"] == [1, 2, 3, 6]
+    assert kept["energy"] == [0, 1, 4, 6]  # the offsets win on energy
 
 
 def _hand_built_tokens(width: int = 8, tokens: int = 10) -> torch.Tensor:
@@ -75,7 +97,11 @@ def _hand_built_mlp_stats() -> MlpStats:
     return stats
 
 
-@pytest.mark.parametrize("ranker", RANKERS)
+HAND_BUILT = [r for r in RANKERS if r != "variance"]
+"""The hand-built channels have (nearly) zero means, where variance ranks as energy: it has its own test."""
+
+
+@pytest.mark.parametrize("ranker", HAND_BUILT)
 def test_pruner_keeps_the_mlp_channels_each_ranker_prefers(ranker) -> None:
     """Hand-built statistics through the real pruner: fc1 must keep exactly the rows of the expected set."""
     model = tiny_vit(embed_dim=16, num_heads=2, mlp_ratio=0.5, depth=1)  # 8 hidden channels
@@ -90,7 +116,7 @@ def test_pruner_keeps_the_mlp_channels_each_ranker_prefers(ranker) -> None:
     assert torch.equal(pruned.blocks[0].mlp.fc1.bias, model.blocks[0].mlp.fc1.bias[kept])
 
 
-@pytest.mark.parametrize("ranker", RANKERS)
+@pytest.mark.parametrize("ranker", HAND_BUILT)
 @torch.no_grad()
 def test_pruner_keeps_the_v_channels_each_ranker_prefers_within_every_head(ranker) -> None:
     """Two heads of eight V channels at proj's input: head 0 is the MLP case, head 1 the same channels
@@ -190,6 +216,7 @@ def _expected_mlp_keep(ranker: str, x: torch.Tensor, w2: torch.Tensor, kept: int
         "magnitude": w2.double().norm(dim=0),
         "combined": (x**2).mean(0) * w2.double().norm(dim=0),
         "active": (x.abs() > ACTIVE_EPS).double().mean(0),
+        "variance": x.var(0, correction=0),
     }[ranker]
     order = torch.sort(scores, descending=True, stable=True)
     assert order.values[kept - 1] > order.values[kept]  # a clear cut, so the check can fail
@@ -268,10 +295,11 @@ def test_target_prunes_only_its_part_end_to_end(checkpoint, tmp_path, capsys, ta
     code, _, stderr = run([*argv, "--calib", "synthetic", "--target", target, "--out", str(out)], capsys)
     assert code == 0, stderr
     meta = json.loads((out / "corp.json").read_text())
-    assert meta["report"]["config"]["target"] == target
-    widths = {"mlp": (64, 16), "attn": (128, 8)}[target]
+    part = {"mlp": "mlp", "attn": "qk"}[target]  # attn: the older spelling of qk, recorded as qk
+    assert meta["report"]["config"]["target"] == part
+    widths = {"mlp": (64, 16), "qk": (128, 8)}[part]
     assert [(b["mlp_hidden"], b["qk_dim"]) for b in meta["structure"]] == [widths] * 2
-    assert all(set(b) == {"block", target} for b in meta["report"]["blocks"])
+    assert all(set(b) == {"block", part} for b in meta["report"]["blocks"])
 
     dense, pruned = tiny_vit(), corp_deploy.load_pruned(out)
     for d, p in zip(dense.blocks, pruned.blocks, strict=True):

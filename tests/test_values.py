@@ -139,7 +139,7 @@ def test_equal_width_attention_is_plain_attention_with_the_original_scale(calibr
 
 def test_parameter_count_with_all_three_parts() -> None:
     model = tiny_vit()
-    config = PruneConfig(mlp_sparsity=0.25, attn_sparsity=0.5, v_sparsity=0.75, target="all", round_to=4)
+    config = PruneConfig(mlp_sparsity=0.25, qk_sparsity=0.5, v_sparsity=0.75, target="all", round_to=4)
     stats = calibrate(model, tiny_batches(), config, "cpu", progress=False)
     pruned = copy.deepcopy(model)
     prune_model(pruned, stats, config)
@@ -158,10 +158,10 @@ def test_parameter_count_with_all_three_parts() -> None:
 
 
 def test_target_parsing_and_sparsity_overrides() -> None:
-    assert PruneConfig(target="both").prunes_mlp and PruneConfig(target="both").prunes_attn
-    assert not PruneConfig(target="both").prunes_v and not PruneConfig(target="attn").prunes_mlp
+    assert PruneConfig(target="both").prunes("mlp") and PruneConfig(target="both").prunes("qk")
+    assert not PruneConfig(target="both").prunes("v") and not PruneConfig(target="attn").prunes("mlp")
     config = PruneConfig(sparsity=0.5, v_sparsity=0.25, target="mlp, v")
-    assert (config.effective_mlp_sparsity, config.effective_attn_sparsity, config.effective_v_sparsity) == (
+    assert (config.part_sparsity("mlp"), config.part_sparsity("qk"), config.part_sparsity("v")) == (
         0.5,
         0,
         0.25,

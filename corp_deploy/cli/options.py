@@ -17,7 +17,6 @@ from typing import Any
 
 import click
 
-from corp_deploy.allocation import CRITERIA, parse_budget
 from corp_deploy.bench.measure import Method
 from corp_deploy.data import SYNTHETIC
 from corp_deploy.deps import missing
@@ -35,7 +34,7 @@ from corp_deploy.exporters.tensorrt_engine import (
 )
 from corp_deploy.fsio import check_writable
 from corp_deploy.models import WEIGHTS
-from corp_deploy.pruner import COMPENSATIONS, DEFAULT_RIDGE, PruneConfig
+from corp_deploy.pruner import COMPENSATIONS, CRITERIA, DEFAULT_RIDGE, SELECTIONS, PruneConfig
 from corp_deploy.ranking import RANKERS
 
 CALIB_IMAGES = 4000
@@ -107,17 +106,17 @@ quiet_option = click.option("--quiet", is_flag=True, help="No progress bar.")
 method_options = group(
     click.option(
         "--target",
-        default="both",
+        default="mlp,qk",
         show_default=True,
-        help="What to prune: a comma list of mlp, qk (attention Q/K dims), v (attention V channels); "
-        "all = mlp,qk,v; both = mlp,qk; attn = qk.",
+        help="What to prune: a comma list of mlp (MLP channels), qk (attention Q/K dims), v (attention V "
+        "channels); all = mlp,qk,v; both = joint = mlp,qk; attn = qk.",
     ),
     click.option(
         "--ranker",
         type=click.Choice(RANKERS),
         default="combined",
         show_default=True,
-        help="energy, magnitude, combined or active.",
+        help="Channel score: energy, magnitude, combined (the paper's), active or variance (VBP's).",
     ),
     click.option(
         "--compensation",
@@ -133,7 +132,13 @@ method_options = group(
 sparsity_options = group(
     click.option("--sparsity", default=0.5, show_default=True, help="Fraction of channels to remove, in [0, 1)."),
     click.option("--mlp-sparsity", type=float, help="Override --sparsity for MLP hidden channels."),
-    click.option("--attn-sparsity", type=float, help="Override --sparsity for attention Q/K dims."),
+    click.option(
+        "--qk-sparsity",
+        "--attn-sparsity",
+        "qk_sparsity",
+        type=float,
+        help="Override --sparsity for attention Q/K dims.",
+    ),
     click.option("--v-sparsity", type=float, help="Override --sparsity for attention V channels."),
     click.option(
         "--budget",
@@ -151,6 +156,14 @@ sparsity_options = group(
     ),
     click.option(
         "--sensitivity-images", default=32, show_default=True, help="Calibration images held out for sensitivity."
+    ),
+    click.option(
+        "--selection",
+        type=click.Choice(SELECTIONS),
+        default="per-layer",
+        show_default=True,
+        help="MLP channels: the same fraction in every block, or VBP's one score threshold across all blocks "
+        "(global; each block's count rounded to --round-to).",
     ),
     click.option(
         "--sequential",
@@ -257,7 +270,7 @@ def out_path(out: str | None, model: str, pruning: dict[str, Any], overwrite: bo
     """--out, or ``runs/<model>-s<percent>`` (``runs/deit_base-s50``; ``-macs40`` under ``--budget macs=0.4``);
     checked writable before any work."""
     config = prune_config(pruning)
-    budget = None if config.budget is None else parse_budget(config.budget)
+    budget = config.budget
     tag = f"s{100 * config.sparsity:g}" if budget is None else f"{budget.kind}{100 * budget.fraction:g}"
     out = out or f"runs/{re.sub(r'[^A-Za-z0-9_.-]+', '_', model)}-{tag}"
     check_writable(out, overwrite)

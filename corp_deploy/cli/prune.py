@@ -54,6 +54,7 @@ class Inputs(NamedTuple):
     net: nn.Module
     batches: Iterable
     total: int
+    heldout: api.Heldout | None
     device: torch.device
     name: str
     args: dict
@@ -75,8 +76,10 @@ def inputs(
     seed: int,
     device: str,
     dist_timeout: float | None = None,
+    hold_out: int = 0,
 ) -> Inputs:
-    """``dist_timeout`` marks a command that may run data-parallel under torchrun (prune, prune-export)."""
+    """``dist_timeout`` marks a command that may run data-parallel under torchrun (prune, prune-export);
+    ``hold_out`` calibration images are drawn across the sample for the width planning (``api.calibration_data``)."""
     source = calibration_source(calib_dir, calib)
     if num_calib is None:
         num_calib = SMOKE_IMAGES if source == SYNTHETIC else CALIB_IMAGES
@@ -89,9 +92,11 @@ def inputs(
         world, device_ = distributed.init(device_, dist_timeout)
     torch.manual_seed(seed)  # --weights random: the same model on every run and every rank
     net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=args)
-    batches, total = api.calibration_batches(net, source, num_calib, calib_batch_size, seed, workers, world)
+    data = api.calibration_data(net, source, num_calib, calib_batch_size, seed, workers, world, hold_out)
     provenance = f"checkpoint:{checkpoint}" if checkpoint else weights
-    return Inputs(net, batches, total, device_, resolve_name(model), args, provenance, str(source), world)
+    return Inputs(
+        net, data.batches, data.total, data.heldout, device_, resolve_name(model), args, provenance, str(source), world
+    )
 
 
 def pruned(
@@ -107,11 +112,21 @@ def pruned(
     Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``.
     """
     config = prune_config(pruning)
-    got = inputs(**flags, dist_timeout=dist_timeout)
+    api.calibration_mode(config, max_stats_gib, distributed.SINGLE_PROCESS)  # combinations refused before any data
+    got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images)
     dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
     progress = not quiet and got.world.is_main
     result = api.prune(
-        got.net, got.batches, config, got.device, got.total, progress, got.world, dist_timeout, max_stats_gib
+        got.net,
+        got.batches,
+        config,
+        got.device,
+        got.total,
+        progress,
+        got.world,
+        dist_timeout,
+        max_stats_gib,
+        got.heldout,
     )
     if result is None:
         return None
