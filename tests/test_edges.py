@@ -176,6 +176,8 @@ def _edit(meta: dict, case: str) -> dict | list | str:
         "blocks-missing": {**meta, "structure": structure[:1]},
         "width-missing": {**meta, "structure": [{"heads": 4}] * len(structure)},
         "wrong-widths": {**meta, "structure": [{**b, "mlp_hidden": 96} for b in structure]},
+        "unknown-family": {**meta, "family": "hf-someday"},
+        "unknown-block-entry": {**meta, "structure": [{**b, "attn_removed": True} for b in structure]},
     }[case]
 
 
@@ -189,7 +191,11 @@ CORRUPT = {
     "blocks-missing": "describes a model this corp-deploy cannot build",
     "width-missing": "describes a model this corp-deploy cannot build",
     "wrong-widths": "weights in .* do not match its corp.json",
+    "unknown-family": "is a 'hf-someday' model, which this corp-deploy cannot build; upgrade it",
+    "unknown-block-entry": "records block entries this corp-deploy does not know \\(attn_removed\\); upgrade it",
 }
+"""A family or block entry a later version adds is refused by name, never built as something else: that is
+what lets the format grow without a version bump."""
 
 
 @pytest.mark.parametrize("case", list(CORRUPT))

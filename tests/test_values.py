@@ -219,14 +219,18 @@ def test_save_then_load_rebuilds_v_widths(saved) -> None:
 
 @torch.no_grad()
 def test_artifacts_without_v_widths_still_load(tmp_path) -> None:
-    """A format-1 artifact (no ``v_dim``, V never pruned) loads with V at the dense head width."""
+    """A format-1 artifact (no ``v_dim``, V never pruned, no ``family``, report keys ``attn``) loads with V at
+    the dense head width, as a timm ViT."""
     model = corp_deploy.create_model("deit_tiny", weights="random", model_args=ARGS)
     result = corp_deploy.prune(model, tiny_batches(), PruneConfig(round_to=4), device="cpu", progress=False)
     out = corp_deploy.save(result, tmp_path / "old", "deit_tiny_patch16_224", ARGS, weights="random")
     meta = json.loads((out / "corp.json").read_text())
     meta["format_version"] = 1
+    del meta["family"]
     for block in meta["structure"]:
         del block["v_dim"]
+    for entry in meta["report"]["blocks"]:
+        entry["attn"] = entry.pop("qk")
     (out / "corp.json").write_text(json.dumps(meta))
     loaded = corp_deploy.load_pruned(out)
     assert all(b.attn.qk_dim == 8 and b.attn.v_dim == 16 for b in loaded.blocks)
