@@ -21,6 +21,7 @@ from torch import nn
 
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta
 from corp_deploy.bench.measure import Step
+from corp_deploy.deps import missing as uninstalled
 from corp_deploy.deps import optional
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.tensorrt_engine import run_missing
@@ -183,7 +184,7 @@ def _ort_missing(device: str, precision: str = "fp32") -> Callable[[RunFolder], 
     def missing(run: RunFolder) -> str | None:
         ort = optional("onnxruntime")
         if ort is None:
-            return f"not installed: {missing('onnxruntime')}"
+            return f"not installed: {uninstalled('onnxruntime')}"
         absent = [run.onnx(m, precision).name for m in MODELS if not run.onnx(m, precision).is_file()]
         if absent and precision == "int8":
             return f"no {', '.join(absent)} in {run.root} (corp-deploy quantize {run.root} --calib-dir DIR)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import sys
 
 import pytest
 from conftest import TINY_CLI_ARGS
@@ -104,6 +105,12 @@ def test_parse_batch_sizes() -> None:
     for bad in ("", "0,1", "a"):
         with pytest.raises(CorpError, match="--batch-sizes"):
             parse_batch_sizes(bad)
+
+
+def test_without_onnxruntime_its_backends_are_skipped_saying_what_to_install(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if it were not installed
+    _, skipped = select("auto", RunFolder(tmp_path))
+    assert skipped["ort-cpu-fp32"] == "not installed: onnxruntime (pip install 'corp-deploy[onnx]')"
 
 
 @pytest.fixture(scope="module")
