@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import timm
@@ -21,8 +23,9 @@ from torch import nn
 
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta
 from corp_deploy.bench.measure import Step
+from corp_deploy.deps import missing as uninstalled
 from corp_deploy.deps import optional
-from corp_deploy.errors import CorpError
+from corp_deploy.errors import CorpError, first_line
 from corp_deploy.exporters.tensorrt_engine import run_missing
 
 MODELS = ("dense", "pruned")
@@ -107,29 +110,88 @@ class Backend:
     load: Callable[[RunFolder, str, bool, int | None], Callable[[int], Step]]
     """(run, model, include_copies, CPU threads) -> (batch -> timed step)."""
     missing: Callable[[RunFolder], str | None]
+    opt_in: str | None = None
+    """Why ``auto`` leaves this backend out (it runs only when named); None: ``auto`` includes it."""
 
 
-def _torch(device: str, dtype: torch.dtype) -> Callable:
+def compile_model(model: nn.Module, backend: str | Callable[..., Any] = "inductor") -> nn.Module:
+    """``torch.compile`` with static shapes: one specialised graph per (model, batch), as a deployment
+    serving fixed batch sizes compiles it, and as a CUDA graph (fixed addresses and shapes) needs."""
+    return torch.compile(model, backend=backend, dynamic=False)
+
+
+@contextmanager
+def _every_recompile_allowed() -> Iterator[None]:
+    """Lift dynamo's per-function recompile limit (8) to its global one while a forward compiles.
+
+    Every model of a class shares one compile cache (``VisionTransformer.forward``), and each model x
+    batch x precision is one more entry: past 8, dynamo silently runs the function eagerly and the
+    "compiled" timing would be eager's.
+    """
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    with config.patch(cache_size_limit=config.accumulated_cache_size_limit):
+        yield
+
+
+def torch_forward(model: nn.Module, x: torch.Tensor, graph: bool = False) -> Callable[[], torch.Tensor]:
+    """``model(x)`` under ``inference_mode``, run once here so a compiled model compiles now, not when timed.
+
+    ``graph``: after warm-up iterations on a side stream (CUDA graphs capture no first-call work), the
+    forward is captured once in a CUDA graph and the call replays it: no per-kernel launch cost. ``x``
+    is then the static input buffer (write new inputs into it) and the call returns the static output.
+    """
+
+    def run() -> torch.Tensor:
+        with torch.inference_mode():
+            return model(x)
+
+    with _every_recompile_allowed():
+        if not graph:
+            run()
+            return run
+        side = torch.cuda.Stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                run()
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            out = run()
+
+    def replay() -> torch.Tensor:
+        captured.replay()
+        return out
+
+    return replay
+
+
+def _torch(device: str, dtype: torch.dtype, compile_backend: str | None = None, graph: bool = False) -> Callable:
     def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
         model = run.torch_model(which).to(device, dtype).eval()
+        if compile_backend:
+            model = compile_model(model, compile_backend)
         shape = run.input_size
 
         def at(batch: int) -> Step:
+            x = torch.randn(batch, *shape, device=device, dtype=dtype)
+            try:
+                forward = torch_forward(model, x, graph)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except RuntimeError as e:  # a compiler or capture failure: this batch is skipped, the bench goes on
+                raise CorpError(f"the warm-up forward (compile, graph capture) failed: {first_line(e)}") from e
             if include_copies and device == "cuda":
                 host = torch.randn(batch, *shape, dtype=dtype).pin_memory()
 
-                def call():
-                    with torch.inference_mode():
-                        return model(host.to(device, non_blocking=True)).cpu()
+                def call() -> torch.Tensor:
+                    x.copy_(host, non_blocking=True)
+                    return forward().cpu()
 
-            else:
-                x = torch.randn(batch, *shape, device=device, dtype=dtype)
-
-                def call():
-                    with torch.inference_mode():
-                        return model(x)
-
-            return cuda_step(call) if device == "cuda" else cpu_step(call)
+                return cuda_step(call)
+            return cuda_step(forward) if device == "cuda" else cpu_step(forward)
 
         return at
 
@@ -179,11 +241,18 @@ def _no_gpu(_: RunFolder) -> str | None:
     return None if torch.cuda.is_available() else "no CUDA GPU visible"
 
 
+def _compile_missing(run: RunFolder) -> str | None:
+    if reason := _no_gpu(run):
+        return reason
+    absent = uninstalled("triton")
+    return absent and f"not installed: {absent} (torch.compile's inductor writes its CUDA kernels in Triton)"
+
+
 def _ort_missing(device: str, precision: str = "fp32") -> Callable[[RunFolder], str | None]:
     def missing(run: RunFolder) -> str | None:
         ort = optional("onnxruntime")
         if ort is None:
-            return f"not installed: {missing('onnxruntime')}"
+            return f"not installed: {uninstalled('onnxruntime')}"
         absent = [run.onnx(m, precision).name for m in MODELS if not run.onnx(m, precision).is_file()]
         if absent and precision == "int8":
             return f"no {', '.join(absent)} in {run.root} (corp-deploy quantize {run.root} --calib-dir DIR)"
@@ -208,22 +277,37 @@ def _engine_missing(precision: str) -> Callable[[RunFolder], str | None]:
     return missing
 
 
+CUDA_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+COMPILE_OPT_IN = (
+    "not in auto: torch.compile (inductor) compiles each model and batch size first, ~5-10 s each on an H200, "
+    "minutes in all; name it in --backends"
+)
+TORCH_CUDA_MODES = {
+    "": (None, False, _no_gpu, None),
+    "-graph": (None, True, _no_gpu, None),
+    "-compile": ("inductor", False, _compile_missing, COMPILE_OPT_IN),
+    "-compile-graph": ("inductor", True, _compile_missing, COMPILE_OPT_IN),
+}
+"""Name suffix -> (torch.compile backend, CUDA graph, why it cannot run here, why ``auto`` leaves it out)."""
+
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend("torch-cpu-fp32", "cpu", "fp32", _torch("cpu", torch.float32), lambda run: None),
         Backend("ort-cpu-fp32", "cpu", "fp32", _ort("cpu"), _ort_missing("cpu")),
         Backend("ort-cpu-int8", "cpu", "int8", _ort("cpu", "int8"), _ort_missing("cpu", "int8")),
-        Backend("torch-cuda-fp32", "cuda", "fp32", _torch("cuda", torch.float32), _no_gpu),
-        Backend("torch-cuda-fp16", "cuda", "fp16", _torch("cuda", torch.float16), _no_gpu),
-        Backend("torch-cuda-bf16", "cuda", "bf16", _torch("cuda", torch.bfloat16), _no_gpu),
+        *(
+            Backend(f"torch-cuda-{p}{suffix}", "cuda", p, _torch("cuda", dtype, compiler, graph), missing, opt_in)
+            for suffix, (compiler, graph, missing, opt_in) in TORCH_CUDA_MODES.items()
+            for p, dtype in CUDA_DTYPES.items()
+        ),
         Backend("ort-cuda-fp32", "cuda", "fp32", _ort("gpu"), _ort_missing("gpu")),
         Backend("tensorrt-fp32", "cuda", "fp32", _tensorrt("fp32"), _engine_missing("fp32")),
         Backend("tensorrt-fp16", "cuda", "fp16", _tensorrt("fp16"), _engine_missing("fp16")),
         Backend("tensorrt-int8", "cuda", "int8", _tensorrt("int8"), _engine_missing("int8")),
     )
 }
-"""Every backend, CPU first; ``auto`` keeps those that can run here."""
+"""Every backend, CPU first; ``auto`` keeps those that can run here, but not the opt-in ones (torch.compile)."""
 
 
 def select(names: str, run: RunFolder) -> tuple[list[Backend], dict[str, str]]:
@@ -234,7 +318,7 @@ def select(names: str, run: RunFolder) -> tuple[list[Backend], dict[str, str]]:
         raise CorpError(f"unknown backend {', '.join(unknown) or names!r}; choose auto or from {', '.join(BACKENDS)}")
     chosen, skipped = [], {}
     for name in wanted:
-        reason = BACKENDS[name].missing(run)
+        reason = BACKENDS[name].missing(run) or (BACKENDS[name].opt_in if names == "auto" else None)
         if reason is None:
             chosen.append(BACKENDS[name])
         elif names == "auto":

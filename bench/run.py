@@ -10,13 +10,15 @@ from typing import Any
 import torch
 
 from corp_deploy import env
-from corp_deploy.bench.backends import MODELS, Backend, RunFolder
+from corp_deploy.bench.backends import BACKENDS, MODELS, Backend, RunFolder
 from corp_deploy.bench.measure import Method, interleaved, median_of_repeats, summarize
 from corp_deploy.errors import CorpError, first_line
 from corp_deploy.exporters.tensorrt_engine import FLAVOURS
 
 SCHEMA = "corp-deploy/bench"
 SCHEMA_VERSION = 1
+WIDTH = max(map(len, BACKENDS))
+"""Backend names padded to this in progress lines, so their numbers line up."""
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -72,7 +74,7 @@ def benchmark(
             loaders = {m: backend.load(run, m, include_copies, threads) for m in MODELS}
         except (torch.cuda.OutOfMemoryError, CorpError) as e:  # this backend cannot run: the others still do
             record["skipped"][backend.name] = first_line(e)
-            progress(f"{backend.name:16s} skipped ({first_line(e)})")
+            progress(f"{backend.name:{WIDTH}s} skipped ({first_line(e)})")
             continue
         device = record["environment"]["gpu"] if backend.device == "cuda" else "cpu"
         for batch in batch_sizes:
@@ -81,7 +83,7 @@ def benchmark(
                 repeats_ = [interleaved(steps, method, warm_up=i == 0) for i in range(repeats)]
             except (torch.cuda.OutOfMemoryError, CorpError) as e:
                 record["skipped"][f"{backend.name}@{batch}"] = first_line(e)
-                progress(f"{backend.name:16s} batch {batch:4d}: skipped ({first_line(e)})")
+                progress(f"{backend.name:{WIDTH}s} batch {batch:4d}: skipped ({first_line(e)})")
                 continue
             for m in MODELS:
                 stats = median_of_repeats([summarize(r[m], batch) for r in repeats_])
@@ -97,7 +99,7 @@ def benchmark(
                 )
             dense, pruned = record["results"][-2], record["results"][-1]
             progress(
-                f"{backend.name:16s} batch {batch:4d}: p50 dense {dense['p50_ms']:8.2f} ms, "
+                f"{backend.name:{WIDTH}s} batch {batch:4d}: p50 dense {dense['p50_ms']:8.2f} ms, "
                 f"pruned {pruned['p50_ms']:8.2f} ms ({dense['p50_ms'] / pruned['p50_ms']:.2f}x)"
             )
         del loaders

@@ -5,17 +5,29 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import sys
 
 import pytest
-from conftest import TINY_CLI_ARGS
+import torch
+from conftest import TINY_CLI_ARGS, pruned_copy, tiny_vit
 from helpers import RECORD, bench_record, run
 
-from corp_deploy.bench import gate
-from corp_deploy.bench.backends import BACKENDS, Backend, RunFolder, select
+from corp_deploy.bench import backends, gate
+from corp_deploy.bench.backends import (
+    BACKENDS,
+    COMPILE_OPT_IN,
+    Backend,
+    RunFolder,
+    _torch,
+    compile_model,
+    select,
+    torch_forward,
+)
 from corp_deploy.bench.measure import Method, interleaved, median_of_repeats, summarize
 from corp_deploy.bench.run import SCHEMA, benchmark, pairs, parse_batch_sizes
 from corp_deploy.cli import main
 from corp_deploy.errors import CorpError
+from corp_deploy.pruner import PruneConfig
 
 
 def test_summarize_percentiles_and_throughput() -> None:
@@ -106,6 +118,96 @@ def test_parse_batch_sizes() -> None:
             parse_batch_sizes(bad)
 
 
+PRECISIONS = ("fp32", "fp16", "bf16")
+GRAPHED = [f"torch-cuda-{p}-graph" for p in PRECISIONS]
+COMPILED = [f"torch-cuda-{p}-compile{g}" for p in PRECISIONS for g in ("", "-graph")]
+
+
+def test_the_registry_has_graph_and_compile_variants_of_every_torch_cuda_precision() -> None:
+    for name in GRAPHED + COMPILED:
+        backend = BACKENDS[name]
+        assert (backend.device, backend.precision) == ("cuda", name.split("-")[2])
+        assert (backend.opt_in == COMPILE_OPT_IN) == ("compile" in name)
+    assert {"torch-cuda-fp32", "torch-cuda-fp16", "torch-cuda-bf16", "tensorrt-fp16"} <= set(BACKENDS)
+
+
+def test_without_cuda_auto_lists_the_new_variants_as_skipped_and_naming_one_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run = RunFolder(tmp_path)  # an empty folder: no ONNX, no engines
+    chosen, skipped = select("auto", run)
+    assert [b.name for b in chosen] == ["torch-cpu-fp32"]
+    assert {n: skipped[n] for n in GRAPHED + COMPILED} == dict.fromkeys(GRAPHED + COMPILED, "no CUDA GPU visible")
+    with pytest.raises(CorpError) as refused:
+        select("torch-cpu-fp32,torch-cuda-fp16-compile-graph", run)
+    assert str(refused.value) == "backend torch-cuda-fp16-compile-graph cannot run here: no CUDA GPU visible"
+
+
+def test_with_cuda_auto_runs_the_graphs_and_leaves_compile_to_be_named(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only what select asks: nothing runs here
+    monkeypatch.setattr(backends, "uninstalled", lambda module: None)
+    run = RunFolder(tmp_path)
+    chosen, skipped = select("auto", run)
+    assert set(GRAPHED) <= {b.name for b in chosen} and set(COMPILED).isdisjoint(b.name for b in chosen)
+    assert {n: skipped[n] for n in COMPILED} == dict.fromkeys(COMPILED, COMPILE_OPT_IN)
+    named, none = select("torch-cuda-bf16-compile,torch-cuda-fp16-compile-graph", run)
+    assert [b.name for b in named] == ["torch-cuda-bf16-compile", "torch-cuda-fp16-compile-graph"] and none == {}
+    monkeypatch.setattr(backends, "uninstalled", lambda module: f"{module} (pip install {module})")
+    assert select("auto", run)[1]["torch-cuda-fp16-compile"] == (
+        "not installed: triton (pip install triton) (torch.compile's inductor writes its CUDA kernels in Triton)"
+    )
+
+
+def test_a_misspelt_backend_is_refused_in_one_line_naming_the_choices(tmp_path) -> None:
+    with pytest.raises(CorpError) as refused:
+        select("torch-cuda-fp16-graphs", RunFolder(tmp_path))
+    message = str(refused.value)
+    assert message.startswith("unknown backend 'torch-cuda-fp16-graphs'; choose auto or from torch-cpu-fp32, ")
+    assert "torch-cuda-fp16-compile-graph" in message and "\n" not in message
+
+
+def test_without_onnxruntime_its_backends_are_skipped_saying_what_to_install(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if it were not installed
+    _, skipped = select("auto", RunFolder(tmp_path))
+    assert skipped["ort-cpu-fp32"] == "not installed: onnxruntime (pip install 'corp-deploy[onnx]')"
+
+
+def _dense_and_pruned() -> dict[str, torch.nn.Module]:
+    dense = tiny_vit()
+    return {"dense": dense, "pruned": pruned_copy(dense, PruneConfig(sparsity=0.5, round_to=4))[0]}
+
+
+def test_a_compiled_forward_gives_eager_outputs_on_the_cpu() -> None:
+    """The compile path of the CUDA backends, run on the CPU with dynamo's eager backend (no C++ toolchain)."""
+    for model in _dense_and_pruned().values():
+        x = torch.randn(3, 3, 32, 32)
+        eager = torch_forward(model, x)()
+        assert torch.equal(torch_forward(compile_model(model, "eager"), x)(), eager)
+
+
+def test_compiled_forwards_past_dynamos_recompile_limit_still_compile_and_run_compiled() -> None:
+    """Dense and pruned share ``VisionTransformer.forward``'s compile cache: 10 (model, batch) entries > dynamo's 8."""
+    torch.compiler.reset()
+    compiled: list[tuple[int, ...]] = []
+    runs: list[tuple[int, ...]] = []
+
+    def counting(gm, inputs):
+        shape = next(tuple(t.shape) for t in inputs if t.dim() == 4)
+        compiled.append(shape)
+        return lambda *args: runs.append(shape) or gm.forward(*args)
+
+    forwards = [
+        torch_forward(compile_model(model, counting), torch.randn(batch, 3, 32, 32))
+        for model in _dense_and_pruned().values()
+        for batch in range(1, 6)
+    ]
+    every = sorted((b, 3, 32, 32) for b in range(1, 6) for _ in range(2))
+    assert sorted(compiled) == every
+    runs.clear()
+    for forward in forwards:  # as when timed: outside the warm-up
+        forward()
+    assert sorted(runs) == every
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
@@ -154,6 +256,20 @@ def test_a_backend_that_cannot_load_is_skipped_and_the_others_still_run(run_dir)
         ("torch-cpu-fp32", "dense"),
         ("torch-cpu-fp32", "pruned"),
     }
+
+
+def test_the_torch_loader_compiles_while_it_prepares_a_batch_never_when_timed(run_dir) -> None:
+    """The CUDA backends' loader with a CPU device and a counting dynamo backend: compile time is warm-up."""
+    compiled = []
+
+    def counting(gm, inputs):
+        compiled.append(gm)
+        return gm.forward
+
+    at = _torch("cpu", torch.float32, counting)(RunFolder.open(run_dir), "pruned", False, None)
+    step = at(2)
+    assert len(compiled) == 1
+    assert step() > 0 and step() > 0 and len(compiled) == 1
 
 
 FAST = ["--min-iters", "3", "--min-seconds", "0", "--warmup-iters", "1", "--warmup-seconds", "0"]

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_batches, tiny_vit
 from helpers import PRUNE, run
 
-from corp_deploy.bench.backends import cuda_step
+from corp_deploy.bench.backends import MODELS, RunFolder, compile_model, cuda_step, select, torch_forward
+from corp_deploy.bench.measure import Method
+from corp_deploy.bench.run import benchmark
+from corp_deploy.cli import main
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 
 pytestmark = [
@@ -99,19 +103,26 @@ def test_cuda_event_step_times_the_gpu_work_it_encloses() -> None:
     assert long_gpu / short_gpu > 5  # it measures the GPU work, not the launch
 
 
-@pytest.mark.e2e
-def test_prune_and_bench_cli_on_cuda(tmp_path, capsys) -> None:
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def cuda_run(tmp_path_factory) -> Path:
+    """A prune-export folder of the tiny model, pruned on the GPU (engines for batch 1..8 where TensorRT is)."""
+    out = tmp_path_factory.mktemp("cuda") / "run"
     prune_export = ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--device", "cuda", "--precision", "fp32"]
-    code, _, stderr = run([*prune_export, "--batch", "1:4:8", "--out", str(out)], capsys)
-    assert code == 0, stderr
-    meta = json.loads((out / "pruned" / "corp.json").read_text())
+    with pytest.raises(SystemExit) as done:
+        main([*prune_export, "--batch", "1:4:8", "--out", str(out)])
+    assert done.value.code == 0
+    return out
+
+
+@pytest.mark.e2e
+def test_prune_and_bench_cli_on_cuda(cuda_run, tmp_path, capsys) -> None:
+    meta = json.loads((cuda_run / "pruned" / "corp.json").read_text())
     assert meta["report"]["device"].startswith("cuda")
     assert meta["report"]["memory"]["cuda_peak_mib"] > 0
     record = tmp_path / "bench.json"
     backends = "torch-cuda-fp32,torch-cuda-fp16,torch-cuda-bf16"
     code, stdout, stderr = run(
-        ["bench", str(out), "--backends", backends, "--batch-sizes", "1,4", "--warmup-iters", "2"]
+        ["bench", str(cuda_run), "--backends", backends, "--batch-sizes", "1,4", "--warmup-iters", "2"]
         + ["--warmup-seconds", "0", "--min-iters", "5", "--min-seconds", "0", "--json", str(record)],
         capsys,
     )
@@ -121,3 +132,30 @@ def test_prune_and_bench_cli_on_cuda(tmp_path, capsys) -> None:
     rows = {(r["backend"], r["model"], r["batch"]) for r in results["results"]}
     assert rows == {(b, m, n) for b in backends.split(",") for m in ("dense", "pruned") for n in (1, 4)}
     assert all(r["p50_ms"] > 0 and r["device"] == torch.cuda.get_device_name() for r in results["results"])
+
+
+@pytest.mark.e2e
+def test_graph_and_compile_backends_bench_dense_and_pruned_with_eager_outputs(cuda_run) -> None:
+    folder = RunFolder.open(cuda_run)
+    names = "torch-cuda-fp16-graph,torch-cuda-fp16-compile,torch-cuda-fp16-compile-graph"
+    chosen, _ = select(names, folder)
+    method = Method(warmup_iters=2, warmup_seconds=0, min_iters=5, min_seconds=0)
+    record = benchmark(folder, chosen, [1, 4], method)
+    assert record["skipped"] == {}
+    rows = {(r["backend"], r["model"], r["batch"]) for r in record["results"]}
+    assert rows == {(b, m, n) for b in names.split(",") for m in MODELS for n in (1, 4)}
+    assert all(r["p50_ms"] > 0 and r["throughput"] > 0 for r in record["results"])
+
+    x = torch.randn(4, *folder.input_size, device="cuda", dtype=torch.float16)
+    for which in MODELS:
+        model = folder.torch_model(which).to("cuda", torch.float16).eval()
+        eager = torch_forward(model, x)().float()
+        variants = {
+            "graph": torch_forward(model, x, graph=True),
+            "compile": torch_forward(compile_model(model), x),
+            "compile+graph": torch_forward(compile_model(model), x, graph=True),
+        }
+        for variant, forward in variants.items():
+            out = forward().float()
+            cosine = torch.nn.functional.cosine_similarity(out, eager, dim=-1)
+            assert out.isfinite().all() and cosine.min() > 0.999, (which, variant, cosine.min())

@@ -44,7 +44,12 @@ from corp_deploy.sweep import sweep as run_sweep
 @click.argument("run_dir", type=click.Path())
 @click.option("--batch-sizes", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
 @click.option(
-    "--backends", default="auto", show_default=True, help="auto, or a comma list (see corp_deploy.bench.backends)."
+    "--backends",
+    default="auto",
+    show_default=True,
+    help="auto: every backend this machine can run (CUDA graphs, torch-cuda-*-graph, included) except torch.compile's "
+    "(torch-cuda-*-compile[-graph]), which compile each model and batch size first: minutes in all. "
+    "Or a comma list (see corp_deploy.bench.backends).",
 )
 @click.option("--repeats", default=1, show_default=True, help="Repeat the measurement; report medians.")
 @click.option("--threads", type=int, help="CPU threads for PyTorch and onnxruntime [default: theirs].")
@@ -134,7 +139,12 @@ def bench(
 @quiet_option
 @group(method_options, into="pruning")
 @click.option("--sparsities", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7", show_default=True)
-@click.option("--backends", default="auto", show_default=True, help="auto, or a comma list of bench backends.")
+@click.option(
+    "--backends",
+    default="auto",
+    show_default=True,
+    help="auto (as in bench: torch.compile backends only when named), or a comma list of bench backends.",
+)
 @click.option("--batch-sizes", default="1,32", show_default=True, help="Small (latency) and large (throughput).")
 @click.option("--min-seconds", default=2.0, show_default=True, help="Timed seconds per model and batch, at least.")
 @click.option("--out", required=True, type=click.Path(), help="Sweep folder (s0.50/, ..., sweep.json, sweep.png).")

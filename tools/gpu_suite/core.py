@@ -93,9 +93,6 @@ class Plan:
         )
 
 
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 @dataclass
 class Context:
     """One run of the suite: what it measures, where, and how long it may still take."""
@@ -226,24 +223,3 @@ def measure(ctx: Context, calls: dict[str, Callable[[], object]], batch: int) ->
     )
     times = interleaved({k: step(ctx, c) for k, c in calls.items()}, method)
     return {k: asdict(summarize(v, batch)) for k, v in times.items()}
-
-
-def forward(ctx: Context, model: nn.Module, x: torch.Tensor, graphed: bool) -> Callable[[], object]:
-    """``model(x)``; graphed: captured once in a CUDA graph and replayed (no per-kernel launch cost)."""
-
-    def run() -> object:
-        with torch.inference_mode():
-            return model(x)
-
-    if not graphed:
-        return run
-    side = torch.cuda.Stream(ctx.device)
-    side.wait_stream(torch.cuda.current_stream(ctx.device))
-    with torch.cuda.stream(side):
-        for _ in range(3):  # warm-up (and compilation) outside the capture, as CUDA graphs require
-            run()
-    torch.cuda.current_stream(ctx.device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph.replay

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from corp_deploy.bench.backends import compile_model, torch_forward
 from corp_deploy.data import input_size
 from corp_deploy.tables import markdown_table
 from tools.gpu_suite.core import (
@@ -22,7 +23,6 @@ from tools.gpu_suite.core import (
     PRUNED,
     Context,
     create,
-    forward,
     measure,
     on_device,
     precision_mode,
@@ -121,7 +121,7 @@ def prune_markdown(p: dict[str, Any]) -> list[str]:
 
 def _pair(ctx: Context, models: dict[str, nn.Module], precision: str, batch: int, graphed: bool) -> dict[str, Any]:
     x = torch.randn(batch, *input_size(models["dense"]), device=ctx.device, dtype=DTYPES[precision])
-    stats = measure(ctx, {k: forward(ctx, m, x, graphed) for k, m in models.items()}, batch)
+    stats = measure(ctx, {k: torch_forward(m, x, graphed) for k, m in models.items()}, batch)
     d, p, v = stats["dense"], stats["pruned"], stats["pruned_v"]
     return {
         "batch": batch,
@@ -147,9 +147,7 @@ def run_latency(ctx: Context) -> dict[str, Any]:
             pair = on_device(ctx, plain, precision)
             modes = [("eager", pair, ctx.plan.batches)]
             if precision in ctx.plan.compile_precisions:
-                compiled = {
-                    k: torch.compile(m, backend=ctx.plan.compile_backend, dynamic=False) for k, m in pair.items()
-                }
+                compiled = {k: compile_model(m, ctx.plan.compile_backend) for k, m in pair.items()}
                 modes.append(("compile", compiled, ctx.plan.compile_batches))
             for (mode, models, batches), graphed in [(m, g) for m in modes for g in graphs]:
                 mode = f"{mode}+graph" if graphed else mode
@@ -247,7 +245,7 @@ def run_profile(ctx: Context) -> dict[str, Any]:
     out: dict[str, Any] = {"model": name, "precision": precision, "batch": batch, "iterations": 5, "models": {}}
     for which, model in on_device(ctx, plain, precision).items():
         x = torch.randn(batch, *input_size(model), device=ctx.device, dtype=DTYPES[precision])
-        run = forward(ctx, model, x, graphed=False)
+        run = torch_forward(model, x)
         with precision_mode(precision):
             for _ in range(3):
                 run()
