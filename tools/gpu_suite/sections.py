@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -42,9 +41,9 @@ def run_tests(ctx: Context) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}"]
         cmd += list(ctx.plan.pytest_args)
         ctx.log("$ " + " ".join(cmd))
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        env = os.environ | {"PYTHONPATH": path}
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=max(ctx.time_left(), 60))
+        # the package comes from its install (``check_installed``), the tests from REPO, carried wheels from the
+        # PYTHONPATH that ``wheels.activate`` set for this process and its children
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(ctx.time_left(), 60))
         ctx.log(proc.stdout + proc.stderr)
         cases = _junit_cases(junit) if junit.is_file() else []
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "skipped")}
