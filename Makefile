@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx
 
-.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study bench-dist \
+.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study vbp-study ridge-curves bench-dist \
 	gpu-suite gpu-wheels clean
 
 setup: $(BIN)/corp-deploy
@@ -86,6 +86,14 @@ budget-study: setup
 	$(BIN)/python -m studies.budget_study --dataset digits --out docs/budget-study-digits
 	$(BIN)/python -m studies.budget_study --plot docs/budget-study.png docs/budget-study-fashion-mnist.json \
 	    docs/budget-study-digits.json
+
+# VBP (variance ranking, one global threshold, mean shift) against CORP, MLP channels, both probes, real weights.
+vbp-study: setup
+	$(BIN)/python -m studies.vbp_study --dataset digits --train 300 --test 200 --num-calib 128 --out docs/vbp-study-digits
+
+# Allocation's ridge-free MLP/V error curves against the pruner's ridge fit, real statistics (issue 22's decision).
+ridge-curves: setup
+	$(BIN)/python -m studies.ridge_curves --out docs/ridge-curves
 
 # On a GPU machine, from the repository root (its python3 needs torch and timm; no network): an offline editable
 # install of the package (no dependencies, once), then every CUDA path tested and measured into $(GPU_OUT)

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from corp_deploy.bench.backends import compile_model, torch_forward
 from corp_deploy.data import input_size
 from corp_deploy.tables import markdown_table
 from tools.gpu_suite.core import (
@@ -120,6 +119,8 @@ def prune_markdown(p: dict[str, Any]) -> list[str]:
 
 def _pair(ctx: Context, models: dict[str, nn.Module], precision: str, batch: int, graphed: bool) -> dict[str, Any]:
     x = torch.randn(batch, *input_size(models["dense"]), device=ctx.device, dtype=DTYPES[precision])
+    from corp_deploy.bench.backends import torch_forward  # after suite.check_installed: see there
+
     stats = measure(ctx, {k: torch_forward(m, x, graphed) for k, m in models.items()}, batch)
     d, p, v = stats["dense"], stats["pruned"], stats["pruned_v"]
     return {
@@ -146,6 +147,8 @@ def run_latency(ctx: Context) -> dict[str, Any]:
             pair = on_device(ctx, plain, precision)
             modes = [("eager", pair, ctx.plan.batches)]
             if precision in ctx.plan.compile_precisions:
+                from corp_deploy.bench.backends import compile_model  # after suite.check_installed
+
                 compiled = {k: compile_model(m, ctx.plan.compile_backend) for k, m in pair.items()}
                 modes.append(("compile", compiled, ctx.plan.compile_batches))
             for (mode, models, batches), graphed in [(m, g) for m in modes for g in graphs]:
@@ -244,6 +247,8 @@ def run_profile(ctx: Context) -> dict[str, Any]:
     out: dict[str, Any] = {"model": name, "precision": precision, "batch": batch, "iterations": 5, "models": {}}
     for which, model in on_device(ctx, plain, precision).items():
         x = torch.randn(batch, *input_size(model), device=ctx.device, dtype=DTYPES[precision])
+        from corp_deploy.bench.backends import torch_forward  # after suite.check_installed
+
         run = torch_forward(model, x)
         with precision_mode(precision):
             for _ in range(3):
