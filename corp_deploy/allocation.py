@@ -85,6 +85,10 @@ def candidate_widths(width: int, round_to: int) -> list[int]:
 def affine_curve(s: MlpStats, w: Tensor, b: Tensor, order: Tensor, kept: list[int]) -> list[float]:
     """Relative output error of the compensated (ridge-free) fit keeping the first k of ``order``, per k.
 
+    Pruning fits with the ridge; the curve is ridge-free because only that has one factor for every width.
+    Measured on DINOv2-S's real statistics (``make ridge-curves``, docs/BENCHMARKS.md): median relative gap
+    0.08%, the largest gaps only where errors are below 6e-4, and the same allocation at MACs 0.5/0.6/0.7.
+
     With the covariance in ``order`` factored as ``L L^T``, ``x_c = L z`` with white z, and the first k
     channels span the first k coordinates of z (L is lower triangular). The best affine prediction of
     the rest leaves exactly ``L_PP z_P``, whose output error is ``sum_{j >= k} ||(W L)[:, j]||^2``:
