@@ -178,7 +178,7 @@ def quantize_int8(
     proto = float_graph(src)
     images = list(calibration)
     try:
-        with warnings.catch_warnings(), _quiet_logging():
+        with warnings.catch_warnings(), _quiet_logging(), _inferred_copy_removed(Path(src)):
             warnings.simplefilter("ignore")
             q.quantize_static(
                 str(src),
@@ -213,6 +213,21 @@ def quantize_int8(
     onnx.save(quantized, str(out))
     check_onnx(out)
     return Path(out)
+
+
+@contextlib.contextmanager
+def _inferred_copy_removed(src: Path) -> Iterator[None]:
+    """Remove the shape-inferred copy onnxruntime's quantizer writes beside ``src``, whatever happens.
+
+    The quantizer writes ``<name>-inferred.onnx`` next to the graph it reads and deletes it when it
+    succeeds; on a full disk onnx truncates that copy without an error, the quantizer fails reading
+    it and leaves it beside the user's graph. (Pointing the quantizer at links in the stage instead
+    fails: onnx refuses external data that is a symbolic or hard link.)
+    """
+    try:
+        yield
+    finally:
+        src.with_name(f"{src.stem}-inferred{src.suffix}").unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
