@@ -40,6 +40,8 @@ from corp_deploy.exporters.onnx_export import (
     graph_precision,
     input_shape,
     load_onnx,
+    onnx_bytes,
+    onnx_files,
     read_metadata,
 )
 from corp_deploy.fsio import check_writable, sha256, staged
@@ -168,7 +170,11 @@ def quantize_int8(
 ) -> Path:
     """Write the static INT8 Q/DQ graph of ``src`` to ``out``, checked; callers stage ``out``.
 
-    ``info`` (calibration source, seed) is recorded with the image count in ``int8_calibration``.
+    A graph whose weights live in external data (models over protobuf's 2 GB: deit3_huge, ViT-H)
+    is quantized to external data too, ``out`` + ``<out>.data``: a single protobuf cannot hold them.
+    A single-file FP32 graph is under 2 GB, and its INT8 graph (weights at a quarter) is smaller
+    still, so it stays one file. ``info`` (calibration source, seed) is recorded with the image
+    count in ``int8_calibration``.
     """
     q = require("onnxruntime.quantization", "INT8 quantization")
     methods = {"minmax": q.CalibrationMethod.MinMax, "percentile": q.CalibrationMethod.Percentile}
@@ -176,6 +182,7 @@ def quantize_int8(
     if method not in methods:
         raise CorpError(f"--calib-method must be one of {', '.join(CALIB_METHODS)}, got {method!r}")
     proto = float_graph(src)
+    external = len(onnx_files(src, proto)) > 1
     images = list(calibration)
     try:
         with warnings.catch_warnings(), _quiet_logging(), _inferred_copy_removed(Path(src)):
@@ -191,6 +198,7 @@ def quantize_int8(
                 activation_type=q.QuantType.QInt8,
                 weight_type=q.QuantType.QInt8,
                 calibrate_method=methods[method],
+                use_external_data_format=external,
                 extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
             )
     except CorpError:
@@ -199,7 +207,7 @@ def quantize_int8(
         raise CorpError(f"INT8 quantization of {src} failed: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     import onnx
 
-    quantized = onnx.load(str(out))
+    quantized = load_onnx(out, weights=False)  # weights in external data stay where the quantizer wrote them
     add_metadata(
         quantized,
         {
@@ -278,7 +286,7 @@ def quantize_verified(
     meta = read_metadata(proto)
     verify = {"reference": f"{src.name} ({reference.name})", "runtime": candidate.name, **summary(comparisons)}
     verify |= {"images": comparisons[-1].batch, "tolerance": asdict(tol)}
-    record = {**meta, "file": out.name, "bytes": out.stat().st_size, "seconds": round(seconds, 2)}
+    record = {**meta, "file": out.name, "bytes": onnx_bytes(out), "seconds": round(seconds, 2)}
     record |= {"verify": verify, "quantized_from": src.name, "source_sha256": sha256(src)}
     write_sidecar(out, record)
     return record
