@@ -52,14 +52,19 @@ class Comparison:
 
 
 def compare(reference: np.ndarray, candidate: np.ndarray) -> Comparison:
-    """Metrics of ``candidate`` against ``reference``; both (batch, ...) arrays of the same shape."""
+    """Metrics of ``candidate`` against ``reference``; both (batch, ...) arrays of the same shape.
+
+    A sample that is all zeros in one and not in the other has cosine 0 (a dead output must fail the
+    gate, even where its values are small next to the batch's largest); zeros in both match (1).
+    """
     if reference.shape != candidate.shape:
         raise CorpError(f"output shapes differ: {reference.shape} vs {candidate.shape}")
     ref = reference.reshape(len(reference), -1).astype(np.float64)
     got = candidate.reshape(len(candidate), -1).astype(np.float64)
     diff = np.abs(ref - got)
-    norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(got, axis=1)
-    cosine = np.where(norms > 0, (ref * got).sum(axis=1) / np.maximum(norms, 1e-300), 1.0)
+    norm_ref, norm_got = np.linalg.norm(ref, axis=1), np.linalg.norm(got, axis=1)
+    cosine = (ref * got).sum(axis=1) / np.maximum(norm_ref * norm_got, 1e-300)
+    cosine[(norm_ref == 0) & (norm_got == 0)] = 1.0
     return Comparison(
         batch=len(ref),
         max_abs=float(diff.max()),

@@ -165,6 +165,18 @@ def test_comparator_metrics_on_known_arrays() -> None:
         compare(ref, ref[:1])
 
 
+@pytest.mark.parametrize("zero_in", ["candidate", "reference"])
+def test_an_all_zero_output_against_a_non_zero_one_fails_the_gate(zero_in) -> None:
+    """The second sample is small next to the first, so only its cosine can tell that it is dead."""
+    ref = np.array([[1.0, 0.0, 0.0], [0.0, 0.0, 1e-3]])
+    dead = ref.copy()
+    dead[1] = 0.0
+    c = compare(ref, dead) if zero_in == "candidate" else compare(dead, ref)
+    assert c.cosine == 0.0 and not c.within(FP16)
+    zeros = np.zeros((2, 3))
+    assert compare(zeros, zeros).cosine == 1.0 and compare(zeros, zeros).within(FP32)
+
+
 def test_check_names_the_failing_batch() -> None:
     ok, bad = compare(np.ones((1, 4)), np.ones((1, 4))), compare(np.ones((3, 4)), -np.ones((3, 4)))
     check([ok], FP32, "x")
