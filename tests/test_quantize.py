@@ -21,6 +21,7 @@ from corp_deploy.exporters.quantize import (
     ATTENTION_MATMUL,
     INT8_OPS,
     activation_gemms,
+    compare_on,
     folder_split,
     quantize_graphs,
     split_images,
@@ -104,6 +105,25 @@ def test_int8_outputs_pass_the_gate_on_held_out_images(quantized) -> None:
         assert c.within(INT8) and c.cosine == pytest.approx(v["cosine"], abs=1e-6)
         assert c.cosine < 0.999999  # really quantized: not the float graph under another name
         assert json.loads(Path(f"{out}.json").read_text())["verify"] == v
+
+
+def test_int8_verification_runs_batch_1_and_all_held_out_images_in_one_batch() -> None:
+    """As the README says (the dynamic axis at both ends), not the decoding batches the images arrive in."""
+    seen: dict[str, list[int]] = {"reference": [], "candidate": []}
+
+    def runner(name: str):
+        def call(x: np.ndarray) -> np.ndarray:
+            seen[name].append(len(x))
+            return x.reshape(len(x), -1)[:, :10] * (1.0 if name == "reference" else 1.01)
+
+        return call
+
+    held_out = [
+        np.random.default_rng(i).standard_normal((n, 3, 8, 8), dtype=np.float32) for i, n in enumerate((8, 8, 4))
+    ]
+    comparisons = compare_on(runner("reference"), runner("candidate"), held_out)
+    assert seen == {"reference": [1, 20], "candidate": [1, 20]}
+    assert [c.batch for c in comparisons] == [1, 20] and all(c.cosine == pytest.approx(1.0) for c in comparisons)
 
 
 def test_int8_metadata_records_scheme_float_ops_and_calibration(quantized) -> None:
