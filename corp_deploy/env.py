@@ -11,7 +11,8 @@ from __future__ import annotations
 import platform
 import shutil
 import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from corp_deploy.deps import optional
@@ -99,3 +100,32 @@ def environment(threads: int, gpu_modules: Mapping[str, str] | None = None) -> d
         installed = module_versions((gpu_modules or {}).values())
         env |= {key: installed[module] for key, module in (gpu_modules or {}).items() if module in installed}
     return env
+
+
+@contextmanager
+def exact_fp32() -> Iterator[None]:
+    """FP32 math as written inside the block: no TF32 (nor bfloat16) matmuls or convolutions in torch.
+
+    torch lets float32 matmuls run in TF32 (10-bit mantissa) on Ampere and later GPUs when
+    ``torch.backends.cuda.matmul.allow_tf32`` or ``set_float32_matmul_precision("high")`` says so,
+    and cuDNN convolutions when ``torch.backends.cudnn.allow_tf32`` does (on by default); "medium"
+    allows bfloat16 (also oneDNN's on CPUs). A reference computed that way blames its own rounding
+    on the graph or engine verified against it. All three are turned off and restored on exit, also
+    on an exception: the flags first, then the precision, which would otherwise leave torch >= 2.9
+    (it maps both onto newer per-backend settings) in a mixed state it refuses to read back.
+    """
+    import torch
+
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        precision = torch.get_float32_matmul_precision()
+    except RuntimeError:  # already mixed through torch's newer API: unreadable, so the flags alone are restored
+        precision = None
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+        if precision is not None:
+            torch.set_float32_matmul_precision(precision)

@@ -33,7 +33,7 @@ import numpy as np
 from corp_deploy.data import SYNTHETIC, folder_batches, list_images, sample, synthetic_batches
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
-from corp_deploy.exporters.compare import Comparison, Runner, Tolerance, check, compare, summary
+from corp_deploy.exporters.compare import Comparison, Runner, Tolerance, check, compare_runners, summary
 from corp_deploy.exporters.onnx_export import (
     add_metadata,
     check_onnx,
@@ -258,7 +258,7 @@ def compare_on(reference: Runner, candidate: Runner, batches: ImageBatches) -> l
     never exercise a batch larger than the decoder's, whatever the README promises.
     """
     images = np.concatenate(list(batches))
-    return [compare(reference(x), candidate(x)) for x in (images[:1], images)]
+    return compare_runners(reference, candidate, (images[:1], images))
 
 
 def quantize_verified(
