@@ -35,7 +35,7 @@ from corp_deploy.data import (
     synthetic_batches,
 )
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
-from corp_deploy.env import device_name, versions
+from corp_deploy.env import device_name, exact_fp32, versions
 from corp_deploy.errors import CorpError
 from corp_deploy.models import create_model, resolve_name
 from corp_deploy.pruner import PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
@@ -247,7 +247,8 @@ def prune(
         stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
         start = timer.add("calibration", start)
         if world.is_main:
-            widths, record = plan(model, stats, config, dense["macs"], heldout)
+            with exact_fp32():  # the sensitivity pass's forwards
+                widths, record = plan(model, stats, config, dense["macs"], heldout)
             timer.add("allocation", start)
     if mode == ONE_PASS:
         if stats is None:
@@ -259,9 +260,10 @@ def prune(
     else:
         statistics = 0 if stats is None else stats.nbytes()
         stats = None  # the walk keeps its own, block by block
-        blocks, walk = blockwise.walk(
-            model, batches, config, device, max_stats_gib, total, progress, world, dist_timeout, timer, widths
-        )
+        with exact_fp32():  # the walk calibrates as it goes (see pruner.calibrate)
+            blocks, walk = blockwise.walk(
+                model, batches, config, device, max_stats_gib, total, progress, world, dist_timeout, timer, widths
+            )
         statistics = max(statistics, walk.pop("statistics_bytes"))
         calibration = {"images": walk.pop("images"), "skipped": walk.pop("skipped"), **walk}
     if not world.is_main:

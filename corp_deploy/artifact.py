@@ -75,7 +75,7 @@ def save_pruned(model: nn.Module, out: str | Path, meta: dict[str, Any], overwri
         with atomic_dir(out, overwrite) as tmp:
             save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
             (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # a full disk is already one line (``fsio.staged``)
         raise CorpError(f"could not write {out} ({first_line(e)}); whatever was there is unchanged") from None
     return Path(out)
 

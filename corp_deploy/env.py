@@ -104,21 +104,29 @@ def environment(threads: int, gpu_modules: Mapping[str, str] | None = None) -> d
 
 @contextmanager
 def exact_fp32() -> Iterator[None]:
-    """Float32 matmuls and convolutions in full float32 inside, whatever the process set (restored on exit).
+    """FP32 math as written inside the block: no TF32 (nor bfloat16) matmuls or convolutions in torch.
 
-    A process with ``torch.backends.cuda.matmul.allow_tf32`` or ``set_float32_matmul_precision("high")``
-    gets TF32 GEMMs (~1e-3 relative error): too coarse for calibration sums whose Q/K systems have
-    condition numbers of 1e10 and more, and for the references exports are verified against.
-    SparseGPT turns TF32 off for the same reason.
+    torch lets float32 matmuls run in TF32 (10-bit mantissa) on Ampere and later GPUs when
+    ``torch.backends.cuda.matmul.allow_tf32`` or ``set_float32_matmul_precision("high")`` says so,
+    and cuDNN convolutions when ``torch.backends.cudnn.allow_tf32`` does (on by default); "medium"
+    allows bfloat16 (also oneDNN's on CPUs). A reference computed that way blames its own rounding
+    on the graph or engine verified against it, and calibration sums computed that way carry ~1e-3
+    relative error into Q/K systems with condition numbers of 1e10 and more (SparseGPT turns TF32 off too). All three are turned off and restored on exit, also
+    on an exception: the flags first, then the precision, which would otherwise leave torch >= 2.9
+    (it maps both onto newer per-backend settings) in a mixed state it refuses to read back.
     """
     import torch
 
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = (torch.get_float32_matmul_precision(), matmul.allow_tf32, cudnn.allow_tf32)
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        precision = torch.get_float32_matmul_precision()
+    except RuntimeError:  # already mixed through torch's newer API: unreadable, so the flags alone are restored
+        precision = None
     torch.set_float32_matmul_precision("highest")
-    matmul.allow_tf32 = cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(saved[0])
-        matmul.allow_tf32, cudnn.allow_tf32 = saved[1:]
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+        if precision is not None:
+            torch.set_float32_matmul_precision(precision)

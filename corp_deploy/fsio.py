@@ -7,15 +7,23 @@ Imports nothing heavy: exporters and benchmarks use it without loading the pruni
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from corp_deploy.errors import CorpError
+from corp_deploy.errors import CorpError, first_line
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+"""A full disk and a full quota: the same to the user, who frees space or writes elsewhere."""
+FREE_SPACE = "free space on that disk or choose another output path"
+FULL_BELOW = 1 << 20
+"""Free bytes under which a stage's disk counts as full: some writers fail there without saying why (onnx's
+C++ shape inference truncates its output silently, and the next reader reports a corrupt protobuf)."""
 
 
 def cache_dir() -> Path:
@@ -30,6 +38,28 @@ def sha256(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def no_space(e: BaseException) -> bool:
+    """Whether ``e`` says a write ran out of disk space (or quota).
+
+    An ``OSError`` says so by its errno. Libraries that wrap the OS error in their own type say so
+    only in its text (safetensors: "I/O error: No space left on device (os error 28)"), so that is
+    read too.
+    """
+    if isinstance(e, OSError):
+        return e.errno in NO_SPACE
+    return any(os.strerror(code) in str(e) for code in NO_SPACE)
+
+
+class NoSpace(CorpError):
+    """A full disk: the destination, the writer's own words (``cause``) and what to do, in one line."""
+
+    def __init__(self, out: str | Path, cause: str) -> None:
+        super().__init__(
+            f"could not write {out}: out of disk space ({cause}); {FREE_SPACE} (whatever was there is unchanged)"
+        )
+        self.cause = cause
 
 
 def check_writable(out: str | Path, overwrite: bool) -> None:
@@ -57,7 +87,9 @@ def staged(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     For a file with companions (``x.onnx`` + ``x.onnx.data`` + ``x.onnx.json``, an engine and its
     sidecar): write them under their final names; the companions move first and ``out`` last, so
     ``out`` never appears without them. On failure nothing moves, the folder is removed, and an
-    existing ``out`` is left untouched.
+    existing ``out`` is left untouched. A full disk, whichever library was writing and however it
+    failed, ends as one line naming ``out``: this is the one place that knows the destination of
+    every writer.
     """
     out = Path(out)
     check_writable(out, overwrite)
@@ -70,8 +102,20 @@ def staged(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
         _chmod_default(stage)
         for f in sorted(stage.iterdir(), key=lambda f: f.name == out.name):
             _replace(f, out.parent / f.name)
+    except Exception as e:
+        if isinstance(e, NoSpace):  # from a stage inside this one: name the outer destination, the one asked for
+            raise NoSpace(out, e.cause) from None
+        if no_space(e) or _full(stage):
+            raise NoSpace(out, first_line(e)) from None
+        raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _full(folder: Path) -> bool:
+    with suppress(OSError):
+        return shutil.disk_usage(folder).free < FULL_BELOW
+    return False
 
 
 def _replace(src: Path, dst: Path) -> None:

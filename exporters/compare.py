@@ -8,12 +8,13 @@ random-weight model flip under harmless FP16 rounding.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from corp_deploy.env import exact_fp32
 from corp_deploy.errors import CorpError
 
 Runner = Callable[[np.ndarray], np.ndarray]
@@ -52,14 +53,19 @@ class Comparison:
 
 
 def compare(reference: np.ndarray, candidate: np.ndarray) -> Comparison:
-    """Metrics of ``candidate`` against ``reference``; both (batch, ...) arrays of the same shape."""
+    """Metrics of ``candidate`` against ``reference``; both (batch, ...) arrays of the same shape.
+
+    A sample that is all zeros in one and not in the other has cosine 0 (a dead output must fail the
+    gate, even where its values are small next to the batch's largest); zeros in both match (1).
+    """
     if reference.shape != candidate.shape:
         raise CorpError(f"output shapes differ: {reference.shape} vs {candidate.shape}")
     ref = reference.reshape(len(reference), -1).astype(np.float64)
     got = candidate.reshape(len(candidate), -1).astype(np.float64)
     diff = np.abs(ref - got)
-    norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(got, axis=1)
-    cosine = np.where(norms > 0, (ref * got).sum(axis=1) / np.maximum(norms, 1e-300), 1.0)
+    norm_ref, norm_got = np.linalg.norm(ref, axis=1), np.linalg.norm(got, axis=1)
+    cosine = (ref * got).sum(axis=1) / np.maximum(norm_ref * norm_got, 1e-300)
+    cosine[(norm_ref == 0) & (norm_got == 0)] = 1.0
     return Comparison(
         batch=len(ref),
         max_abs=float(diff.max()),
@@ -74,6 +80,17 @@ def random_inputs(batch: int, input_size: Sequence[int], seed: int = 0) -> np.nd
     return np.random.default_rng(seed + batch).standard_normal((batch, *input_size), dtype=np.float32)
 
 
+def compare_runners(reference: Runner, candidate: Runner, inputs: Iterable[np.ndarray]) -> list[Comparison]:
+    """Both runners on each input batch. The reference runs in exact FP32 (``env.exact_fp32``): TF32 in a
+    PyTorch reference on a GPU would be rounding of its own, blamed on the candidate."""
+    comparisons = []
+    for x in inputs:
+        with exact_fp32():
+            expected = reference(x)
+        comparisons.append(compare(expected, candidate(x)))
+    return comparisons
+
+
 def verify(
     reference: Runner,
     candidate: Runner,
@@ -82,7 +99,7 @@ def verify(
     seed: int = 0,
 ) -> list[Comparison]:
     """Run both on the same inputs at each batch size (two or more exercise the dynamic axis)."""
-    return [compare(reference(x), candidate(x)) for x in (random_inputs(b, input_size, seed) for b in batches)]
+    return compare_runners(reference, candidate, (random_inputs(b, input_size, seed) for b in batches))
 
 
 def check(comparisons: Sequence[Comparison], tol: Tolerance, what: str) -> None:

@@ -13,6 +13,7 @@ import inspect
 import io
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,32 @@ def load_onnx(path: str | Path, weights: bool = True):
     if not proto.graph.node:
         raise CorpError(f"{path} is not an ONNX model (no graph nodes); re-export it")
     return proto
+
+
+def onnx_files(path: str | Path, proto=None) -> list[Path]:
+    """The graph file and the files beside it holding its external weights (``<graph>.data``): what moves,
+    links or counts as one ONNX model. ``proto`` is the graph if already loaded (weights not needed)."""
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    path = Path(path)
+    proto = proto if proto is not None else load_onnx(path, weights=False)
+    locations = {ExternalDataInfo(t).location for t in _tensors(proto) if uses_external_data(t)}
+    return [path, *(path.parent / location for location in sorted(locations))]
+
+
+def onnx_bytes(path: str | Path) -> int:
+    """Size of an ONNX model on disk: its graph and its external weights."""
+    return sum(f.stat().st_size for f in onnx_files(path))
+
+
+def _tensors(proto) -> Iterator:
+    """Every tensor stored in the graph: initializers, and node attributes (where some writers put weights)."""
+    yield from proto.graph.initializer
+    for node in proto.graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
 
 
 def check_onnx(path: str | Path) -> None:

@@ -26,7 +26,14 @@ from torch import nn
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance, check, summary, verify
 from corp_deploy.exporters.fp16 import convert_fp16
-from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, export_onnx, input_shape, load_onnx, read_metadata
+from corp_deploy.exporters.onnx_export import (
+    DEFAULT_OPSET,
+    export_onnx,
+    input_shape,
+    load_onnx,
+    onnx_bytes,
+    read_metadata,
+)
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.exporters.tensorrt_engine import VERIFIED, BuildOptions, TrtRunner, build_engine, build_missing
 from corp_deploy.fsio import sha256, staged
@@ -77,7 +84,7 @@ def export_verified(
         "precision": "fp32",
         "opset": opset,
         "simplified": simplify,
-        "bytes": path.stat().st_size,
+        "bytes": onnx_bytes(path),
         "seconds": round(seconds, 2),
         "verify": check_,
         **description,
@@ -95,7 +102,7 @@ def convert_verified(src: Path, path: Path, opts: VerifyOptions = VerifyOptions(
     runners = OrtRunner(src, "cpu"), OrtRunner(path, "cpu")
     check_ = _verified(*runners, input_shape(proto), opts, opts.fp16, f"FP16 ONNX {path.name}")
     check_["reference"] = f"{src.name} ({check_['reference']})"
-    record = {**read_metadata(proto), "file": path.name, "precision": "fp16", "bytes": path.stat().st_size}
+    record = {**read_metadata(proto), "file": path.name, "precision": "fp16", "bytes": onnx_bytes(path)}
     record |= {"seconds": round(seconds, 2), "verify": check_, "converted_from": src.name, "source_sha256": sha256(src)}
     write_sidecar(path, record)
     return record

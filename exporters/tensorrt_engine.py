@@ -467,11 +467,21 @@ class TrtRunner:
         self.name = f"{self.meta['flavour']}-{self.meta['precision']}"
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
-        """Enqueue one inference on the current torch stream; ``x`` must already be on the GPU."""
-        if not self.profile.min <= len(x) <= self.profile.max:
-            raise CorpError(f"batch {len(x)} is outside this engine's profile {self.profile}; rebuild with --batch")
+        """Enqueue one inference on the current torch stream; ``x`` must already be on the GPU.
+
+        A shape the engine cannot take is refused in one line: outside the profile recorded beside
+        the engine, TensorRT is never asked (it would log its own error); a shape TensorRT refuses
+        anyway (``set_input_shape`` returns False) would otherwise run on the previous shape.
+        """
+        shape, image = tuple(x.shape), tuple(self.meta["input"]["shape"])
+        low, high = (self.profile.min, *image), (self.profile.max, *image)
+        inside = len(shape) == len(low) and all(a <= n <= b for a, n, b in zip(low, shape, high, strict=True))
+        if not (inside and self.context.set_input_shape(self.input, shape)):
+            raise CorpError(
+                f"input shape {shape} is outside {self.label} engine {self.name}'s profile (min {low}, max {high}): "
+                "pass images of the size it was built for, or rebuild it with --batch"
+            )
         x = x.to(self.input_dtype).contiguous()
-        self.context.set_input_shape(self.input, tuple(x.shape))
         self.context.set_tensor_address(self.input, x.data_ptr())
         out = torch.empty(tuple(self.context.get_tensor_shape(self.output)), dtype=self.output_dtype, device=x.device)
         self.context.set_tensor_address(self.output, out.data_ptr())

@@ -51,3 +51,19 @@ def image_dir(tmp_path: Path) -> Path:
         Image.fromarray(arr).save(cls / f"img{i}.{('jpg', 'png', 'webp')[i % 3]}")
     (root / "notes.txt").write_text("not an image")
     return root
+
+
+def tf32_state() -> tuple[bool, bool, str]:
+    """torch's three TF32 settings: CUDA matmuls, cuDNN convolutions, the float32 matmul precision."""
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+
+
+@pytest.fixture
+def tf32_on():
+    """TF32 everywhere torch allows it, as a user's script may leave it; the settings found are back after."""
+    saved = tf32_state()
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    yield tf32_state()
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+    torch.set_float32_matmul_precision(saved[2])

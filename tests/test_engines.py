@@ -8,9 +8,11 @@ refusals the runner makes before deserializing, and bad input.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -217,6 +219,57 @@ def test_runner_without_a_gpu_refuses_before_deserializing(run) -> None:
     out, _ = run
     with pytest.raises(CorpError, match="^no supported GPU here: no CUDA GPU is visible$"):
         TrtRunner(out / "pruned.fp16.plan")
+
+
+class _Context:
+    """An execution context whose profile takes batches 1..8 of 3x32x32 but refuses ``refused`` shapes."""
+
+    def __init__(self, refused: set[tuple[int, ...]]) -> None:
+        self.refused, self.asked, self.shape, self.ran = refused, [], (1, 3, 32, 32), False
+
+    def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool:
+        self.asked.append(shape)
+        if shape in self.refused:
+            return False  # TensorRT keeps the previous shape
+        self.shape = shape
+        return True
+
+    def set_tensor_address(self, name: str, address: int) -> None:
+        pass
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        return (self.shape[0], 10)
+
+    def execute_async_v3(self, stream: int) -> bool:
+        self.ran = True
+        return True
+
+
+def _fake_runner(context: _Context) -> TrtRunner:
+    runner = TrtRunner.__new__(TrtRunner)  # no GPU here: the runner's state without a deserialized engine
+    runner.context, runner.input, runner.output, runner.label, runner.name = context, "x", "y", "TensorRT", "t"
+    runner.input_dtype = runner.output_dtype = torch.float32
+    runner.meta, runner.profile = {"input": {"shape": [3, 32, 32]}}, Profile(1, 4, 8)
+    return runner
+
+
+@pytest.mark.parametrize(
+    ("shape", "asked"),
+    [((2, 3, 32, 32), True), ((9, 3, 32, 32), False), ((2, 3, 48, 48), False), ((3, 32, 32), False)],
+    ids=["refused-by-tensorrt", "batch-over-max", "other-image-size", "no-batch-axis"],
+)
+def test_a_shape_the_engine_cannot_take_is_one_line_not_a_run_on_the_last_shape(shape, asked, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0))
+    context = _Context(refused={(2, 3, 32, 32)})
+    runner = _fake_runner(context)
+    assert runner.run(torch.zeros(4, 3, 32, 32)).shape == (4, 10) and context.ran
+    context.ran = False
+    expected = re.escape(
+        f"input shape {shape} is outside TensorRT engine t's profile (min (1, 3, 32, 32), max (8, 3, 32, 32))"
+    )
+    with pytest.raises(CorpError, match=expected):
+        runner.run(torch.zeros(shape))
+    assert not context.ran and (context.asked[-1] == shape) == asked  # outside the recorded profile: not even asked
 
 
 @needs_rtx

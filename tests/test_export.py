@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import pruned_copy, tiny_vit
+from conftest import pruned_copy, tf32_state, tiny_vit
 
 from corp_deploy.api import describe
 from corp_deploy.errors import CorpError
@@ -16,6 +16,7 @@ from corp_deploy.exporters.compare import FP16, FP32, Tolerance, check, compare,
 from corp_deploy.exporters.fp16 import KEEP_FP32, convert_fp16
 from corp_deploy.exporters.onnx_export import graph_precision, input_shape, load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import VerifyOptions, convert_verified, export_verified
+from corp_deploy.exporters.quantize import compare_on
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner, ort_providers
 from corp_deploy.exporters.tensorrt_engine import (
     BuildOptions,
@@ -165,11 +166,43 @@ def test_comparator_metrics_on_known_arrays() -> None:
         compare(ref, ref[:1])
 
 
+@pytest.mark.parametrize("zero_in", ["candidate", "reference"])
+def test_an_all_zero_output_against_a_non_zero_one_fails_the_gate(zero_in) -> None:
+    """The second sample is small next to the first, so only its cosine can tell that it is dead."""
+    ref = np.array([[1.0, 0.0, 0.0], [0.0, 0.0, 1e-3]])
+    dead = ref.copy()
+    dead[1] = 0.0
+    c = compare(ref, dead) if zero_in == "candidate" else compare(dead, ref)
+    assert c.cosine == 0.0 and not c.within(FP16)
+    zeros = np.zeros((2, 3))
+    assert compare(zeros, zeros).cosine == 1.0 and compare(zeros, zeros).within(FP32)
+
+
 def test_check_names_the_failing_batch() -> None:
     ok, bad = compare(np.ones((1, 4)), np.ones((1, 4))), compare(np.ones((3, 4)), -np.ones((3, 4)))
     check([ok], FP32, "x")
     with pytest.raises(CorpError, match="at batch 3: cosine -1.000000"):
         check([ok, bad], FP32, "ONNX x")
+
+
+@pytest.mark.parametrize("path", ["verify", "int8 held-out"])
+def test_verification_references_run_without_tf32_and_leave_the_settings_as_found(tf32_on, path) -> None:
+    """PyTorch references (export) and the INT8 graphs' FP32 reference run in exact FP32; the candidate runs as
+    the user set torch up, and so does everything after."""
+    seen = {}
+
+    def recording(name: str):
+        def call(x: np.ndarray) -> np.ndarray:
+            seen[name] = tf32_state()
+            return x.reshape(len(x), -1)
+
+        return call
+
+    if path == "verify":
+        verify(recording("reference"), recording("candidate"), (3, 4, 4))
+    else:
+        compare_on(recording("reference"), recording("candidate"), [random_inputs(3, (3, 4, 4))])
+    assert seen == {"reference": (False, False, "highest"), "candidate": tf32_on} and tf32_state() == tf32_on
 
 
 def test_random_inputs_are_seeded_per_batch() -> None:

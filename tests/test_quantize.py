@@ -15,12 +15,13 @@ from corp_deploy.api import describe
 from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.data import list_images, sample
 from corp_deploy.exporters.compare import INT8, compare
-from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
+from corp_deploy.exporters.onnx_export import load_onnx, onnx_files, read_metadata
 from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.exporters.quantize import (
     ATTENTION_MATMUL,
     INT8_OPS,
     activation_gemms,
+    compare_on,
     folder_split,
     quantize_graphs,
     split_images,
@@ -106,6 +107,25 @@ def test_int8_outputs_pass_the_gate_on_held_out_images(quantized) -> None:
         assert json.loads(Path(f"{out}.json").read_text())["verify"] == v
 
 
+def test_int8_verification_runs_batch_1_and_all_held_out_images_in_one_batch() -> None:
+    """As the README says (the dynamic axis at both ends), not the decoding batches the images arrive in."""
+    seen: dict[str, list[int]] = {"reference": [], "candidate": []}
+
+    def runner(name: str):
+        def call(x: np.ndarray) -> np.ndarray:
+            seen[name].append(len(x))
+            return x.reshape(len(x), -1)[:, :10] * (1.0 if name == "reference" else 1.01)
+
+        return call
+
+    held_out = [
+        np.random.default_rng(i).standard_normal((n, 3, 8, 8), dtype=np.float32) for i, n in enumerate((8, 8, 4))
+    ]
+    comparisons = compare_on(runner("reference"), runner("candidate"), held_out)
+    assert seen == {"reference": [1, 20], "candidate": [1, 20]}
+    assert [c.batch for c in comparisons] == [1, 20] and all(c.cosine == pytest.approx(1.0) for c in comparisons)
+
+
 def test_int8_metadata_records_scheme_float_ops_and_calibration(quantized) -> None:
     src, out = quantized["pairs"][1]
     meta = read_metadata(load_onnx(out, weights=False))
@@ -115,6 +135,35 @@ def test_int8_metadata_records_scheme_float_ops_and_calibration(quantized) -> No
     assert not set(meta["int8_float_ops"]) & set(meta["int8_ops"])
     assert meta["int8_calibration"] == {"images": 24, "method": "minmax", "source": str(quantized["images"]), "seed": 0}
     assert meta["structure"] == read_metadata(load_onnx(src))["structure"]  # inherited from the FP32 graph
+
+
+def test_a_graph_with_external_data_is_quantized_to_external_data(quantized, tmp_path) -> None:
+    """Graphs over protobuf's 2 GB (deit3_huge, ViT-H) keep their weights in ``<graph>.data``: so must their INT8
+    graph, found and run by onnxruntime, the same model as the single-file INT8 graph of the same weights."""
+    import onnx
+
+    src, single = quantized["pairs"][0]
+    folder = tmp_path / "big"
+    folder.mkdir()
+    external = folder / src.name
+    # As export_onnx writes it: tensors from 1 KiB out (size_threshold=0 would move the Reshape shapes too,
+    # which onnxruntime cannot read while it infers shapes, for the FP32 graph as much as for the INT8 one).
+    onnx.save_model(onnx.load(str(src)), str(external), save_as_external_data=True, location=f"{src.name}.data")
+    out = folder / single.name
+    (record,) = quantize_graphs([(external, out)], quantized["images"], INT8, num_calib=24, num_verify=8, seed=0)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [external.name, f"{external.name}.data", out.name, f"{out.name}.data", f"{out.name}.json"]
+    )  # no staging folder, no shape-inferred copy
+    graph = load_onnx(out, weights=False)
+    weights = [t for t in graph.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert weights and onnx_files(out) == [out, folder / f"{out.name}.data"]
+    assert max(len(t.raw_data) for t in graph.graph.initializer) <= 1024  # the graph holds no weights
+    data_bytes = [(folder / f"{f.name}.data").stat().st_size for f in (external, out)]
+    assert data_bytes[1] < data_bytes[0] / 3  # INT8 weights: about a quarter of the FP32 ones
+    assert record["bytes"] == sum(f.stat().st_size for f in onnx_files(out))
+    assert read_metadata(graph)["precision"] == "int8" and record["verify"]["cosine"] >= INT8.min_cosine
+    x = np.random.default_rng(0).standard_normal((3, 3, 32, 32), dtype=np.float32)
+    np.testing.assert_array_equal(OrtRunner(out, "cpu")(x), OrtRunner(single, "cpu")(x))
 
 
 def test_calibration_is_a_prefix_of_corps_sample_and_held_out_is_disjoint(tmp_path) -> None:
@@ -171,6 +220,29 @@ def test_prune_export_int8_writes_verified_int8_graphs(tmp_path, capsys) -> None
     assert [r["file"] for r in int8] == ["dense.int8.onnx", "pruned.int8.onnx"]
     assert all(r["verify"]["cosine"] >= INT8.min_cosine for r in int8)
     assert "pruned.int8.onnx" in stdout
+
+
+@pytest.mark.e2e
+def test_int8_graphs_with_external_data_from_prune_export_are_read_by_bench_and_engines(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """The readers of ``x.int8.onnx`` find its ``.data``: onnxruntime in ``bench``, TensorRT-RTX's parser."""
+    monkeypatch.setattr("corp_deploy.exporters.onnx_export.MAX_SINGLE_FILE", 0)  # every FP32 graph as if over 2 GB
+    out = tmp_path / "run"
+    engines = RTX_MISSING is None
+    argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
+    argv += ["--calib", "synthetic", "--num-calib", "32", "--int8", "--int8-calib", "16", "--int8-verify", "8"]
+    argv += ["--precision", "fp32,int8", "--runtime", "tensorrt-rtx"] if engines else ["--precision", "fp32"]
+    code, _, err = run([*argv, "--batch", "1:4:8", "--out", str(out)], capsys)
+    assert code == 0, err
+    for m in ("dense", "pruned"):
+        assert onnx_files(out / f"{m}.int8.onnx") == [out / f"{m}.int8.onnx", out / f"{m}.int8.onnx.data"]
+        if engines:
+            assert json.loads((out / f"{m}.int8.plan.json").read_text())["onnx"]["path"] == f"{m}.int8.onnx"
+    fast = ["--min-iters", "1", "--min-seconds", "0", "--warmup-iters", "0", "--warmup-seconds", "0"]
+    bench = ["bench", str(out), "--batch-sizes", "2", "--backends", "ort-cpu-int8", "--json", str(tmp_path / "b")]
+    assert run([*bench, *fast], capsys)[0] == 0
+    assert len(json.loads((tmp_path / "b").read_text())["results"]) == 2
 
 
 def _leftovers(folder: Path) -> set[str]:

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import tf32_state
 
 from corp_deploy import deps, env
 from corp_deploy.errors import CorpError
@@ -45,3 +46,17 @@ def test_sha256_of_a_file(tmp_path) -> None:
     data = b"x" * (3 << 20)  # several read chunks
     (tmp_path / "f").write_bytes(data)
     assert sha256(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("precision", ["high", "medium"])
+def test_exact_fp32_turns_tf32_off_inside_and_restores_it_even_on_an_exception(tf32_on, precision) -> None:
+    torch.set_float32_matmul_precision(precision)
+    before = tf32_state()
+    assert before == (True, True, precision)
+    with env.exact_fp32():
+        assert tf32_state() == (False, False, "highest")
+    assert tf32_state() == before
+    with pytest.raises(KeyError), env.exact_fp32():
+        assert tf32_state() == (False, False, "highest")
+        raise KeyError("the verification failed")
+    assert tf32_state() == before

@@ -16,6 +16,7 @@ from corp_deploy import distributed
 from corp_deploy.cli import bench, export, prune, tools
 from corp_deploy.cli.options import SMOKE_IMAGES
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import FREE_SPACE, no_space
 
 __all__ = ["SMOKE_IMAGES", "cli", "main"]
 
@@ -59,6 +60,10 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("error: interrupted; nothing was written", err=True)
         sys.exit(130)
     except OSError as e:
+        if no_space(e):  # a writer outside ``fsio.staged``: a failed write names no file
+            where = f" ({e.filename})" if e.filename else ""
+            click.echo(f"error: {e.strerror or e}{where}; {FREE_SPACE}", err=True)
+            sys.exit(1)
         if e.filename is None:
             raise
         click.echo(f"error: {e.filename}: {e.strerror or e}; check the path and its permissions", err=True)
