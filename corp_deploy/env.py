@@ -111,9 +111,10 @@ def exact_fp32() -> Iterator[None]:
     and cuDNN convolutions when ``torch.backends.cudnn.allow_tf32`` does (on by default); "medium"
     allows bfloat16 (also oneDNN's on CPUs). A reference computed that way blames its own rounding
     on the graph or engine verified against it, and calibration sums computed that way carry ~1e-3
-    relative error into Q/K systems with condition numbers of 1e10 and more (SparseGPT turns TF32 off too). All three are turned off and restored on exit, also
-    on an exception: the flags first, then the precision, which would otherwise leave torch >= 2.9
-    (it maps both onto newer per-backend settings) in a mixed state it refuses to read back.
+    relative error into Q/K systems with condition numbers of 1e10 and more (SparseGPT turns TF32 off
+    too). All three are turned off and restored on exit, also on an exception: the flags first, then the
+    precision, which would otherwise leave torch >= 2.9 (it maps both onto newer per-backend settings) in
+    a mixed state it refuses to read back.
     """
     import torch
 
