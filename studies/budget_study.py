@@ -9,7 +9,8 @@
 DINOv2 ViT-S/14 (real weights) is calibrated once (MLP + Q/K, joint) on ``--num-calib`` train images; the
 ``--heldout`` more images of the same seeded sample, drawn across it (``api.calibration_data``, as the CLI draws
 them), are the sensitivity pass's. For every uniform sparsity the budget is the MACs uniform CORP reaches
-there; uniform CORP and the ``--methods`` at that budget are scored by the dense model's linear probe on the test images:
+there; uniform CORP and the ``--methods`` at that budget are scored by the dense model's linear probe on the
+test images:
 - uniform: CORP at that sparsity in every block (one pass, the paper's method; always run: it sets the budget);
 - local: per-block widths from ``allocation.plan_budget`` with plain local errors, one-pass CORP;
 - allocated: the same with sensitivity-weighted errors (the default criterion), one-pass CORP;
