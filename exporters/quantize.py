@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from corp_deploy.data import SYNTHETIC, folder_batches, list_images, sample, synthetic_batches
+from corp_deploy.data import SYNTHETIC, folder_batches, folder_counts, list_images, sample, synthetic_batches
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import Comparison, Runner, Tolerance, check, compare_runners, summary
@@ -124,11 +124,13 @@ def noise_batches(num: int, size: Sequence[int], seed: int, batch_size: int = 32
 
 def folder_split(
     folder: str | Path, proto, num_calib: int, num_verify: int, seed: int, workers: int = 0
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """(calibration, held-out) image batches from ``folder``, preprocessed as the graph's metadata says."""
+) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, dict[str, int]]]:
+    """(calibration, held-out) image batches from ``folder``, preprocessed as the graph's metadata says, and how
+    many of each came from every subfolder (class): the record shows both are drawn across the classes."""
     calib, held = split_images(list_images(folder), num_calib, num_verify, seed)
     config = data_config(proto)
-    return image_batches(calib, config, workers=workers), image_batches(held, config, workers=workers)
+    folders = {"calibration": folder_counts(calib, folder), "verification": folder_counts(held, folder)}
+    return image_batches(calib, config, workers=workers), image_batches(held, config, workers=workers), folders
 
 
 class _Reader:
@@ -296,11 +298,13 @@ def quantize_verified(
 
 def calibration_data(
     source: str | Path, proto, num_calib: int, num_verify: int, seed: int, workers: int = 0
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """(calibration, held-out) batches: images of the folder ``source``, or noise for ``synthetic``."""
+) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, dict[str, int]]]:
+    """(calibration, held-out) batches: images of the folder ``source``, or noise for ``synthetic``; and the
+    count of each per folder (``folder_split``)."""
     if str(source) == SYNTHETIC:
         shape = input_shape(proto)
-        return noise_batches(num_calib, shape, seed), noise_batches(num_verify, shape, seed + 1)
+        folders = {"calibration": {SYNTHETIC: num_calib}, "verification": {SYNTHETIC: num_verify}}
+        return noise_batches(num_calib, shape, seed), noise_batches(num_verify, shape, seed + 1), folders
     return folder_split(source, proto, num_calib, num_verify, seed, workers)
 
 
@@ -324,12 +328,15 @@ def quantize_graphs(
     for _, out in pairs:
         check_writable(out, overwrite)
     info = {"source": str(source), "seed": seed}
-    data: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    data: dict[str, tuple[list[np.ndarray], list[np.ndarray], dict[str, dict[str, int]]]] = {}
     records = []
     for (src, out), proto in zip(pairs, protos, strict=True):
         key = json.dumps([input_shape(proto), read_metadata(proto).get("preprocessing")], sort_keys=True)
         if key not in data:
             data[key] = calibration_data(source, proto, num_calib, num_verify, seed, workers)
         with staged(out, overwrite) as stage:
-            records.append(quantize_verified(src, stage / out.name, *data[key], tol, method, info))
+            calib, held, folders = data[key]
+            records.append(
+                quantize_verified(src, stage / out.name, calib, held, tol, method, info | {"folders": folders})
+            )
     return records

@@ -13,7 +13,7 @@ from PIL import Image
 
 from corp_deploy.api import describe
 from corp_deploy.bench.backends import RunFolder, select
-from corp_deploy.data import list_images, sample
+from corp_deploy.data import folder_counts, list_images, sample
 from corp_deploy.exporters.compare import INT8, compare
 from corp_deploy.exporters.onnx_export import load_onnx, onnx_files, read_metadata
 from corp_deploy.exporters.pipeline import export_verified
@@ -99,7 +99,7 @@ def test_int8_outputs_pass_the_gate_on_held_out_images(quantized) -> None:
         v = record["verify"]
         assert v["cosine"] >= INT8.min_cosine and v["rel_error"] <= INT8.max_rel_error
         assert v["images"] == 8 and v["batches"] == [1, 8] and 0 <= v["top1"] <= 1
-        _, held = folder_split(quantized["images"], load_onnx(src, weights=False), 24, 8, seed=0)
+        _, held, _ = folder_split(quantized["images"], load_onnx(src, weights=False), 24, 8, seed=0)
         x = np.concatenate(held)
         c = compare(OrtRunner(src, "cpu")(x), OrtRunner(out, "cpu")(x))
         assert c.within(INT8) and c.cosine == pytest.approx(v["cosine"], abs=1e-6)
@@ -133,7 +133,9 @@ def test_int8_metadata_records_scheme_float_ops_and_calibration(quantized) -> No
     assert meta["int8_scheme"]["format"] == "QDQ" and "symmetric" in meta["int8_scheme"]["activations"]
     assert {"LayerNormalization", "Softmax", "Gelu", ATTENTION_MATMUL} <= set(meta["int8_float_ops"])
     assert not set(meta["int8_float_ops"]) & set(meta["int8_ops"])
-    assert meta["int8_calibration"] == {"images": 24, "method": "minmax", "source": str(quantized["images"]), "seed": 0}
+    folders = {"calibration": {".": 24}, "verification": {".": 8}}  # a flat folder
+    expected = {"images": 24, "method": "minmax", "source": str(quantized["images"]), "seed": 0, "folders": folders}
+    assert meta["int8_calibration"] == expected
     assert meta["structure"] == read_metadata(load_onnx(src))["structure"]  # inherited from the FP32 graph
 
 
@@ -174,6 +176,15 @@ def test_calibration_is_a_prefix_of_corps_sample_and_held_out_is_disjoint(tmp_pa
     assert set(held) <= set(sample(files, 17, seed=3))
     few_calib, few_held = split_images(files[:4], num_calib=256, num_verify=64, seed=0)
     assert len(few_calib) == 3 and len(few_held) == 1
+
+
+def test_calibration_and_held_out_images_come_from_across_the_classes(tmp_path) -> None:
+    """Both INT8 sets are drawn by one seeded permutation of the whole folder, not its first class folders."""
+    for c in range(4):
+        _images(tmp_path / "tree" / f"class{c}", 12)
+    files = list_images(tmp_path / "tree")
+    calib, held = split_images(files, num_calib=16, num_verify=8, seed=0)
+    assert len(folder_counts(calib, tmp_path / "tree")) == 4 and len(folder_counts(held, tmp_path / "tree")) >= 3
 
 
 @pytest.mark.e2e
