@@ -37,12 +37,12 @@ from corp_deploy.data import (
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
 from corp_deploy.env import device_name, versions
 from corp_deploy.errors import CorpError
+from corp_deploy.family import structure
 from corp_deploy.models import create_model, resolve_name
 from corp_deploy.pruner import PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
 from corp_deploy.report import model_size, peak_memory
 from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.stats import CalibrationStats
-from corp_deploy.surgery import block_widths
 from corp_deploy.version import __version__
 
 
@@ -358,7 +358,7 @@ def describe(model: nn.Module, name: str, model_args: dict, weights: str) -> dic
         "model": name,
         "model_args": model_args,
         "weights": weights,
-        "structure": block_widths(model),
+        "structure": structure(model),
         "input_size": list(cfg["input_size"]),
         "preprocessing": {k: cfg[k] for k in ("mean", "std", "interpolation", "crop_pct") if k in cfg},
         "corp_deploy": __version__,

@@ -25,13 +25,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from corp_deploy.errors import CorpError, first_line
+from corp_deploy.family import TIMM_VIT, adapter_for, structure
 from corp_deploy.fsio import atomic_dir
-from corp_deploy.surgery import apply_widths, block_widths
 
 FORMAT = "corp-deploy/pruned-vit"
 FORMAT_VERSION = 3
 """3: a ``family`` and unknown block keys refused; 2: each block's ``v_dim``; 1 (V never pruned). All load."""
-DEFAULT_FAMILY = "timm-vit"
+DEFAULT_FAMILY = TIMM_VIT.name
 """The family of artifacts written before families were recorded (every one of them is a timm ViT)."""
 
 
@@ -50,8 +50,8 @@ class Family:
 FAMILIES = {
     DEFAULT_FAMILY: Family(
         lambda name, args: timm.create_model(name, pretrained=False, **args),
-        apply_widths,
-        frozenset({"heads", "mlp_hidden", "qk_dim", "v_dim"}),
+        TIMM_VIT.apply_structure,
+        TIMM_VIT.block_keys,
     )
 }
 WEIGHTS_FILE = "model.safetensors"
@@ -66,9 +66,9 @@ def save_pruned(model: nn.Module, out: str | Path, meta: dict[str, Any], overwri
     record = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "family": DEFAULT_FAMILY,
+        "family": adapter_for(model).name,
         **meta,
-        "structure": block_widths(model),
+        "structure": structure(model),
     }
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     try:
