@@ -16,7 +16,7 @@ structures of every block and never reads a model's attribute names itself; it a
   given V channels and installs the folded ``proj``.
 - ``check_parts``: what a family cannot prune, refused before any data is read.
 - ``structure`` / ``apply_structure``: the per-block widths recorded in ``corp.json`` and rebuilt from it
-  (keys ``block_keys``); ``name`` is the artifact's ``family``.
+  (keys ``block_keys``); ``write_files``: what else the artifact holds; ``name`` is the artifact's ``family``.
 
 And per model: ``blocks``; ``run`` (one calibration forward), ``count`` (sequences or images in a batch),
 ``token_mask`` (which token positions count: padding is excluded from every sum, None = all of them);
@@ -29,6 +29,7 @@ Families: ``TimmViT`` here; ``corp_deploy.hf.HfBert`` (``transformers``, importe
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,6 +103,9 @@ class Adapter:
 
     def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
         raise NotImplementedError
+
+    def write_files(self, model: nn.Module, folder: Path) -> None:
+        """Files the artifact needs beside the weights and corp.json (a config, a tokenizer); none by default."""
 
     def run(self, model: nn.Module, inputs: Any, device: torch.device | str) -> None:
         raise NotImplementedError
