@@ -230,3 +230,14 @@ def test_cli_prunes_a_transformers_folder_on_text_and_refuses_bad_text_input(tmp
         bad = _cli("prune", str(folder), *args, *common, "--out", str(tmp_path / "bad"))
         assert bad.returncode == 1 and message in bad.stderr and "Traceback" not in bad.stderr
         assert not (tmp_path / "bad").exists()
+
+
+def test_pruned_encoder_exports_to_onnx_with_dynamic_batch_and_sequence(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    from corp_deploy.exporters.text_onnx import export_text_onnx, verify_text_onnx
+
+    model = tiny_bert()
+    config = PruneConfig(sparsity=0.5, target="all", round_to=4)
+    prune_model(model, calibrate(model, padded_batches(), config, "cpu", progress=False), config)
+    path = export_text_onnx(model, tmp_path / "pruned.onnx")
+    assert verify_text_onnx(model, path, shapes=((1, 5), (3, 19), (4, 33))) < 1e-5  # none of them traced
