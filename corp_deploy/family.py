@@ -28,6 +28,7 @@ Families: ``TimmViT`` here; ``corp_deploy.hf.HfBert`` (``transformers``, importe
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,24 +45,29 @@ QKHook = Callable[[Tensor, Tensor], None]
 """Called with (q, k), each (batch, tokens, heads, d), once per forward of an attention."""
 
 
-class Adapter:
+class Adapter(ABC):
     """A model family's answers to the core's questions (see the module docstring)."""
 
     name: str
     block_keys: frozenset[str]
 
+    @abstractmethod
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         raise NotImplementedError
 
+    @abstractmethod
     def mlp_out(self, block: nn.Module) -> nn.Linear:
         raise NotImplementedError
 
+    @abstractmethod
     def set_mlp(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor | None) -> None:
         raise NotImplementedError
 
+    @abstractmethod
     def heads(self, block: nn.Module) -> int:
         raise NotImplementedError
 
+    @abstractmethod
     def head_widths(self, block: nn.Module) -> tuple[int, int]:
         raise NotImplementedError
 
@@ -69,19 +75,24 @@ class Adapter:
         """The residual stream's width (the input of every projection)."""
         return self.proj(block).out_features
 
+    @abstractmethod
     def qk_weights(self, block: nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
         """(query weight, query bias, key weight, key bias): weights (heads, d, dim), biases (heads, d) or None."""
         raise NotImplementedError
 
+    @abstractmethod
     def on_qk(self, block: nn.Module, fn: QKHook) -> list[RemovableHandle]:
         raise NotImplementedError
 
+    @abstractmethod
     def set_qk(self, block: nn.Module, q_w: Tensor, q_b: Tensor | None, k_w: Tensor, k_b: Tensor | None) -> None:
         raise NotImplementedError
 
+    @abstractmethod
     def proj(self, block: nn.Module) -> nn.Linear:
         raise NotImplementedError
 
+    @abstractmethod
     def set_values(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor) -> None:
         raise NotImplementedError
 
@@ -101,24 +112,30 @@ class Adapter:
         qk, v = self.head_widths(block)
         return {"mlp_hidden": self.mlp_out(block).in_features, "qk_dim": qk, "v_dim": v, "heads": self.heads(block)}
 
+    @abstractmethod
     def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
         raise NotImplementedError
 
     def write_files(self, model: nn.Module, folder: Path) -> None:
         """Files the artifact needs beside the weights and corp.json (a config, a tokenizer); none by default."""
+        return None
 
+    @abstractmethod
     def run(self, model: nn.Module, inputs: Any, device: torch.device | str) -> None:
         raise NotImplementedError
 
+    @abstractmethod
     def count(self, inputs: Any) -> int:
         raise NotImplementedError
 
     def token_mask(self, inputs: Any, device: torch.device | str) -> Tensor | None:
         return None
 
+    @abstractmethod
     def tokens(self, model: nn.Module) -> int:
         raise NotImplementedError
 
+    @abstractmethod
     def example(self, model: nn.Module) -> Any:
         """One input of the size MACs are counted at, on the model's device and in its dtype."""
         raise NotImplementedError
