@@ -81,8 +81,9 @@ class PrunedSelfAttention(nn.Module):
 
 
 def _linear_like(old: nn.Linear, in_features: int, out_features: int) -> nn.Linear:
+    """An unfilled Linear of the new shape on ``old``'s device, dtype and mode (an eval model stays in eval)."""
     kw = {"device": old.weight.device, "dtype": old.weight.dtype}
-    return nn.Linear(in_features, out_features, bias=old.bias is not None, **kw)
+    return nn.Linear(in_features, out_features, bias=old.bias is not None, **kw).train(old.training)
 
 
 class HfBert(Adapter):
