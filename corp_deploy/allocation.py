@@ -26,10 +26,11 @@ from torch import Tensor, nn
 
 from corp_deploy import compensation as C
 from corp_deploy.errors import CorpError
+from corp_deploy.family import adapter_for
 from corp_deploy.pruner import PARTS, PruneConfig, Widths
 from corp_deploy.ranking import attn_scores, channel_scores
 from corp_deploy.stats import AttnStats, CalibrationStats, MlpStats
-from corp_deploy.surgery import check_v_prunable, head_widths, linear_float64
+from corp_deploy.surgery import linear_float64
 
 CHOLESKY_JITTER = 1e-10
 """Relative diagonal jitter for the ridge-free Cholesky: dead or duplicated channels make covariances singular."""
@@ -42,8 +43,8 @@ Key = tuple[int, str]
 
 
 def tokens(model: nn.Module) -> int:
-    """Tokens every block sees: patches plus class/distillation/register tokens."""
-    return model.patch_embed.num_patches + model.num_prefix_tokens
+    """Tokens every block sees (a ViT: patches plus class/distillation/register tokens)."""
+    return adapter_for(model).tokens(model)
 
 
 def unit_macs(tokens: int, dim: int, heads: int) -> dict[str, int]:
@@ -60,11 +61,12 @@ def unit_macs(tokens: int, dim: int, heads: int) -> dict[str, int]:
 
 def block_parts(model: nn.Module) -> list[dict[str, Any]]:
     """Per block: its dim, heads and current width of every part (MLP channels; Q/K and V per head)."""
+    adapter = adapter_for(model)
     out = []
-    for block in model.blocks:
-        qk, v = head_widths(block.attn)
-        widths = {"mlp": block.mlp.fc1.out_features, "qk": qk, "v": v}
-        out.append({"dim": block.mlp.fc1.in_features, "heads": block.attn.num_heads, "widths": widths})
+    for block in adapter.blocks(model):
+        qk, v = adapter.head_widths(block)
+        widths = {"mlp": adapter.mlp_out(block).in_features, "qk": qk, "v": v}
+        out.append({"dim": adapter.dim(block), "heads": adapter.heads(block), "widths": widths})
     return out
 
 
@@ -133,22 +135,25 @@ def error_curves(
 ) -> dict[Key, tuple[list[int], list[float]]]:
     """(candidate widths descending, relative compensated errors) of every block and targeted part."""
     curves = {}
-    for i, block in enumerate(model.blocks):
+    adapter = adapter_for(model)
+    for i, block in enumerate(adapter.blocks(model)):
         if "mlp" in parts:
             s = stats.mlp[i]
-            w, b = linear_float64(block.mlp.fc2, s.sum.device)
+            w, b = linear_float64(adapter.mlp_out(block), s.sum.device)
             order = torch.sort(channel_scores(config.ranker, s, w), descending=True, stable=True).indices
             widths = candidate_widths(w.shape[1], config.round_to)
             curves[(i, "mlp")] = (widths, affine_curve(s, w, b, order, widths))
         if "qk" in parts:
-            s, attn = stats.attn[i], block.attn
-            qkv = attn.qkv.weight.detach().to(s.moment.device, torch.float64).unflatten(0, (3, s.heads, s.head_dim))
-            scores = attn_scores(config.ranker, C.logit_energy(s.moment, s.index), qkv[0], qkv[1])
+            s = stats.attn[i]
+            q_w, _, k_w, _ = (
+                None if x is None else x.detach().to(s.moment.device, torch.float64) for x in adapter.qk_weights(block)
+            )
+            scores = attn_scores(config.ranker, C.logit_energy(s.moment, s.index), q_w, k_w)
             widths = candidate_widths(s.head_dim, config.round_to)
             curves[(i, "qk")] = (widths, logit_curve(s, scores, widths, config.ridge))
         if "v" in parts:
-            s, heads = stats.proj[i], block.attn.num_heads
-            w, b = linear_float64(block.attn.proj, s.sum.device)
+            s, heads = stats.proj[i], adapter.heads(block)
+            w, b = linear_float64(adapter.proj(block), s.sum.device)
             d = w.shape[1] // heads
             ranks = torch.sort(
                 channel_scores(config.ranker, s, w).view(heads, d), dim=-1, descending=True, stable=True
@@ -222,9 +227,9 @@ def check_budget(model: nn.Module, config: PruneConfig, dense_macs: int) -> int:
     Call it before calibrating. The smallest model keeps ``round_to`` channels of every targeted part.
     """
     parts = config.target
-    if "v" in parts:
-        for i, block in enumerate(model.blocks):
-            check_v_prunable(block.attn, i)
+    adapter = adapter_for(model)
+    for i, block in enumerate(adapter.blocks(model)):
+        adapter.check_parts(block, i, [p for p in parts if p == "v"], config.compensation)
     limit = int(config.budget.fraction * dense_macs)
     unit, fixed, widths = macs_layout(model, dense_macs, parts)
     smallest = fixed + sum(unit[k] * min(w, config.round_to) for k, w in widths.items())
@@ -255,7 +260,7 @@ def plan_budget(
     curves = error_curves(model, stats, config, parts) if curves is None else curves
     unit, fixed, _ = macs_layout(model, dense_macs, parts)
     chosen = allocate(curves, weights or dict.fromkeys(curves, 1.0), unit, fixed, limit)
-    plan = [Widths(**{p: chosen[(i, p)] for p in parts}) for i in range(len(model.blocks))]
+    plan = [Widths(**{p: chosen[(i, p)] for p in parts}) for i in range(len(adapter_for(model).blocks(model)))]
     record = {
         "budget": str(config.budget),
         "criterion": "local" if weights is None else "sensitivity",

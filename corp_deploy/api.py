@@ -37,12 +37,13 @@ from corp_deploy.data import (
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
 from corp_deploy.env import device_name, exact_fp32, versions
 from corp_deploy.errors import CorpError
+from corp_deploy.family import structure
 from corp_deploy.models import create_model, resolve_name
 from corp_deploy.pruner import PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
 from corp_deploy.report import model_size, peak_memory
 from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.stats import CalibrationStats
-from corp_deploy.surgery import block_widths
+from corp_deploy.text import check_seq_len, read_documents, synthetic_text_batches, text_batches
 from corp_deploy.version import __version__
 
 
@@ -129,6 +130,35 @@ def calibration_data(
             raise CorpError(f"none of the {len(held)} held-out calibration images could be read; check the files")
         heldout = Heldout(torch.cat(loaded), folder_counts(held, root))
     return Calibration(folder_batches(files, data_config(model), batch_size, workers), len(files), heldout)
+
+
+def text_calibration_data(
+    model: nn.Module,
+    tokenizer: Any,
+    source: str | Path,
+    num: int = 256,
+    batch_size: int = 16,
+    seed: int = 0,
+    seq_len: int = 128,
+    hold_out: int = 0,
+) -> Calibration:
+    """``calibration_data`` for a text model: a seeded sample of ``num`` documents from a folder of .txt/.jsonl
+    files (one document per sequence, padded and masked), or random token ids when ``source == "synthetic"``."""
+    if num < 1 or batch_size < 1:
+        raise CorpError("--num-calib and --calib-batch-size must be >= 1")
+    if hold_out:
+        raise CorpError("--allocation sensitivity runs on images only so far; use --allocation local with a text model")
+    check_seq_len(seq_len, model.config)
+    if str(source) == SYNTHETIC:
+        warnings.warn(
+            "--calib synthetic: calibrating on RANDOM TOKENS. Use only for smoke tests; pass --calib-dir with text.",
+            stacklevel=2,
+        )
+        return Calibration(synthetic_text_batches(model.config.vocab_size, num, seq_len, batch_size, seed), num, None)
+    if tokenizer is None:
+        raise CorpError(f"{source}: text calibration needs the model's tokenizer, and its folder has none")
+    docs = sample(read_documents(source), num, seed)
+    return Calibration(text_batches(tokenizer, docs, seq_len, batch_size), len(docs), None)
 
 
 def calibration_batches(
@@ -360,7 +390,7 @@ def describe(model: nn.Module, name: str, model_args: dict, weights: str) -> dic
         "model": name,
         "model_args": model_args,
         "weights": weights,
-        "structure": block_widths(model),
+        "structure": structure(model),
         "input_size": list(cfg["input_size"]),
         "preprocessing": {k: cfg[k] for k in ("mean", "std", "interpolation", "crop_pct") if k in cfg},
         "corp_deploy": __version__,

@@ -24,14 +24,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from corp_deploy import hf
 from corp_deploy.errors import CorpError, first_line
+from corp_deploy.family import TIMM_VIT, adapter_for, structure
 from corp_deploy.fsio import atomic_dir
-from corp_deploy.surgery import apply_widths, block_widths
+from corp_deploy.hf import HF_BERT
 
 FORMAT = "corp-deploy/pruned-vit"
 FORMAT_VERSION = 3
 """3: a ``family`` and unknown block keys refused; 2: each block's ``v_dim``; 1 (V never pruned). All load."""
-DEFAULT_FAMILY = "timm-vit"
+DEFAULT_FAMILY = TIMM_VIT.name
 """The family of artifacts written before families were recorded (every one of them is a timm ViT)."""
 
 
@@ -39,8 +41,8 @@ DEFAULT_FAMILY = "timm-vit"
 class Family:
     """How to rebuild one family's pruned module tree: the dense tree, then the recorded structure on it."""
 
-    build: Callable[[str, dict[str, Any]], nn.Module]
-    """(name, model arguments) -> the dense module tree, weights unfilled."""
+    build: Callable[[dict[str, Any], Path], nn.Module]
+    """(corp.json's ``model`` record, the artifact folder) -> the dense module tree, weights unfilled."""
     apply: Callable[[nn.Module, list[dict[str, Any]]], None]
     """Give every block its recorded structure."""
     block_keys: frozenset[str]
@@ -49,10 +51,11 @@ class Family:
 
 FAMILIES = {
     DEFAULT_FAMILY: Family(
-        lambda name, args: timm.create_model(name, pretrained=False, **args),
-        apply_widths,
-        frozenset({"heads", "mlp_hidden", "qk_dim", "v_dim"}),
-    )
+        lambda model, _folder: timm.create_model(model["name"], pretrained=False, **model.get("args", {})),
+        TIMM_VIT.apply_structure,
+        TIMM_VIT.block_keys,
+    ),
+    HF_BERT.name: Family(hf.build, HF_BERT.apply_structure, HF_BERT.block_keys),
 }
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "corp.json"
@@ -63,17 +66,19 @@ def save_pruned(model: nn.Module, out: str | Path, meta: dict[str, Any], overwri
 
     ``meta`` must hold ``model: {name, args}``; the per-block widths are taken from the model itself.
     """
+    adapter = adapter_for(model)
     record = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "family": DEFAULT_FAMILY,
+        "family": adapter.name,
         **meta,
-        "structure": block_widths(model),
+        "structure": structure(model),
     }
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     try:
         with atomic_dir(out, overwrite) as tmp:
             save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+            adapter.write_files(model, tmp)
             (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
     except (OSError, SafetensorError) as e:  # a full disk is already one line (``fsio.staged``)
         raise CorpError(f"could not write {out} ({first_line(e)}); whatever was there is unchanged") from None
@@ -115,7 +120,7 @@ def load_pruned(path: str | Path, device: str | torch.device = "cpu") -> nn.Modu
     meta = read_meta(path)
     try:
         family = FAMILIES[meta["family"]]
-        model = family.build(meta["model"]["name"], meta["model"].get("args", {}))
+        model = family.build(meta["model"], Path(path))
         family.apply(model, meta["structure"])
     except (RuntimeError, TypeError, ValueError, KeyError, AttributeError) as e:
         raise CorpError(

@@ -43,8 +43,9 @@ from tqdm import tqdm
 
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, all_reduce_tensors
 from corp_deploy.errors import CorpError
+from corp_deploy.family import TIMM_VIT
 from corp_deploy.pruner import PruneConfig, Timer, Widths, plan_widths, prune_block
-from corp_deploy.stats import CalibrationStats, empty_stats, recording, split_qk
+from corp_deploy.stats import CalibrationStats, empty_stats, recording
 
 CACHE_FRACTION = 0.5
 """Share of the GPU memory free at the start that the token cache may take; the rest is for statistics, weights
@@ -225,7 +226,7 @@ def _dense_group(
     """One pass of the dense tokens through the group (statistics; the cache advances), then prune it."""
     t = time.perf_counter()
     stats = block_stats(model, config, group, cache.device)
-    with recording(model.blocks, stats), torch.inference_mode():
+    with recording(model, stats), torch.inference_mode():
         for k in range(len(cache.chunks)):
             (x,) = cache.load(k)
             for i in group:
@@ -233,7 +234,7 @@ def _dense_group(
             cache.store(k, 0, x)
     all_reduce_stats(stats, world, dist_timeout)
     timer.add("calibration", t)
-    return [prune_block(model.blocks[i], i, stats, plan[i], config, timer) for i in group]
+    return [prune_block(TIMM_VIT, model.blocks[i], i, stats, plan[i], config, timer) for i in group]
 
 
 def _sequential_block(
@@ -251,7 +252,7 @@ def _sequential_block(
     t = time.perf_counter()
     dense = copy.deepcopy(model.blocks[i])
     stats = block_stats(model, config, group, cache.device)
-    with recording(model.blocks, stats), torch.inference_mode():
+    with recording(model, stats), torch.inference_mode():
         for k in range(len(cache.chunks)):
             model.blocks[i](torch.cat(cache.load(k)))
     all_reduce_stats(stats, world, dist_timeout)
@@ -260,7 +261,7 @@ def _sequential_block(
     def logit_targets(keep: Tensor) -> tuple[Tensor, Tensor]:
         return _logit_targets(dense, cache, keep, world, dist_timeout)
 
-    entry = prune_block(model.blocks[i], i, stats, plan[i], config, timer, logit_targets)
+    entry = prune_block(TIMM_VIT, model.blocks[i], i, stats, plan[i], config, timer, logit_targets)
     t = time.perf_counter()
     with torch.inference_mode():
         for k in range(len(cache.chunks)):
@@ -269,6 +270,12 @@ def _sequential_block(
             cache.store(k, 1, model.blocks[i](x_pruned))
     timer.add("calibration", t)
     return [entry]
+
+
+def _split_qk(out: Tensor, heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """timm's fused qkv output (B, N, 3*H*d) -> q, k as (B, N, H, d)."""
+    qkv = out.unflatten(-1, (3, heads, head_dim))
+    return qkv[..., 0, :, :], qkv[..., 1, :, :]
 
 
 def _logit_targets(
@@ -287,8 +294,8 @@ def _logit_targets(
     with torch.inference_mode():
         for k in range(len(cache.chunks)):
             x_dense, x_pruned = cache.load(k)
-            q, kk = (t.float() for t in split_qk(attn.qkv(block.norm1(x_dense)), heads, d))
-            qp, kp = (t.float() for t in split_qk(attn.qkv(block.norm1(x_pruned)), heads, d))
+            q, kk = (t.float() for t in _split_qk(attn.qkv(block.norm1(x_dense)), heads, d))
+            qp, kp = (t.float() for t in _split_qk(attn.qkv(block.norm1(x_pruned)), heads, d))
             index = keep.to(qp.device).expand(*qp.shape[:2], -1, -1)
             qs, ks = qp.gather(-1, index), kp.gather(-1, index)
             gq = torch.einsum("bnhs,bnhd->bhsd", qs, q)

@@ -22,6 +22,7 @@ PACKAGES: dict[str, tuple[str, str | None]] = {
     "sklearn": ("scikit-learn", "demo"),
     "tensorrt": ("tensorrt", "tensorrt"),
     "tensorrt_rtx_bindings": ("tensorrt-rtx-cu13-bindings", "tensorrt-rtx"),
+    "transformers": ("transformers", "text"),
 }
 """Top-level import name -> (distribution on the package index, corp-deploy extra that installs it)."""
 INDEX_URLS: dict[str, str] = {"tensorrt": "https://pypi.nvidia.com"}

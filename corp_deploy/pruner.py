@@ -17,9 +17,10 @@ from torch import Tensor, nn
 from corp_deploy import compensation as C
 from corp_deploy.env import exact_fp32
 from corp_deploy.errors import CorpError
+from corp_deploy.family import Adapter, adapter_for
 from corp_deploy.ranking import RANKERS, attn_scores, channel_scores, global_widths, kept_width, split_top
 from corp_deploy.stats import AttnStats, CalibrationStats, MlpStats, PairStats, collect, empty_stats
-from corp_deploy.surgery import check_v_prunable, fill_attention, fill_mlp, fill_values, linear_float64
+from corp_deploy.surgery import linear_float64
 
 PARTS = ("mlp", "qk", "v")
 """Prunable structures: MLP hidden channels, attention Q/K dims per head, attention V channels per head.
@@ -246,16 +247,11 @@ def calibrate(
 
 
 def check_parts(model: nn.Module, config: PruneConfig) -> None:
-    """What every width rule needs of the blocks: a compensated fc2 takes the constant term in its bias,
-    and V pruning folds into proj. Data-free, so a refusal comes before calibration."""
-    for i, block in enumerate(model.blocks):
-        if config.prunes("mlp") and block.mlp.fc2.bias is None and config.compensation != "none":
-            raise CorpError(
-                f"MLP pruning with --compensation {config.compensation} is not supported for block {i}: its fc2 "
-                "has no bias to take the compensation's constant; use --compensation none or --target qk"
-            )
-        if config.prunes("v"):
-            check_v_prunable(block.attn, i)
+    """What every width rule needs of the blocks (``Adapter.check_parts``: a compensated MLP fold takes the
+    constant term in a bias, V pruning folds into proj). Data-free, so a refusal comes before calibration."""
+    adapter = adapter_for(model)
+    for i, block in enumerate(adapter.blocks(model)):
+        adapter.check_parts(block, i, config.target, config.compensation)
 
 
 def plan_widths(model: nn.Module, config: PruneConfig, stats: CalibrationStats | None = None) -> list[Widths]:
@@ -268,9 +264,11 @@ def plan_widths(model: nn.Module, config: PruneConfig, stats: CalibrationStats |
     if config.budget is not None:
         raise CorpError("a --budget config's widths come from corp_deploy.allocation.plan_budget, not plan_widths")
     check_parts(model, config)
+    adapter = adapter_for(model)
     plan = []
-    for i, block in enumerate(model.blocks):
-        full = {"mlp": block.mlp.fc2.in_features, "qk": block.attn.head_dim, "v": block.attn.head_dim}
+    for i, block in enumerate(adapter.blocks(model)):
+        qk, v = adapter.head_widths(block)
+        full = {"mlp": adapter.mlp_out(block).in_features, "qk": qk, "v": v}
         kept = {
             p: kept_width(full[p], config.part_sparsity(p), config.round_to, f"{PART_NAMES[p]} (block {i})")
             for p in config.target
@@ -280,8 +278,8 @@ def plan_widths(model: nn.Module, config: PruneConfig, stats: CalibrationStats |
         if stats is None:
             raise CorpError("--selection global chooses MLP widths from the calibration statistics; pass them")
         scores = [
-            channel_scores(config.ranker, stats.mlp[i], linear_float64(block.mlp.fc2, stats.mlp[i].sum.device)[0])
-            for i, block in enumerate(model.blocks)
+            channel_scores(config.ranker, stats.mlp[i], linear_float64(adapter.mlp_out(b), stats.mlp[i].sum.device)[0])
+            for i, b in enumerate(adapter.blocks(model))
         ]
         counts = global_widths(scores, config.part_sparsity("mlp"), config.round_to)
         plan = [replace(w, mlp=n) for w, n in zip(plan, counts, strict=True)]
@@ -302,7 +300,9 @@ def prune_model(
     """
     timer = timer or Timer()
     plan = plan_widths(model, config, stats) if plan is None else plan
-    return [prune_block(model.blocks[i], i, stats, widths, config, timer) for i, widths in enumerate(plan)]
+    adapter = adapter_for(model)
+    blocks = adapter.blocks(model)
+    return [prune_block(adapter, blocks[i], i, stats, widths, config, timer) for i, widths in enumerate(plan)]
 
 
 LogitTargets = Callable[[Tensor], tuple[Tensor, Tensor]]
@@ -310,6 +310,7 @@ LogitTargets = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 
 def prune_block(
+    adapter: Adapter,
     block: nn.Module,
     i: int,
     stats: CalibrationStats,
@@ -321,17 +322,16 @@ def prune_block(
     """Prune block ``i`` in place to ``widths``; its diagnostics, keyed by part (``mlp``, ``qk``, ``v``).
 
     ``stats`` holds at least block i's sums; ``PairStats`` and ``logit_targets`` make the fits sequential.
-    Q/K are pruned before V; they touch disjoint weights (Q/K rows of qkv; V rows of qkv and proj's columns).
+    Q/K are pruned before V; they touch disjoint weights (the query and key projections; the value projection and
+    proj's columns). ``adapter`` (the model's family) finds and rebuilds the layers.
     """
     entry: dict[str, Any] = {"block": i}
     if widths.mlp is not None:
-        entry["mlp"] = _prune_mlp(block.mlp, stats.mlp[i], widths.mlp, config, timer)
+        entry["mlp"] = _prune_mlp(adapter, block, stats.mlp[i], widths.mlp, config, timer)
     if widths.qk is not None:
-        entry["qk"], new_attn = _prune_qk(block.attn, stats.attn[i], widths.qk, config, timer, logit_targets)
-        if new_attn is not None:
-            block.attn = new_attn
+        entry["qk"] = _prune_qk(adapter, block, stats.attn[i], widths.qk, config, timer, logit_targets)
     if widths.v is not None:
-        entry["v"], block.attn = _prune_v(block.attn, stats.proj[i], widths.v, config, timer)
+        entry["v"] = _prune_v(adapter, block, stats.proj[i], widths.v, config, timer)
     return entry
 
 
@@ -372,64 +372,75 @@ def _regress(
     return new_w, new_b, errors
 
 
-def _prune_mlp(mlp: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer: Timer) -> dict:
+def _prune_mlp(adapter: Adapter, block: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer: Timer) -> dict:
     t = time.perf_counter()
-    w2, b2 = linear_float64(mlp.fc2, s.sum.device)
+    out = adapter.mlp_out(block)
+    w2, b2 = linear_float64(out, s.sum.device)
     keep, prune = split_top(channel_scores(config.ranker, s, w2), kept)
     t = timer.add("ranking", t)
     new_w2, new_b2, errors = _compensate(s, w2, b2, keep, prune, config)
-    dtype, wdev = mlp.fc2.weight.dtype, mlp.fc2.weight.device
-    fill_mlp(mlp, keep.to(wdev), new_w2.to(wdev, dtype), None if mlp.fc2.bias is None else new_b2.to(wdev, dtype))
+    dtype, wdev = out.weight.dtype, out.weight.device
+    adapter.set_mlp(block, keep.to(wdev), new_w2.to(wdev, dtype), None if out.bias is None else new_b2.to(wdev, dtype))
     timer.add("compensation", t)
     return {"width": w2.shape[1], "kept": kept, "rel_error": errors}
 
 
-def _prune_v(attn: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer: Timer) -> tuple[dict, nn.Module]:
+def _prune_v(adapter: Adapter, block: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer: Timer) -> dict:
     """Remove V channels per head; predict them from the kept channels of ALL heads at proj's input.
 
     Every head keeps ``kept`` channels (ranked within the head) so attention stays one batched op;
     the compensation is the MLP's, applied to proj (see ``compensation``).
     """
-    heads, d = attn.num_heads, s.sum.numel() // attn.num_heads
+    heads = adapter.heads(block)
+    d = s.sum.numel() // heads
     info: dict[str, Any] = {"head_dim": d, "kept": kept}
     if kept == d:
         info["rel_error"] = {"none": 0.0, "mean": 0.0, "corp": 0.0}
-        return info, attn
+        return info
     t = time.perf_counter()
     dev = s.sum.device
-    w, b = linear_float64(attn.proj, dev)
+    proj = adapter.proj(block)
+    w, b = linear_float64(proj, dev)
     keep_h, _ = split_top(channel_scores(config.ranker, s, w).view(heads, d), kept)
     keep, prune = C.head_channels(keep_h, d)
     t = timer.add("ranking", t)
     new_w, new_b, info["rel_error"] = _compensate(s, w, b, keep, prune, config)
-    dtype, wdev = attn.proj.weight.dtype, attn.proj.weight.device
-    new = fill_values(attn, keep.to(wdev), new_w.to(wdev, dtype), new_b.to(wdev, dtype))
+    dtype, wdev = proj.weight.dtype, proj.weight.device
+    adapter.set_values(block, keep.to(wdev), new_w.to(wdev, dtype), new_b.to(wdev, dtype))
     timer.add("compensation", t)
-    return info, new
+    return info
 
 
 def _prune_qk(
-    attn: nn.Module, s: AttnStats, kept: int, config: PruneConfig, timer: Timer, logit_targets: LogitTargets | None
-) -> tuple[dict, Any]:
+    adapter: Adapter,
+    block: nn.Module,
+    s: AttnStats,
+    kept: int,
+    config: PruneConfig,
+    timer: Timer,
+    logit_targets: LogitTargets | None,
+) -> dict:
     """Q/K dims per head. With ``logit_targets`` (sequential) ``s`` is the pruned stream's moment and the fit
     regresses the dense logits (``compensation.sequential_logit_system``) instead of the pruned pairs'."""
     heads, d = s.heads, s.head_dim
     info: dict[str, Any] = {"head_dim": d, "kept": kept}
     if kept == d:
         info["rel_error"] = {"none": 0.0, "corp": 0.0}
-        return info, None
+        return info
     t = time.perf_counter()
     dev = s.moment.device
-    w = attn.qkv.weight.detach().to(dev, torch.float64).unflatten(0, (3, heads, d))
-    b = None if attn.qkv.bias is None else attn.qkv.bias.detach().to(dev, torch.float64).unflatten(0, (3, heads, d))
-    scores = attn_scores(config.ranker, C.logit_energy(s.moment, s.index), w[0], w[1])
+    raw = adapter.qk_weights(block)
+    wdev, dtype = raw[0].device, raw[0].dtype
+    q_w, q_b, k_w, k_b = (None if x is None else x.detach().to(dev, torch.float64) for x in raw)
+    w, b = (q_w, k_w), (q_b, k_b)
+    scores = attn_scores(config.ranker, C.logit_energy(s.moment, s.index), q_w, k_w)
     keep, prune = split_top(scores, kept)
     t = timer.add("ranking", t)
     targets = None if logit_targets is None else logit_targets(keep)
     t = timer.add("calibration", t)
 
     all_dims = torch.arange(d, device=dev)
-    q_w, k_w, q_b, k_b = [], [], [], []
+    new_q_w, new_k_w, new_q_b, new_k_b = [], [], [], []
     total = err_none = err_corp = 0.0
     max_m = 0.0
     for h in range(heads):
@@ -449,14 +460,13 @@ def _prune_qk(
             m = torch.zeros_like(m)
         max_m = max(max_m, float(m.norm()))
         fq, fk = C.qk_factors(m)
-        for j, factor, ws, bs in ((0, fq, q_w, q_b), (1, fk, k_w, k_b)):
-            wn, bn = C.fold_projection(w[j, h, keep[h]], None if b is None else b[j, h, keep[h]], factor)
+        for j, factor, ws, bs in ((0, fq, new_q_w, new_q_b), (1, fk, new_k_w, new_k_b)):
+            wn, bn = C.fold_projection(w[j][h, keep[h]], None if b[j] is None else b[j][h, keep[h]], factor)
             ws.append(wn)
             bs.append(bn)
-    dtype, wdev = attn.qkv.weight.dtype, attn.qkv.weight.device
     cast = lambda xs: None if xs[0] is None else torch.stack(xs).to(wdev, dtype)  # noqa: E731
-    new = fill_attention(attn, cast(q_w), cast(q_b), cast(k_w), cast(k_b))
+    adapter.set_qk(block, cast(new_q_w), cast(new_q_b), cast(new_k_w), cast(new_k_b))
     timer.add("compensation", t)
     info["rel_error"] = {"none": err_none / total, "corp": err_corp / total}
     info["max_m_norm"] = max_m
-    return info, new
+    return info

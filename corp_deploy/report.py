@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from corp_deploy.data import input_size
+from corp_deploy.family import adapter_for
 
 
 def model_size(model: nn.Module) -> dict[str, Any]:
@@ -26,18 +26,18 @@ def model_size(model: nn.Module) -> dict[str, Any]:
     misses the CPU flash kernel that dense attention takes, not the math fallback a pruned Q/K width
     takes), which made dense-vs-pruned ratios depend on the machine.
     """
-    param = next(model.parameters())
-    x = torch.zeros(1, *input_size(model), device=param.device, dtype=param.dtype)
+    adapter = adapter_for(model)
+    x = adapter.example(model)
     with torch.inference_mode(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        model(x)
+        adapter.run(model, x, next(model.parameters()).device)
     flops = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
-    prefix = f"{type(model).__name__}.blocks."
+    names = {id(m): f"{type(model).__name__}.{name}" for name, m in model.named_modules()}
+    blocks = adapter.blocks(model)
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "macs": flops["Global"] // 2,
         "blocks": [
-            {"params": sum(p.numel() for p in block.parameters()), "macs": flops.get(f"{prefix}{i}", 0) // 2}
-            for i, block in enumerate(model.blocks)
+            {"params": sum(p.numel() for p in b.parameters()), "macs": flops.get(names[id(b)], 0) // 2} for b in blocks
         ],
     }
 

@@ -19,9 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from corp_deploy.allocation import Key, candidate_widths
+from corp_deploy.family import adapter_for
 from corp_deploy.pruner import PruneConfig, Timer, Widths, prune_block
 from corp_deploy.stats import CalibrationStats
-from corp_deploy.surgery import head_widths
 
 REFERENCE_SPARSITY = 0.5
 """Each part is probed at its uniform-50% width: near the widths a 0.4-0.7 MACs budget picks."""
@@ -50,25 +50,6 @@ def split_heldout(batches: Iterable[tuple[Tensor, int]], n: int) -> tuple[Tensor
     return images, itertools.chain(rest, it)
 
 
-def _final(model: nn.Module, start: int, x: Tensor) -> Tensor:
-    """Pre-logit features from the input of block ``start`` on (timm ViT: blocks, norm, pooled head input)."""
-    for block in model.blocks[start:]:
-        x = block(x)
-    return model.forward_head(model.norm(x), pre_logits=True)
-
-
-def _block_inputs(model: nn.Module, images: Tensor) -> tuple[list[Tensor], Tensor]:
-    """Every block's input for ``images`` (one dense forward) and the dense pre-logit features."""
-    inputs: list[Tensor] = []
-    handles = [b.register_forward_pre_hook(lambda _m, args: inputs.append(args[0])) for b in model.blocks]
-    try:
-        features = model.forward_head(model.forward_features(images), pre_logits=True)
-    finally:
-        for h in handles:
-            h.remove()
-    return inputs, features
-
-
 def _relative(x: Tensor, ref: Tensor) -> float:
     return float((x - ref).double().square().sum() / ref.double().square().sum())
 
@@ -80,12 +61,15 @@ def measure(model: nn.Module, stats: CalibrationStats, config: PruneConfig, imag
     ``model`` is the dense model (left unchanged); ``images`` the held-out images.
     """
     model.eval()
+    adapter = adapter_for(model)
     param = next(model.parameters())
-    inputs, dense = _block_inputs(model, images.to(param.device, param.dtype))
+    inputs, dense = adapter.block_inputs(model, images.to(param.device, param.dtype))
     parts = config.target
     out: dict[Key, float] = {}
-    for i, block in enumerate(model.blocks):
-        full = {"mlp": block.mlp.fc1.out_features, "qk": head_widths(block.attn)[0], "v": head_widths(block.attn)[1]}
+    blocks = adapter.blocks(model)
+    for i, block in enumerate(blocks):
+        qk, v = adapter.head_widths(block)
+        full = {"mlp": adapter.mlp_out(block).in_features, "qk": qk, "v": v}
         for part in parts:
             reference = (1 - REFERENCE_SPARSITY) * full[part]
             kept = min(candidate_widths(full[part], config.round_to), key=lambda w: abs(w - reference))
@@ -93,12 +77,13 @@ def measure(model: nn.Module, stats: CalibrationStats, config: PruneConfig, imag
                 out[(i, part)] = 1.0
                 continue
             trial = copy.deepcopy(block)
-            local = prune_block(trial, i, stats, Widths(**{part: kept}), config, Timer())[part]["rel_error"]["corp"]
-            model.blocks[i] = trial
+            entry = prune_block(adapter, trial, i, stats, Widths(**{part: kept}), config, Timer())
+            local = entry[part]["rel_error"]["corp"]
+            blocks[i] = trial
             try:
-                final = _relative(_final(model, i, inputs[i]), dense)
+                final = _relative(adapter.features_from(model, i, inputs[i]), dense)
             finally:
-                model.blocks[i] = block
+                blocks[i] = block
             out[(i, part)] = final / local if local > NEGLIGIBLE else float("nan")
     for part in parts:  # redundant parts: the typical weight of their kind
         known = [v for (_, p), v in out.items() if p == part and v == v]

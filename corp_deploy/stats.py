@@ -15,12 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
 from corp_deploy.compensation import packed_index
+from corp_deploy.family import adapter_for
 
 ACTIVE_EPS = 1e-3
 """Threshold of the ``active`` ranker: a hidden channel is active on a token when ``|x| > eps``."""
@@ -72,8 +74,9 @@ class MlpStats(_Sums):
         self.outer = torch.zeros(width, width, **f64)
         self.active = torch.zeros(width, **f64)
 
-    def update(self, x: Tensor) -> None:
-        x = _at_least_fp32(x.reshape(-1, x.shape[-1]))
+    def update(self, x: Tensor, mask: Tensor | None = None) -> None:
+        """x: (..., width) tokens; ``mask`` (x's leading shape, bool): the tokens that count (None: all)."""
+        x = _at_least_fp32(x[mask] if mask is not None else x.reshape(-1, x.shape[-1]))
         self.count += x.shape[0]
         self.sum += x.sum(0, dtype=torch.float64)
         self.outer += _outer_sum(x, x)
@@ -102,8 +105,12 @@ class PairStats(MlpStats):
         self.target = MlpStats(width, device)
         self.cross = torch.zeros(width, width, dtype=torch.float64, device=device)
 
-    def update(self, x: Tensor) -> None:
-        """x: ``[dense rows; pruned rows]`` along dim 0, the same images in the same order in both halves."""
+    def update(self, x: Tensor, mask: Tensor | None = None) -> None:
+        """x: ``[dense rows; pruned rows]`` along dim 0, the same images in the same order in both halves.
+
+        Sequential calibration is for families where every token counts (``blockwise.check_supported``)."""
+        if mask is not None:
+            raise ValueError("paired statistics take no token mask")
         target, source = x.chunk(2)
         super().update(source)
         self.target.update(target)
@@ -131,9 +138,15 @@ class AttnStats(_Sums):
         self.count = torch.zeros((), dtype=torch.float64, device=device)
         self.moment = torch.zeros(heads, p, p, dtype=torch.float64, device=device)
 
-    def update(self, q: Tensor, k: Tensor) -> None:
-        """q, k: (batch, tokens, heads, head_dim) for the same images."""
+    def update(self, q: Tensor, k: Tensor, mask: Tensor | None = None) -> None:
+        """q, k: (batch, tokens, heads, head_dim) for the same inputs; ``mask`` (batch, tokens): real tokens.
+
+        Zeroing the padded rows of q and k leaves exactly the (real query, real key) pairs in every Gram.
+        """
         q, k = _at_least_fp32(q), _at_least_fp32(k)
+        if mask is not None:
+            keep = mask[:, :, None, None].to(q.dtype)
+            q, k = q * keep, k * keep
         gq = torch.einsum("bnhd,bnhe->bhde", q, q)[..., self.rows, self.cols]
         gk = torch.einsum("bnhd,bnhe->bhde", k, k)[..., self.rows, self.cols]
         self.count += q.shape[0]
@@ -181,12 +194,6 @@ class CalibrationStats:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def split_qk(out: Tensor, heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
-    """timm's fused qkv output (B, N, 3*H*d) -> q, k as (B, N, H, d)."""
-    qkv = out.unflatten(-1, (3, heads, head_dim))
-    return qkv[..., 0, :, :], qkv[..., 1, :, :]
-
-
 def empty_stats(
     model: nn.Module,
     mlp: bool,
@@ -196,42 +203,57 @@ def empty_stats(
     blocks: Iterable[int] | None = None,
     paired: bool = False,
 ) -> CalibrationStats:
-    """Zeroed accumulators for ``blocks`` (default: all) of a supported ViT (``proj``: attention outputs, for V).
+    """Zeroed accumulators for ``blocks`` (default: all) of a supported model (``proj``: attention outputs, for V).
 
     ``paired``: sequential calibration (``PairStats``). ``device="meta"`` sizes them without allocating.
     """
     stats = CalibrationStats(paired=paired)
     linear = PairStats if paired else MlpStats
-    for i in range(len(model.blocks)) if blocks is None else blocks:
-        block = model.blocks[i]
+    adapter = adapter_for(model)
+    all_blocks = adapter.blocks(model)
+    for i in range(len(all_blocks)) if blocks is None else blocks:
+        block = all_blocks[i]
         if mlp:
-            stats.mlp[i] = linear(block.mlp.fc2.in_features, device)
+            stats.mlp[i] = linear(adapter.mlp_out(block).in_features, device)
         if attn:
-            stats.attn[i] = AttnStats(block.attn.num_heads, block.attn.head_dim, device)
+            stats.attn[i] = AttnStats(adapter.heads(block), adapter.head_widths(block)[0], device)
         if proj:
-            stats.proj[i] = linear(block.attn.proj.in_features, device)
+            stats.proj[i] = linear(adapter.proj(block).in_features, device)
     return stats
 
 
-@contextmanager
-def recording(blocks: nn.Sequential, stats: CalibrationStats) -> Iterator[None]:
-    """Hooks feeding ``stats`` from forward passes of ``blocks``; removed however the pass ends.
+@dataclass
+class TokenMask:
+    """The token mask of the batch being recorded (``Adapter.token_mask``): None while every token counts."""
 
-    They read the input of each ``mlp.fc2`` and ``attn.proj`` and the output of each ``attn.qkv``.
+    value: Tensor | None = None
+
+
+@contextmanager
+def recording(model: nn.Module, stats: CalibrationStats) -> Iterator[TokenMask]:
+    """Hooks feeding ``stats`` from forward passes of ``model``'s blocks; removed however the pass ends.
+
+    They read the input of each block's ``mlp_out`` and ``proj`` and each attention's (q, k) (``Adapter.on_qk``),
+    keeping the tokens of the yielded ``TokenMask``: set its ``value`` before each forward of a padded batch.
     """
+    adapter = adapter_for(model)
+    blocks = adapter.blocks(model)
+    mask = TokenMask()
     handles = []
-    inputs = [(blocks[i].mlp.fc2, s) for i, s in stats.mlp.items()]
-    inputs += [(blocks[i].attn.proj, s) for i, s in stats.proj.items()]
+    inputs = [(adapter.mlp_out(blocks[i]), s) for i, s in stats.mlp.items()]
+    inputs += [(adapter.proj(blocks[i]), s) for i, s in stats.proj.items()]
     for linear, s in inputs:
-        handles.append(linear.register_forward_pre_hook(lambda _m, args, s=s: s.update(args[0])))
+        handles.append(linear.register_forward_pre_hook(lambda _m, args, s=s: s.update(args[0], mask.value)))
     for i, s in stats.attn.items():
 
-        def on_qkv(_m: nn.Module, _args: tuple, out: Tensor, s: AttnStats = s) -> None:
-            s.update(*split_qk(out[out.shape[0] // 2 :] if stats.paired else out, s.heads, s.head_dim))
+        def on_qk(q: Tensor, k: Tensor, s: AttnStats = s) -> None:
+            if stats.paired:  # Q/K statistics read the pruned half
+                q, k = q[q.shape[0] // 2 :], k[k.shape[0] // 2 :]
+            s.update(q, k, mask.value)
 
-        handles.append(blocks[i].attn.qkv.register_forward_hook(on_qkv))
+        handles += adapter.on_qk(blocks[i], on_qk)
     try:
-        yield
+        yield mask
     finally:
         for h in handles:
             h.remove()
@@ -239,23 +261,29 @@ def recording(blocks: nn.Sequential, stats: CalibrationStats) -> Iterator[None]:
 
 def collect(
     model: nn.Module,
-    batches: Iterable[tuple[Tensor, int]],
+    batches: Iterable[tuple[Any, int]],
     stats: CalibrationStats,
     device: torch.device | str,
     total: int | None = None,
     progress: bool = True,
 ) -> CalibrationStats:
-    """Run the model once over ``batches`` of (images, skipped-count), accumulating into ``stats``."""
+    """Run the model once over ``batches`` of (inputs, skipped-count), accumulating into ``stats``.
+
+    Inputs are what the model's family takes (images; token ids with an attention mask): ``Adapter.run``.
+    """
     model.eval()
+    adapter = adapter_for(model)
     with (
-        recording(model.blocks, stats),
+        recording(model, stats) as mask,
         torch.inference_mode(),
-        tqdm(total=total, unit="img", desc="calibration", disable=not progress) as bar,
+        tqdm(total=total, unit="input", desc="calibration", disable=not progress) as bar,
     ):
-        for images, skipped in batches:
+        for inputs, skipped in batches:
             stats.skipped += skipped
-            if images.shape[0]:
-                model(images.to(device, non_blocking=True))
-                stats.images += images.shape[0]
-            bar.update(images.shape[0] + skipped)
+            n = adapter.count(inputs)
+            if n:
+                mask.value = adapter.token_mask(inputs, device)
+                adapter.run(model, inputs, device)
+                stats.images += n
+            bar.update(n + skipped)
     return stats

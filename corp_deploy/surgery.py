@@ -152,15 +152,6 @@ def apply_widths(model: nn.Module, blocks: list[dict[str, int]]) -> None:
             block.attn = pruned_attention_like(block.attn, qk, v)
 
 
-def block_widths(model: nn.Module) -> list[dict[str, int]]:
-    """Per-block widths as recorded in ``corp.json``."""
-    out = []
-    for block in model.blocks:
-        qk, v = head_widths(block.attn)
-        out.append({"mlp_hidden": block.mlp.fc1.out_features, "qk_dim": qk, "v_dim": v, "heads": block.attn.num_heads})
-    return out
-
-
 @torch.no_grad()
 def fill_mlp(mlp: Mlp, keep: Tensor, w2: Tensor, b2: Tensor | None) -> None:
     """Shrink ``mlp`` to the kept channels: fc1 keeps rows ``keep``, fc2 gets the folded weights."""

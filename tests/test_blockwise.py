@@ -23,9 +23,9 @@ from safetensors.torch import load_file
 from corp_deploy import api, blockwise
 from corp_deploy import compensation as C
 from corp_deploy.errors import CorpError
+from corp_deploy.family import structure
 from corp_deploy.pruner import PruneConfig, Widths
 from corp_deploy.stats import MlpStats, PairStats
-from corp_deploy.surgery import block_widths
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
@@ -230,7 +230,7 @@ def test_a_budget_with_sequential_prunes_to_the_budgets_widths() -> None:
     planned = _prune(model, config)
     walked = _prune(model, replace(config, sequential=True))
     assert walked.report["calibration"]["mode"] == "sequential"
-    assert block_widths(walked.model) == block_widths(planned.model) != block_widths(model)
+    assert structure(walked.model) == structure(planned.model) != structure(model)
     assert walked.report["pruned"]["macs"] == planned.report["pruned"]["macs"] <= 0.7 * planned.report["dense"]["macs"]
 
 

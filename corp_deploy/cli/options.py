@@ -88,7 +88,11 @@ model_options = group(
 )
 
 calib_options = group(
-    click.option("--calib-dir", type=click.Path(), help="Folder of unlabeled calibration images (recursive)."),
+    click.option(
+        "--calib-dir",
+        type=click.Path(),
+        help="Folder of unlabeled calibration images (recursive); for a text model, .txt/.jsonl documents.",
+    ),
     click.option("--calib", type=str, help="'synthetic': noise images, for smoke tests only."),
     click.option(
         "--num-calib",
@@ -96,6 +100,9 @@ calib_options = group(
         help=f"Calibration images [default: {CALIB_IMAGES} (the paper's); {SMOKE_IMAGES} with --calib synthetic].",
     ),
     click.option("--calib-batch-size", default=64, show_default=True),
+    click.option(
+        "--seq-len", default=128, show_default=True, help="Text models: most tokens per calibration sequence."
+    ),
     click.option("--workers", type=int, help="Image decoding processes [default: min(8, CPUs)]."),
     click.option("--seed", default=0, show_default=True, help="Seed of the calibration subset."),
     click.option("--device", default="auto", show_default=True, help="auto (GPU if present), cpu or cuda[:N]."),

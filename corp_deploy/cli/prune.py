@@ -10,7 +10,7 @@ import click
 import torch
 from torch import nn
 
-from corp_deploy import api, distributed
+from corp_deploy import api, distributed, hf
 from corp_deploy.cli.options import (
     CALIB_IMAGES,
     SMOKE_IMAGES,
@@ -24,6 +24,7 @@ from corp_deploy.data import SYNTHETIC
 from corp_deploy.errors import CorpError
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.report import format_report
+from corp_deploy.text import read_documents
 
 
 class Pruned(NamedTuple):
@@ -38,9 +39,9 @@ class Pruned(NamedTuple):
 @prune_options
 @out_options("Artifact folder")
 def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
-    """Prune MODEL (timm name or alias such as deit_base) with CORP and write an artifact to --out."""
+    """Prune MODEL (timm name or alias such as deit_base; a transformers folder or hf:NAME) with CORP into --out."""
     out = out_path(out, kwargs["model"], kwargs["pruning"], overwrite)
-    run = pruned(**kwargs)
+    run = pruned(**kwargs, text=True)
     if run is None:  # a data-parallel rank other than 0: its shard is merged, rank 0 writes
         return
     path = api.save(run.result, out, run.name, run.args, weights=run.weights, overwrite=overwrite)
@@ -75,14 +76,21 @@ def inputs(
     workers: int | None,
     seed: int,
     device: str,
+    seq_len: int = 128,
     dist_timeout: float | None = None,
     hold_out: int = 0,
+    text: bool = False,
 ) -> Inputs:
     """``dist_timeout`` marks a command that may run data-parallel under torchrun (prune, prune-export);
-    ``hold_out`` calibration images are drawn across the sample for the width planning (``api.calibration_data``)."""
+    ``hold_out`` calibration images are drawn across the sample for the width planning (``api.calibration_data``).
+    ``text``: the command takes ``transformers`` models too (MODEL a folder with a config.json, or ``hf:NAME``)."""
     source = calibration_source(calib_dir, calib)
     if num_calib is None:
         num_calib = SMOKE_IMAGES if source == SYNTHETIC else CALIB_IMAGES
+    if hf.is_source(model):
+        if not text:
+            raise CorpError(f"{model} is a transformers model; this command takes timm ViTs only (use prune)")
+        return _text_inputs(model, source, num_calib, calib_batch_size, seed, seq_len, device, hold_out)
     args = parse_model_args(model_arg)
     device_ = api.resolve_device(device)
     world = distributed.SINGLE_PROCESS
@@ -99,12 +107,30 @@ def inputs(
     )
 
 
+def _text_inputs(
+    model: str, source: str, num: int, batch_size: int, seed: int, seq_len: int, device: str, hold_out: int
+) -> Inputs:
+    """``inputs`` for a transformers encoder: the model and its tokenizer, text calibration; one process."""
+    if distributed.launched():
+        raise CorpError("text models calibrate in one process; launch this command without torchrun")
+    device_ = api.resolve_device(device)
+    hf.transformers_module("pruning a transformers model")  # the install line before any work
+    if source != SYNTHETIC:
+        read_documents(source)  # a folder without text fails before the model loads
+    net, tokenizer = hf.load(model)
+    data = api.text_calibration_data(net, tokenizer, source, num, batch_size, seed, seq_len, hold_out)
+    return Inputs(
+        net, data.batches, data.total, None, device_, model, {}, "pretrained", source, distributed.SINGLE_PROCESS
+    )
+
+
 def pruned(
     pruning: dict[str, Any],
     quiet: bool,
     dist_timeout: float,
     max_stats_gib: float | None = None,
     keep_dense: bool = False,
+    text: bool = False,
     **flags: Any,
 ) -> Pruned | None:
     """Validate everything cheap first, then build, calibrate and prune (the dense copy kept on request).
@@ -113,7 +139,7 @@ def pruned(
     """
     config = prune_config(pruning)
     api.calibration_mode(config, max_stats_gib, distributed.SINGLE_PROCESS)  # combinations refused before any data
-    got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images)
+    got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, text=text)
     dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
     progress = not quiet and got.world.is_main
     result = api.prune(

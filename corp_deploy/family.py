@@ -1,0 +1,258 @@
+"""The family adapter: the one place that knows where a model keeps its blocks, layers and tokens.
+
+The CORP core (statistics, per-part pruning, allocation, sensitivity, the artifact) works on three
+structures of every block and never reads a model's attribute names itself; it asks the model's
+``Adapter`` (``adapter_for(model)``). The contract, per block:
+
+- MLP: ``mlp_out(block)`` is the Linear that READS the hidden channels (timm ``fc2``, BERT
+  ``output.dense``): its input is what the MLP statistics sum, its columns are what the compensation
+  folds into. ``set_mlp`` keeps the given hidden channels of every Linear that PRODUCES them (``fc1``;
+  gate and up together for SwiGLU) and installs the folded reader.
+- Q/K: ``heads``, ``head_widths`` (Q/K dims, V channels per head), ``qk_weights`` (the query and key
+  projections per head, however they are stored: fused ``qkv`` or separate Linears), ``on_qk`` (hooks
+  that hand (q, k) of every forward as (batch, tokens, heads, d)), and ``set_qk`` (new per-head
+  projections, width d'; the attention keeps the ORIGINAL softmax scale).
+- V: ``proj(block)`` is the Linear that reads the concatenated head outputs; ``set_values`` keeps the
+  given V channels and installs the folded ``proj``.
+- ``check_parts``: what a family cannot prune, refused before any data is read.
+- ``structure`` / ``apply_structure``: the per-block widths recorded in ``corp.json`` and rebuilt from it
+  (keys ``block_keys``); ``write_files``: what else the artifact holds; ``name`` is the artifact's ``family``.
+
+And per model: ``blocks``; ``run`` (one calibration forward), ``count`` (sequences or images in a batch),
+``token_mask`` (which token positions count: padding is excluded from every sum, None = all of them);
+``tokens`` and ``example`` (tokens per input and one input, for MACs); ``block_inputs`` /
+``features_from`` (the sensitivity pass).
+
+Families: ``TimmViT`` here; ``corp_deploy.hf.HfBert`` (``transformers``, imported only when a model is one).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from timm.models.vision_transformer import VisionTransformer
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from corp_deploy import surgery
+from corp_deploy.errors import CorpError
+
+QKHook = Callable[[Tensor, Tensor], None]
+"""Called with (q, k), each (batch, tokens, heads, d), once per forward of an attention."""
+
+
+class Adapter(ABC):
+    """A model family's answers to the core's questions (see the module docstring)."""
+
+    name: str
+    block_keys: frozenset[str]
+
+    @abstractmethod
+    def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
+        raise NotImplementedError
+
+    @abstractmethod
+    def mlp_out(self, block: nn.Module) -> nn.Linear:
+        raise NotImplementedError
+
+    @abstractmethod
+    def set_mlp(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor | None) -> None:
+        raise NotImplementedError
+
+    @abstractmethod
+    def heads(self, block: nn.Module) -> int:
+        raise NotImplementedError
+
+    @abstractmethod
+    def head_widths(self, block: nn.Module) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def dim(self, block: nn.Module) -> int:
+        """The residual stream's width (the input of every projection)."""
+        return self.proj(block).out_features
+
+    @abstractmethod
+    def qk_weights(self, block: nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        """(query weight, query bias, key weight, key bias): weights (heads, d, dim), biases (heads, d) or None."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def on_qk(self, block: nn.Module, fn: QKHook) -> list[RemovableHandle]:
+        raise NotImplementedError
+
+    @abstractmethod
+    def set_qk(self, block: nn.Module, q_w: Tensor, q_b: Tensor | None, k_w: Tensor, k_b: Tensor | None) -> None:
+        raise NotImplementedError
+
+    @abstractmethod
+    def proj(self, block: nn.Module) -> nn.Linear:
+        raise NotImplementedError
+
+    @abstractmethod
+    def set_values(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor) -> None:
+        raise NotImplementedError
+
+    mlp_out_name = "fc2"
+    """What users know ``mlp_out`` as, for messages."""
+
+    def check_parts(self, block: nn.Module, i: int, parts: Sequence[str], compensation: str) -> None:
+        """Refuse a part this block cannot take (data-free): a compensated MLP fold needs a bias."""
+        if "mlp" in parts and compensation != "none" and self.mlp_out(block).bias is None:
+            raise CorpError(
+                f"MLP pruning with --compensation {compensation} is not supported for block {i}: its "
+                f"{self.mlp_out_name} has no bias to take the compensation's constant; use --compensation none "
+                "or --target qk"
+            )
+
+    def structure(self, block: nn.Module) -> dict[str, int]:
+        qk, v = self.head_widths(block)
+        return {"mlp_hidden": self.mlp_out(block).in_features, "qk_dim": qk, "v_dim": v, "heads": self.heads(block)}
+
+    @abstractmethod
+    def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+    def write_files(self, model: nn.Module, folder: Path) -> None:
+        """Files the artifact needs beside the weights and corp.json (a config, a tokenizer); none by default."""
+        return None
+
+    @abstractmethod
+    def run(self, model: nn.Module, inputs: Any, device: torch.device | str) -> None:
+        raise NotImplementedError
+
+    @abstractmethod
+    def count(self, inputs: Any) -> int:
+        raise NotImplementedError
+
+    def token_mask(self, inputs: Any, device: torch.device | str) -> Tensor | None:
+        return None
+
+    @abstractmethod
+    def tokens(self, model: nn.Module) -> int:
+        raise NotImplementedError
+
+    @abstractmethod
+    def example(self, model: nn.Module) -> Any:
+        """One input of the size MACs are counted at, on the model's device and in its dtype."""
+        raise NotImplementedError
+
+    def block_inputs(self, model: nn.Module, inputs: Any) -> tuple[list[Tensor], Tensor]:
+        """Every block's input for ``inputs`` (one dense forward) and the final features."""
+        raise CorpError(f"the sensitivity pass (--allocation sensitivity) does not support {self.name} models yet")
+
+    def features_from(self, model: nn.Module, start: int, x: Tensor) -> Tensor:
+        """The final features from block ``start``'s input ``x`` on."""
+        raise CorpError(f"the sensitivity pass (--allocation sensitivity) does not support {self.name} models yet")
+
+
+class TimmViT(Adapter):
+    """timm VisionTransformers (``models.check_supported``): fused qkv, ``fc1 -> act -> fc2``, every token counts."""
+
+    name = "timm-vit"
+    block_keys = frozenset({"heads", "mlp_hidden", "qk_dim", "v_dim"})
+
+    def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
+        return model.blocks
+
+    def mlp_out(self, block: nn.Module) -> nn.Linear:
+        return block.mlp.fc2
+
+    def set_mlp(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor | None) -> None:
+        surgery.fill_mlp(block.mlp, keep, w, b)
+
+    def heads(self, block: nn.Module) -> int:
+        return block.attn.num_heads
+
+    def head_widths(self, block: nn.Module) -> tuple[int, int]:
+        return surgery.head_widths(block.attn)
+
+    def qk_weights(self, block: nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        qkv, heads, (qk, _) = block.attn.qkv, self.heads(block), self.head_widths(block)
+        rows = 2 * heads * qk
+        w = qkv.weight[:rows].unflatten(0, (2, heads, qk))
+        b = None if qkv.bias is None else qkv.bias[:rows].unflatten(0, (2, heads, qk))
+        return w[0], None if b is None else b[0], w[1], None if b is None else b[1]
+
+    def on_qk(self, block: nn.Module, fn: QKHook) -> list[RemovableHandle]:
+        heads, (qk, _) = self.heads(block), self.head_widths(block)
+
+        def hook(_m: nn.Module, _args: tuple, out: Tensor) -> None:
+            q, k = out[..., : 2 * heads * qk].unflatten(-1, (2, heads, qk)).unbind(-3)
+            fn(q, k)
+
+        return [block.attn.qkv.register_forward_hook(hook)]
+
+    def set_qk(self, block: nn.Module, q_w: Tensor, q_b: Tensor | None, k_w: Tensor, k_b: Tensor | None) -> None:
+        block.attn = surgery.fill_attention(block.attn, q_w, q_b, k_w, k_b)
+
+    def proj(self, block: nn.Module) -> nn.Linear:
+        return block.attn.proj
+
+    def set_values(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor) -> None:
+        block.attn = surgery.fill_values(block.attn, keep, w, b)
+
+    def check_parts(self, block: nn.Module, i: int, parts: Sequence[str], compensation: str) -> None:
+        super().check_parts(block, i, parts, compensation)
+        if "v" in parts:
+            surgery.check_v_prunable(block.attn, i)
+
+    def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
+        surgery.apply_widths(model, entries)
+
+    def run(self, model: nn.Module, inputs: Tensor, device: torch.device | str) -> None:
+        model(inputs.to(device, non_blocking=True))
+
+    def count(self, inputs: Tensor) -> int:
+        return inputs.shape[0]
+
+    def tokens(self, model: nn.Module) -> int:
+        """Patches plus class/distillation/register tokens."""
+        return model.patch_embed.num_patches + model.num_prefix_tokens
+
+    def example(self, model: nn.Module) -> Tensor:
+        param = next(model.parameters())
+        h, w = model.patch_embed.img_size
+        return torch.zeros(1, model.patch_embed.proj.in_channels, h, w, device=param.device, dtype=param.dtype)
+
+    def block_inputs(self, model: nn.Module, inputs: Tensor) -> tuple[list[Tensor], Tensor]:
+        found: list[Tensor] = []
+        handles = [b.register_forward_pre_hook(lambda _m, args: found.append(args[0])) for b in model.blocks]
+        try:
+            features = model.forward_head(model.forward_features(inputs), pre_logits=True)
+        finally:
+            for h in handles:
+                h.remove()
+        return found, features
+
+    def features_from(self, model: nn.Module, start: int, x: Tensor) -> Tensor:
+        """Pre-logit features: the remaining blocks, the final norm, the pooled head input."""
+        for block in model.blocks[start:]:
+            x = block(x)
+        return model.forward_head(model.norm(x), pre_logits=True)
+
+
+TIMM_VIT = TimmViT()
+
+
+def structure(model: nn.Module) -> list[dict[str, int]]:
+    """Per-block widths as recorded in ``corp.json``."""
+    adapter = adapter_for(model)
+    return [adapter.structure(block) for block in adapter.blocks(model)]
+
+
+def adapter_for(model: nn.Module) -> Adapter:
+    """The family of ``model``; one line naming the supported families when it has none."""
+    if isinstance(model, VisionTransformer):
+        return TIMM_VIT
+    if type(model).__module__.startswith("transformers."):
+        from corp_deploy.hf import adapter_for_hf
+
+        return adapter_for_hf(model)
+    raise CorpError(
+        f"{type(model).__name__} is not a supported model family; corp-deploy prunes timm VisionTransformers "
+        "and transformers BERT-family encoders (BertModel, RobertaModel)"
+    )

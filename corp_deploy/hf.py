@@ -1,0 +1,312 @@
+"""``transformers`` BERT-family encoders (BertModel, RobertaModel and their task heads) as a CORP family.
+
+Layout per layer (``encoder.layer[i]``): MLP ``intermediate.dense -> act -> output.dense``; attention
+``attention.self.{query,key,value}`` (separate Linears with biases), ``attention.output.dense`` reading the
+head outputs. Post-LN: ``output.dense`` and ``attention.output.dense`` feed ``LayerNorm(x + residual)``, so
+folding the compensation into them is exact. Positions are learned and absolute (added to the input), so
+the Q/K logit compensation applies unchanged. Padding is excluded from every statistic through the
+batch's attention mask (``token_mask``).
+
+Pruned attention keeps ``attention.self``'s parameter names (``query``/``key``/``value``) in
+``PrunedSelfAttention``, whose Q/K and V head widths may differ and whose softmax scale stays the dense
+one; the model remains the same ``transformers`` class, with the usual ``forward(input_ids,
+attention_mask)`` outputs. ``transformers`` is imported only when a model is one of these.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from corp_deploy.deps import require
+from corp_deploy.errors import CorpError, first_line
+from corp_deploy.family import Adapter, QKHook
+
+MODEL_TYPES = ("bert", "roberta")
+"""``config.model_type`` of the supported layout."""
+MACS_SEQ_LEN = 128
+"""Tokens per sequence at which a text model's MACs are counted (``report.model_size``, budgets)."""
+
+
+class PrunedSelfAttention(nn.Module):
+    """BERT self-attention with Q/K head width ``qk_dim`` and V head width ``v_dim``, and the ORIGINAL scale.
+
+    Drop-in for ``attention.self``: same Linear names (so state dicts keep their keys), same call
+    (``hidden_states, attention_mask, ...``), same outputs ``(context, weights)``; the attention itself is
+    the configured ``transformers`` backend (eager or SDPA), which takes unequal Q/K and V head widths.
+    Reshapes use -1 so that no batch or sequence size is baked into exported graphs.
+    """
+
+    def __init__(self, config: Any, heads: int, qk_dim: int, v_dim: int, scaling: float) -> None:
+        super().__init__()
+        dim = config.hidden_size
+        self.config = config
+        self.num_attention_heads, self.qk_dim, self.v_dim, self.scaling = heads, qk_dim, v_dim, scaling
+        self.query = nn.Linear(dim, heads * qk_dim)
+        self.key = nn.Linear(dim, heads * qk_dim)
+        self.value = nn.Linear(dim, heads * v_dim)
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
+        self.is_decoder = False
+        self.is_causal = False
+
+    def forward(
+        self, hidden_states: Tensor, attention_mask: Tensor | None = None, past_key_values: Any = None, **kwargs: Any
+    ) -> tuple[Tensor, Tensor | None]:
+        if past_key_values is not None:
+            raise CorpError("a pruned BERT encoder takes no key/value cache")
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.bert.modeling_bert import eager_attention_forward
+
+        shape = (*hidden_states.shape[:-1], self.num_attention_heads, -1)
+        q, k, v = (lin(hidden_states).view(shape).transpose(1, 2) for lin in (self.query, self.key, self.value))
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attend(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=self.dropout.p if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        return out.reshape(*hidden_states.shape[:-1], -1).contiguous(), weights
+
+
+def _linear_like(old: nn.Linear, in_features: int, out_features: int) -> nn.Linear:
+    """An unfilled Linear of the new shape on ``old``'s device, dtype and mode (an eval model stays in eval)."""
+    kw = {"device": old.weight.device, "dtype": old.weight.dtype}
+    return nn.Linear(in_features, out_features, bias=old.bias is not None, **kw).train(old.training)
+
+
+class HfBert(Adapter):
+    """BertModel-layout encoders; calibration inputs are ``{"input_ids", "attention_mask"}`` batches."""
+
+    name = "hf-bert"
+    block_keys = frozenset({"heads", "mlp_hidden", "qk_dim", "v_dim"})
+    mlp_out_name = "output.dense"
+
+    def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
+        return model.base_model.encoder.layer
+
+    def mlp_out(self, block: nn.Module) -> nn.Linear:
+        return block.output.dense
+
+    def set_mlp(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor | None) -> None:
+        up, down = block.intermediate.dense, block.output.dense
+        new_up, new_down = _linear_like(up, up.in_features, keep.numel()), _linear_like(down, keep.numel(), w.shape[0])
+        with torch.no_grad():
+            new_up.weight.copy_(up.weight[keep])
+            new_up.bias.copy_(up.bias[keep])
+            new_down.weight.copy_(w)
+            if b is not None:
+                new_down.bias.copy_(b)
+        block.intermediate.dense, block.output.dense = new_up, new_down
+
+    def heads(self, block: nn.Module) -> int:
+        return block.attention.self.num_attention_heads
+
+    def head_widths(self, block: nn.Module) -> tuple[int, int]:
+        attn = block.attention.self
+        if isinstance(attn, PrunedSelfAttention):
+            return attn.qk_dim, attn.v_dim
+        return attn.attention_head_size, attn.attention_head_size
+
+    def qk_weights(self, block: nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        attn, heads = block.attention.self, self.heads(block)
+        q, k = attn.query, attn.key
+        return (
+            q.weight.unflatten(0, (heads, -1)),
+            q.bias.unflatten(0, (heads, -1)),
+            k.weight.unflatten(0, (heads, -1)),
+            k.bias.unflatten(0, (heads, -1)),
+        )
+
+    def on_qk(self, block: nn.Module, fn: QKHook) -> list[RemovableHandle]:
+        """The query output is kept until the key Linear of the same forward runs (BERT calls query first)."""
+        attn, heads = block.attention.self, self.heads(block)
+        held: list[Tensor] = []
+
+        def on_query(_m: nn.Module, _args: tuple, out: Tensor) -> None:
+            held[:] = [out]
+
+        def on_key(_m: nn.Module, _args: tuple, out: Tensor) -> None:
+            q = held.pop()
+            fn(q.unflatten(-1, (heads, -1)), out.unflatten(-1, (heads, -1)))
+
+        return [attn.query.register_forward_hook(on_query), attn.key.register_forward_hook(on_key)]
+
+    def _rebuilt(self, block: nn.Module, qk_dim: int, v_dim: int) -> PrunedSelfAttention:
+        """An unfilled ``PrunedSelfAttention`` with ``block``'s heads and dense scale at the given widths."""
+        attn = block.attention.self
+        new = PrunedSelfAttention(attn.config, self.heads(block), qk_dim, v_dim, float(attn.scaling))
+        new.train(attn.training)  # an eval model stays without dropout
+        return new.to(attn.query.weight.device, attn.query.weight.dtype)
+
+    @torch.no_grad()
+    def set_qk(self, block: nn.Module, q_w: Tensor, q_b: Tensor | None, k_w: Tensor, k_b: Tensor | None) -> None:
+        old = block.attention.self
+        new = self._rebuilt(block, q_w.shape[1], self.head_widths(block)[1])
+        for lin, w, b in ((new.query, q_w, q_b), (new.key, k_w, k_b)):
+            lin.weight.copy_(w.flatten(0, 1))
+            lin.bias.copy_(b.flatten())
+        new.value.load_state_dict(old.value.state_dict())
+        block.attention.self = new
+
+    def proj(self, block: nn.Module) -> nn.Linear:
+        return block.attention.output.dense
+
+    @torch.no_grad()
+    def set_values(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor) -> None:
+        old, proj = block.attention.self, self.proj(block)
+        new = self._rebuilt(block, self.head_widths(block)[0], keep.numel() // self.heads(block))
+        new.query.load_state_dict(old.query.state_dict())
+        new.key.load_state_dict(old.key.state_dict())
+        new.value.weight.copy_(old.value.weight[keep])
+        new.value.bias.copy_(old.value.bias[keep])
+        new_proj = _linear_like(proj, keep.numel(), proj.out_features)
+        new_proj.weight.copy_(w)
+        new_proj.bias.copy_(b)
+        block.attention.self, block.attention.output.dense = new, new_proj
+
+    def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
+        """Unfilled layers of the recorded widths (``load_pruned``; weights load next)."""
+        for block, widths in zip(self.blocks(model), entries, strict=True):
+            up, down = block.intermediate.dense, block.output.dense
+            if widths["mlp_hidden"] != up.out_features:
+                block.intermediate.dense = _linear_like(up, up.in_features, widths["mlp_hidden"])
+                block.output.dense = _linear_like(down, widths["mlp_hidden"], down.out_features)
+            qk, v = widths["qk_dim"], widths["v_dim"]
+            if (qk, v) != self.head_widths(block):
+                proj = self.proj(block)
+                block.attention.self = self._rebuilt(block, qk, v)
+                block.attention.output.dense = _linear_like(proj, self.heads(block) * v, proj.out_features)
+
+    def write_files(self, model: nn.Module, folder: Path) -> None:
+        write_files(model, folder)
+
+    def run(self, model: nn.Module, inputs: Mapping[str, Tensor], device: torch.device | str) -> None:
+        model(**{k: t.to(device, non_blocking=True) for k, t in inputs.items()})
+
+    def count(self, inputs: Mapping[str, Tensor]) -> int:
+        return inputs["input_ids"].shape[0]
+
+    def token_mask(self, inputs: Mapping[str, Tensor], device: torch.device | str) -> Tensor | None:
+        mask = inputs.get("attention_mask")
+        return None if mask is None else mask.to(device).bool()
+
+    def tokens(self, model: nn.Module) -> int:
+        """``MACS_SEQ_LEN``, or the model's positions when it has fewer."""
+        return min(MACS_SEQ_LEN, max_positions(model.config))
+
+    def example(self, model: nn.Module) -> dict[str, Tensor]:
+        """One sequence of ``tokens`` tokens (what MACs are counted on)."""
+        device = next(model.parameters()).device
+        ids = torch.zeros(1, self.tokens(model), dtype=torch.long, device=device)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+HF_BERT = HfBert()
+
+
+def max_positions(config: Any) -> int:
+    """The longest sequence the learned positions cover (RoBERTa's start after the padding index)."""
+    limit = config.max_position_embeddings
+    if getattr(config, "model_type", "") == "roberta":
+        limit -= (config.pad_token_id or 0) + 1
+    return limit
+
+
+def adapter_for_hf(model: nn.Module) -> Adapter:
+    """The adapter of a ``transformers`` model, or one line naming what is supported."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in MODEL_TYPES and hasattr(getattr(model, "base_model", None), "encoder"):
+        return HF_BERT
+    raise CorpError(
+        f"{type(model).__name__} (model_type {model_type!r}) is not supported; corp-deploy prunes timm "
+        f"VisionTransformers and transformers BERT-family encoders (model_type {', '.join(MODEL_TYPES)})"
+    )
+
+
+def transformers_module(purpose: str) -> Any:
+    """``transformers``, or the one-line install hint (``pip install 'corp-deploy[text]'``)."""
+    return require("transformers", purpose)
+
+
+# ------------------------------------------------------------------------------ models and artifacts
+
+HUB_PREFIX = "hf:"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "sentencepiece.bpe.model",
+    "spiece.model",
+)
+"""Tokenizer files copied from the source folder into the artifact (whichever exist)."""
+
+
+def is_source(model: str) -> bool:
+    """Whether ``model`` names a ``transformers`` model: ``hf:NAME`` or a local folder with a config.json."""
+    return model.startswith(HUB_PREFIX) or Path(model, "config.json").is_file()
+
+
+def load(source: str) -> tuple[nn.Module, Any]:
+    """(model in eval mode, tokenizer or None) from a local folder or ``hf:NAME``; one line when it cannot."""
+    transformers = transformers_module("pruning a transformers model")
+    transformers.utils.logging.disable_progress_bar()  # corp-deploy prints its own progress
+    where = source.removeprefix(HUB_PREFIX)
+    try:
+        config = transformers.AutoConfig.from_pretrained(where)
+        cls = _architecture(transformers, config)
+        model = cls.from_pretrained(where, attn_implementation="sdpa")
+    except (OSError, ValueError, KeyError) as e:
+        raise CorpError(f"cannot load the transformers model {source} ({first_line(e)})") from None
+    adapter_for_hf(model)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(where)
+    except (OSError, ValueError, KeyError, TypeError):
+        tokenizer = None
+    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
+        raise CorpError(
+            f"the tokenizer of {source} has {len(tokenizer)} tokens and the model {model.config.vocab_size}: "
+            "they do not belong together; use the tokenizer the weights were trained with"
+        )
+    return model.eval(), tokenizer
+
+
+def _architecture(transformers: Any, config: Any) -> type:
+    """The class named first in ``config.architectures`` (``AutoModel`` when there is none)."""
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    return cls if cls is not None else transformers.AutoModel._model_mapping[type(config)]
+
+
+def write_files(model: nn.Module, folder: Path) -> None:
+    """What ``build`` needs beside the weights: config.json (``architectures`` = the model's class) and the
+    tokenizer files of the folder the model came from."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(folder)
+    source = Path(getattr(model.config, "_name_or_path", "") or "")
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, folder / name)
+
+
+def build(model: dict[str, Any], folder: Path) -> nn.Module:
+    """The dense module tree of an artifact from its config.json (weights unfilled; widths applied next)."""
+    transformers = transformers_module("loading a pruned transformers model")
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    config._attn_implementation = "sdpa"
+    return _architecture(transformers, config)(config)

