@@ -28,8 +28,8 @@ from corp_deploy import compensation as C
 from corp_deploy.errors import CorpError
 from corp_deploy.family import adapter_for
 from corp_deploy.pruner import PARTS, PruneConfig, Widths
-from corp_deploy.ranking import attn_scores, channel_scores
-from corp_deploy.stats import AttnStats, CalibrationStats, MlpStats
+from corp_deploy.ranking import channel_scores, qk_scores
+from corp_deploy.stats import CalibrationStats, MlpStats, QKStats
 from corp_deploy.surgery import linear_float64
 
 CHOLESKY_JITTER = 1e-10
@@ -109,7 +109,7 @@ def affine_curve(s: MlpStats, w: Tensor, b: Tensor, order: Tensor, kept: list[in
     return (tail[kept] / C.output_energy(mean, second, w, b)).tolist()
 
 
-def logit_curve(s: AttnStats, scores: Tensor, widths: list[int], alpha: float) -> list[float]:
+def logit_curve(s: QKStats, scores: Tensor, widths: list[int], alpha: float) -> list[float]:
     """Relative compensated logit error of a layer at every per-head Q/K width: the exact ridge solves.
 
     Exact per width, the same solve as pruning (``compensation.logit_compensation``): candidate widths
@@ -144,11 +144,11 @@ def error_curves(
             widths = candidate_widths(w.shape[1], config.round_to)
             curves[(i, "mlp")] = (widths, affine_curve(s, w, b, order, widths))
         if "qk" in parts:
-            s = stats.attn[i]
+            s = stats.qk[i]
             q_w, _, k_w, _ = (
                 None if x is None else x.detach().to(s.moment.device, torch.float64) for x in adapter.qk_weights(block)
             )
-            scores = attn_scores(config.ranker, C.logit_energy(s.moment, s.index), q_w, k_w)
+            scores = qk_scores(config.ranker, C.logit_energy(s.moment, s.index), q_w, k_w)
             widths = candidate_widths(s.head_dim, config.round_to)
             curves[(i, "qk")] = (widths, logit_curve(s, scores, widths, config.ridge))
         if "v" in parts:

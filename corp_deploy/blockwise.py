@@ -284,7 +284,7 @@ def _logit_targets(
     """Per head ``sum_b (Q~_S,b^T Q_b)(K_b^T K~_S,b)`` (heads, d', d') and ``sum_b ||Q_b K_b^T||^2`` (heads).
 
     Q, K from the dense stream, Q~, K~ from the pruned one, both through the DENSE block's ``norm1 -> qkv``.
-    Per-batch products in fp32 added into float64 sums, as in ``stats.AttnStats``.
+    Per-batch products in fp32 added into float64 sums, as in ``stats.QKStats``.
     """
     attn = block.attn
     heads, d = attn.num_heads, attn.head_dim

@@ -9,7 +9,7 @@ and fold the prediction into fc2.
 Attention (paper eq. 44/45): per head, find ``M`` so that ``Q_S M K_S^T ~ Q_P K_P^T`` summed over
 images, then factor ``I + M`` by SVD into the query and key projections. The system is built from
 the packed 4th-order moment ``T[i,k,j,l] = sum_b (Q_b^T Q_b)[i,k] (K_b^T K_b)[j,l]`` (see
-``stats.AttnStats``), so one calibration pass serves every sparsity.
+``stats.QKStats``), so one calibration pass serves every sparsity.
 
 Values (beyond the paper): proj's input is ``z = [o_1 | ... | o_H]`` with ``o_h = A_h v_h``, ``A_h``
 head h's softmax map. Removing V channels P (the same number in every head) removes those columns

@@ -18,8 +18,8 @@ from corp_deploy import compensation as C
 from corp_deploy.env import exact_fp32
 from corp_deploy.errors import CorpError
 from corp_deploy.family import Adapter, adapter_for
-from corp_deploy.ranking import RANKERS, attn_scores, channel_scores, global_widths, kept_width, split_top
-from corp_deploy.stats import AttnStats, CalibrationStats, MlpStats, PairStats, collect, empty_stats
+from corp_deploy.ranking import RANKERS, channel_scores, global_widths, kept_width, qk_scores, split_top
+from corp_deploy.stats import CalibrationStats, MlpStats, PairStats, QKStats, collect, empty_stats
 from corp_deploy.surgery import linear_float64
 
 PARTS = ("mlp", "qk", "v")
@@ -234,9 +234,7 @@ def calibrate(
     pass runs in exact float32 (``env.exact_fp32``): TF32 would put ~1e-3 relative error into sums
     that the Q/K systems (condition numbers of 1e10 and more) are solved from.
     """
-    stats = empty_stats(
-        model, mlp=config.prunes("mlp"), attn=config.prunes("qk"), device=device, proj=config.prunes("v")
-    )
+    stats = empty_stats(model, mlp=config.prunes("mlp"), qk=config.prunes("qk"), device=device, proj=config.prunes("v"))
     with exact_fp32():
         collect(model, batches, stats, device, total=total, progress=progress)
     if merge is not None:
@@ -329,7 +327,7 @@ def prune_block(
     if widths.mlp is not None:
         entry["mlp"] = _prune_mlp(adapter, block, stats.mlp[i], widths.mlp, config, timer)
     if widths.qk is not None:
-        entry["qk"] = _prune_qk(adapter, block, stats.attn[i], widths.qk, config, timer, logit_targets)
+        entry["qk"] = _prune_qk(adapter, block, stats.qk[i], widths.qk, config, timer, logit_targets)
     if widths.v is not None:
         entry["v"] = _prune_v(adapter, block, stats.proj[i], widths.v, config, timer)
     return entry
@@ -414,7 +412,7 @@ def _prune_v(adapter: Adapter, block: nn.Module, s: MlpStats, kept: int, config:
 def _prune_qk(
     adapter: Adapter,
     block: nn.Module,
-    s: AttnStats,
+    s: QKStats,
     kept: int,
     config: PruneConfig,
     timer: Timer,
@@ -433,7 +431,7 @@ def _prune_qk(
     wdev, dtype = raw[0].device, raw[0].dtype
     q_w, q_b, k_w, k_b = (None if x is None else x.detach().to(dev, torch.float64) for x in raw)
     w, b = (q_w, k_w), (q_b, k_b)
-    scores = attn_scores(config.ranker, C.logit_energy(s.moment, s.index), q_w, k_w)
+    scores = qk_scores(config.ranker, C.logit_energy(s.moment, s.index), q_w, k_w)
     keep, prune = split_top(scores, kept)
     t = timer.add("ranking", t)
     targets = None if logit_targets is None else logit_targets(keep)

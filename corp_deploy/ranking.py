@@ -68,7 +68,7 @@ def channel_scores(ranker: str, s: MlpStats, weight: Tensor) -> Tensor:
     return mlp_scores(ranker, s.second_moment().diagonal(), s.active / s.count, weight, s.mean())
 
 
-def attn_scores(ranker: str, logit_energy: Tensor, wq: Tensor, wk: Tensor) -> Tensor:
+def qk_scores(ranker: str, logit_energy: Tensor, wq: Tensor, wk: Tensor) -> Tensor:
     """Importance of each Q/K dimension per head, (heads, head_dim); higher is kept.
 
     Every data-driven ranker uses the paper's logit energy ``E[||q_j||^2 ||k_j||^2]``, the only

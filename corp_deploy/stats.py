@@ -121,7 +121,7 @@ class PairStats(MlpStats):
         return super().tensors() + self.target.tensors() + [self.cross]
 
 
-class AttnStats(_Sums):
+class QKStats(_Sums):
     """Per-head packed 4th-order Q/K moment of one attention layer, summed over images.
 
     ``moment[h, p, q] = sum_b GQ_b[h][p] GK_b[h][q]`` where ``GQ_b = Q_b^T Q_b`` (d x d, symmetric)
@@ -161,7 +161,7 @@ class CalibrationStats:
     """Everything CORP needs from the calibration data, per transformer block."""
 
     mlp: dict[int, MlpStats] = field(default_factory=dict)
-    attn: dict[int, AttnStats] = field(default_factory=dict)
+    qk: dict[int, QKStats] = field(default_factory=dict)
     proj: dict[int, MlpStats] = field(default_factory=dict)
     images: int = 0
     skipped: int = 0
@@ -173,8 +173,8 @@ class CalibrationStats:
         out: list[Tensor] = []
         for i in sorted(self.mlp):
             out += self.mlp[i].tensors()
-        for i in sorted(self.attn):
-            out += self.attn[i].tensors()
+        for i in sorted(self.qk):
+            out += self.qk[i].tensors()
         for i in sorted(self.proj):
             out += self.proj[i].tensors()
         return out
@@ -182,8 +182,8 @@ class CalibrationStats:
     def __iadd__(self, other: CalibrationStats) -> CalibrationStats:
         for i, s in other.mlp.items():
             self.mlp[i] += s
-        for i, s in other.attn.items():
-            self.attn[i] += s
+        for i, s in other.qk.items():
+            self.qk[i] += s
         for i, s in other.proj.items():
             self.proj[i] += s
         self.images += other.images
@@ -197,7 +197,7 @@ class CalibrationStats:
 def empty_stats(
     model: nn.Module,
     mlp: bool,
-    attn: bool,
+    qk: bool,
     device: torch.device | str,
     proj: bool = False,
     blocks: Iterable[int] | None = None,
@@ -215,8 +215,8 @@ def empty_stats(
         block = all_blocks[i]
         if mlp:
             stats.mlp[i] = linear(adapter.mlp_out(block).in_features, device)
-        if attn:
-            stats.attn[i] = AttnStats(adapter.heads(block), adapter.head_widths(block)[0], device)
+        if qk:
+            stats.qk[i] = QKStats(adapter.heads(block), adapter.head_widths(block)[0], device)
         if proj:
             stats.proj[i] = linear(adapter.proj(block).in_features, device)
     return stats
@@ -244,9 +244,9 @@ def recording(model: nn.Module, stats: CalibrationStats) -> Iterator[TokenMask]:
     inputs += [(adapter.proj(blocks[i]), s) for i, s in stats.proj.items()]
     for linear, s in inputs:
         handles.append(linear.register_forward_pre_hook(lambda _m, args, s=s: s.update(args[0], mask.value)))
-    for i, s in stats.attn.items():
+    for i, s in stats.qk.items():
 
-        def on_qk(q: Tensor, k: Tensor, s: AttnStats = s) -> None:
+        def on_qk(q: Tensor, k: Tensor, s: QKStats = s) -> None:
             if stats.paired:  # Q/K statistics read the pruned half
                 q, k = q[q.shape[0] // 2 :], k[k.shape[0] // 2 :]
             s.update(q, k, mask.value)

@@ -129,7 +129,7 @@ def pair_energy_gap(stats: CalibrationStats, curves: dict) -> float:
     for (i, part), (widths, errors) in curves.items():
         if part != "qk":
             continue
-        s = stats.attn[i]
+        s = stats.qk[i]
         order = torch.sort(C.logit_energy(s.moment, s.index), dim=-1, descending=True, stable=True).indices
         removed = [
             sum(float(C.pair_energy(s.moment[h], s.index, order[h, w:])) for h in range(s.heads)) for w in widths

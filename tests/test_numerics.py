@@ -18,7 +18,7 @@ from conftest import tiny_batches, tiny_vit
 
 from corp_deploy import compensation as C
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
-from corp_deploy.stats import ACTIVE_EPS, AttnStats, MlpStats
+from corp_deploy.stats import ACTIVE_EPS, MlpStats, QKStats
 
 F64 = torch.float64
 
@@ -112,7 +112,7 @@ def test_damped_logit_compensation_equals_brute_force_ridge() -> None:
     mix = torch.randn(d, d, generator=g, dtype=F64)
     q = torch.randn(4, 9, 1, d, generator=g, dtype=F64) @ mix + 0.5
     k = torch.randn(4, 9, 1, d, generator=g, dtype=F64) @ mix.T - 0.2
-    stats = AttnStats(heads=1, head_dim=d)
+    stats = QKStats(heads=1, head_dim=d)
     stats.update(q, k)
     a, r = C.logit_system(stats.moment[0], stats.index, keep, prune)
     design = torch.cat([torch.kron(qb[:, keep], kb[:, keep]) for qb, kb in zip(q[:, :, 0], k[:, :, 0], strict=True)])
@@ -164,7 +164,7 @@ def test_float32_attention_moments_match_float64_ground_truth() -> None:
     g = torch.Generator().manual_seed(1)
     q = (torch.randn(6, 50, 2, 8, generator=g) * 0.1 + 3.0).float()
     k = (torch.randn(6, 50, 2, 8, generator=g) * 0.1 - 2.0).float()
-    s32, s64 = AttnStats(2, 8), AttnStats(2, 8)
+    s32, s64 = QKStats(2, 8), QKStats(2, 8)
     s32.update(q, k)
     s64.update(q.double(), k.double())
     torch.testing.assert_close(s32.moment, s64.moment, rtol=1e-5, atol=0)

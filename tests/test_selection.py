@@ -24,7 +24,7 @@ from timm.models.vision_transformer import Attention
 import corp_deploy
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.ranking import RANKERS, mlp_scores, split_top
-from corp_deploy.stats import ACTIVE_EPS, AttnStats, CalibrationStats, MlpStats
+from corp_deploy.stats import ACTIVE_EPS, CalibrationStats, MlpStats, QKStats
 from corp_deploy.surgery import PrunedAttention
 
 
@@ -147,12 +147,12 @@ QK_MAGNITUDE = [[4.0, 3.0, 0.5, 1.0, 6.0, 5.0, 0.25, 2.0], [0.5, 1.0, 8.0, 2.0, 
 QK_KEPT = {"logit energy": [[0, 2, 3, 6], [1, 3, 4, 7]], "magnitude": [[0, 1, 4, 5], [2, 5, 6, 7]]}
 
 
-def _hand_built_attn_stats(images: int = 3, tokens: int = 5) -> AttnStats:
+def _hand_built_attn_stats(images: int = 3, tokens: int = 5) -> QKStats:
     """q_j = s_j z, k_j = t_j z' with z, z' = +-1, so sum_b ||q_j||^2 ||k_j||^2 is proportional to (s_j t_j)^2."""
     g = torch.Generator().manual_seed(0)
     sign = lambda: torch.randint(0, 2, (images, tokens, 2, 8), generator=g).double() * 2 - 1  # noqa: E731
     root = torch.tensor(LOGIT_ENERGY, dtype=torch.float64).sqrt()
-    stats = AttnStats(heads=2, head_dim=8)
+    stats = QKStats(heads=2, head_dim=8)
     stats.update(sign() * root.sqrt(), sign() * root.sqrt())
     return stats
 
@@ -172,7 +172,7 @@ def test_pruner_keeps_the_qk_dims_each_ranker_prefers(ranker) -> None:
     qkv = model.blocks[0].attn.qkv
     w = qkv.weight.view(3, 2, 8, 16)
     w[:2] = w[:2] / w[:2].norm(dim=-1, keepdim=True) * torch.tensor(QK_MAGNITUDE).sqrt()[..., None]
-    stats = CalibrationStats(attn={0: _hand_built_attn_stats()}, images=3)
+    stats = CalibrationStats(qk={0: _hand_built_attn_stats()}, images=3)
     pruned = copy.deepcopy(model)
     config = PruneConfig(sparsity=0.5, target="attn", ranker=ranker, compensation="none", round_to=1)
     prune_model(pruned, stats, config)

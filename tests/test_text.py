@@ -102,7 +102,7 @@ def test_statistics_are_brute_force_sums_over_real_tokens_and_pairs() -> None:
                 qh, kh = (t[b, :length, h * d : (h + 1) * d].double() for t in (q, k))
                 gq, gk = (qh.T @ qh)[rows, cols], (kh.T @ kh)[rows, cols]
                 moment[h] += torch.outer(gq, gk)
-    mlp, attn = stats.mlp[1], stats.attn[1]
+    mlp, attn = stats.mlp[1], stats.qk[1]
     assert int(mlp.count) == count < 6 * 4 * 24  # padding left out
     torch.testing.assert_close(mlp.sum, total, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(mlp.outer, outer, rtol=1e-5, atol=1e-3)
