@@ -257,3 +257,17 @@ def test_prune_export_with_a_speedup_records_the_check(tmp_path, capsys, cache, 
     assert len(list(cache.iterdir())) == 1
     widths = json.loads((out / "pruned" / "corp.json").read_text())["report"]["blocks"]
     assert all(b["qk"]["kept"] == b["v"]["kept"] for b in widths)  # torch SDPA: one head size
+
+
+def test_profile_prints_the_table_checks_it_and_writes_it(tmp_path, capsys, cache, monkeypatch) -> None:
+    monkeypatch.setattr(speed, "time_models", lambda models, *_: {n: [fake_time(m)] * 6 for n, m in models.items()})
+    out = tmp_path / "table.json"
+    argv = ["profile", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--latency-on", "torch-cpu-fp32"]
+    code, stdout, err = run([*argv, "--latency-batch", "4", "--check", "2", "--out", str(out)], capsys)
+    assert code == 0, err
+    assert "fixed (patch embedding, final norm, head):    10.00 ms" in stdout and "equal Q/K and V" in stdout
+    assert len(re.findall(r"mixed-width model: .*\([+-]0\.0%\)", stdout)) == 2, stdout  # the fake cost is additive
+    table = json.loads(out.read_text())
+    assert table["key"]["batch"] == 4 and table["key"]["backend"] == "torch-cpu-fp32" and table["tied"]
+    code, _, err = run([*argv, "--latency-on", "tensorrt-fp32"], capsys)
+    assert code == 1 and err.count("\n") == 1
