@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import copy
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from torch import nn
 
 from corp_deploy import latency
 from corp_deploy.bench.backends import BACKENDS, Backend
-from corp_deploy.bench.measure import Method, interleaved
+from corp_deploy.bench.measure import Method, Step, interleaved
 from corp_deploy.data import input_size
 from corp_deploy.deps import missing
 from corp_deploy.env import cpu_model, module_versions
@@ -30,8 +31,8 @@ from corp_deploy.latency import LatencyTable, Shape, Timing
 from corp_deploy.surgery import apply_widths, head_widths
 from corp_deploy.version import __version__
 
-TABLE_METHOD = Method(warmup_iters=1, warmup_seconds=0.0, min_iters=6, min_seconds=0.0, round_iters=2)
-"""Timing per grid model: the grid is measured in one interleaved loop, so drift hits every model alike."""
+TABLE_METHOD = Method(warmup_iters=1, warmup_seconds=0.0, min_iters=4, min_seconds=0.0, round_iters=1)
+"""Timing of a grid model against the dense one (``time_against``): 4 iterations each, alternating."""
 LOOP_METHOD = Method(warmup_iters=2, warmup_seconds=0.0, min_iters=12, min_seconds=0.0, round_iters=2)
 """Timing of dense against pruned in the closed loop (rounds of 2, alternating)."""
 MIN_BAND = 0.03
@@ -108,10 +109,9 @@ class _Models:
         return self.models[which]
 
 
-def time_models(
-    models: dict[str, nn.Module], backend: Backend, batch: int, threads: int, method: Method
-) -> dict[str, list[float]]:
-    """Seconds per forward of every model at ``batch`` on ``backend``, all interleaved in one loop."""
+@contextmanager
+def loaded(models: dict[str, nn.Module], backend: Backend, batch: int, threads: int) -> Iterator[dict[str, Step]]:
+    """A timed step per model at ``batch`` on ``backend`` (ONNX files exported to a temporary folder for ort)."""
     if threads:
         torch.set_num_threads(threads)
     shape = tuple(input_size(next(iter(models.values()))))
@@ -120,8 +120,35 @@ def time_models(
         if backend.name.startswith("ort-"):
             for name, model in models.items():
                 export_onnx(model, run.onnx(name), shape)
-        steps = {name: backend.load(run, name, False, threads)(batch) for name in models}
+        yield {name: backend.load(run, name, False, threads)(batch) for name in models}
+
+
+def time_models(
+    models: dict[str, nn.Module], backend: Backend, batch: int, threads: int, method: Method
+) -> dict[str, list[float]]:
+    """Seconds per forward of every model at ``batch`` on ``backend``, all interleaved in one loop."""
+    with loaded(models, backend, batch, threads) as steps:
         return interleaved(steps, method)
+
+
+def time_against(
+    reference: str, models: dict[str, nn.Module], backend: Backend, batch: int, threads: int, method: Method
+) -> dict[str, float]:
+    """Seconds per forward (p50) of every model, each timed in its own loop alternating with ``reference``.
+
+    A model's time is its ratio to the reference in their loop times the reference's median over all loops:
+    ratios of neighbouring iterations survive the load drift of a shared machine, which absolute times
+    measured minutes apart do not (a grid of 14 deit_small models at batch 32 takes minutes).
+    """
+    with loaded(models, backend, batch, threads) as steps:
+        ratios, ref = {}, []
+        for name in steps:
+            if name != reference:
+                times = interleaved({reference: steps[reference], name: steps[name]}, method)
+                ratios[name] = float(np.median(times[name]) / np.median(times[reference]))
+                ref += times[reference]
+    seconds = float(np.median(ref))
+    return {reference: seconds} | {name: r * seconds for name, r in ratios.items()}
 
 
 def build_table(
@@ -136,8 +163,8 @@ def build_table(
     grid = latency.grid(shape, latency.tied(backend.name))
     models = {name: with_widths(dense, None if w is None else [w] * shape.depth) for name, w in grid.items()}
     if timer is None:
-        times = time_models(models, backend, table_key["batch"], table_key["threads"], method)
-        seconds = {name: float(np.median(t)) for name, t in times.items()}
+        dense_name = next(name for name, w in grid.items() if w == (shape.mlp, shape.head_dim, shape.head_dim))
+        seconds = time_against(dense_name, models, backend, table_key["batch"], table_key["threads"], method)
     else:
         seconds = timer(models)
     return latency.fit(table_key, shape, latency.tied(backend.name), seconds)
@@ -206,7 +233,7 @@ def random_widths(shape: Shape, equal_heads: bool, rng: np.random.Generator) -> 
 def check_table(
     dense: nn.Module, table: LatencyTable, backend: Backend, n: int, seed: int = 0, method: Method = TABLE_METHOD
 ) -> list[dict[str, float]]:
-    """Time ``n`` random mixed-width models with the dense one in one loop; the table's errors on them.
+    """Time ``n`` random mixed-width models, each against the dense one (``time_against``); the table's errors.
 
     ``error``: predicted / measured time - 1. ``speedup_error``: the same for the speedup over the dense model
     measured in the same loop, which machine-wide drift since the table was measured does not move.
@@ -214,8 +241,7 @@ def check_table(
     shape, rng = shape_of(dense), np.random.default_rng(seed)
     widths = {f"mixed{i}": random_widths(shape, table.tied, rng) for i in range(n)}
     models = {"dense": dense} | {name: with_widths(dense, w) for name, w in widths.items()}
-    times = time_models(models, backend, table.key["batch"], table.key["threads"], method)
-    p50 = {name: float(np.median(t)) for name, t in times.items()}
+    p50 = time_against("dense", models, backend, table.key["batch"], table.key["threads"], method)
     out = []
     for name, w in widths.items():
         predicted = table.predict(w)

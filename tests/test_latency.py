@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -111,6 +112,26 @@ def test_table_is_cached_per_key_and_refused_for_another(cache, tmp_path) -> Non
     path.write_text(json.dumps({"schema": "something else"}))
     with pytest.raises(CorpError, match="not a corp-deploy/latency-table"):
         latency.read(path, table_key())
+
+
+def test_timing_against_the_dense_model_cancels_a_steady_slowdown(monkeypatch) -> None:
+    """The machine slows 5% per call: alternating each model with the reference recovers the true ratios."""
+    calls = [0]
+
+    def step(base: float):
+        def timed() -> float:
+            calls[0] += 1
+            return base * (1 + 0.05 * calls[0])
+
+        return timed
+
+    base = {"dense": 1.0, "a": 0.5, "b": 0.8}
+    fake = contextmanager(lambda models, *_: iter([{name: step(base[name]) for name in models}]))
+    monkeypatch.setattr(speed, "loaded", fake)
+    seconds = speed.time_against("dense", dict.fromkeys(base), None, 8, 2, speed.TABLE_METHOD)
+    assert seconds["a"] / seconds["dense"] == pytest.approx(0.5) and seconds["b"] / seconds["dense"] == pytest.approx(
+        0.8
+    )
 
 
 def test_a_table_is_measured_from_the_dense_model_only() -> None:
@@ -245,6 +266,7 @@ def test_prune_export_with_a_speedup_records_the_check(tmp_path, capsys, cache, 
     """The whole command on a tiny model: table measured and cached, pruned, timed, checked, recorded.
     The timer is the fake one (a tiny model's real timings are noise): the arithmetic and records are tested."""
     monkeypatch.setattr(speed, "time_models", lambda models, *_: {n: [fake_time(m)] * 6 for n, m in models.items()})
+    monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))
     out = tmp_path / "run"
     flags = ["--speedup", "1.3", "--latency-on", "torch-cpu-fp32", "--latency-batch", "2", "--latency-rounds", "2"]
     argv = ["prune-export", *PRUNE[1:], "--allocation", "local", "--precision", "fp32", *flags, "--out", str(out)]
@@ -261,6 +283,7 @@ def test_prune_export_with_a_speedup_records_the_check(tmp_path, capsys, cache, 
 
 def test_profile_prints_the_table_checks_it_and_writes_it(tmp_path, capsys, cache, monkeypatch) -> None:
     monkeypatch.setattr(speed, "time_models", lambda models, *_: {n: [fake_time(m)] * 6 for n, m in models.items()})
+    monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))
     out = tmp_path / "table.json"
     argv = ["profile", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--latency-on", "torch-cpu-fp32"]
     code, stdout, err = run([*argv, "--latency-batch", "4", "--check", "2", "--out", str(out)], capsys)

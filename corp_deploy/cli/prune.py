@@ -23,6 +23,7 @@ from corp_deploy.cli.options import (
 )
 from corp_deploy.data import SYNTHETIC
 from corp_deploy.errors import CorpError
+from corp_deploy.latency import format_table
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.report import format_report
 
@@ -134,6 +135,7 @@ def pruned(
         say = (lambda line: None) if quiet else click.echo
         key = speed.key(got.name, got.args, backend, latency["latency_batch"], torch.get_num_threads())
         table = speed.table_for(got.net, key, backend, latency["latency_table"], say)
+        say(format_table(table))
     dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
     progress = not quiet and got.world.is_main
     result = api.prune(
