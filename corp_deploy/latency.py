@@ -129,22 +129,33 @@ class LatencyTable:
         return self.predict([(self.shape.mlp, self.shape.head_dim, self.shape.head_dim)] * self.shape.depth)
 
     def corrected(self, dense_s: float, pruned_s: float, pruned: Sequence[tuple[int, int, int]]) -> LatencyTable:
-        """The table through two models measured in one run: the dense one and ``pruned`` (the closed loop).
+        """The table after one more measured pair (the closed loop): dense and ``pruned`` timed in one run.
 
-        Keeps the blocks' relative costs, fits the block scale and the fixed cost so that both measured
-        times are predicted exactly; refused when the pruned model was not measured faster.
+        A measured speedup pins one number, the fixed cost relative to the block scale: with ``T = F + s B``,
+        ``S = (c + B_dense) / (c + B_pruned)`` for ``c = F / s``. Each measured pair gives a ``c``; their median
+        over all pairs so far (noise on a shared machine moves single pairs by several percent) replaces the
+        table's, clamped at 0; the scale then matches the latest dense time. Block times keep their shape.
         """
         dense_blocks = self.shape.depth * self.dense_block_s
-        pruned_blocks = sum(self.block_s(*w) for w in pruned)
-        if pruned_s >= dense_s or pruned_blocks >= dense_blocks:
+        point = {
+            "dense_s": dense_s,
+            "pruned_s": pruned_s,
+            "blocks_s": sum(self.block_s(*w) for w in pruned),
+            "predicted_s": self.predict(pruned),
+        }
+        points = (*self.corrections, point)
+        if any(p["pruned_s"] >= p["dense_s"] or p["blocks_s"] >= dense_blocks for p in points):
             raise CorpError(
                 f"the pruned model measured {pruned_s * 1e3:.1f} ms against the dense {dense_s * 1e3:.1f} ms: "
                 "no correction of the latency table can follow that; re-run on a quieter machine"
             )
-        scale = (dense_s - pruned_s) / (dense_blocks - pruned_blocks)
-        point = {"dense_s": dense_s, "pruned_s": pruned_s, "predicted_s": self.predict(pruned)}
-        fixed = max(0.0, dense_s - scale * dense_blocks)
-        return replace(self, scale=scale, fixed_s=fixed, corrections=(*self.corrections, point))
+        fits = sorted(
+            (dense_blocks - p["dense_s"] / p["pruned_s"] * p["blocks_s"]) / (p["dense_s"] / p["pruned_s"] - 1)
+            for p in points
+        )
+        c = max(0.0, fits[len(fits) // 2] if len(fits) % 2 else (fits[len(fits) // 2 - 1] + fits[len(fits) // 2]) / 2)
+        scale = dense_s / (c + dense_blocks)
+        return replace(self, scale=scale, fixed_s=scale * c, corrections=points)
 
     # ------------------------------------------------------------------------------------- files
 

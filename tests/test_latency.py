@@ -140,13 +140,19 @@ def test_a_table_is_measured_from_the_dense_model_only() -> None:
         speed.shape_of(model)
 
 
-def test_correction_goes_through_both_measured_points() -> None:
+def test_correction_goes_through_a_measured_pair_and_takes_the_median_of_several() -> None:
     model = tiny_vit()
     table = speed.build_table(model, table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
     pruned = [(64, 8, 8), (32, 16, 8)]
     fixed = table.corrected(0.9, 0.5, pruned)
     assert fixed.dense_s == pytest.approx(0.9) and fixed.predict(pruned) == pytest.approx(0.5)
     assert fixed.corrections[0]["predicted_s"] == pytest.approx(table.predict(pruned))
+    other = [(16, 4, 4), (16, 4, 4)]
+    speedup = fixed.dense_s / fixed.predict(other)
+    noisy = fixed.corrected(0.9, 0.9 / (speedup * 1.3), other)  # one pair 30% off
+    steady = noisy.corrected(0.9, 0.9 / speedup, other)  # and one that agrees with the first
+    assert steady.dense_s / steady.predict(other) == pytest.approx(speedup)
+    assert len(steady.corrections) == 3
     with pytest.raises(CorpError, match="no correction"):
         table.corrected(0.5, 0.6, pruned)
 

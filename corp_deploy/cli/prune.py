@@ -23,7 +23,7 @@ from corp_deploy.cli.options import (
 )
 from corp_deploy.data import SYNTHETIC
 from corp_deploy.errors import CorpError
-from corp_deploy.latency import format_table
+from corp_deploy.latency import Timing, format_table
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.report import format_report
 
@@ -124,15 +124,22 @@ def pruned(
     config = prune_config(pruning)
     api.calibration_mode(config, max_stats_gib, distributed.SINGLE_PROCESS)  # combinations refused before any data
     backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"])
+    say = (lambda line: None) if quiet else click.echo
     loop = None
     if backend is not None and latency_rounds is not None:
         threads, batch = torch.get_num_threads(), latency["latency_batch"]
-        loop = api.LatencyLoop(lambda d, p: speed.measure_pair(d, p, backend, batch, threads), latency_rounds)
+
+        def timing(dense: nn.Module, pruned: nn.Module) -> Timing:
+            say(f"latency check: timing dense and pruned on {backend.name} at batch {batch}, interleaved")
+            t = speed.measure_pair(dense, pruned, backend, batch, threads)
+            say(f"  dense {t.dense_s * 1e3:.1f} ms, pruned {t.pruned_s * 1e3:.1f} ms: {t.speedup:.2f}x +-{t.band:.1%}")
+            return t
+
+        loop = api.LatencyLoop(timing, latency_rounds)
         api.check_loop(config, max_stats_gib, 2 if distributed.launched() else 1)
     got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images)
     table = None
     if backend is not None:
-        say = (lambda line: None) if quiet else click.echo
         key = speed.key(got.name, got.args, backend, latency["latency_batch"], torch.get_num_threads())
         table = speed.table_for(got.net, key, backend, latency["latency_table"], say)
         say(format_table(table))
