@@ -283,6 +283,7 @@ def close_loop(
                 "spread": measured.band,
                 "dense_ms": measured.dense_s * 1e3,
                 "pruned_ms": measured.pruned_s * 1e3,
+                "widths": [list(widths_of(dense, w)) for w in widths],
             }
         )
         met = abs(measured.speedup / target - 1) <= measured.band

@@ -216,6 +216,7 @@ def test_closed_loop_corrects_the_table_and_replans_from_the_same_statistics() -
     assert check["history"][0]["measured_speedup"] > 2 * 1.05 and check["target_speedup"] == 2
     assert check["measured_speedup"] == pytest.approx(2, rel=0.05)
     assert timed[1] != timed[0] and block_widths(result.model) == timed[1]
+    assert [list(b.values())[:3] for b in timed[1]] == check["history"][1]["widths"]  # (mlp, qk, v) per block
     assert "target 2.00x" in format_report(result.report) and ": met after 2 rounds" in format_report(result.report)
 
 
