@@ -149,10 +149,10 @@ def test_correction_goes_through_a_measured_pair_and_takes_the_median_of_several
     assert fixed.corrections[0]["predicted_s"] == pytest.approx(table.predict(pruned))
     other = [(16, 4, 4), (16, 4, 4)]
     speedup = fixed.dense_s / fixed.predict(other)
-    noisy = fixed.corrected(0.9, 0.9 / (speedup * 1.3), other)  # one pair 30% off
-    steady = noisy.corrected(0.9, 0.9 / speedup, other)  # and one that agrees with the first
-    assert steady.dense_s / steady.predict(other) == pytest.approx(speedup)
-    assert len(steady.corrections) == 3
+    steady = fixed.corrected(0.9, 0.9 / speedup, other)  # a pair that agrees with the first
+    noisy = steady.corrected(0.9, 0.9 / (speedup * 1.3), other)  # then one 30% off: outvoted
+    assert noisy.dense_s / noisy.predict(other) == pytest.approx(speedup)
+    assert len(noisy.corrections) == 3
     with pytest.raises(CorpError, match="no correction"):
         table.corrected(0.5, 0.6, pruned)
 
