@@ -19,6 +19,8 @@ Everything here is pure (statistics, weights and shapes in, widths out); the for
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from torch import Tensor, nn
 from corp_deploy import compensation as C
 from corp_deploy.errors import CorpError
 from corp_deploy.family import adapter_for
+from corp_deploy.latency import LatencyTable
 from corp_deploy.pruner import PARTS, PruneConfig, Widths
 from corp_deploy.ranking import channel_scores, qk_scores
 from corp_deploy.stats import CalibrationStats, MlpStats, QKStats
@@ -37,6 +40,10 @@ CHOLESKY_JITTER = 1e-10
 
 Key = tuple[int, str]
 """(block, part)."""
+BlockCost = Callable[[int, Mapping[str, int]], float]
+"""A block's cost (MACs, seconds) given the widths of its targeted parts (the others as they are)."""
+QKV = "qk=v"
+"""Q/K and V moved as one part, when the backend's fused attention needs equal widths."""
 
 
 # ------------------------------------------------------------------------------------------ MACs
@@ -170,39 +177,63 @@ def error_curves(
 def allocate(
     curves: dict[Key, tuple[list[int], list[float]]],
     weights: dict[Key, float],
-    unit: dict[Key, int],
-    fixed_macs: int,
-    limit: int,
+    block_cost: BlockCost,
+    fixed: float,
+    limit: float,
 ) -> dict[Key, int]:
-    """Greedy widths with ``fixed_macs + sum unit * width <= limit``; pure.
+    """Greedy widths with ``fixed + sum over blocks of block_cost(block, its widths) <= limit``; pure.
 
     From full widths, repeatedly take the step (one candidate width down) with the smallest weighted
-    error increase per MAC saved; then give back, best first, every step that still fits, so no
+    error increase per unit of cost saved; then give back, best first, every step that still fits, so no
     single step can be given back without exceeding the limit. Ties go to the earlier key, so
-    identical blocks end within one step of each other.
+    identical blocks end within one step of each other. A step that saves nothing (a measured latency
+    plateau: 1152 MLP channels may cost what 768 do) is taken together with the next ones, down to the
+    first width that saves something.
     """
     pos = dict.fromkeys(curves, 0)
+    parts: dict[int, list[str]] = {}
+    for i, part in curves:
+        parts.setdefault(i, []).append(part)
 
-    def cost(key: Key, frm: int, to: int) -> tuple[float, int]:
-        widths, errors = curves[key]
-        return weights[key] * (errors[to] - errors[frm]), unit[key] * (widths[frm] - widths[to])
+    def widths(i: int, moved: Key | None = None, to: int = 0) -> dict[str, int]:
+        return {p: curves[(i, p)][0][to if (i, p) == moved else pos[(i, p)]] for p in parts[i]}
 
-    macs = fixed_macs + sum(unit[k] * curves[k][0][0] for k in curves)
-    while macs > limit:
-        steps = [(k, *cost(k, pos[k], pos[k] + 1)) for k in curves if pos[k] + 1 < len(curves[k][0])]
+    current = {i: block_cost(i, widths(i)) for i in parts}
+
+    def saved(key: Key, to: int) -> float:
+        return current[key[0]] - block_cost(key[0], widths(key[0], key, to))
+
+    def down(key: Key) -> tuple[Key, int, float, float] | None:
+        """The next width of ``key`` that saves cost: (key, its index, weighted error added, cost saved)."""
+        _, errors = curves[key]
+        for to in range(pos[key] + 1, len(errors)):
+            if (gain := saved(key, to)) > 0:
+                return key, to, weights[key] * (errors[to] - errors[pos[key]]), gain
+        return None
+
+    def move(key: Key, to: int) -> None:
+        pos[key] = to
+        current[key[0]] = block_cost(key[0], widths(key[0]))
+
+    total = fixed + sum(current.values())
+    while total > limit:
+        steps = [s for k in curves if (s := down(k)) is not None]
         if not steps:
-            raise CorpError(f"the budget of {limit} MACs is below the smallest allowed widths")  # check_budget first
-        key, _, saved = min(steps, key=lambda t: t[1] / t[2])
-        pos[key] += 1
-        macs -= saved
+            raise CorpError(f"the budget of {limit:g} is below the smallest allowed widths")  # check_budget first
+        key, to, _, gain = min(steps, key=lambda t: t[2] / t[3])
+        move(key, to)
+        total -= gain
     while True:
-        back = [(k, *cost(k, pos[k], pos[k] - 1)) for k in curves if pos[k] > 0]
-        back = [(k, gain, added) for k, gain, added in back if macs - added <= limit]  # added < 0: MACs grow
+        back = []
+        for k in curves:
+            if pos[k] > 0 and (added := -saved(k, pos[k] - 1)) + total <= limit:
+                error = weights[k] * (curves[k][1][pos[k] - 1] - curves[k][1][pos[k]])
+                back.append((k, added, (added > 0, error / added if added > 0 else error)))
         if not back:
             break
-        key, _, added = min(back, key=lambda t: t[1] / -t[2])
-        pos[key] -= 1
-        macs -= added
+        key, added, _ = min(back, key=lambda t: t[2])
+        move(key, pos[key] - 1)
+        total += added
     return {k: curves[k][0][pos[k]] for k in curves}
 
 
@@ -221,22 +252,90 @@ def macs_layout(model: nn.Module, dense_macs: int, parts: frozenset[str]) -> tup
     return unit, dense_macs - variable, widths
 
 
-def check_budget(model: nn.Module, config: PruneConfig, dense_macs: int) -> int:
-    """Data-free: the MACs limit of ``config.budget``; a budget no allowed widths can meet fails here.
+@dataclass(frozen=True)
+class Cost:
+    """What a budget bounds, per block: MACs counted in closed form, or seconds predicted by a latency table."""
+
+    unit: str
+    fixed: float
+    """What no targeted width changes."""
+    block: BlockCost
+    dense: float
+    widths: dict[Key, int]
+    """The current (dense) width of every targeted part."""
+
+
+def per_unit(unit: dict[Key, int]) -> BlockCost:
+    """A block cost linear in the widths: ``sum unit * width`` over the block's parts (MACs)."""
+    return lambda i, widths: sum(unit[(i, p)] * w for p, w in widths.items())
+
+
+def macs_cost(model: nn.Module, dense_macs: int, parts: frozenset[str]) -> Cost:
+    unit, fixed, widths = macs_layout(model, dense_macs, parts)
+    return Cost("MACs", fixed, per_unit(unit), dense_macs, widths)
+
+
+def latency_cost(model: nn.Module, table: LatencyTable, parts: frozenset[str]) -> Cost:
+    """Predicted seconds: the table's block times at the targeted widths, the other widths as they are.
+
+    With a ``tied`` table Q/K and V are one part (``QKV``): the backend's fused attention needs one head size.
+    """
+    blocks = block_parts(model)
+    if [b["widths"]["mlp"] for b in blocks] != [table.shape.mlp] * table.shape.depth or any(
+        (b["widths"]["qk"], b["widths"]["v"]) != (table.shape.head_dim,) * 2 for b in blocks
+    ):
+        raise CorpError("a latency budget plans from the dense model; this one is already pruned")
+    keys = allocation_parts(parts, table.tied)
+    widths = {(i, p): b["widths"]["qk" if p == QKV else p] for i, b in enumerate(blocks) for p in keys}
+    dense = {"mlp": table.shape.mlp, "qk": table.shape.head_dim, "v": table.shape.head_dim}
+
+    def block(i: int, w: Mapping[str, int]) -> float:
+        full = dense | dict(w) | ({"qk": w[QKV], "v": w[QKV]} if QKV in w else {})
+        return table.scale * table.block_s(full["mlp"], full["qk"], full["v"])
+
+    return Cost("latency", table.fixed_s, block, table.dense_s, widths)
+
+
+def allocation_parts(parts: frozenset[str] | tuple[str, ...], tie: bool) -> tuple[str, ...]:
+    """The parts the allocator moves: Q/K and V as one (``QKV``) when their widths must stay equal."""
+    if not tie or not {"qk", "v"} & set(parts):
+        return tuple(p for p in PARTS if p in parts)
+    if not {"qk", "v"} <= set(parts):
+        raise CorpError(
+            "this --latency-on backend's fused attention needs equal Q/K and V widths: "
+            "--target both qk and v (e.g. mlp,qk,v) or neither"
+        )
+    return (*(("mlp",) if "mlp" in parts else ()), QKV)
+
+
+def budget_cost(model: nn.Module, config: PruneConfig, dense_macs: int, table: LatencyTable | None) -> Cost:
+    """The cost ``config.budget`` bounds; a latency budget needs its table."""
+    if config.budget.kind == "macs":
+        return macs_cost(model, dense_macs, config.target)
+    if table is None:
+        raise CorpError("--budget latency=F needs a latency table: pass --latency-on BACKEND (or --latency-table)")
+    return latency_cost(model, table, config.target)
+
+
+def check_budget(model: nn.Module, config: PruneConfig, dense_macs: int, table: LatencyTable | None = None) -> float:
+    """Data-free: the limit of ``config.budget`` (MACs or seconds); a budget no allowed widths can meet fails here.
 
     Call it before calibrating. The smallest model keeps ``round_to`` channels of every targeted part.
     """
-    parts = config.target
     adapter = adapter_for(model)
     for i, block in enumerate(adapter.blocks(model)):
-        adapter.check_parts(block, i, [p for p in parts if p == "v"], config.compensation)
-    limit = int(config.budget.fraction * dense_macs)
-    unit, fixed, widths = macs_layout(model, dense_macs, parts)
-    smallest = fixed + sum(unit[k] * min(w, config.round_to) for k, w in widths.items())
+        adapter.check_parts(block, i, [p for p in config.target if p == "v"], config.compensation)
+    cost = budget_cost(model, config, dense_macs, table)
+    limit = config.budget.fraction * cost.dense
+    limit = int(limit) if cost.unit == "MACs" else limit
+    blocks: dict[int, dict[str, int]] = {}
+    for (i, p), w in cost.widths.items():
+        blocks.setdefault(i, {})[p] = min(w, config.round_to)
+    smallest = cost.fixed + sum(cost.block(i, w) for i, w in blocks.items())
     if smallest > limit:
         raise CorpError(
             f"--budget {config.budget} is below the smallest model --target {','.join(config.target)} allows "
-            f"({smallest / dense_macs:.3f} of the dense MACs, every part at --round-to {config.round_to}); "
+            f"({smallest / cost.dense:.3f} of the dense {cost.unit}, every part at --round-to {config.round_to}); "
             "raise the budget, add targets or lower --round-to"
         )
     return limit
@@ -249,30 +348,87 @@ def plan_budget(
     dense_macs: int,
     weights: dict[Key, float] | None = None,
     curves: dict[Key, tuple[list[int], list[float]]] | None = None,
-) -> tuple[list[tuple[int | None, int | None, int | None]], dict[str, Any]]:
+    table: LatencyTable | None = None,
+) -> tuple[list[Widths], dict[str, Any]]:
     """Widths for ``pruner.prune_model`` (``plan``) meeting ``config.budget``, and what to record about them.
 
     ``weights``: per-(block, part) sensitivity (``sensitivity.measure``); None = plain local errors.
     ``curves``: ``error_curves`` already computed (a study planning several budgets from one calibration).
+    ``table``: the latency table a ``latency=`` budget is predicted with.
     """
-    limit = check_budget(model, config, dense_macs)
+    limit = check_budget(model, config, dense_macs, table)
     parts = config.target
     curves = error_curves(model, stats, config, parts) if curves is None else curves
-    unit, fixed, _ = macs_layout(model, dense_macs, parts)
-    chosen = allocate(curves, weights or dict.fromkeys(curves, 1.0), unit, fixed, limit)
+    local = weights is None
+    weights = dict.fromkeys(curves, 1.0) if local else weights
+    cost = budget_cost(model, config, dense_macs, table)
+    tie = table is not None and table.tied and config.budget.kind == "latency"
+    moved, moved_weights = tie_curves(curves, weights) if tie else (curves, weights)
+    chosen = untie(allocate(moved, moved_weights, cost.block, cost.fixed, limit))
     plan = [Widths(**{p: chosen[(i, p)] for p in parts}) for i in range(len(adapter_for(model).blocks(model)))]
-    record = {
+    record: dict[str, Any] = {
         "budget": str(config.budget),
-        "criterion": "local" if weights is None else "sensitivity",
-        "dense_macs": dense_macs,
-        "limit_macs": limit,
-        "planned_macs": fixed + sum(unit[k] * w for k, w in chosen.items()),
-        "planned_error": {
-            p: [curves[(i, p)][1][curves[(i, p)][0].index(chosen[(i, p)])] for i in range(len(plan))]
-            for p in PARTS
-            if p in parts
-        },
+        "criterion": "local" if local else "sensitivity",
     }
-    if weights is not None:
+    if config.budget.kind == "macs":
+        unit, fixed, _ = macs_layout(model, dense_macs, parts)
+        record |= {
+            "dense_macs": dense_macs,
+            "limit_macs": limit,
+            "planned_macs": fixed + sum(unit[k] * w for k, w in chosen.items()),
+        }
+    else:
+        predicted = table.predict([widths_of(model, w) for w in plan])
+        record |= {
+            "latency": {
+                "backend": table.key["backend"],
+                "batch": table.key["batch"],
+                "equal_qk_v": table.tied,
+                "dense_s": table.dense_s,
+                "limit_s": limit,
+                "planned_s": predicted,
+                "predicted_speedup": table.dense_s / predicted,
+            }
+        }
+    record["planned_error"] = {
+        p: [curves[(i, p)][1][curves[(i, p)][0].index(chosen[(i, p)])] for i in range(len(plan))]
+        for p in PARTS
+        if p in parts
+    }
+    if not local:
         record["sensitivity"] = {p: [weights[(i, p)] for i in range(len(plan))] for p in PARTS if p in parts}
     return plan, record
+
+
+def tie_curves(
+    curves: dict[Key, tuple[list[int], list[float]]], weights: dict[Key, float]
+) -> tuple[dict[Key, tuple[list[int], list[float]]], dict[Key, float]]:
+    """Q/K and V of each block as one part (``QKV``) whose weighted error is the sum of theirs at one width."""
+    out, out_weights = {}, {}
+    for (i, p), curve in curves.items():
+        if p == "v":
+            continue
+        if p == "qk":
+            widths, qk = curve
+            _, v = curves[(i, "v")]
+            w_qk, w_v = weights[(i, "qk")], weights[(i, "v")]
+            out[(i, QKV)], out_weights[(i, QKV)] = (
+                (widths, [w_qk * a + w_v * b for a, b in zip(qk, v, strict=True)]),
+                1.0,
+            )
+        else:
+            out[(i, p)], out_weights[(i, p)] = curve, weights[(i, p)]
+    return out, out_weights
+
+
+def untie(chosen: dict[Key, int]) -> dict[Key, int]:
+    out = {}
+    for (i, p), w in chosen.items():
+        out |= {(i, "qk"): w, (i, "v"): w} if p == QKV else {(i, p): w}
+    return out
+
+
+def widths_of(model: nn.Module, w: Widths) -> tuple[int, int, int]:
+    """(mlp, qk, v) of a planned block; parts left as they are take the model's dense widths."""
+    dense = block_parts(model)[0]["widths"]
+    return (w.mlp or dense["mlp"], w.qk or dense["qk"], w.v or dense["v"])

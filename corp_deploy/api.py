@@ -8,10 +8,11 @@ corp_deploy.save(result, "runs/deit_small-s50")
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from corp_deploy import blockwise
-from corp_deploy.allocation import check_budget, plan_budget
+from corp_deploy.allocation import check_budget, error_curves, plan_budget, widths_of
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta, save_pruned
 from corp_deploy.data import (
     HELDOUT_SEED_OFFSET,
@@ -38,6 +39,7 @@ from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, sha
 from corp_deploy.env import device_name, exact_fp32, versions
 from corp_deploy.errors import CorpError
 from corp_deploy.family import structure
+from corp_deploy.latency import LatencyTable, Timing
 from corp_deploy.models import create_model, resolve_name
 from corp_deploy.pruner import PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
 from corp_deploy.report import model_size, peak_memory
@@ -194,19 +196,34 @@ def calibration_mode(config: PruneConfig, max_stats_gib: float | None, world: Wo
     return GROUPED
 
 
+def check_loop(config: PruneConfig, max_stats_gib: float | None, processes: int) -> None:
+    """Refuse, before any work, what the closed loop (``LatencyLoop``) cannot re-plan."""
+    if config.budget is None or config.budget.kind != "latency":
+        raise CorpError("the latency check times a latency budget: pass --speedup S or --budget latency=F")
+    if config.sequential or max_stats_gib is not None:
+        raise CorpError(
+            "the latency check re-allocates from the statistics of one pass; --sequential would re-walk the data "
+            "for every plan, so it is refused here: drop --sequential, or use corp-deploy prune (no check)"
+        )
+    if processes > 1:
+        raise CorpError("the latency check times on one machine; run it without torchrun")
+
+
 def needs_statistics(config: PruneConfig) -> bool:
     """Whether the widths come from the statistics (a budget, a global threshold) rather than the sparsities."""
     return config.budget is not None or config.selection == "global"
 
 
-def check_widths(model: nn.Module, config: PruneConfig, dense_macs: int) -> list[Widths] | None:
+def check_widths(
+    model: nn.Module, config: PruneConfig, dense_macs: int, table: LatencyTable | None = None
+) -> list[Widths] | None:
     """Data-free: refuse what no calibration can fix (bad sparsity, unsupported block, unreachable budget).
 
     Returns the widths when they do not depend on the data, else None (``plan`` makes them after calibration).
     """
     if config.budget is not None:
         check_parts(model, config)
-        check_budget(model, config, dense_macs)
+        check_budget(model, config, dense_macs, table)
         return None
     if config.selection == "global":
         plan_widths(model, replace(config, selection="per-layer"))  # every other width, and the blocks
@@ -214,8 +231,34 @@ def check_widths(model: nn.Module, config: PruneConfig, dense_macs: int) -> list
     return plan_widths(model, config)
 
 
-def plan(
+Replan = Callable[[LatencyTable | None], tuple[list[Widths], dict[str, Any]]]
+"""Widths (and their record) for a latency table, from statistics, error curves and sensitivities computed once."""
+
+
+def planner(
     model: nn.Module, stats: CalibrationStats, config: PruneConfig, dense_macs: int, heldout: Heldout | None
+) -> Replan:
+    """A budget's allocation from the statistics (with sensitivities from ``heldout``), re-runnable for corrected
+    latency tables (the closed loop) without another pass over the data. ``model`` must stay dense."""
+    weights = None if heldout is None else measure(model, stats, config, heldout.images)
+    curves = error_curves(model, stats, config, config.target)
+
+    def replan(table: LatencyTable | None) -> tuple[list[Widths], dict[str, Any]]:
+        widths, record = plan_budget(model, stats, config, dense_macs, weights, curves, table)
+        if heldout is not None:
+            record["heldout"] = {"images": heldout.images.shape[0], "folders": heldout.folders}
+        return widths, record
+
+    return replan
+
+
+def plan(
+    model: nn.Module,
+    stats: CalibrationStats,
+    config: PruneConfig,
+    dense_macs: int,
+    heldout: Heldout | None,
+    table: LatencyTable | None = None,
 ) -> tuple[list[Widths], dict[str, Any] | None]:
     """Widths from the statistics: a budget's allocation (with sensitivities from ``heldout``), or a threshold.
 
@@ -223,11 +266,85 @@ def plan(
     """
     if config.budget is None:
         return plan_widths(model, config, stats), None
-    weights = None if heldout is None else measure(model, stats, config, heldout.images)
-    widths, record = plan_budget(model, stats, config, dense_macs, weights)
-    if heldout is not None:
-        record["heldout"] = {"images": heldout.images.shape[0], "folders": heldout.folders}
-    return widths, record
+    return planner(model, stats, config, dense_macs, heldout)(table)
+
+
+@dataclass(frozen=True)
+class LatencyLoop:
+    """A latency budget's closed loop: after pruning, ``timing(dense, pruned)`` measures both in one run on the
+    table's backend; while the measured speedup misses the target by more than the noise band, the table is
+    corrected with the measured point and the widths re-allocated from the same statistics, ``rounds`` at most."""
+
+    timing: Callable[[nn.Module, nn.Module], Timing]
+    rounds: int = 3
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise CorpError(f"--latency-rounds must be >= 1, got {self.rounds}")
+
+
+def close_loop(
+    dense: nn.Module,
+    model: nn.Module,
+    blocks: list[dict],
+    stats: CalibrationStats,
+    config: PruneConfig,
+    replan: Replan,
+    table: LatencyTable,
+    widths: list[Widths],
+    record: dict[str, Any],
+    loop: LatencyLoop,
+    timer: Timer,
+) -> tuple[nn.Module, list[dict], dict[str, Any], dict[str, Any]]:
+    """Time, correct, re-plan and re-prune (from a copy of ``dense``) until the speedup is met or rounds run out.
+
+    Returns the pruned model, its block reports, the allocation record and the loop's record for ``corp.json``.
+    """
+    target = 1 / config.budget.fraction
+    history: list[dict[str, Any]] = []
+    while True:
+        start = time.perf_counter()
+        measured = loop.timing(dense, model)
+        timer.add("latency check", start)
+        history.append(
+            {
+                "predicted_speedup": record["latency"]["predicted_speedup"],
+                "measured_speedup": measured.speedup,
+                "spread": measured.band,
+                "dense_ms": measured.dense_s * 1e3,
+                "pruned_ms": measured.pruned_s * 1e3,
+                "widths": [list(widths_of(dense, w)) for w in widths],
+            }
+        )
+        met = abs(measured.speedup / target - 1) <= measured.band
+        if met or len(history) == loop.rounds:
+            break
+        planned = [widths_of(dense, w) for w in widths]
+        try:
+            table = table.corrected(measured.dense_s, measured.pruned_s, planned)
+        except CorpError as e:
+            history[-1]["stopped"] = str(e)
+            break
+        widths, record = replan(table)
+        model = copy.deepcopy(dense)
+        blocks = prune_model(model, stats, config, timer, widths)
+    last = history[-1]
+    return (
+        model,
+        blocks,
+        record,
+        {
+            "backend": table.key["backend"],
+            "batch": table.key["batch"],
+            "target_speedup": target,
+            "predicted_speedup": last["predicted_speedup"],
+            "measured_speedup": last["measured_speedup"],
+            "spread": last["spread"],
+            "rounds": len(history),
+            "met": met,
+            "history": history,
+        },
+    )
 
 
 def prune(
@@ -241,6 +358,8 @@ def prune(
     dist_timeout: float = 1800.0,
     max_stats_gib: float | None = None,
     heldout: Heldout | None = None,
+    table: LatencyTable | None = None,
+    loop: LatencyLoop | None = None,
 ) -> PruneResult | None:
     """Calibrate ``model``, then prune and compensate it in place; measure what changed.
 
@@ -253,12 +372,19 @@ def prune(
     A budget with ``allocation="sensitivity"`` needs ``config.sensitivity_images`` held-out images:
     ``calibration_data(..., hold_out=n)`` draws them across the whole sample; without ``heldout`` they are
     cut from the start of ``batches`` (which is biased when the stream is in class order).
+
+    A ``latency=`` budget is predicted with ``table`` (``corp_deploy.speed.table_for`` measures one); with
+    ``loop`` the pruned model is timed against the dense one and re-planned while it misses (``close_loop``).
     """
     config = config or PruneConfig()
+    if loop is not None:
+        check_loop(config, max_stats_gib, world.size)
+        if table is None:
+            raise CorpError("the closed loop corrects a latency table: pass the table the budget was planned with")
     device = resolve_device(device) if isinstance(device, str) else device
     mode = calibration_mode(config, max_stats_gib, world)
     dense = model_size(model)
-    widths = check_widths(model, config, dense["macs"])
+    widths = check_widths(model, config, dense["macs"], table)
     if mode != ONE_PASS:  # an unsupported model or a bound below one block fails here too
         blockwise.check_supported(model)
         blockwise.plan_groups(model, config, max_stats_gib)
@@ -269,16 +395,21 @@ def prune(
         torch.cuda.reset_peak_memory_stats(device)
     timer = Timer()
     merge = None if world.size == 1 else lambda st: all_reduce_stats(st, world, dist_timeout)
-    stats, record = None, None
+    stats, record, replan = None, None, None
     if widths is None:  # the widths come from the statistics: gather them first
         if mode == SEQUENTIAL:
             batches = list(batches)  # read twice: once for the widths, once by the walk
         start = time.perf_counter()
         stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
         start = timer.add("calibration", start)
-        if world.is_main:
+        if world.is_main and config.budget is not None:
+            dense_model = copy.deepcopy(model) if loop is not None else model  # re-plans need it dense
             with exact_fp32():  # the sensitivity pass's forwards
-                widths, record = plan(model, stats, config, dense["macs"], heldout)
+                replan = planner(dense_model, stats, config, dense["macs"], heldout)
+            widths, record = replan(table)
+        elif world.is_main:
+            widths, record = plan(model, stats, config, dense["macs"], heldout)
+        if world.is_main:
             timer.add("allocation", start)
     if mode == ONE_PASS:
         if stats is None:
@@ -286,6 +417,10 @@ def prune(
             stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
             timer.add("calibration", start)
         blocks = prune_model(model, stats, config, timer, widths) if world.is_main else []
+        if loop is not None:
+            model, blocks, record, checked = close_loop(
+                dense_model, model, blocks, stats, config, replan, table, widths, record, loop, timer
+            )
         statistics, calibration = stats.nbytes(), {"images": stats.images, "skipped": stats.skipped, "mode": mode}
     else:
         statistics = 0 if stats is None else stats.nbytes()
@@ -310,6 +445,8 @@ def prune(
     }
     if record is not None:
         report["allocation"] = record
+    if loop is not None:
+        report["latency"] = checked
     return PruneResult(model, report)
 
 

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from corp_deploy.deps import optional
@@ -21,6 +22,18 @@ from corp_deploy.version import __version__
 
 def cpu_name() -> str:
     return platform.processor() or platform.machine()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``) where the OS tells it, else ``cpu_name``: what a CPU latency
+    table is tied to (``platform.processor`` is often just the architecture)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return cpu_name()
 
 
 def device_name(device: Any) -> str:

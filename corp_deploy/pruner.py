@@ -31,8 +31,8 @@ TARGET_ALIASES = {"attn": ("qk",), "both": ("mlp", "qk"), "joint": ("mlp", "qk")
 COMPENSATIONS = ("corp", "mean", "none")
 SELECTIONS = ("per-layer", "global")
 """How MLP channels are chosen at a sparsity: the same fraction in every block, or VBP's network-wide threshold."""
-BUDGET_KINDS = ("macs",)
-"""What a budget bounds. ``latency`` (per-device profile tables) would be the next kind."""
+BUDGET_KINDS = ("macs", "latency")
+"""What a budget bounds: the closed-form MACs, or the time predicted by a latency table measured on a backend."""
 CRITERIA = ("sensitivity", "local")
 """How errors of different blocks are put on one scale: measured end-to-end sensitivity, or none."""
 DEFAULT_RIDGE = 1e-3
@@ -51,7 +51,7 @@ class Budget:
 
 
 def parse_budget(text: str) -> Budget:
-    """``"macs=0.5"`` -> Budget("macs", 0.5): keep that fraction of the dense model's MACs."""
+    """``"macs=0.5"`` -> Budget("macs", 0.5): keep that fraction of the dense model's MACs (``latency=``: time)."""
     kind, sep, value = text.partition("=")
     kind = kind.strip()
     try:
@@ -60,8 +60,8 @@ def parse_budget(text: str) -> Budget:
         fraction = float("nan")
     if not sep or kind not in BUDGET_KINDS or not 0.0 < fraction <= 1.0:
         raise CorpError(
-            f"--budget must be {'|'.join(BUDGET_KINDS)}=F with F the fraction of the dense MACs to keep, "
-            f"0 < F <= 1 (e.g. macs=0.5), got {text!r}"
+            f"--budget must be {'|'.join(BUDGET_KINDS)}=F with F the fraction of the dense MACs or latency to "
+            f"keep, 0 < F <= 1 (e.g. macs=0.5), got {text!r}"
         )
     return Budget(kind, fraction)
 

@@ -63,6 +63,28 @@ def _affine_cols(entry: dict | None, width: str = "head_dim") -> tuple[str, str]
     return (f"{entry['kept']}/{entry[width]}", f"{e['none']:.3f}/{e['mean']:.3f}/{e['corp']:.3f}")
 
 
+def _spent(alloc: dict[str, Any]) -> str:
+    """What a budget's widths cost: a share of the dense MACs, or a predicted time on the latency backend."""
+    if "planned_macs" in alloc:
+        return f"{alloc['planned_macs'] / alloc['dense_macs']:.3f} of the dense MACs"
+    t = alloc["latency"]
+    return (
+        f"predicted {t['planned_s'] * 1e3:.1f} ms vs dense {t['dense_s'] * 1e3:.1f} ms on {t['backend']} at batch "
+        f"{t['batch']} ({t['predicted_speedup']:.2f}x)"
+    )
+
+
+def _checked(check: dict[str, Any]) -> str:
+    """The closed loop's verdict: target, predicted and measured speedup, noise band, rounds."""
+    verdict = "met" if check["met"] else "MISSED"
+    return (
+        f"speedup on {check['backend']} at batch {check['batch']}: target {check['target_speedup']:.2f}x, "
+        f"predicted {check['predicted_speedup']:.2f}x, measured {check['measured_speedup']:.2f}x "
+        f"(noise band +-{100 * check['spread']:.1f}%, dense and pruned interleaved in one run): {verdict} "
+        f"after {check['rounds']} round{'s' if check['rounds'] > 1 else ''}"
+    )
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The terminal table: per-block widths and errors, then model totals, time and memory."""
     dense, pruned = report["dense"], report["pruned"]
@@ -85,10 +107,9 @@ def format_report(report: dict[str, Any]) -> str:
         "proj = attention output projection; v kept is per head)"
     )
     if alloc := report.get("allocation"):
-        lines.append(
-            f"widths per block from --budget {alloc['budget']} ({alloc['criterion']} errors): "
-            f"{alloc['planned_macs'] / alloc['dense_macs']:.3f} of the dense MACs"
-        )
+        lines.append(f"widths per block from --budget {alloc['budget']} ({alloc['criterion']} errors): {_spent(alloc)}")
+    if check := report.get("latency"):
+        lines.append(_checked(check))
     params = _pct(pruned["params"], dense["params"])
     lines.append(
         f"params {dense['params'] / 1e6:.2f}M -> {pruned['params'] / 1e6:.2f}M ({params})"

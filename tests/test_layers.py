@@ -42,6 +42,7 @@ APPS = (
     "corp_deploy.demo",
     "corp_deploy.sweep",
     "corp_deploy.real",
+    "corp_deploy.speed",
     *SCRIPTS,
 )
 """App-level modules and packages (a name covers its submodules): they may import anything but the scripts."""

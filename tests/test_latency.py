@@ -1,0 +1,303 @@
+"""The latency model (fitting, interpolation, caching, refusals), latency budgets and the closed loop.
+
+Nothing here times a model: a fake timer gives every model a time computed from its widths, so what is
+tested is the arithmetic, the keys and the loop, never a speed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from contextlib import contextmanager
+
+import pytest
+import torch
+from conftest import TINY_CLI_ARGS, tiny_batches, tiny_vit
+from helpers import run
+
+from corp_deploy import api, latency, speed
+from corp_deploy.allocation import allocate, plan_budget, widths_of
+from corp_deploy.bench.backends import BACKENDS
+from corp_deploy.errors import CorpError
+from corp_deploy.latency import LatencyTable, Shape, Timing
+from corp_deploy.pruner import PruneConfig, calibrate
+from corp_deploy.report import format_report
+from corp_deploy.surgery import block_widths
+
+FIXED_S = 0.01
+
+
+def block_s(mlp: int, qk: int, v: int) -> float:
+    """A made-up block time, additive in the MLP and attention parts and linear in each width."""
+    return 1e-4 * mlp + 3e-4 * qk + 2e-4 * v + 1e-3
+
+
+def fake_time(model: torch.nn.Module) -> float:
+    return FIXED_S + sum(block_s(b["mlp_hidden"], b["qk_dim"], b["v_dim"]) for b in block_widths(model))
+
+
+def fake_timer(models: dict[str, torch.nn.Module]) -> dict[str, float]:
+    return {name: fake_time(m) for name, m in models.items()}
+
+
+def table_key(batch: int = 8, backend: str = "ort-cpu-fp32") -> dict:
+    return speed.key("deit_tiny", {"depth": 2}, BACKENDS[backend], batch, 2)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "corp-deploy" / "latency"
+
+
+def test_grid_measures_uniform_models_and_only_equal_heads_when_tied() -> None:
+    shape = Shape(depth=2, mlp=128, head_dim=16)
+    free, tied = latency.grid(shape, False), latency.grid(shape, True)
+    assert free["fixed"] is None and free["mlp128"] == (128, 16, 16)
+    assert sorted(w[0] for n, w in free.items() if n.startswith("mlp")) == [16, 32, 64, 96, 128]
+    assert {w[1:] for n, w in free.items() if n.startswith("qk")} == {
+        (q, v) for q in (16, 8, 4) for v in (16, 8, 4)
+    } - {(16, 16)}
+    assert {w[1:] for n, w in tied.items() if n.startswith("qk")} == {(8, 8), (4, 4)}
+    assert latency.tied("torch-cpu-fp32") and latency.tied("tensorrt-fp16") and not latency.tied("ort-cpu-fp32")
+
+
+def test_fitted_table_predicts_mixed_widths_of_an_additive_cost_exactly() -> None:
+    model = tiny_vit()
+    table = speed.build_table(model, table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    assert table.fixed_s == pytest.approx(FIXED_S)
+    assert table.dense_s == pytest.approx(fake_time(model))
+    for widths in ([(40, 12, 4), (128, 2, 16)], [(8, 16, 8), (100, 5, 13)]):  # between and below the grid
+        mixed = speed.with_widths(model, widths)
+        assert table.predict(widths) == pytest.approx(fake_time(mixed))
+
+
+def test_interpolation_is_piecewise_linear_and_never_negative() -> None:
+    assert latency.interp([1, 2, 4], [10, 20, 22], 3) == pytest.approx(21)  # between measured widths
+    assert latency.interp([1, 2, 4], [10, 20, 22], 0.5) == pytest.approx(5)  # below: the first segment's slope
+    assert latency.interp([1, 2, 4], [10, 20, 22], 8) == pytest.approx(26)
+    plateau = LatencyTable(
+        table_key(),
+        Shape(1, 128, 16),
+        False,
+        0.0,
+        {128: 1.0, 64: 0.6, 32: 0.1},
+        {(q, v): 1.0 - 0.01 * (32 - q - v) for q in (16, 8) for v in (16, 8)},
+    )
+    assert plateau.block_s(128, 12, 16) == pytest.approx(0.96)  # bilinear on the (Q/K, V) grid
+    assert plateau.block_s(1, 16, 16) == 0.0  # extrapolated below 0: clamped
+
+
+def test_table_is_cached_per_key_and_refused_for_another(cache, tmp_path) -> None:
+    model, backend = tiny_vit(), BACKENDS["ort-cpu-fp32"]
+    calls = []
+
+    def counting(models):
+        calls.append(len(models))
+        return fake_timer(models)
+
+    first = speed.table_for(model, table_key(), backend, timer=counting)
+    again = speed.table_for(model, table_key(), backend, timer=counting)
+    assert calls == [len(latency.grid(speed.shape_of(model), False))] and again == first
+    assert len(list(cache.iterdir())) == 1
+    other = speed.table_for(model, table_key(batch=16), backend, timer=counting)  # another batch: measured anew
+    assert len(calls) == 2 and other.key["batch"] == 16
+    path = latency.write(first, tmp_path / "table.json")
+    assert speed.table_for(model, table_key(), backend, path=path, timer=counting) == first
+    for wrong, what in ((table_key(batch=32), "batch 8"), (table_key(backend="torch-cpu-fp32"), "backend")):
+        with pytest.raises(CorpError, match=f"measured for another setup: .*{what}") as e:
+            speed.table_for(model, wrong, backend, path=path, timer=counting)
+        assert "\n" not in str(e.value)
+    path.write_text(json.dumps({"schema": "something else"}))
+    with pytest.raises(CorpError, match="not a corp-deploy/latency-table"):
+        latency.read(path, table_key())
+
+
+def test_timing_against_the_dense_model_cancels_a_steady_slowdown(monkeypatch) -> None:
+    """The machine slows 5% per call: alternating each model with the reference recovers the true ratios."""
+    calls = [0]
+
+    def step(base: float):
+        def timed() -> float:
+            calls[0] += 1
+            return base * (1 + 0.05 * calls[0])
+
+        return timed
+
+    base = {"dense": 1.0, "a": 0.5, "b": 0.8}
+    fake = contextmanager(lambda models, *_: iter([{name: step(base[name]) for name in models}]))
+    monkeypatch.setattr(speed, "loaded", fake)
+    seconds = speed.time_against("dense", dict.fromkeys(base), None, 8, 2, speed.TABLE_METHOD)
+    assert seconds["a"] / seconds["dense"] == pytest.approx(0.5) and seconds["b"] / seconds["dense"] == pytest.approx(
+        0.8
+    )
+
+
+def test_a_table_is_measured_from_the_dense_model_only() -> None:
+    model = speed.with_widths(tiny_vit(), [(64, 16, 16), (128, 16, 16)])
+    with pytest.raises(CorpError, match="mixed or pruned widths"):
+        speed.shape_of(model)
+
+
+def test_correction_goes_through_a_measured_pair_and_takes_the_median_of_several() -> None:
+    model = tiny_vit()
+    table = speed.build_table(model, table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    pruned = [(64, 8, 8), (32, 16, 8)]
+    fixed = table.corrected(0.9, 0.5, pruned)
+    assert fixed.dense_s == pytest.approx(0.9) and fixed.predict(pruned) == pytest.approx(0.5)
+    assert fixed.corrections[0]["predicted_s"] == pytest.approx(table.predict(pruned))
+    other = [(16, 4, 4), (16, 4, 4)]
+    speedup = fixed.dense_s / fixed.predict(other)
+    steady = fixed.corrected(0.9, 0.9 / speedup, other)  # a pair that agrees with the first
+    noisy = steady.corrected(0.9, 0.9 / (speedup * 1.3), other)  # then one 30% off: outvoted
+    assert noisy.dense_s / noisy.predict(other) == pytest.approx(speedup)
+    assert len(noisy.corrections) == 3
+    with pytest.raises(CorpError, match="no correction"):
+        table.corrected(0.5, 0.6, pruned)
+
+
+def test_allocator_jumps_across_a_cost_plateau() -> None:
+    """A width that saves no time is passed over together with the next one: the greedy does not stall."""
+    widths = [4, 3, 2, 1]
+    curves = {(0, "mlp"): (widths, [0.0, 0.1, 0.2, 0.3]), (1, "mlp"): (widths, [0.0, 0.15, 0.3, 0.45])}
+    times = {4: 4.0, 3: 4.0, 2: 2.0, 1: 1.5}  # 4 -> 3 saves nothing
+
+    def cost(i, w):
+        return times[w["mlp"]]
+
+    chosen = allocate(curves, dict.fromkeys(curves, 1.0), cost, 0.0, 6.0)
+    assert chosen == {(0, "mlp"): 2, (1, "mlp"): 4}
+
+
+def tied_table(model: torch.nn.Module) -> LatencyTable:
+    return speed.build_table(model, table_key(backend="torch-cpu-fp32"), BACKENDS["torch-cpu-fp32"], timer=fake_timer)
+
+
+def test_latency_budget_meets_the_predicted_time_with_equal_heads_when_tied() -> None:
+    model = tiny_vit()
+    config = PruneConfig(budget="latency=0.6", target="all", allocation="local")
+    stats = calibrate(model, tiny_batches(), config, "cpu", progress=False)
+    table = tied_table(model)
+    plan, record = plan_budget(model, stats, config, 0, table=table)
+    assert all(w.qk == w.v for w in plan) and any(w.qk < 16 for w in plan)
+    t = record["latency"]
+    assert t["planned_s"] == pytest.approx(table.predict([widths_of(model, w) for w in plan]))
+    assert t["planned_s"] <= 0.6 * t["dense_s"] and t["equal_qk_v"]
+    with pytest.raises(CorpError, match="equal Q/K and V widths"):
+        plan_budget(model, stats, PruneConfig(budget="latency=0.6", target="mlp,qk"), 0, table=table)
+    with pytest.raises(CorpError, match="below the smallest model"):
+        plan_budget(model, stats, PruneConfig(budget="latency=0.01", target="all"), 0, table=table)
+    with pytest.raises(CorpError, match="needs a latency table"):
+        plan_budget(model, stats, config, 0)
+
+
+def test_closed_loop_corrects_the_table_and_replans_from_the_same_statistics() -> None:
+    """A backend twice as slow per block as the table says: round 1 overshoots 2x, the corrected table meets it."""
+    model = tiny_vit()
+    table = speed.build_table(model, table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    timed = []
+
+    def timing(dense, pruned) -> Timing:
+        timed.append(copy.deepcopy(block_widths(pruned)))
+        real = [FIXED_S + 2 * (fake_time(m) - FIXED_S) for m in (dense, pruned)]
+        return Timing(real[0], real[1], 0.05)
+
+    config = PruneConfig(budget="latency=0.5", target="all", allocation="local")
+    passes = []
+
+    def batches():
+        passes.append(1)
+        yield from tiny_batches()
+
+    result = api.prune(model, batches(), config, progress=False, table=table, loop=api.LatencyLoop(timing, 3))
+    check = result.report["latency"]
+    assert len(passes) == 1 and check["rounds"] == len(timed) == 2 and check["met"]
+    assert check["history"][0]["measured_speedup"] > 2 * 1.05 and check["target_speedup"] == 2
+    assert check["measured_speedup"] == pytest.approx(2, rel=0.05)
+    assert timed[1] != timed[0] and block_widths(result.model) == timed[1]
+    assert [list(b.values())[:3] for b in timed[1]] == check["history"][1]["widths"]  # (mlp, qk, v) per block
+    assert "target 2.00x" in format_report(result.report) and ": met after 2 rounds" in format_report(result.report)
+
+
+def test_closed_loop_refuses_what_it_cannot_replan() -> None:
+    loop = api.LatencyLoop(lambda d, p: Timing(1, 1, 0.03))
+    table = tied_table(tiny_vit())
+    for config, what in (
+        (PruneConfig(budget="latency=0.5", target="all", sequential=True), "--sequential"),
+        (PruneConfig(budget="macs=0.5"), "latency budget"),
+    ):
+        with pytest.raises(CorpError, match=what):
+            api.prune(tiny_vit(), tiny_batches(), config, progress=False, table=table, loop=loop)
+    with pytest.raises(CorpError, match="--latency-rounds must be >= 1"):
+        api.LatencyLoop(loop.timing, 0)
+
+
+PRUNE = ["prune", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--calib", "synthetic", "--quiet"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--speedup", "0.5", "--latency-on", "ort-cpu-fp32"], "--speedup must be >= 1"),
+        (["--speedup", "2", "--budget", "macs=0.5", "--latency-on", "ort-cpu-fp32"], "pass one of the two"),
+        (["--speedup", "2", "--sparsity", "0.3", "--latency-on", "ort-cpu-fp32"], "drop --sparsity"),
+        (["--budget", "latency=0.5"], "add --latency-on BACKEND"),
+        (["--sparsity", "0.3", "--latency-on", "ort-cpu-fp32"], "serve a latency budget"),
+        (["--speedup", "2", "--latency-on", "tensorrt-fp16"], "cannot run here: no CUDA GPU|not supported yet"),
+        (["--speedup", "2", "--latency-on", "ort-cpu-int8"], "not supported yet"),
+        (["--speedup", "2", "--latency-on", "onnx-magic"], "unknown backend"),
+        (["--speedup", "2", "--latency-on", "ort-cpu-fp32", "--latency-batch", "0"], "--latency-batch must be >= 1"),
+    ],
+)
+def test_bad_latency_flags_fail_in_one_line_before_any_work(tmp_path, capsys, cache, flags, message) -> None:
+    out = tmp_path / "run"
+    code, _, err = run([*PRUNE, *flags, "--out", str(out)], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert re.search(message, err), err
+    assert not out.exists() and not cache.exists()
+
+
+def test_table_from_another_model_is_refused_and_nothing_written(tmp_path, capsys, cache) -> None:
+    table = speed.build_table(tiny_vit(), table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    path = latency.write(table, tmp_path / "table.json")
+    out = tmp_path / "run"
+    flags = ["--speedup", "2", "--latency-on", "ort-cpu-fp32", "--latency-table", str(path), "--out", str(out)]
+    code, _, err = run([*PRUNE, *flags], capsys)
+    assert code == 1 and "measured for another setup" in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+@pytest.mark.e2e
+def test_prune_export_with_a_speedup_records_the_check(tmp_path, capsys, cache, monkeypatch) -> None:
+    """The whole command on a tiny model: table measured and cached, pruned, timed, checked, recorded.
+    The timer is the fake one (a tiny model's real timings are noise): the arithmetic and records are tested."""
+    monkeypatch.setattr(speed, "time_models", lambda models, *_: {n: [fake_time(m)] * 6 for n, m in models.items()})
+    monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))
+    out = tmp_path / "run"
+    flags = ["--speedup", "1.3", "--latency-on", "torch-cpu-fp32", "--latency-batch", "2", "--latency-rounds", "2"]
+    argv = ["prune-export", *PRUNE[1:], "--allocation", "local", "--precision", "fp32", *flags, "--out", str(out)]
+    code, stdout, err = run(argv, capsys)
+    assert code == 0, err
+    check = json.loads((out / "pruned" / "corp.json").read_text())["report"]["latency"]
+    assert check["target_speedup"] == pytest.approx(1.3) and check["rounds"] == 1 and check["met"]
+    assert check["measured_speedup"] == pytest.approx(check["predicted_speedup"]) and check["spread"] == speed.MIN_BAND
+    assert "target 1.30x" in stdout and ": met after 1 round" in stdout
+    assert len(list(cache.iterdir())) == 1
+    widths = json.loads((out / "pruned" / "corp.json").read_text())["report"]["blocks"]
+    assert all(b["qk"]["kept"] == b["v"]["kept"] for b in widths)  # torch SDPA: one head size
+
+
+def test_profile_prints_the_table_checks_it_and_writes_it(tmp_path, capsys, cache, monkeypatch) -> None:
+    monkeypatch.setattr(speed, "time_models", lambda models, *_: {n: [fake_time(m)] * 6 for n, m in models.items()})
+    monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))
+    out = tmp_path / "table.json"
+    argv = ["profile", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--latency-on", "torch-cpu-fp32"]
+    code, stdout, err = run([*argv, "--latency-batch", "4", "--check", "2", "--out", str(out)], capsys)
+    assert code == 0, err
+    assert "fixed (patch embedding, final norm, head):    10.00 ms" in stdout and "equal Q/K and V" in stdout
+    assert len(re.findall(r"mixed-width model: .*\([+-]0\.0%\)", stdout)) == 2, stdout  # the fake cost is additive
+    table = json.loads(out.read_text())
+    assert table["key"]["batch"] == 4 and table["key"]["backend"] == "torch-cpu-fp32" and table["tied"]
+    code, _, err = run([*argv, "--latency-on", "tensorrt-fp32"], capsys)
+    assert code == 1 and err.count("\n") == 1
