@@ -20,10 +20,10 @@ from corp_deploy import api, latency, speed
 from corp_deploy.allocation import allocate, plan_budget, widths_of
 from corp_deploy.bench.backends import BACKENDS
 from corp_deploy.errors import CorpError
+from corp_deploy.family import structure as block_widths
 from corp_deploy.latency import LatencyTable, Shape, Timing
 from corp_deploy.pruner import PruneConfig, calibrate
 from corp_deploy.report import format_report
-from corp_deploy.surgery import block_widths
 
 FIXED_S = 0.01
 
