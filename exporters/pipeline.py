@@ -32,11 +32,12 @@ from corp_deploy.exporters.onnx_export import (
     input_shape,
     load_onnx,
     onnx_bytes,
+    onnx_sha256,
     read_metadata,
 )
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.exporters.tensorrt_engine import VERIFIED, BuildOptions, TrtRunner, build_engine, build_missing
-from corp_deploy.fsio import sha256, staged
+from corp_deploy.fsio import staged
 from corp_deploy.tables import text_table
 
 
@@ -103,7 +104,12 @@ def convert_verified(src: Path, path: Path, opts: VerifyOptions = VerifyOptions(
     check_ = _verified(*runners, input_shape(proto), opts, opts.fp16, f"FP16 ONNX {path.name}")
     check_["reference"] = f"{src.name} ({check_['reference']})"
     record = {**read_metadata(proto), "file": path.name, "precision": "fp16", "bytes": onnx_bytes(path)}
-    record |= {"seconds": round(seconds, 2), "verify": check_, "converted_from": src.name, "source_sha256": sha256(src)}
+    record |= {
+        "seconds": round(seconds, 2),
+        "verify": check_,
+        "converted_from": src.name,
+        "source_sha256": onnx_sha256(src),
+    }
     write_sidecar(path, record)
     return record
 
@@ -130,7 +136,7 @@ def engine_verified(
 def fp16_graph(src: Path, half: Path, opts: VerifyOptions, say: Callable[[str], None] = print) -> Path:
     """``half`` if it was converted from the current ``src`` (its sidecar says so), else a fresh verified conversion."""
     try:
-        if json.loads(Path(f"{half}.json").read_text())["source_sha256"] == sha256(src):
+        if json.loads(Path(f"{half}.json").read_text())["source_sha256"] == onnx_sha256(src):
             say(f"using {half} (converted from the current {src.name})")
             return half
     except (OSError, KeyError, json.JSONDecodeError):
