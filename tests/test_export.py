@@ -249,6 +249,27 @@ def test_onnxruntime_gpu_means_its_cuda_provider_never_its_tensorrt_one(monkeypa
         assert ort_providers(device)[0] == ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
+def test_onnxruntime_cuda_provider_runs_fp32_without_tf32(monkeypatch, tmp_path) -> None:
+    """The session is asked for FP32 matmuls on the CUDA provider (its default is TF32)."""
+    ort = pytest.importorskip("onnxruntime")
+    asked = {}
+
+    class Session:
+        def __init__(self, path, options, providers):
+            asked.update(providers)
+
+        def get_providers(self):
+            return [next(iter(asked))]
+
+        get_inputs = get_outputs = lambda self: [type("Arg", (), {"name": "x"})]
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ort, "InferenceSession", Session)
+    runner = OrtRunner(_graph(tmp_path / "m.onnx"))
+    assert runner.name == "ort-cuda" and asked["CUDAExecutionProvider"]["use_tf32"] == "0"
+
+
 def test_onnxruntime_gpu_without_gpu_build_says_what_to_install() -> None:
     with pytest.raises(CorpError, match="onnxruntime-gpu"):
         ort_providers("gpu")
