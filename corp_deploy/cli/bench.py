@@ -17,7 +17,7 @@ from corp_deploy.bench.accuracy import Evaluation, append_evaluation, evaluate_r
 from corp_deploy.bench.backends import RunFolder
 from corp_deploy.bench.backends import select as select_backends
 from corp_deploy.bench.measure import Method
-from corp_deploy.bench.report import format_markdown, format_table, to_csv
+from corp_deploy.bench.report import format_markdown, format_table, skipped_lines, to_csv
 from corp_deploy.bench.report import plot as draw
 from corp_deploy.bench.run import benchmark, parse_batch_sizes
 from corp_deploy.cli.options import (
@@ -216,8 +216,8 @@ def eval_command(run_dir: str, quiet: bool, **kwargs: Any) -> None:
     dense = functools.partial(api.dense_original, checkpoint=kwargs.pop("checkpoint"))
     record = evaluate_run(run_dir, dense=dense, progress=not quiet, **kwargs)
     record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": device_name(torch.device("cpu"))}
-    for name, why in record["skipped_backends"].items():
-        click.echo(f"skipped {name}: {why}")
+    for line in skipped_lines(record["skipped_backends"]):
+        click.echo(line)
     probe = record["probe"]
     header = (
         f"{record['images']} images from {record['data']} ({'labelled' if record['labelled'] else 'unlabelled'}), "
