@@ -38,14 +38,23 @@ from corp_deploy.data import (
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
 from corp_deploy.env import device_name, exact_fp32, versions
 from corp_deploy.errors import CorpError
-from corp_deploy.family import structure
+from corp_deploy.family import adapter_for, structure
 from corp_deploy.latency import LatencyTable, Timing
 from corp_deploy.models import create_model, resolve_name
 from corp_deploy.pruner import PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
 from corp_deploy.report import model_size, peak_memory
 from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.stats import CalibrationStats
-from corp_deploy.text import check_seq_len, read_documents, synthetic_text_batches, text_batches
+from corp_deploy.text import (
+    check_seq_len,
+    packed_batches,
+    packed_sequences,
+    read_documents,
+    shuffled,
+    split_documents,
+    synthetic_text_batches,
+    text_batches,
+)
 from corp_deploy.version import __version__
 
 
@@ -144,8 +153,12 @@ def text_calibration_data(
     seq_len: int = 128,
     hold_out: int = 0,
 ) -> Calibration:
-    """``calibration_data`` for a text model: a seeded sample of ``num`` documents from a folder of .txt/.jsonl
-    files (one document per sequence, padded and masked), or random token ids when ``source == "synthetic"``."""
+    """``calibration_data`` for a text model: ``num`` sequences of the calibration documents of a folder of
+    .txt/.jsonl files (``text.split_documents``), or random token ids when ``source == "synthetic"``.
+
+    The model decides the form: a decoder (``Adapter.causal``) gets the seeded documents packed into ``num``
+    full ``seq_len`` windows (every token counts); an encoder a seeded sample of ``num`` documents, one per
+    sequence, padded and masked."""
     if num < 1 or batch_size < 1:
         raise CorpError("--num-calib and --calib-batch-size must be >= 1")
     if hold_out:
@@ -159,7 +172,15 @@ def text_calibration_data(
         return Calibration(synthetic_text_batches(model.config.vocab_size, num, seq_len, batch_size, seed), num, None)
     if tokenizer is None:
         raise CorpError(f"{source}: text calibration needs the model's tokenizer, and its folder has none")
-    docs = sample(read_documents(source), num, seed)
+    docs = split_documents(read_documents(source)).calibration
+    if adapter_for(model).causal:
+        ids = packed_sequences(tokenizer, shuffled(docs, seed), seq_len, num)
+        if ids.shape[0] < num:
+            warnings.warn(
+                f"{source} holds {ids.shape[0]} calibration sequences of {seq_len} tokens, not {num}", stacklevel=2
+            )
+        return Calibration(packed_batches(ids, batch_size), ids.shape[0], None)
+    docs = sample(docs, num, seed)
     return Calibration(text_batches(tokenizer, docs, seq_len, batch_size), len(docs), None)
 
 
