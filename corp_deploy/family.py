@@ -53,6 +53,8 @@ class Adapter(ABC):
     block_keys: frozenset[str]
     causal = False
     """A decoder: a query sees only the keys at or before it, so the Q/K moments count those pairs only."""
+    unit = "images"
+    """What one input is, in reports ("sequences" for text)."""
 
     @abstractmethod
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:

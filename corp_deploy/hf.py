@@ -107,6 +107,8 @@ class HfText(Adapter):
     """What every ``transformers`` text family shares: ``{"input_ids", "attention_mask"}`` batches, padding
     excluded through the mask, MACs at ``MACS_SEQ_LEN`` tokens, config and tokenizer in the artifact."""
 
+    unit = "sequences"
+
     def write_files(self, model: nn.Module, folder: Path) -> None:
         write_files(model, folder)
 
@@ -299,16 +301,23 @@ def load(source: str) -> tuple[nn.Module, Any]:
     except (OSError, ValueError, KeyError) as e:
         raise CorpError(f"cannot load the transformers model {source} ({first_line(e)})") from None
     adapter_for_hf(model)
+    return model.eval(), load_tokenizer(source, model.config.vocab_size)
+
+
+def load_tokenizer(source: str | Path, vocab_size: int) -> Any:
+    """The tokenizer beside a model (a folder, ``hf:NAME``, a prune artifact), or None when it has none; one line
+    when it has more tokens than the model's embedding (it belongs to other weights)."""
+    transformers = transformers_module("tokenizing text")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(where)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(source).removeprefix(HUB_PREFIX))
     except (OSError, ValueError, KeyError, TypeError):
-        tokenizer = None
-    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
+        return None
+    if len(tokenizer) > vocab_size:
         raise CorpError(
-            f"the tokenizer of {source} has {len(tokenizer)} tokens and the model {model.config.vocab_size}: "
+            f"the tokenizer of {source} has {len(tokenizer)} tokens and the model {vocab_size}: "
             "they do not belong together; use the tokenizer the weights were trained with"
         )
-    return model.eval(), tokenizer
+    return tokenizer
 
 
 def _architecture(transformers: Any, config: Any) -> type:

@@ -6,6 +6,7 @@ Tiny random ``OPTConfig`` models and a word-level tokenizer built in the test: n
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -25,7 +26,7 @@ from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E4
 from corp_deploy.family import adapter_for  # noqa: E402
 from corp_deploy.opt import HF_OPT, PrunedOptAttention  # noqa: E402
 from corp_deploy.perplexity import perplexity  # noqa: E402
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
+from corp_deploy.pruner import PruneConfig, calibrate, check_parts, prune_model  # noqa: E402
 from corp_deploy.stats import QKStats  # noqa: E402
 from corp_deploy.text import Document, packed_sequences, read_documents, shuffled, split_documents  # noqa: E402
 
@@ -203,3 +204,64 @@ def test_pruned_opt_generates_the_same_tokens_after_the_artifact_round_trip(tmp_
         got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
         again = loaded.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
     assert got.shape == (1, 11) and torch.equal(got, again)
+
+
+def _output_error(dense: OPTForCausalLM, pruned: OPTForCausalLM, batches: list[tuple[dict, int]]) -> float:
+    """Relative error of the decoder's last hidden states (every token is real)."""
+    num = den = 0.0
+    with torch.no_grad():
+        for inputs, _ in batches:
+            ref, out = dense.model(**inputs).last_hidden_state, pruned.model(**inputs).last_hidden_state
+            num += float((out - ref).square().sum())
+            den += float(ref.square().sum())
+    return num / den
+
+
+def _pruned(dense: OPTForCausalLM, target: str, compensation: str) -> OPTForCausalLM:
+    model = copy.deepcopy(dense)
+    config = PruneConfig(sparsity=0.5, target=target, round_to=2, compensation=compensation)
+    prune_model(model, calibrate(model, token_batches(n=12), config, "cpu", progress=False), config)
+    return model
+
+
+@pytest.mark.parametrize("target", ["mlp", "v", "mlp,qk", "all"])
+@pytest.mark.parametrize("pre_ln", [True, False])
+def test_pruned_opt_is_smaller_the_same_class_and_compensation_helps(target: str, pre_ln: bool) -> None:
+    """Pre-LN (125m, 1.3b) and post-LN with project_in/out (350m's layout) alike: the fold is exact in both."""
+    dense = tiny_opt(init_std=0.2, **({} if pre_ln else {"do_layer_norm_before": False, "word_embed_proj_dim": 16}))
+    heldout = token_batches(n=3, seed=9)
+    model = _pruned(dense, target, "corp")
+    layer = model.model.decoder.layers[0]
+    assert type(model) is OPTForCausalLM and not any(m.training for m in model.modules())
+    assert HF_OPT.structure(layer) == {
+        "mlp_hidden": 32 if "mlp" in target or target == "all" else 64,
+        "qk_dim": 4 if "qk" in target or target == "all" else 8,
+        "v_dim": 4 if target in ("v", "all") else 8,
+        "heads": 4,
+    }
+    assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in dense.parameters())
+    assert _output_error(dense, model, heldout) < 0.75 * _output_error(dense, _pruned(dense, target, "none"), heldout)
+
+
+def test_qk_compensation_recovers_logits_that_the_kept_dims_determine() -> None:
+    """Rank-3 query and key heads of width 8: the 4 kept dims span them, so the fold reproduces the logits
+    (up to the ridge damping) while plain removal loses half of every head."""
+    dense = tiny_opt(init_std=0.2)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in dense.model.decoder.layers:
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                w = torch.randn(4, 8, 3, generator=g) @ torch.randn(4, 3, 32, generator=g)
+                lin.weight.copy_(w.flatten(0, 1) * 0.5)
+                lin.bias.zero_()
+    heldout = token_batches(n=3, seed=9)
+    corp, none = (_output_error(dense, _pruned(dense, "qk", c), heldout) for c in ("corp", "none"))
+    assert none > 0.1 and corp < 0.05 * none
+    assert _pruned(dense, "qk", "corp").model.decoder.layers[1].self_attn.scaling == pytest.approx(8**-0.5)
+
+
+def test_opt_without_biases_refuses_v_pruning_before_calibration() -> None:
+    model = tiny_opt(enable_bias=False)
+    check_parts(model, PruneConfig(sparsity=0.5, target="mlp,qk", compensation="none"))
+    with pytest.raises(CorpError, match="out_proj has no bias.*--target mlp,qk"):
+        check_parts(model, PruneConfig(sparsity=0.5, target="v"))
