@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run
 
 from corp_deploy.errors import CorpError
 
@@ -265,3 +266,97 @@ def test_opt_without_biases_refuses_v_pruning_before_calibration() -> None:
     check_parts(model, PruneConfig(sparsity=0.5, target="mlp,qk", compensation="none"))
     with pytest.raises(CorpError, match="out_proj has no bias.*--target mlp,qk"):
         check_parts(model, PruneConfig(sparsity=0.5, target="v"))
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def _folders(root: Path, **overrides) -> tuple[Path, Path]:
+    """A tiny OPT folder with its tokenizer, and a text folder of 30 documents in 3 class subfolders."""
+    model = root / "tiny-opt"
+    tiny_opt(**overrides).save_pretrained(model)
+    tokenizer().save_pretrained(model)
+    text = root / "text"
+    for i, doc in enumerate(_documents(30)):
+        (text / doc.folder).mkdir(parents=True, exist_ok=True)
+        (text / doc.folder / f"{i:02d}.txt").write_text(doc.text)
+    return model, text
+
+
+def test_cli_prunes_an_opt_folder_and_evaluates_its_perplexity(tmp_path: Path, capsys) -> None:
+    model, text = _folders(tmp_path)
+    common = ["--seq-len", "16", "--calib-batch-size", "4", "--round-to", "2", "--quiet"]
+    code, out, err = run(
+        ["prune", str(model), "--calib", "synthetic", "--target", "mlp,qk", *common, "--out", str(tmp_path / "syn")],
+        capsys,
+    )
+    assert code == 0, err
+    assert "64 calibration sequences" in out
+    code, out, err = run(
+        [
+            "prune",
+            str(model),
+            "--calib-dir",
+            str(text),
+            "--num-calib",
+            "6",
+            "--target",
+            "all",
+            *common,
+            "--out",
+            str(tmp_path / "txt"),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    meta = read_meta(tmp_path / "txt")
+    assert meta["family"] == "hf-opt" and meta["report"]["calibration"]["images"] == 6
+    assert "6 calibration sequences" in out and (tmp_path / "txt" / "tokenizer.json").is_file()
+    assert type(load_pruned(tmp_path / "txt")) is OPTForCausalLM
+
+    code, out, err = run(["eval", str(tmp_path / "txt"), "--text", str(text), "--seq-len", "16"], capsys)
+    assert code == 0, err
+    dense, pruned = (float(line.split()[2]) for line in out.splitlines()[:2])
+    assert out.startswith("dense: perplexity") and "pruned: perplexity" in out and "evaluation: 3 of 30" in out
+    loaded, tok = load_pruned(tmp_path / "txt"), tokenizer()
+    evaluation = split_documents(read_documents(text)).evaluation
+    assert pruned == pytest.approx(perplexity(loaded, packed_sequences(tok, evaluation, 16)), rel=1e-3)
+    assert dense == pytest.approx(perplexity(tiny_opt(), packed_sequences(tok, evaluation, 16)), rel=1e-3)
+
+
+def test_cli_refuses_bad_decoder_input_in_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    model, text = _folders(tmp_path / "a")
+    no_bias, _ = _folders(tmp_path / "b", enable_bias=False)
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)
+    ).save_pretrained(gpt2)
+    empty, short = tmp_path / "empty", tmp_path / "short"
+    empty.mkdir()
+    short.mkdir()
+    (short / "one.txt").write_text("the news said")
+    bad = tmp_path / "bad"
+    for argv, message in (
+        ([str(model), "--calib-dir", str(empty)], "no text"),
+        ([str(model), "--calib", "synthetic", "--seq-len", "65"], "--seq-len must be between 1 and 64"),
+        ([str(model), "--calib-dir", str(short), "--seq-len", "8"], "fewer than --seq-len 8 tokens"),
+        ([str(gpt2), "--calib", "synthetic", "--seq-len", "16"], "model_type 'gpt2'"),
+        ([str(no_bias), "--calib", "synthetic", "--seq-len", "16", "--target", "v"], "out_proj has no bias"),
+    ):
+        code, _, err = run(["prune", *argv, "--quiet", "--out", str(bad)], capsys)
+        lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert len(lines) == 1, (argv, code, err)
+        line = lines[0]
+        assert code == 1 and message in line and "Traceback" not in err, (argv, err)
+        assert not bad.exists()
+    for argv, message in (
+        ([str(model), "--text", str(text), "--seq-len", "16", "--all-text", "--batch-size", "2"], None),
+        ([str(model), "--text", str(empty)], "no text"),
+        ([str(model), "--text", str(short), "--seq-len", "2"], "--all-text"),
+        ([str(tmp_path / "nothing"), "--text", str(text)], "neither a prune artifact"),
+    ):
+        code, out, err = run(["eval", *argv], capsys)
+        if message is None:
+            assert code == 0 and "all: 30 of 30 documents" in out, err
+        else:
+            assert code == 1 and message in err and "Traceback" not in err, (argv, err)
