@@ -360,3 +360,22 @@ def test_cli_refuses_bad_decoder_input_in_one_line_and_writes_nothing(tmp_path: 
             assert code == 0 and "all: 30 of 30 documents" in out, err
         else:
             assert code == 1 and message in err and "Traceback" not in err, (argv, err)
+
+
+# ----------------------------------------------------------------------------------------------- ONNX
+
+
+def test_pruned_decoder_exports_its_logits_to_onnx_with_dynamic_batch_and_sequence(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    import onnx
+
+    from corp_deploy.exporters.text_onnx import export_text_onnx, verify_text_onnx
+
+    model = tiny_opt()
+    config = PruneConfig(sparsity=0.5, target="all", round_to=2)
+    prune_model(model, calibrate(model, token_batches(), config, "cpu", progress=False), config)
+    path = export_text_onnx(model, tmp_path / "pruned.onnx")
+    (logits,) = onnx.load(str(path)).graph.output
+    assert logits.name == "logits"
+    assert [d.dim_param or d.dim_value for d in logits.type.tensor_type.shape.dim] == ["batch", "sequence", 100]
+    assert verify_text_onnx(model, path, shapes=((1, 5), (3, 19), (4, 33))) < 1e-5  # none of them traced, padded
