@@ -290,14 +290,17 @@ def is_source(model: str) -> bool:
 
 
 def load(source: str) -> tuple[nn.Module, Any]:
-    """(model in eval mode, tokenizer or None) from a local folder or ``hf:NAME``; one line when it cannot."""
+    """(model in eval mode, tokenizer or None) from a local folder or ``hf:NAME``; one line when it cannot.
+
+    Always float32, whatever the checkpoint holds (OPT's are float16): calibration, the fold and perplexity run
+    as for ViTs, and a float16 model on a CPU would be slow and lose precision; exports make FP16 themselves."""
     transformers = transformers_module("pruning a transformers model")
     transformers.utils.logging.disable_progress_bar()  # corp-deploy prints its own progress
     where = source.removeprefix(HUB_PREFIX)
     try:
         config = transformers.AutoConfig.from_pretrained(where)
         cls = _architecture(transformers, config)
-        model = cls.from_pretrained(where, attn_implementation="sdpa")
+        model = cls.from_pretrained(where, attn_implementation="sdpa", dtype=torch.float32)
     except (OSError, ValueError, KeyError) as e:
         raise CorpError(f"cannot load the transformers model {source} ({first_line(e)})") from None
     adapter_for_hf(model)
@@ -311,6 +314,8 @@ def load_tokenizer(source: str | Path, vocab_size: int) -> Any:
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(source).removeprefix(HUB_PREFIX))
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not tokenizer.vocab_size:  # no tokenizer files: transformers still builds the config's class, empty
         return None
     if len(tokenizer) > vocab_size:
         raise CorpError(

@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
+from corp_deploy import hf  # noqa: E402
 from corp_deploy.api import text_calibration_data  # noqa: E402
 from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
 from corp_deploy.family import adapter_for  # noqa: E402
@@ -379,3 +380,11 @@ def test_pruned_decoder_exports_its_logits_to_onnx_with_dynamic_batch_and_sequen
     assert logits.name == "logits"
     assert [d.dim_param or d.dim_value for d in logits.type.tensor_type.shape.dim] == ["batch", "sequence", 100]
     assert verify_text_onnx(model, path, shapes=((1, 5), (3, 19), (4, 33))) < 1e-5  # none of them traced, padded
+
+
+def test_a_float16_checkpoint_loads_in_float32_and_a_folder_without_tokenizer_files_has_none(tmp_path: Path) -> None:
+    """OPT's published checkpoints are float16: calibration and perplexity must not run in it on a CPU. Without
+    tokenizer files transformers builds an EMPTY tokenizer of the config's class, which would tokenize to nothing."""
+    tiny_opt().half().save_pretrained(tmp_path / "half")
+    model, tok = hf.load(str(tmp_path / "half"))
+    assert model.dtype == torch.float32 and tok is None and not model.training
