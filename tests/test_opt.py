@@ -339,6 +339,7 @@ def test_cli_refuses_bad_decoder_input_in_one_line_and_writes_nothing(tmp_path: 
     bad = tmp_path / "bad"
     for argv, message in (
         ([str(model), "--calib-dir", str(empty)], "no text"),
+        ([str(model)], "no calibration text: pass --calib-dir DIR (.txt/.jsonl"),
         ([str(model), "--calib", "synthetic", "--seq-len", "65"], "--seq-len must be between 1 and 64"),
         ([str(model), "--calib-dir", str(short), "--seq-len", "8"], "fewer than --seq-len 8 tokens"),
         ([str(gpt2), "--calib", "synthetic", "--seq-len", "16"], "model_type 'gpt2'"),

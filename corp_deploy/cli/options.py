@@ -414,9 +414,11 @@ def precisions(text: str) -> tuple[str, ...]:
 
 def calibration_source(calib_dir: str | None, calib: str | None) -> str:
     if calib is not None and calib != SYNTHETIC:
-        raise CorpError(f"--calib accepts only 'synthetic', got {calib!r}; real images go in --calib-dir")
+        raise CorpError(f"--calib accepts only 'synthetic', got {calib!r}; real images (or text) go in --calib-dir")
     if calib_dir is not None and calib is not None:
-        raise CorpError("pass one of --calib-dir DIR (real images) or --calib synthetic (smoke tests), not both")
+        raise CorpError(
+            "pass one of --calib-dir DIR (real images or text) or --calib synthetic (smoke tests), not both"
+        )
     if calib_dir is None and calib is None:
         raise CorpError(
             "no calibration images: pass --calib-dir DIR (a few thousand unlabelled images of your domain, e.g. "
