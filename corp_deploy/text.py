@@ -119,11 +119,12 @@ def shuffled(docs: Sequence[Document], seed: int) -> list[Document]:
 def token_stream(tokenizer: Any, docs: Sequence[Document]) -> Iterator[int]:
     """The documents' tokens as one stream: BOS first (when the tokenizer has one), EOS after each document.
 
-    Each document is tokenized on its own, lazily, so that packing reads only as much text as it needs."""
+    Each document is tokenized on its own, lazily, so that packing reads only as much text as it needs; a
+    document longer than the model's positions is expected (it is cut into windows), so no warning says so."""
     if tokenizer.bos_token_id is not None:
         yield tokenizer.bos_token_id
     for doc in docs:
-        yield from tokenizer(doc.text, add_special_tokens=False)["input_ids"]
+        yield from tokenizer(doc.text, add_special_tokens=False, verbose=False)["input_ids"]
         if tokenizer.eos_token_id is not None:
             yield tokenizer.eos_token_id
 

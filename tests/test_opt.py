@@ -389,3 +389,11 @@ def test_a_float16_checkpoint_loads_in_float32_and_a_folder_without_tokenizer_fi
     tiny_opt().half().save_pretrained(tmp_path / "half")
     model, tok = hf.load(str(tmp_path / "half"))
     assert model.dtype == torch.float32 and tok is None and not model.training
+
+
+def test_a_document_longer_than_the_positions_is_packed_without_a_warning(caplog) -> None:
+    """Packing cuts long documents into windows: transformers' "longer than the maximum" warning would mislead."""
+    tok = tokenizer()
+    tok.model_max_length = 4
+    ids = packed_sequences(tok, [Document(" ".join(WORDS), ".")], seq_len=4)
+    assert ids.shape == (3, 4) and "longer than" not in caplog.text
