@@ -205,7 +205,11 @@ def test_pruned_opt_generates_the_same_tokens_after_the_artifact_round_trip(tmp_
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
         got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
         again = loaded.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
+        nocache = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, use_cache=False
+        )
     assert got.shape == (1, 11) and torch.equal(got, again)
+    assert torch.equal(got, nocache)  # the key/value cache holds the pruned, unequal K and V widths correctly
 
 
 def _output_error(dense: OPTForCausalLM, pruned: OPTForCausalLM, batches: list[tuple[dict, int]]) -> float:
