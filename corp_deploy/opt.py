@@ -36,9 +36,7 @@ class PrunedOptAttention(OPTAttention):
     ``OPTAttention.__init__`` (which makes dense-size Linears); it stays an ``OPTAttention`` so that
     ``transformers``' output capture (``output_attentions``) still finds it."""
 
-    def __init__(  # noqa: PLR0913
-        self, config: Any, layer_idx: int | None, heads: int, qk_dim: int, v_dim: int, scaling: float
-    ) -> None:
+    def __init__(self, config: Any, layer_idx: int | None, heads: int, qk_dim: int, v_dim: int, scaling: float) -> None:
         nn.Module.__init__(self)
         dim, bias = config.hidden_size, config.enable_bias
         self.config, self.layer_idx, self.embed_dim = config, layer_idx, dim
