@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from corp_deploy import blockwise
+from corp_deploy import blockwise, hf
 from corp_deploy.allocation import check_budget, error_curves, plan_budget, widths_of
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta, save_pruned
 from corp_deploy.data import (
@@ -38,14 +38,24 @@ from corp_deploy.data import (
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
 from corp_deploy.env import device_name, exact_fp32, versions
 from corp_deploy.errors import CorpError
-from corp_deploy.family import structure
+from corp_deploy.family import adapter_for, structure
 from corp_deploy.latency import LatencyTable, Timing
 from corp_deploy.models import create_model, resolve_name
+from corp_deploy.perplexity import perplexity
 from corp_deploy.pruner import PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
 from corp_deploy.report import model_size, peak_memory
 from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.stats import CalibrationStats
-from corp_deploy.text import check_seq_len, read_documents, synthetic_text_batches, text_batches
+from corp_deploy.text import (
+    check_seq_len,
+    packed_batches,
+    packed_sequences,
+    read_documents,
+    shuffled,
+    split_documents,
+    synthetic_text_batches,
+    text_batches,
+)
 from corp_deploy.version import __version__
 
 
@@ -144,8 +154,12 @@ def text_calibration_data(
     seq_len: int = 128,
     hold_out: int = 0,
 ) -> Calibration:
-    """``calibration_data`` for a text model: a seeded sample of ``num`` documents from a folder of .txt/.jsonl
-    files (one document per sequence, padded and masked), or random token ids when ``source == "synthetic"``."""
+    """``calibration_data`` for a text model: ``num`` sequences of the calibration documents of a folder of
+    .txt/.jsonl files (``text.split_documents``), or random token ids when ``source == "synthetic"``.
+
+    The model decides the form: a decoder (``Adapter.causal``) gets the seeded documents packed into ``num``
+    full ``seq_len`` windows (every token counts); an encoder a seeded sample of ``num`` documents, one per
+    sequence, padded and masked."""
     if num < 1 or batch_size < 1:
         raise CorpError("--num-calib and --calib-batch-size must be >= 1")
     if hold_out:
@@ -159,7 +173,15 @@ def text_calibration_data(
         return Calibration(synthetic_text_batches(model.config.vocab_size, num, seq_len, batch_size, seed), num, None)
     if tokenizer is None:
         raise CorpError(f"{source}: text calibration needs the model's tokenizer, and its folder has none")
-    docs = sample(read_documents(source), num, seed)
+    docs = split_documents(read_documents(source)).calibration
+    if adapter_for(model).causal:
+        ids = packed_sequences(tokenizer, shuffled(docs, seed), seq_len, num)
+        if ids.shape[0] < num:
+            warnings.warn(
+                f"{source} holds {ids.shape[0]} calibration sequences of {seq_len} tokens, not {num}", stacklevel=2
+            )
+        return Calibration(packed_batches(ids, batch_size), ids.shape[0], None)
+    docs = sample(docs, num, seed)
     return Calibration(text_batches(tokenizer, docs, seq_len, batch_size), len(docs), None)
 
 
@@ -422,6 +444,7 @@ def prune(
                 dense_model, model, blocks, stats, config, replan, table, widths, record, loop, timer
             )
         statistics, calibration = stats.nbytes(), {"images": stats.images, "skipped": stats.skipped, "mode": mode}
+        calibration["unit"] = adapter_for(model).unit  # "images" counts sequences for a text model
     else:
         statistics = 0 if stats is None else stats.nbytes()
         stats = None  # the walk keeps its own, block by block
@@ -531,4 +554,50 @@ def describe(model: nn.Module, name: str, model_args: dict, weights: str) -> dic
         "input_size": list(cfg["input_size"]),
         "preprocessing": {k: cfg[k] for k in ("mean", "std", "interpolation", "crop_pct") if k in cfg},
         "corp_deploy": __version__,
+    }
+
+
+def text_model(source: str | Path) -> tuple[nn.Module, Any]:
+    """A ``transformers`` model (eval mode) and its tokenizer from a prune artifact, a local folder or ``hf:NAME``."""
+    if Path(source, META_FILE).is_file():
+        model = load_pruned(source)
+        return model, hf.load_tokenizer(source, model.config.vocab_size)
+    return hf.load(str(source))
+
+
+def text_perplexity(
+    model: nn.Module,
+    tokenizer: Any,
+    text: str | Path,
+    seq_len: int,
+    batch_size: int = 1,
+    device: torch.device | str = "cpu",
+    all_text: bool = False,
+) -> dict[str, Any]:
+    """A decoder's perplexity (``perplexity``: SparseGPT's protocol) on the evaluation documents of a text folder
+    (``text.split_documents``: never a calibration document of the same folder), or on all of it (``all_text``,
+    for a test set that calibration never saw). Returns the number and what it was measured on."""
+    if not adapter_for(model).causal:
+        raise CorpError(f"perplexity needs a decoder (a causal LM); {type(model).__name__} is an encoder")
+    if tokenizer is None:
+        raise CorpError("perplexity needs the model's tokenizer, and its folder has none")
+    check_seq_len(seq_len, model.config)
+    docs = read_documents(text)
+    chosen = docs if all_text else split_documents(docs).evaluation
+    if not chosen:
+        raise CorpError(
+            f"{text} holds {len(docs)} documents, too few to keep an evaluation part apart from calibration; "
+            "pass --all-text if calibration never read this folder"
+        )
+    windows = packed_sequences(tokenizer, chosen, seq_len)
+    value = perplexity(model.to(device), windows, batch_size, device)
+    part = "all" if all_text else "evaluation"
+    return {
+        "perplexity": value,
+        "windows": windows.shape[0],
+        "seq_len": seq_len,
+        "documents": len(chosen),
+        "of_documents": len(docs),
+        "part": part,
+        "text": str(text),
     }
