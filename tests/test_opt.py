@@ -365,6 +365,7 @@ def test_cli_refuses_bad_decoder_input_in_one_line_and_writes_nothing(tmp_path: 
         ([str(model), "--text", str(empty)], "no text"),
         ([str(model), "--text", str(short), "--seq-len", "2"], "--all-text"),
         ([str(tmp_path / "nothing"), "--text", str(text)], "neither a prune artifact"),
+        ([str(model), "--text", str(text), "--images", str(text)], "--images and --probe-train are image sets"),
     ):
         code, out, err = run(["eval", *argv], capsys)
         if message is None:

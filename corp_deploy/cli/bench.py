@@ -254,6 +254,10 @@ def eval_command(
     its perplexity (SparseGPT's protocol); for an artifact, the dense model it was pruned from too, when it loads.
     """
     if text is not None:
+        if kwargs["data_dir"] or kwargs["images"] or kwargs["probe_train"]:
+            raise CorpError(
+                "--text measures a decoder's perplexity; --data-dir, --images and --probe-train are image sets"
+            )
         _text_eval(run_dir, text, seq_len, all_text, kwargs["batch_size"] or 1)
         return
     kwargs["batch_size"] = kwargs["batch_size"] or 32
