@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -328,6 +329,10 @@ def test_cli_prunes_an_opt_folder_and_evaluates_its_perplexity(tmp_path: Path, c
     assert pruned == pytest.approx(perplexity(loaded, packed_sequences(tok, evaluation, 16)), rel=1e-3)
     assert dense == pytest.approx(perplexity(tiny_opt(), packed_sequences(tok, evaluation, 16)), rel=1e-3)
 
+    shutil.rmtree(model)  # the dense folder moved: the pruned model is still evaluated, the dense skipped
+    code, out, err = run(["eval", str(tmp_path / "txt"), "--text", str(text), "--seq-len", "16"], capsys)
+    assert code == 0 and out.startswith("dense: skipped (cannot load") and "pruned: perplexity" in out, err
+
 
 def test_cli_refuses_bad_decoder_input_in_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:
     model, text = _folders(tmp_path / "a")
@@ -360,6 +365,7 @@ def test_cli_refuses_bad_decoder_input_in_one_line_and_writes_nothing(tmp_path: 
         ([str(model), "--text", str(empty)], "no text"),
         ([str(model), "--text", str(short), "--seq-len", "2"], "--all-text"),
         ([str(tmp_path / "nothing"), "--text", str(text)], "neither a prune artifact"),
+        ([str(model), "--text", str(text), "--images", str(text)], "--images and --probe-train are image sets"),
     ):
         code, out, err = run(["eval", *argv], capsys)
         if message is None:

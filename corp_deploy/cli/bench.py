@@ -137,27 +137,32 @@ def bench(
 
 
 def _text_eval(source: str, text: str, seq_len: int | None, all_text: bool, batch_size: int) -> None:
-    """``eval --text``: perplexity of ``source`` and, for a prune artifact, of its dense original (when it loads)."""
+    """``eval --text``: perplexity of ``source`` and, for a prune artifact, of its dense original when that loads
+    (the transformers folder or hf:NAME it was pruned from; skipped with the reason when it does not)."""
     hf.transformers_module("evaluating a text model")
-    if not hf.is_source(source) and not Path(source, META_FILE).is_file():
+    artifact = Path(source, META_FILE).is_file()
+    if not (artifact or hf.is_source(source)):
         raise CorpError(f"{source} is neither a prune artifact nor a transformers folder (config.json) or hf:NAME")
     read_documents(text)  # a folder without text fails before any model loads
-    models = [("pruned" if Path(source, META_FILE).is_file() else "model", source)]
-    if models[0][0] == "pruned":
-        origin = read_meta(source)["model"]["name"]
-        if hf.is_source(origin):
-            models.insert(0, ("dense", origin))
-        else:
-            click.echo(f"dense: skipped ({origin} is not a transformers folder here)")
     device = api.resolve_device("auto")
-    for label, where in models:
+
+    def line(label: str, where: str) -> str:
         model, tokenizer = api.text_model(where)
         length = seq_len or min(2048, max_positions(model.config))
         r = api.text_perplexity(model, tokenizer, text, length, batch_size, device, all_text)
-        click.echo(
+        return (
             f"{label}: perplexity {r['perplexity']:.3f} on {r['windows']} windows of {r['seq_len']} tokens "
             f"({r['part']}: {r['documents']} of {r['of_documents']} documents of {text}) [{where}]"
         )
+
+    measured = line("pruned" if artifact else "model", source)  # first: its errors are the user's to fix
+    if artifact:
+        origin = read_meta(source)["model"]["name"]
+        try:
+            click.echo(line("dense", origin))
+        except CorpError as e:
+            click.echo(f"dense: skipped ({e})")
+    click.echo(measured)
 
 
 @click.command()
@@ -249,6 +254,10 @@ def eval_command(
     its perplexity (SparseGPT's protocol); for an artifact, the dense model it was pruned from too, when it loads.
     """
     if text is not None:
+        if kwargs["data_dir"] or kwargs["images"] or kwargs["probe_train"]:
+            raise CorpError(
+                "--text measures a decoder's perplexity; --data-dir, --images and --probe-train are image sets"
+            )
         _text_eval(run_dir, text, seq_len, all_text, kwargs["batch_size"] or 1)
         return
     kwargs["batch_size"] = kwargs["batch_size"] or 32
