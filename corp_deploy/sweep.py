@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
+import shutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -88,7 +88,7 @@ def sweep(
             )
             export_verified(pruned, tmp / "pruned.onnx", {**description, "weights": "corp-pruned"})
             for f in out.glob(f"{dense_onnx.name}*"):  # the graph, its sidecar and external weights, if any
-                os.link(f, tmp / f.name)
+                shutil.copyfile(f, tmp / f.name)  # not linked: onnx refuses external data with several hard links
         run = RunFolder.open(folder)
         chosen, skipped = select(backends, run)
         progress(f"sparsity {s:.2f}: params {size['params'] / 1e6:.2f}M, MACs {size['macs'] / 1e9:.3f}G")
