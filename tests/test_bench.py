@@ -266,7 +266,7 @@ def test_the_torch_loader_compiles_while_it_prepares_a_batch_never_when_timed(ru
         compiled.append(gm)
         return gm.forward
 
-    at = _torch("cpu", torch.float32, counting)(RunFolder.open(run_dir), "pruned", False, None)
+    at = _torch("torch-cpu-fp32", torch.float32, counting)(RunFolder.open(run_dir), "pruned", False, None)
     step = at(2)
     assert len(compiled) == 1
     assert step() > 0 and step() > 0 and len(compiled) == 1
