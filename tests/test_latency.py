@@ -350,3 +350,13 @@ def test_sweep_of_speedups_calibrates_once_and_checks_every_target(tmp_path, cap
         assert check["history"][0]["measured_speedup"] > row["speedup"] * (1 + speed.MIN_BAND)  # uncorrected: overshot
         assert (out / f"x{row['speedup']:.2f}" / "bench.json").is_file()
     assert re.search(r"1\.30x .* met", stdout) and re.search(r"1\.60x .* met", stdout), stdout
+
+
+def test_cuda_backends_are_allowed_where_cuda_is_available(monkeypatch) -> None:
+    """The refusal is for a machine without CUDA only: with a GPU visible the torch-cuda backends pass."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("torch-cuda-fp16-graph", "torch-cuda-fp16", "torch-cuda-bf16-graph", "torch-cuda-fp32"):
+        assert speed.check_backend(name) is BACKENDS[name]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(CorpError, match="no CUDA GPU visible"):
+        speed.check_backend("torch-cuda-fp16-graph")
