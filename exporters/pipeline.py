@@ -229,6 +229,8 @@ def format_summary(record: dict[str, Any], params: dict[str, int] | None = None)
             )
         )
     lines = [text_table(rows)] if record["onnx"] else []
+    if rewritten_graphs := [f"{r['file']} ({', '.join(r['rewrites'])})" for r in record["onnx"] if r.get("rewrites")]:
+        lines.append(f"exact rewrites (verified above): {'; '.join(rewritten_graphs)}")
     if record["engines"]:
         lines.append(format_engines(record["engines"]))
     if record["engines_skipped"]:

@@ -97,8 +97,9 @@ def test_prune_export_rewrites_dense_and_pruned_alike(tmp_path, capsys) -> None:
     pytest.importorskip("onnxruntime")
     out = tmp_path / "run"
     argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--calib", "synthetic", "--quiet"]
-    code, _, err = run([*argv, "--precision", "fp32", "--rewrites", PATCH_LINEAR, "--out", str(out)], capsys)
+    code, stdout, err = run([*argv, "--precision", "fp32", "--rewrites", PATCH_LINEAR, "--out", str(out)], capsys)
     assert code == 0, err
+    assert "exact rewrites (verified above): dense.onnx (patch-linear); pruned.onnx (patch-linear)" in stdout
     onnx = json.loads((out / "export.json").read_text())["onnx"]
     assert {r["file"]: r["rewrites"] for r in onnx} == {"dense.onnx": [PATCH_LINEAR], "pruned.onnx": [PATCH_LINEAR]}
     code, _, err = run([*argv, "--rewrites", "conv-gemm", "--out", str(tmp_path / "bad")], capsys)
