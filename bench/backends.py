@@ -26,6 +26,7 @@ from corp_deploy.bench.measure import Step
 from corp_deploy.deps import missing as uninstalled
 from corp_deploy.deps import optional
 from corp_deploy.errors import CorpError, first_line
+from corp_deploy.exporters.rewrites import default_rewrites, rewritten
 from corp_deploy.exporters.tensorrt_engine import run_missing
 
 MODELS = ("dense", "pruned")
@@ -36,6 +37,8 @@ class RunFolder:
     """A ``prune-export`` folder (or a bare prune artifact): the models in every form it holds."""
 
     root: Path
+    rewrites: tuple[str, ...] | None = None
+    """The exact rewrites (``exporters.rewrites``) the torch backends apply; None: each backend's defaults."""
 
     @classmethod
     def open(cls, path: str | Path) -> RunFolder:
@@ -113,6 +116,12 @@ class Backend:
     opt_in: str | None = None
     """Why ``auto`` leaves this backend out (it runs only when named); None: ``auto`` includes it."""
 
+    @property
+    def rewrites(self) -> tuple[str, ...]:
+        """The exact rewrites that pay here (``exporters.rewrites``): its torch loader applies them to dense and
+        pruned alike; the ONNX and engine backends run the graphs as exported (their sidecars say which)."""
+        return default_rewrites(self.name)
+
 
 def compile_model(model: nn.Module, backend: str | Callable[..., Any] = "inductor") -> nn.Module:
     """``torch.compile`` with static shapes: one specialised graph per (model, batch), as a deployment
@@ -168,9 +177,13 @@ def torch_forward(model: nn.Module, x: torch.Tensor, graph: bool = False) -> Cal
     return replay
 
 
-def _torch(device: str, dtype: torch.dtype, compile_backend: str | None = None, graph: bool = False) -> Callable:
+def _torch(name: str, dtype: torch.dtype, compile_backend: str | None = None, graph: bool = False) -> Callable:
+    """The loader of backend ``name`` (``torch-<device>-...``): the model with the rewrites that pay there."""
+    device = name.split("-")[1]
+
     def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
-        model = run.torch_model(which).to(device, dtype).eval()
+        names = default_rewrites(name) if run.rewrites is None else run.rewrites
+        model = rewritten(run.torch_model(which), names)[0].to(device, dtype).eval()
         if compile_backend:
             model = compile_model(model, compile_backend)
         shape = run.input_size
@@ -293,11 +306,18 @@ TORCH_CUDA_MODES = {
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("torch-cpu-fp32", "cpu", "fp32", _torch("cpu", torch.float32), lambda run: None),
+        Backend("torch-cpu-fp32", "cpu", "fp32", _torch("torch-cpu-fp32", torch.float32), lambda run: None),
         Backend("ort-cpu-fp32", "cpu", "fp32", _ort("cpu"), _ort_missing("cpu")),
         Backend("ort-cpu-int8", "cpu", "int8", _ort("cpu", "int8"), _ort_missing("cpu", "int8")),
         *(
-            Backend(f"torch-cuda-{p}{suffix}", "cuda", p, _torch("cuda", dtype, compiler, graph), missing, opt_in)
+            Backend(
+                f"torch-cuda-{p}{suffix}",
+                "cuda",
+                p,
+                _torch(f"torch-cuda-{p}{suffix}", dtype, compiler, graph),
+                missing,
+                opt_in,
+            )
             for suffix, (compiler, graph, missing, opt_in) in TORCH_CUDA_MODES.items()
             for p, dtype in CUDA_DTYPES.items()
         ),

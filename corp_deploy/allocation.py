@@ -384,6 +384,7 @@ def plan_budget(
                 "backend": table.key["backend"],
                 "batch": table.key["batch"],
                 "equal_qk_v": table.tied,
+                "rewrites": table.key.get("rewrites", {}).get("applied", []),
                 "dense_s": table.dense_s,
                 "limit_s": limit,
                 "planned_s": predicted,

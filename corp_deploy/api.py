@@ -42,7 +42,16 @@ from corp_deploy.family import adapter_for, structure
 from corp_deploy.latency import LatencyTable, Timing
 from corp_deploy.models import create_model, resolve_name
 from corp_deploy.perplexity import perplexity
-from corp_deploy.pruner import PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
+from corp_deploy.pruner import (
+    Budget,
+    PruneConfig,
+    Timer,
+    Widths,
+    calibrate,
+    check_parts,
+    plan_widths,
+    prune_model,
+)
 from corp_deploy.report import model_size, peak_memory
 from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.stats import CalibrationStats
@@ -253,20 +262,23 @@ def check_widths(
     return plan_widths(model, config)
 
 
-Replan = Callable[[LatencyTable | None], tuple[list[Widths], dict[str, Any]]]
-"""Widths (and their record) for a latency table, from statistics, error curves and sensitivities computed once."""
+Replan = Callable[..., tuple[list[Widths], dict[str, Any]]]
+"""(latency table[, budget]) -> widths and their record, from statistics, error curves and sensitivities computed
+once; the budget defaults to the config's."""
 
 
 def planner(
     model: nn.Module, stats: CalibrationStats, config: PruneConfig, dense_macs: int, heldout: Heldout | None
 ) -> Replan:
     """A budget's allocation from the statistics (with sensitivities from ``heldout``), re-runnable for corrected
-    latency tables (the closed loop) without another pass over the data. ``model`` must stay dense."""
+    latency tables (the closed loop) or other budgets (a sweep of speedups) without another pass over the data.
+    ``model`` must stay dense."""
     weights = None if heldout is None else measure(model, stats, config, heldout.images)
     curves = error_curves(model, stats, config, config.target)
 
-    def replan(table: LatencyTable | None) -> tuple[list[Widths], dict[str, Any]]:
-        widths, record = plan_budget(model, stats, config, dense_macs, weights, curves, table)
+    def replan(table: LatencyTable | None, budget: Budget | None = None) -> tuple[list[Widths], dict[str, Any]]:
+        budgeted = config if budget is None else replace(config, budget=budget)
+        widths, record = plan_budget(model, stats, budgeted, dense_macs, weights, curves, table)
         if heldout is not None:
             record["heldout"] = {"images": heldout.images.shape[0], "folders": heldout.folders}
         return widths, record

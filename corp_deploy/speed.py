@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,7 @@ from corp_deploy.deps import missing
 from corp_deploy.env import cpu_model, module_versions
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, export_onnx
+from corp_deploy.exporters.rewrites import rewritten
 from corp_deploy.latency import LatencyTable, Shape, Timing
 from corp_deploy.surgery import apply_widths, head_widths
 from corp_deploy.version import __version__
@@ -61,7 +62,9 @@ def check_backend(name: str) -> Backend:
 def key(model: str, args: dict[str, Any], backend: Backend, batch: int, threads: int) -> dict[str, Any]:
     """Everything a block's time depends on besides its widths: what a table is cached under and checked against."""
     device = torch.cuda.get_device_name() if backend.device == "cuda" else cpu_model()
-    libs = module_versions(["torch", "timm", *(["onnx", "onnxruntime"] if backend.name.startswith("ort-") else [])])
+    ort = backend.name.startswith("ort-")
+    applied = {"applied": list(backend.rewrites)} if backend.rewrites else {}  # none: the keys cached before them
+    libs = module_versions(["torch", "timm", *(["onnx", "onnxruntime"] if ort else [])])
     return {
         "model": model,
         "args": args,
@@ -71,7 +74,7 @@ def key(model: str, args: dict[str, Any], backend: Backend, batch: int, threads:
         "batch": batch,
         "threads": threads,
         "versions": libs | {"corp_deploy": __version__},
-        "rewrites": {"opset": DEFAULT_OPSET} if backend.name.startswith("ort-") else {},
+        "rewrites": ({"opset": DEFAULT_OPSET} if ort else {}) | applied,
     }
 
 
@@ -101,6 +104,8 @@ class _Models:
     root: Path
     models: dict[str, nn.Module]
     input_size: tuple[int, int, int]
+    rewrites: tuple[str, ...] = ()
+    """What bench's torch loaders apply: nothing, ``loaded`` applied the rewrites already."""
 
     def onnx(self, which: str, precision: str = "fp32") -> Path:
         return self.root / f"{which}.onnx"
@@ -110,11 +115,19 @@ class _Models:
 
 
 @contextmanager
-def loaded(models: dict[str, nn.Module], backend: Backend, batch: int, threads: int) -> Iterator[dict[str, Step]]:
-    """A timed step per model at ``batch`` on ``backend`` (ONNX files exported to a temporary folder for ort)."""
+def loaded(
+    models: dict[str, nn.Module], backend: Backend, batch: int, threads: int, rewrites: Sequence[str] | None = None
+) -> Iterator[dict[str, Step]]:
+    """A timed step per model at ``batch`` on ``backend`` (ONNX files exported to a temporary folder for ort).
+
+    Every model runs with ``rewrites`` (default: the backend's, ``Backend.rewrites``) applied where exact, as
+    the deployed model would: a latency table and the closed loop time what is deployed.
+    """
     if threads:
         torch.set_num_threads(threads)
     shape = tuple(input_size(next(iter(models.values()))))
+    names = backend.rewrites if rewrites is None else tuple(rewrites)
+    models = {name: rewritten(model, names)[0] for name, model in models.items()}
     with tempfile.TemporaryDirectory(prefix="corp-latency-") as tmp:
         run = _Models(Path(tmp), models, shape)
         if backend.name.startswith("ort-"):
@@ -124,10 +137,15 @@ def loaded(models: dict[str, nn.Module], backend: Backend, batch: int, threads: 
 
 
 def time_models(
-    models: dict[str, nn.Module], backend: Backend, batch: int, threads: int, method: Method
+    models: dict[str, nn.Module],
+    backend: Backend,
+    batch: int,
+    threads: int,
+    method: Method,
+    rewrites: Sequence[str] | None = None,
 ) -> dict[str, list[float]]:
-    """Seconds per forward of every model at ``batch`` on ``backend``, all interleaved in one loop."""
-    with loaded(models, backend, batch, threads) as steps:
+    """Seconds per forward of every model at ``batch`` on ``backend``, all interleaved in one loop (``loaded``)."""
+    with loaded(models, backend, batch, threads, rewrites) as steps:
         return interleaved(steps, method)
 
 

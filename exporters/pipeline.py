@@ -35,6 +35,7 @@ from corp_deploy.exporters.onnx_export import (
     onnx_sha256,
     read_metadata,
 )
+from corp_deploy.exporters.rewrites import rewritten
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.exporters.tensorrt_engine import VERIFIED, BuildOptions, TrtRunner, build_engine, build_missing
 from corp_deploy.fsio import staged
@@ -73,11 +74,18 @@ def export_verified(
     opset: int = DEFAULT_OPSET,
     simplify: bool = False,
     opts: VerifyOptions = VerifyOptions(),
+    rewrites: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Export ``model`` to ``path`` and check it against PyTorch on the CPU; return its record."""
+    """Export ``model`` to ``path`` and check it against PyTorch on the CPU; return its record.
+
+    ``rewrites`` (``exporters.rewrites``) are applied to the exported copy where exact; the check compares it
+    with ``model`` as given, so a rewrite that changed the function would fail here, and the record lists them.
+    """
     input_size = tuple(description["input_size"])
     start = time.perf_counter()
-    export_onnx(model, path, input_size, opset, simplify, metadata={**description, "precision": "fp32"})
+    deployed, applied = rewritten(model, rewrites)
+    meta = {**description, "precision": "fp32", "rewrites": list(applied)}
+    export_onnx(deployed, path, input_size, opset, simplify, metadata=meta)
     seconds = time.perf_counter() - start
     check_ = _verified(TorchRunner(model), OrtRunner(path, "cpu"), input_size, opts, opts.fp32, f"ONNX {path.name}")
     record = {
@@ -85,6 +93,7 @@ def export_verified(
         "precision": "fp32",
         "opset": opset,
         "simplified": simplify,
+        "rewrites": list(applied),
         "bytes": onnx_bytes(path),
         "seconds": round(seconds, 2),
         "verify": check_,
@@ -157,8 +166,11 @@ def export_run(
     build: BuildOptions | None = None,
     require_engines: bool = False,
     quantize: Callable[[list[tuple[Path, Path]]], list[dict[str, Any]]] | None = None,
+    rewrites: Sequence[str] = (),
 ) -> dict[str, Any]:
     """ONNX for every model (FP16 and INT8 too when asked), then an engine per model and precision.
+
+    ``rewrites`` go into every model's graph alike (``export_verified``), so dense and pruned stay comparable.
 
     ``models`` maps a stem (``dense``, ``pruned``) to (model, description). ``quantize`` turns
     (FP32 graph, INT8 file) pairs into verified INT8 graphs (``corp_deploy.exporters.quantize.quantize_graphs``
@@ -170,7 +182,7 @@ def export_run(
     record: dict[str, Any] = {"onnx": [], "engines": [], "engines_skipped": None}
     for stem, (model, description) in models.items():
         fp32 = out / f"{stem}.onnx"
-        record["onnx"].append(export_verified(model, fp32, description, opset, simplify, opts))
+        record["onnx"].append(export_verified(model, fp32, description, opset, simplify, opts, rewrites))
         if "fp16" in precisions:
             record["onnx"].append(convert_verified(fp32, out / f"{stem}.fp16.onnx", opts))
     if quantize is not None:
@@ -223,6 +235,8 @@ def format_summary(record: dict[str, Any], params: dict[str, int] | None = None)
             )
         )
     lines = [text_table(rows)] if record["onnx"] else []
+    if rewritten_graphs := [f"{r['file']} ({', '.join(r['rewrites'])})" for r in record["onnx"] if r.get("rewrites")]:
+        lines.append(f"exact rewrites (verified above): {'; '.join(rewritten_graphs)}")
     if record["engines"]:
         lines.append(format_engines(record["engines"]))
     if record["engines_skipped"]:

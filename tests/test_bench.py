@@ -277,7 +277,7 @@ def test_the_torch_loader_compiles_while_it_prepares_a_batch_never_when_timed(ru
         compiled.append(gm)
         return gm.forward
 
-    at = _torch("cpu", torch.float32, counting)(RunFolder.open(run_dir), "pruned", False, None)
+    at = _torch("torch-cpu-fp32", torch.float32, counting)(RunFolder.open(run_dir), "pruned", False, None)
     step = at(2)
     assert len(compiled) == 1
     assert step() > 0 and step() > 0 and len(compiled) == 1
@@ -405,12 +405,14 @@ def _never(*args, **kwargs):
 
 
 @pytest.mark.e2e
-def test_sweep_links_the_dense_graph_with_its_external_weights_and_sidecar(tmp_path, monkeypatch) -> None:
-    """A dense graph stored with external data (models over 2 GB) must reach every sparsity's folder whole."""
+def test_sweep_copies_the_dense_graph_with_its_external_weights_and_sidecar(tmp_path, monkeypatch) -> None:
+    """A dense graph stored with external data (models over 2 GB) must reach every sparsity's folder whole, and
+    stay loadable: onnx (1.23) refuses an external data file with several hard links ("hardlink attack")."""
     pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
     from conftest import TINY, tiny_batches, tiny_vit
 
     from corp_deploy.api import describe
+    from corp_deploy.exporters.onnx_export import check_onnx, load_onnx
     from corp_deploy.pruner import PruneConfig
     from corp_deploy.sweep import sweep
 
@@ -424,7 +426,10 @@ def test_sweep_links_the_dense_graph_with_its_external_weights_and_sidecar(tmp_p
     result = sweep(model, description, tiny_batches(), [0.5], PruneConfig(round_to=4), out, "ort-cpu-fp32", (1,), fast)
     assert len(result["rows"][0]["bench"]) == 1  # dense and pruned both ran from s0.50/
     for name in ("dense.onnx", "dense.onnx.data", "dense.onnx.json"):
-        assert (out / "s0.50" / name).samefile(out / name)
+        assert (out / "s0.50" / name).read_bytes() == (out / name).read_bytes()
+    for graph in (out / "dense.onnx", out / "s0.50" / "dense.onnx"):
+        check_onnx(graph)
+        assert load_onnx(graph).graph.initializer  # the weights load from the graph's own data file
 
 
 def test_sweep_plot_with_a_backend_skipped_at_one_sparsity(tmp_path) -> None:

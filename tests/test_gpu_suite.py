@@ -8,23 +8,39 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from corp_deploy import speed
+from corp_deploy.family import structure
+from tools.gpu_suite.core import Context, Plan
 from tools.gpu_suite.record import BEGIN, END, ingest
 from tools.gpu_suite.registry import SECTIONS
 from tools.gpu_suite.sections import kernel_kind
+from tools.gpu_suite.speedup import run_speedup, speedup_markdown
 from tools.gpu_suite.suite import main
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _fake_s(model: torch.nn.Module) -> float:
+    """Seconds made up from the block widths: a fixed cost plus a linear one per block."""
+    return 1e-3 + sum(1e-5 * b["mlp_hidden"] + 3e-5 * b["qk_dim"] + 2e-5 * b["v_dim"] for b in structure(model))
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("suite") / "run"
-    assert main(["--out", str(out), "--smoke", "--device", "cpu", "--budget", "300"]) == 0
+    with pytest.MonkeyPatch.context() as mp:  # the speedup section's latency tables: cached, but not in ~/.cache
+        mp.setenv("XDG_CACHE_HOME", str(out.parent / "cache"))
+        # a tiny model's CPU timings are noise (a table may even show no gain): the speedup section times with a
+        # cost made up from the widths, so its records are checked, never a speed
+        mp.setattr(speed, "time_against", lambda _, models, *__: {n: _fake_s(m) for n, m in models.items()})
+        mp.setattr(speed, "time_models", lambda models, *_: {n: [_fake_s(m)] * 6 for n, m in models.items()})
+        assert main(["--out", str(out), "--smoke", "--device", "cpu", "--budget", "300"]) == 0
     return out
 
 
@@ -58,10 +74,29 @@ def test_smoke_runs_every_section_into_three_files(smoke) -> None:
         assert rows["pruned"]["attention"]["fused_mha_layers"] == 0  # ...lost when Q/K width != V width
         if not torch.cuda.is_available():
             assert rows["pruned"]["status"].startswith("built only (not executed") and rows["pruned"]["verify"] is None
+    speedup = rec["speedup"]
+    assert speedup["backend"] == "torch-cpu-fp32" and not speedup["skipped"]
+    assert [(r["lever"], r["batch"], r["goal"]) for r in speedup["rows"]] == [("width", 2, 1.2), ("width", 1, 1.2)]
+    for r in speedup["rows"]:  # the made-up cost is additive: the table predicts it, the loop meets it at once
+        assert r["goal_met"] and r["loop_met"] and r["rounds"] == 1 and r["measured_speedup"] >= r["goal"]
+        assert r["measured_speedup"] == pytest.approx(r["dense_p50_ms"] / r["pruned_p50_ms"])
+        assert r["measured_speedup"] == pytest.approx(r["predicted_speedup"]) and r["macs"][1] < r["macs"][0]
     dense = rec["profile"]["models"]["dense"]
     assert {"gemm", "attention", "layer_norm"} <= set(dense["kinds"]) and "aten::addmm" in dense["top"]
     summary = (smoke / "summary.md").read_text()
     assert "SMOKE" in summary and "**Pruning time**" in summary and "| deit_tiny | eager | fp32 | 1 |" in summary
+    assert "**Prune to a speed** (deit_tiny on torch-cpu-fp32" in summary and "| width | 2 | >= 1.20x |" in summary
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+def test_the_speedup_section_skips_in_one_line_where_its_backend_cannot_run() -> None:
+    """The full plan's backend (torch-cuda-fp16-graph) without a GPU: the section is skipped with the reason, and
+    nothing is built or timed."""
+    plan = replace(Plan.smoke(), speedup=("deit_tiny", Plan.full().speedup[1], ((64, 1.65),)))
+    ctx = Context(torch.device("cpu"), plan, True, float("inf"), lambda line: None)
+    record = run_speedup(ctx)
+    assert record["rows"] == [] and "no CUDA GPU visible" in record["skipped"]
+    assert speedup_markdown(record)[-1] == f"- not measured: {record['skipped']}"
 
 
 @pytest.mark.e2e

@@ -301,3 +301,62 @@ def test_profile_prints_the_table_checks_it_and_writes_it(tmp_path, capsys, cach
     assert table["key"]["batch"] == 4 and table["key"]["backend"] == "torch-cpu-fp32" and table["tied"]
     code, _, err = run([*argv, "--latency-on", "tensorrt-fp32"], capsys)
     assert code == 1 and err.count("\n") == 1
+
+
+SWEEP = ["sweep", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--calib", "synthetic", "--quiet"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--speedups", "1.5,2"], "add --latency-on BACKEND"),
+        (["--speedups", "0.5,2", "--latency-on", "ort-cpu-fp32"], "--speedups takes a comma-separated list"),
+        (["--speedups", "2", "--sparsities", "0.5", "--latency-on", "ort-cpu-fp32"], "pass one of the two"),
+        (["--speedup", "2", "--latency-on", "ort-cpu-fp32"], "sweep takes --speedups"),
+        (["--sparsities", "0.5", "--latency-on", "ort-cpu-fp32"], "serve a latency budget"),
+        (["--speedups", "2", "--latency-on", "ort-cpu-int8"], "not supported yet"),
+    ],
+)
+def test_bad_sweep_speedup_flags_fail_in_one_line_before_any_work(tmp_path, capsys, cache, flags, message) -> None:
+    out = tmp_path / "sw"
+    code, _, err = run([*SWEEP, *flags, "--out", str(out)], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert re.search(message, err), err
+    assert not out.exists() and not cache.exists()
+
+
+@pytest.mark.e2e
+def test_sweep_of_speedups_calibrates_once_and_checks_every_target(tmp_path, capsys, cache, monkeypatch) -> None:
+    """One table, one calibration, a model per target, each timed against dense (the fake timer: a backend twice
+    as slow per block as the table, so every target needs the loop's correction) and reported in the table."""
+    monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))
+    slow = lambda models, *_: {n: [FIXED_S + 2 * (fake_time(m) - FIXED_S)] * 6 for n, m in models.items()}  # noqa: E731
+    monkeypatch.setattr(speed, "time_models", slow)
+    passes = []
+    calibrate_ = api.calibrate
+    monkeypatch.setattr("corp_deploy.sweep.calibrate", lambda *a, **k: passes.append(1) or calibrate_(*a, **k))
+    out = tmp_path / "sw"
+    flags = ["--speedups", "1.3,1.6", "--latency-on", "torch-cpu-fp32", "--latency-batch", "2"]
+    timing = ["--backends", "ort-cpu-fp32", "--batch-sizes", "1,2", "--min-seconds", "0"]
+    code, stdout, err = run([*SWEEP, "--round-to", "4", *flags, *timing, "--out", str(out)], capsys)
+    assert code == 0, err
+    assert len(passes) == 1 and len(list(cache.iterdir())) == 1
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    assert [r["speedup"] for r in rows] == [1.3, 1.6] and rows[0]["macs"] > rows[1]["macs"]
+    for row in rows:
+        t = row["latency"]
+        assert t["met"] and t["rounds"] == 2 and t["measured_speedup"] == pytest.approx(row["speedup"], rel=0.05)
+        check = json.loads((out / f"x{row['speedup']:.2f}" / "pruned" / "corp.json").read_text())["report"]["latency"]
+        assert check["history"][0]["measured_speedup"] > row["speedup"] * (1 + speed.MIN_BAND)  # uncorrected: overshot
+        assert (out / f"x{row['speedup']:.2f}" / "bench.json").is_file()
+    assert re.search(r"1\.30x .* met", stdout) and re.search(r"1\.60x .* met", stdout), stdout
+
+
+def test_cuda_backends_are_allowed_where_cuda_is_available(monkeypatch) -> None:
+    """The refusal is for a machine without CUDA only: with a GPU visible the torch-cuda backends pass."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("torch-cuda-fp16-graph", "torch-cuda-fp16", "torch-cuda-bf16-graph", "torch-cuda-fp32"):
+        assert speed.check_backend(name) is BACKENDS[name]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(CorpError, match="no CUDA GPU visible"):
+        speed.check_backend("torch-cuda-fp16-graph")

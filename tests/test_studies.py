@@ -95,3 +95,34 @@ def test_speed_study_plans_every_method_at_a_predicted_speedup_and_measures_it(
     assert unreachable["target"] == 50 and "below the smallest model" in unreachable["why"]
     assert "| 2 | 1.05x | latency |" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_loop_band_runs_the_command_again_and_reports_the_spread(tmp_path, monkeypatch, capsys) -> None:
+    """Two closed loops of a tiny model, each its own process: every run's record is read back and the band is
+    computed from them. A tiny model's CPU timings are noise, so the target is 1.0 (any widths meet it): the
+    records and the arithmetic are checked, never a speed."""
+    from conftest import TINY, TINY_CLI_ARGS
+    from test_latency import fake_timer
+
+    from corp_deploy import latency, speed
+    from corp_deploy.bench.backends import BACKENDS
+    from corp_deploy.models import create_model
+    from studies import loop_band
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    args = {**TINY, "num_classes": 10}
+    backend = BACKENDS["torch-cpu-fp32"]
+    key = speed.key("deit_tiny_patch16_224", args, backend, 2, torch.get_num_threads())
+    model = create_model("deit_tiny", weights="random", model_args=args)
+    table = latency.write(speed.build_table(model, key, backend, timer=fake_timer), tmp_path / "table.json")
+    command = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--calib", "synthetic", "--quiet"]
+    command += ["--speedup", "1", "--latency-on", "torch-cpu-fp32", "--latency-batch", "2", "--allocation", "local"]
+    command += ["--latency-table", str(table)]  # a noisy measured table could put even 1.0x out of reach
+    out = tmp_path / "band.json"
+    loop_band.main(["--runs", "2", "--json", str(out), "--", *command, "--precision", "fp32", "--latency-rounds", "1"])
+    record = json.loads(out.read_text())
+    b, runs = record["band"], record["runs"]
+    assert b["runs"] == len(runs) == 2 and b["rounds"] == [1, 1] and b["target"] == 1.0
+    assert sorted(b["measured"]) == [b["min"], b["max"]] == sorted(r["measured_speedup"] for r in runs)
+    assert b["median"] == pytest.approx(sum(b["measured"]) / 2) and b["met"] == sum(r["met"] for r in runs)
+    assert "| 2 | 1.00x |" in capsys.readouterr().out

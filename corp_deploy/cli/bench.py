@@ -26,20 +26,23 @@ from corp_deploy.cli.options import (
     bench_method,
     calib_options,
     group,
+    latency_options,
     method_options,
     model_options,
     needs,
     prune_config,
     quiet_option,
     timing_group,
+    with_latency,
 )
-from corp_deploy.cli.prune import inputs
+from corp_deploy.cli.prune import inputs, latency_loop, latency_table
 from corp_deploy.env import device_name
 from corp_deploy.errors import CorpError
+from corp_deploy.exporters.rewrites import default_rewrites
 from corp_deploy.fsio import atomic_file, check_writable
 from corp_deploy.hf import max_positions
 from corp_deploy.models import create_model, parse_model_args, resolve_name
-from corp_deploy.sweep import format_sweep, parse_sparsities, plot_sweep
+from corp_deploy.sweep import DEFAULT_SPARSITIES, Speedups, format_sweep, parse_sparsities, parse_speedups, plot_sweep
 from corp_deploy.sweep import sweep as run_sweep
 from corp_deploy.text import read_documents
 
@@ -171,7 +174,19 @@ def _text_eval(source: str, text: str, seq_len: int | None, all_text: bool, batc
 @calib_options
 @quiet_option
 @group(method_options, into="pruning")
-@click.option("--sparsities", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7", show_default=True)
+@click.option("--sparsities", help=f"Comma list of sparsities [{DEFAULT_SPARSITIES}].")
+@click.option(
+    "--speedups",
+    help="Instead of --sparsities: comma list of speed targets (e.g. 1.5,2,2.5), each a latency budget on "
+    "--latency-on; one latency table, one calibration, a model per target timed against dense (x2.00/ folders).",
+)
+@latency_options
+@click.option(
+    "--latency-rounds",
+    default=3,
+    show_default=True,
+    help="--speedups: per target, times dense and pruned on --latency-on and re-allocates while it misses.",
+)
 @click.option(
     "--backends",
     default="auto",
@@ -185,7 +200,10 @@ def _text_eval(source: str, text: str, seq_len: int | None, all_text: bool, batc
 def sweep(
     pruning: dict[str, Any],
     quiet: bool,
-    sparsities: str,
+    sparsities: str | None,
+    speedups: str | None,
+    latency: dict[str, Any],
+    latency_rounds: int,
     backends: str,
     batch_sizes: str,
     min_seconds: float,
@@ -193,14 +211,27 @@ def sweep(
     overwrite: bool,
     **flags: Any,
 ) -> None:
-    """Calibrate MODEL once, then prune, export and bench it at every sparsity (the paper's Table 10)."""
-    values = parse_sparsities(sparsities)
+    """Calibrate MODEL once, then prune, export and bench it at every sparsity (the paper's Table 10), or at
+    every speed target (--speedups, with --latency-on)."""
+    if latency["speedup"] is not None:
+        raise CorpError("sweep takes --speedups (a comma list), not --speedup")
+    if sparsities is not None and speedups is not None:
+        raise CorpError("--sparsities and --speedups are two kinds of sweep; pass one of the two")
+    targets = None if speedups is None else parse_speedups(speedups)
+    values = parse_sparsities(sparsities or DEFAULT_SPARSITIES) if targets is None else []
     sizes = parse_batch_sizes(batch_sizes)
-    config = prune_config(pruning, sparsity=max(values))
+    pruning = with_latency(pruning, latency | {"speedup": None if targets is None else max(targets)})
+    config = prune_config(pruning, **({} if targets else {"sparsity": max(values)}))
+    backend = None if targets is None else speed.check_backend(latency["latency_on"])
     check_writable(out, overwrite)
     needs("sweep", *ONNX_EXPORT)
-    got = inputs(**flags)
+    say = (lambda line: None) if quiet else click.echo
+    loop = None if backend is None else latency_loop(backend, latency["latency_batch"], latency_rounds, say)
+    got = inputs(**flags, hold_out=config.heldout_images)
     description = api.describe(got.net, got.name, got.args, got.weights)
+    plan = None
+    if backend is not None:
+        plan = Speedups(targets, latency_table(got, backend, latency, say), got.heldout, loop)
     method = Method(warmup_iters=3, min_iters=5, min_seconds=min_seconds)  # large batches: seconds dominate
     result = run_sweep(
         got.net,
@@ -216,13 +247,15 @@ def sweep(
         None if quiet else got.total,
         click.echo,
         overwrite,
+        plan,
+        default_rewrites(latency["latency_on"]),
     )
     click.echo(format_sweep(result))
     try:
         plot_sweep(result, Path(out) / "sweep.png")
     except CorpError as e:
         click.echo(f"no plot: {e}")
-    click.echo(f"wrote {out}/ (s*/ run folders with bench.json, sweep.json, sweep.png)")
+    click.echo(f"wrote {out}/ ({'x' if targets else 's'}*/ run folders with bench.json, sweep.json, sweep.png)")
 
 
 @click.command("eval")

@@ -45,6 +45,7 @@ from corp_deploy.exporters.pipeline import (
     write_export_record,
 )
 from corp_deploy.exporters.quantize import quantize_graphs
+from corp_deploy.exporters.rewrites import parse_rewrites
 from corp_deploy.exporters.tensorrt_engine import PRECISIONS, build_missing, require_precision, select_flavour
 from corp_deploy.fsio import atomic_dir, check_writable, staged
 from corp_deploy.models import parse_model_args
@@ -72,6 +73,7 @@ def export(
     opset: int,
     simplify: bool,
     pad_qk: bool,
+    rewrites: str,
     verify: dict[str, Any],
     fp16: bool,
     out: str,
@@ -79,6 +81,7 @@ def export(
 ) -> None:
     """Export SOURCE (a prune artifact folder or a timm model name) to ONNX, verified with onnxruntime."""
     opts = verify_options(verify)
+    rewrites_ = parse_rewrites(rewrites, None)
     out_ = Path(out)
     if out_.suffix != ".onnx":
         raise CorpError(f"--out must be a .onnx file, got {out}")
@@ -89,7 +92,7 @@ def export(
     model, description = api.load_source(source, weights, checkpoint, parse_model_args(model_arg))
     description = _pad_qk(model, description, pad_qk)
     with staged(out_, overwrite) as stage:
-        records = [export_verified(model, stage / out_.name, description, opset, simplify, opts)]
+        records = [export_verified(model, stage / out_.name, description, opset, simplify, opts, rewrites_)]
         if fp16:
             records.append(convert_verified(stage / out_.name, stage / half.name, opts))
     params = {out_.stem: sum(p.numel() for p in model.parameters())}
@@ -214,6 +217,7 @@ def prune_export(
     opset: int,
     simplify: bool,
     pad_qk: bool,
+    rewrites: str,
     verify: dict[str, Any],
     engine: dict[str, Any],
     precision: str,
@@ -236,6 +240,7 @@ def prune_export(
     """
     precisions_ = precisions(precision)
     prune_args["pruning"] = with_latency(prune_args["pruning"], prune_args["latency"])
+    rewrites_ = parse_rewrites(rewrites, prune_args["latency"]["latency_on"])
     opts = verify_options(verify)
     build = build_options(engine, "fp32", opts)
     if require_engines and build_missing(build):
@@ -270,7 +275,9 @@ def prune_export(
     }
     with atomic_dir(out, overwrite) as tmp:
         api.save(run.result, tmp / "pruned", run.name, run.args, weights=run.weights)
-        record = export_run(models, tmp, precisions_, opset, simplify, opts, build, require_engines, quantize)
+        record = export_run(
+            models, tmp, precisions_, opset, simplify, opts, build, require_engines, quantize, rewrites_
+        )
         record = write_export_record(tmp, run.name, run.result.report, record, versions())
     click.echo(format_summary(record, {k: v["params"] for k, v in record["size"].items()}))
     click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json)")

@@ -240,6 +240,13 @@ onnx_options = group(
         help="Zero-pad pruned Q/K to the V width inside the graph (exact): one head size, so fused "
         "attention kernels apply while the smaller qkv GEMM is kept.",
     ),
+    click.option(
+        "--rewrites",
+        default="auto",
+        show_default=True,
+        help="Exact rewrites in every exported graph, dense and pruned alike: patch-linear (the patch-embedding "
+        "conv as reshape + GEMM), none, or auto: those measured to pay on the --latency-on backend (none without).",
+    ),
 )
 
 engine_group = group(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import click
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from corp_deploy import api, distributed, hf, speed
+from corp_deploy.bench.backends import Backend
 from corp_deploy.cli.options import (
     CALIB_IMAGES,
     SMOKE_IMAGES,
@@ -24,7 +25,7 @@ from corp_deploy.cli.options import (
 )
 from corp_deploy.data import SYNTHETIC
 from corp_deploy.errors import CorpError
-from corp_deploy.latency import Timing, format_table
+from corp_deploy.latency import LatencyTable, Timing, format_table
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.report import format_report
 from corp_deploy.text import read_documents
@@ -138,6 +139,27 @@ def _text_inputs(
     )
 
 
+def latency_loop(backend: Backend, batch: int, rounds: int, say: Callable[[str], None]) -> api.LatencyLoop:
+    """The closed loop on ``backend`` at ``batch``: dense and pruned timed interleaved, each timing reported."""
+    threads = torch.get_num_threads()
+
+    def timing(dense: nn.Module, pruned: nn.Module) -> Timing:
+        say(f"latency check: timing dense and pruned on {backend.name} at batch {batch}, interleaved")
+        t = speed.measure_pair(dense, pruned, backend, batch, threads)
+        say(f"  dense {t.dense_s * 1e3:.1f} ms, pruned {t.pruned_s * 1e3:.1f} ms: {t.speedup:.2f}x +-{t.band:.1%}")
+        return t
+
+    return api.LatencyLoop(timing, rounds)
+
+
+def latency_table(got: Inputs, backend: Backend, latency: dict[str, Any], say: Callable[[str], None]) -> LatencyTable:
+    """The latency table of the built model on ``backend`` at --latency-batch: given, cached or measured now."""
+    key = speed.key(got.name, got.args, backend, latency["latency_batch"], torch.get_num_threads())
+    table = speed.table_for(got.net, key, backend, latency["latency_table"], say)
+    say(format_table(table))
+    return table
+
+
 def pruned(
     pruning: dict[str, Any],
     latency: dict[str, Any],
@@ -160,22 +182,10 @@ def pruned(
     say = (lambda line: None) if quiet else click.echo
     loop = None
     if backend is not None and latency_rounds is not None:
-        threads, batch = torch.get_num_threads(), latency["latency_batch"]
-
-        def timing(dense: nn.Module, pruned: nn.Module) -> Timing:
-            say(f"latency check: timing dense and pruned on {backend.name} at batch {batch}, interleaved")
-            t = speed.measure_pair(dense, pruned, backend, batch, threads)
-            say(f"  dense {t.dense_s * 1e3:.1f} ms, pruned {t.pruned_s * 1e3:.1f} ms: {t.speedup:.2f}x +-{t.band:.1%}")
-            return t
-
-        loop = api.LatencyLoop(timing, latency_rounds)
+        loop = latency_loop(backend, latency["latency_batch"], latency_rounds, say)
         api.check_loop(config, max_stats_gib, 2 if distributed.launched() else 1)
     got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, text=text)
-    table = None
-    if backend is not None:
-        key = speed.key(got.name, got.args, backend, latency["latency_batch"], torch.get_num_threads())
-        table = speed.table_for(got.net, key, backend, latency["latency_table"], say)
-        say(format_table(table))
+    table = None if backend is None else latency_table(got, backend, latency, say)
     dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
     progress = not quiet and got.world.is_main
     result = api.prune(

@@ -44,6 +44,8 @@ class Plan:
     sdpa_precisions: tuple[str, ...]
     profile: tuple[str, str, int]
     """(model, precision, batch) whose kernel time the ``profile`` section splits by kind."""
+    speedup: tuple[str, str, tuple[tuple[int, float], ...]]
+    """(model, latency backend, ((batch, speedup goal), ...)) of the ``speedup`` section."""
     warmup_seconds: float
     min_seconds: float
     min_iters: int
@@ -64,6 +66,7 @@ class Plan:
             sdpa_shapes={"deit_small": (64, 6, 197, 64), "deit_base": (64, 12, 197, 64)},
             sdpa_precisions=("fp32", "fp16", "bf16"),
             profile=("deit_base", "fp16", 64),
+            speedup=("deit_base", "torch-cuda-fp16-graph", ((64, 1.65), (1, 1.25))),  # batch 1: p50 ratio <= 0.8
             warmup_seconds=0.3,
             min_seconds=0.5,
             min_iters=20,
@@ -86,6 +89,7 @@ class Plan:
             sdpa_shapes={"tiny": (2, 2, 17, 16)},
             sdpa_precisions=("fp32",),
             profile=("deit_tiny", "fp32", 2),
+            speedup=("deit_tiny", "torch-cpu-fp32", ((2, 1.2), (1, 1.2))),
             warmup_seconds=0.0,
             min_seconds=0.0,
             min_iters=3,

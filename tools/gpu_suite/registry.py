@@ -19,6 +19,7 @@ from tools.gpu_suite.sections import (
     run_tests,
     tests_markdown,
 )
+from tools.gpu_suite.speedup import run_speedup, speedup_markdown
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ SECTIONS: dict[str, Section] = {
         Section("prune", run_prune, prune_markdown),
         Section("sdpa", run_sdpa, sdpa_markdown),
         Section("engines", run_engines, engines_markdown),
+        Section("speedup", run_speedup, speedup_markdown),
         Section("latency", run_latency, latency_markdown),  # the longest: last, under the time budget
         Section("profile", run_profile, profile_markdown),
     )
