@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from corp_deploy import blockwise
+from corp_deploy import blockwise, hf
 from corp_deploy.allocation import check_budget, error_curves, plan_budget, widths_of
 from corp_deploy.artifact import META_FILE, load_pruned, read_meta, save_pruned
 from corp_deploy.data import (
@@ -38,7 +38,7 @@ from corp_deploy.data import (
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
 from corp_deploy.env import device_name, exact_fp32, versions
 from corp_deploy.errors import CorpError
-from corp_deploy.family import structure
+from corp_deploy.family import adapter_for, structure
 from corp_deploy.latency import LatencyTable, Timing
 from corp_deploy.models import create_model, resolve_name
 from corp_deploy.pruner import PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
@@ -487,12 +487,19 @@ def load_source(
     weights: str = "pretrained",
     checkpoint: str | Path | None = None,
     model_args: dict | None = None,
+    seq_len: int = hf.MACS_SEQ_LEN,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """A prune artifact folder or a timm model name -> (model in eval mode, ``describe(model)``)."""
+    """A prune artifact folder, a ``transformers`` encoder (a folder with a config.json, or ``hf:NAME``) or a
+    timm model name -> (model in eval mode, ``describe(model)``); text descriptions are for ``seq_len`` tokens."""
     if Path(source, META_FILE).is_file():
         meta = read_meta(source)
         model = load_pruned(source)
-        return model, describe(model, meta["model"]["name"], meta["model"].get("args", {}), "corp-pruned")
+        return model, describe(model, meta["model"]["name"], meta["model"].get("args", {}), "corp-pruned", seq_len)
+    if hf.is_source(str(source)):
+        if checkpoint is not None or model_args:
+            raise CorpError("--checkpoint and --model-arg are for timm models; a transformers folder holds its weights")
+        model, _ = hf.load(str(source))
+        return model, describe(model, str(source), {}, "pretrained", seq_len)
     model = create_model(str(source), weights=weights, checkpoint=checkpoint, model_args=model_args)
     origin = f"checkpoint:{Path(checkpoint).name}" if checkpoint else weights
     return model, describe(model, resolve_name(str(source)), model_args or {}, origin)
@@ -520,8 +527,29 @@ def dense_original(meta: dict[str, Any], checkpoint: str | Path | None = None) -
     return None, "dense weights were random or their checkpoint moved (pass --checkpoint)"
 
 
-def describe(model: nn.Module, name: str, model_args: dict, weights: str) -> dict[str, Any]:
-    """What an exported file needs to say about its model: name, weights, widths, input, preprocessing."""
+def describe(
+    model: nn.Module, name: str, model_args: dict, weights: str, seq_len: int = hf.MACS_SEQ_LEN
+) -> dict[str, Any]:
+    """What an exported file needs to say about its model: name, weights, widths, input, preprocessing.
+
+    A text encoder's inputs are token ids and a mask of dynamic batch and sequence: it records their names,
+    the sequence length it is meant for (``seq_len``: engine profiles, bench) and the range the positions allow.
+    """
+    if adapter_for(model) is hf.HF_BERT:
+        check_seq_len(seq_len, model.config)
+        return {
+            "modality": "text",
+            "model": name,
+            "model_args": model_args,
+            "weights": weights,
+            "structure": structure(model),
+            "inputs": ["input_ids", "attention_mask"],
+            "output": "last_hidden_state",
+            "seq_len": seq_len,
+            "max_positions": hf.max_positions(model.config),
+            "vocab_size": model.config.vocab_size,
+            "corp_deploy": __version__,
+        }
     cfg = data_config(model)
     return {
         "model": name,
