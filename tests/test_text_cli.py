@@ -188,3 +188,27 @@ def test_text_graphs_refuse_int8_and_image_graphs_refuse_a_sequence_range(folder
     assert for_graph(BuildOptions(), 64).sequence == Profile(1, 64, 64)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
+
+@pytest.mark.e2e
+def test_macs_are_counted_at_the_runs_seq_len_and_recorded(folder, tmp_path, capsys) -> None:
+    from corp_deploy import load_pruned
+    from corp_deploy.artifact import read_meta
+    from corp_deploy.hf import count_macs_at, load
+    from corp_deploy.report import model_size
+
+    reports = {}
+    for seq_len in (16, 32):
+        out = tmp_path / f"s{seq_len}"
+        argv = ["prune", str(folder), "--calib", "synthetic", *TEXT_ARGS[2:], "--seq-len", str(seq_len)]
+        code, _, stderr = run([*argv, "--budget", "macs=0.7", "--allocation", "local", "--out", str(out)], capsys)
+        assert code == 0, stderr
+        reports[seq_len] = report = read_meta(out)["report"]
+        assert report["calibration"]["seq_len"] == seq_len
+        assert report["dense"]["tokens"] == report["pruned"]["tokens"] == seq_len
+        assert report["pruned"]["macs"] <= 0.7 * report["dense"]["macs"]  # the budget at the run's length
+        # The artifact counts at the length it was pruned for, as does a fresh dense model told it.
+        assert model_size(load_pruned(out))["macs"] == report["pruned"]["macs"]
+        dense, _ = load(str(folder))
+        count_macs_at(dense, seq_len)
+        assert model_size(dense)["macs"] == report["dense"]["macs"]
+    assert reports[32]["dense"]["macs"] > 2 * reports[16]["dense"]["macs"]  # linear layers double, attention x4

@@ -125,6 +125,7 @@ def _text_inputs(
     if source != SYNTHETIC:
         read_documents(source)  # a folder without text fails before the model loads
     net, tokenizer = hf.load(model)
+    hf.count_macs_at(net, seq_len)
     data = api.text_calibration_data(net, tokenizer, source, num, batch_size, seed, seq_len, hold_out)
     return Inputs(
         net, data.batches, data.total, None, device_, model, {}, "pretrained", source, distributed.SINGLE_PROCESS
@@ -188,4 +189,6 @@ def pruned(
     if result is None:
         return None
     result.report["calibration"] |= {"source": got.source, "seed": flags["seed"]}
+    if hf.is_source(flags["model"]):
+        result.report["calibration"]["seq_len"] = flags["seq_len"]
     return Pruned(result, got.name, got.args, got.weights, dense)
