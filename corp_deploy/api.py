@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -47,6 +47,8 @@ from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.stats import CalibrationStats
 from corp_deploy.text import check_seq_len, read_documents, synthetic_text_batches, text_batches
 from corp_deploy.version import __version__
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -113,14 +115,14 @@ def calibration_data(
             stacklevel=2,
         )
         num -= hold_out
-        noise = synthetic_batches(num, batch_size, input_size(model), seed)  # whole batches per rank
-        sizes = [min(batch_size, num - start) for start in range(0, num, batch_size)]
-        batches = (b for i, b in enumerate(noise) if i % world.size == world.rank)
+        batches, total = _own_batches(
+            synthetic_batches(num, batch_size, input_size(model), seed), num, batch_size, world
+        )
         heldout = None
         if hold_out and world.is_main:
             images = next(synthetic_batches(hold_out, hold_out, input_size(model), seed + HELDOUT_SEED_OFFSET))[0]
             heldout = Heldout(images, {SYNTHETIC: hold_out})
-        return Calibration(batches, sum(shard(sizes, world)), heldout)
+        return Calibration(batches, total, heldout)
     root = Path(source)
     files, held = split(sample(list_images(root), num, seed), hold_out, seed)
     files = shard(files, world)
@@ -134,6 +136,13 @@ def calibration_data(
     return Calibration(folder_batches(files, data_config(model), batch_size, workers), len(files), heldout)
 
 
+def _own_batches(batches: Iterable[T], num: int, batch_size: int, world: World) -> tuple[Iterable[T], int]:
+    """This rank's whole batches of a seeded synthetic stream of ``num`` items (every rank draws the same
+    stream), and how many items they hold."""
+    sizes = [min(batch_size, num - start) for start in range(0, num, batch_size)]
+    return (b for i, b in enumerate(batches) if i % world.size == world.rank), sum(shard(sizes, world))
+
+
 def text_calibration_data(
     model: nn.Module,
     tokenizer: Any,
@@ -143,9 +152,14 @@ def text_calibration_data(
     seed: int = 0,
     seq_len: int = 128,
     hold_out: int = 0,
+    world: World = SINGLE_PROCESS,
 ) -> Calibration:
     """``calibration_data`` for a text model: a seeded sample of ``num`` documents from a folder of .txt/.jsonl
-    files (one document per sequence, padded and masked), or random token ids when ``source == "synthetic"``."""
+    files (one document per sequence, padded and masked), or random token ids when ``source == "synthetic"``.
+
+    Under torch.distributed each rank gets its own disjoint shard of the same seeded sample (whole batches of
+    random tokens), as ``calibration_data`` shards images.
+    """
     if num < 1 or batch_size < 1:
         raise CorpError("--num-calib and --calib-batch-size must be >= 1")
     if hold_out:
@@ -156,10 +170,11 @@ def text_calibration_data(
             "--calib synthetic: calibrating on RANDOM TOKENS. Use only for smoke tests; pass --calib-dir with text.",
             stacklevel=2,
         )
-        return Calibration(synthetic_text_batches(model.config.vocab_size, num, seq_len, batch_size, seed), num, None)
+        tokens = synthetic_text_batches(model.config.vocab_size, num, seq_len, batch_size, seed)
+        return Calibration(*_own_batches(tokens, num, batch_size, world), None)
     if tokenizer is None:
         raise CorpError(f"{source}: text calibration needs the model's tokenizer, and its folder has none")
-    docs = sample(read_documents(source), num, seed)
+    docs = shard(sample(read_documents(source), num, seed), world)
     return Calibration(text_batches(tokenizer, docs, seq_len, batch_size), len(docs), None)
 
 

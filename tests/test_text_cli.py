@@ -212,3 +212,40 @@ def test_macs_are_counted_at_the_runs_seq_len_and_recorded(folder, tmp_path, cap
         count_macs_at(dense, seq_len)
         assert model_size(dense)["macs"] == report["dense"]["macs"]
     assert reports[32]["dense"]["macs"] > 2 * reports[16]["dense"]["macs"]  # linear layers double, attention x4
+
+
+@pytest.mark.e2e
+def test_two_gloo_processes_calibrate_text_to_the_single_process_model(folder, tmp_path) -> None:
+    """torchrun data-parallel: each rank tokenizes its shard of the documents; the merged sums give the same model."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    text = tmp_path / "text"
+    text.mkdir()
+    words = ["the", "news", "market", "film", "vote", "team", "bank"]
+    for i in range(11):  # uneven shards; documents of different lengths, so every batch is padded
+        (text / f"{i:02d}.txt").write_text(" ".join(words[j % 7] for j in range(i, 3 * i + 4)))
+    argv = ["-m", "corp_deploy", "prune", str(folder), "--calib-dir", str(text), *TEXT_ARGS[:4]]
+    argv += ["--calib-batch-size", "3", "--num-calib", "11", "--device", "cpu", "--target", "all"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    for name, launcher in (("one", []), ("two", torchrun)):
+        done = subprocess.run(
+            [sys.executable, *launcher, *argv, "--out", str(tmp_path / name)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=420,
+        )
+        assert done.returncode == 0, done.stderr
+    a, b = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("one", "two"))
+    assert sorted(a) == sorted(b)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=key)
+    calibration = json.loads((tmp_path / "two" / "corp.json").read_text())["report"]["calibration"]
+    assert calibration["images"] == 11 and calibration["processes"] == 2
