@@ -150,6 +150,18 @@ BAD = {
         ["prune-export", "{folder}", "--calib", "synthetic", "--seq-range", "8:4:2"],
         "1 <= min <= opt <= max",
     ),
+    "prune-export sequential": (
+        ["prune-export", "{folder}", "--calib", "synthetic", "--sequential"],
+        "block-by-block calibration (--sequential, --max-stats-gib) supports timm",
+    ),
+    "prune-export max-stats": (
+        ["prune-export", "{folder}", "--calib", "synthetic", "--max-stats-gib", "1"],
+        "block-by-block calibration (--sequential, --max-stats-gib) supports timm",
+    ),
+    "prune-export speedup": (
+        ["prune-export", "{folder}", "--calib", "synthetic", "--speedup", "1.5", "--latency-on", "ort-cpu-fp32"],
+        "a latency budget (--speedup, --budget latency=F) is timed on timm ViTs only",
+    ),
     "export seq-len": (["export", "{folder}", "--seq-len", "41"], "--seq-len must be between 1 and 40"),
     "export simplify": (["export", "{folder}", "--simplify"], "--pad-qk and --simplify"),
     "export checkpoint": (["export", "{folder}", "--checkpoint", "{folder}/model.safetensors"], "--checkpoint"),
@@ -163,7 +175,7 @@ def test_bad_text_export_input_is_one_line_and_writes_nothing(case, folder, tmp_
     argv, expected = BAD[case]
     argv = [a.format(folder=folder) for a in argv]
     argv += [*TEXT_ARGS[2:], "--out", str(tmp_path / "run")] if argv[0] == "prune-export" else []
-    argv += ["--seq-len", "32"] if argv[0] == "export" and "--seq-len" not in argv else []
+    argv += ["--seq-len", "32"] if "--seq-len" not in argv else []
     argv += ["--out", str(tmp_path / "m.onnx")] if argv[0] == "export" else []
     code, _, stderr = run(argv, capsys)
     lines = [line for line in stderr.splitlines() if line.startswith("error:")]

@@ -161,6 +161,11 @@ def pruned(
     """
     config = prune_config(pruning)
     api.calibration_mode(config, max_stats_gib, distributed.SINGLE_PROCESS)  # combinations refused before any data
+    if latency["latency_on"] is not None and hf.is_source(flags["model"]):
+        raise CorpError(
+            "a latency budget (--speedup, --budget latency=F) is timed on timm ViTs only so far; "
+            "use --budget macs=F or --sparsity for a transformers model"
+        )
     backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"])
     say = (lambda line: None) if quiet else click.echo
     loop = None
