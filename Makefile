@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx,text
 
-.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study vbp-study ridge-curves text-study latency-check bench-dist \
+.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study vbp-study ridge-curves text-study latency-check speed-study bench-dist \
 	gpu-suite gpu-wheels clean
 
 setup: $(BIN)/corp-deploy
@@ -88,6 +88,9 @@ int8-study: setup
 	$(BIN)/python -m studies.int8_study --out docs/int8-study
 
 # Uniform vs budget-allocated vs allocated + sequential CORP at equal MACs, both probes, real weights (issue 16).
+speed-study: setup
+	$(BIN)/python -m studies.speed_study --out docs/speed-study
+
 budget-study: setup
 	$(BIN)/python -m studies.budget_study --dataset fashion-mnist --out docs/budget-study-fashion-mnist
 	$(BIN)/python -m studies.budget_study --dataset digits --out docs/budget-study-digits

@@ -28,7 +28,7 @@ from corp_deploy.deps import optional
 from corp_deploy.errors import CorpError, first_line
 from corp_deploy.exporters.compare import Feed
 from corp_deploy.exporters.tensorrt_engine import TEXT_ENGINES, run_missing
-from corp_deploy.exporters.text_onnx import Encoder
+from corp_deploy.exporters.text_onnx import graph
 
 MODELS = ("dense", "pruned")
 
@@ -90,7 +90,7 @@ class RunFolder:
 
     def torch_model(self, which: str) -> nn.Module:
         """The pruned model from its artifact; the dense one rebuilt from the same timm name or config.json
-        (a text encoder's, taking ``input_ids, attention_mask`` and returning its last hidden state).
+        (a text model's, taking ``input_ids, attention_mask``: ``text_onnx.graph``, as exported).
 
         The dense weights are random: values do not change a dense model's latency.
         """
@@ -101,7 +101,7 @@ class RunFolder:
         else:
             model = self.meta["model"]
             return timm.create_model(model["name"], pretrained=False, **model.get("args", {})).eval()
-        return Encoder(model).eval() if self.text is not None else model
+        return graph(model)[0] if self.text is not None else model
 
     def onnx(self, which: str, precision: str = "fp32") -> Path:
         return self.root / (f"{which}.onnx" if precision == "fp32" else f"{which}.{precision}.onnx")

@@ -44,11 +44,17 @@ def _rows(record: dict[str, Any]) -> list[list[str]]:
     return [[fmt.format(p[key]) for key, _, fmt in _columns(record)] for p in pairs(record)]
 
 
+def skipped_lines(skipped: dict[str, str]) -> list[str]:
+    """One line per reason, naming every backend it skipped (nine CUDA variants without a GPU are one line)."""
+    names: dict[str, list[str]] = {}
+    for name, why in skipped.items():
+        names.setdefault(why, []).append(name)
+    return [f"skipped {', '.join(group)}: {why}" for why, group in names.items()]
+
+
 def format_table(record: dict[str, Any]) -> str:
-    lines = [text_table([[title for _, title, _ in _columns(record)], *_rows(record)], right_from=3)]
-    for name, why in record["skipped"].items():
-        lines.append(f"skipped {name}: {why}")
-    return "\n".join(lines)
+    rows = text_table([[title for _, title, _ in _columns(record)], *_rows(record)], right_from=3)
+    return "\n".join([rows, *skipped_lines(record["skipped"])])
 
 
 def format_markdown(record: dict[str, Any]) -> str:

@@ -41,11 +41,21 @@ from corp_deploy.errors import CorpError
 from corp_deploy.family import adapter_for, structure
 from corp_deploy.latency import LatencyTable, Timing
 from corp_deploy.models import create_model, resolve_name
+from corp_deploy.perplexity import perplexity
 from corp_deploy.pruner import PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
 from corp_deploy.report import model_size, peak_memory
 from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.stats import CalibrationStats
-from corp_deploy.text import check_seq_len, read_documents, synthetic_text_batches, text_batches
+from corp_deploy.text import (
+    check_seq_len,
+    packed_batches,
+    packed_sequences,
+    read_documents,
+    shuffled,
+    split_documents,
+    synthetic_text_batches,
+    text_batches,
+)
 from corp_deploy.version import __version__
 
 T = TypeVar("T")
@@ -154,12 +164,14 @@ def text_calibration_data(
     hold_out: int = 0,
     world: World = SINGLE_PROCESS,
 ) -> Calibration:
-    """``calibration_data`` for a text model: a seeded sample of ``num`` documents from a folder of .txt/.jsonl
-    files (one document per sequence, padded and masked), or random token ids when ``source == "synthetic"``.
+    """``calibration_data`` for a text model: ``num`` sequences of the calibration documents of a folder of
+    .txt/.jsonl files (``text.split_documents``), or random token ids when ``source == "synthetic"``.
 
-    Under torch.distributed each rank gets its own disjoint shard of the same seeded sample (whole batches of
-    random tokens), as ``calibration_data`` shards images.
-    """
+    The model decides the form: a decoder (``Adapter.causal``) gets the seeded documents packed into ``num``
+    full ``seq_len`` windows (every token counts); an encoder a seeded sample of ``num`` documents, one per
+    sequence, padded and masked. Under torch.distributed each rank of an encoder gets its own disjoint shard
+    of the same seeded sample (whole batches of random tokens), as ``calibration_data`` shards images;
+    decoders calibrate in one process so far."""
     if num < 1 or batch_size < 1:
         raise CorpError("--num-calib and --calib-batch-size must be >= 1")
     if hold_out:
@@ -174,7 +186,17 @@ def text_calibration_data(
         return Calibration(*_own_batches(tokens, num, batch_size, world), None)
     if tokenizer is None:
         raise CorpError(f"{source}: text calibration needs the model's tokenizer, and its folder has none")
-    docs = shard(sample(read_documents(source), num, seed), world)
+    docs = split_documents(read_documents(source)).calibration
+    if adapter_for(model).causal:
+        if world.size > 1:
+            raise CorpError("decoders calibrate in one process so far; launch this command without torchrun")
+        ids = packed_sequences(tokenizer, shuffled(docs, seed), seq_len, num)
+        if ids.shape[0] < num:
+            warnings.warn(
+                f"{source} holds {ids.shape[0]} calibration sequences of {seq_len} tokens, not {num}", stacklevel=2
+            )
+        return Calibration(packed_batches(ids, batch_size), ids.shape[0], None)
+    docs = shard(sample(docs, num, seed), world)
     return Calibration(text_batches(tokenizer, docs, seq_len, batch_size), len(docs), None)
 
 
@@ -437,6 +459,7 @@ def prune(
                 dense_model, model, blocks, stats, config, replan, table, widths, record, loop, timer
             )
         statistics, calibration = stats.nbytes(), {"images": stats.images, "skipped": stats.skipped, "mode": mode}
+        calibration["unit"] = adapter_for(model).unit  # "images" counts sequences for a text model
     else:
         statistics = 0 if stats is None else stats.nbytes()
         stats = None  # the walk keeps its own, block by block
@@ -547,10 +570,10 @@ def describe(
 ) -> dict[str, Any]:
     """What an exported file needs to say about its model: name, weights, widths, input, preprocessing.
 
-    A text encoder's inputs are token ids and a mask of dynamic batch and sequence: it records their names,
+    A text model's inputs are token ids and a mask of dynamic batch and sequence: it records their names,
     the sequence length it is meant for (``seq_len``: engine profiles, bench) and the range the positions allow.
     """
-    if adapter_for(model) is hf.HF_BERT:
+    if isinstance(adapter_for(model), hf.HfText):
         check_seq_len(seq_len, model.config)
         return {
             "modality": "text",
@@ -559,7 +582,6 @@ def describe(
             "weights": weights,
             "structure": structure(model),
             "inputs": ["input_ids", "attention_mask"],
-            "output": "last_hidden_state",
             "seq_len": seq_len,
             "max_positions": hf.max_positions(model.config),
             "vocab_size": model.config.vocab_size,
@@ -574,4 +596,50 @@ def describe(
         "input_size": list(cfg["input_size"]),
         "preprocessing": {k: cfg[k] for k in ("mean", "std", "interpolation", "crop_pct") if k in cfg},
         "corp_deploy": __version__,
+    }
+
+
+def text_model(source: str | Path) -> tuple[nn.Module, Any]:
+    """A ``transformers`` model (eval mode) and its tokenizer from a prune artifact, a local folder or ``hf:NAME``."""
+    if Path(source, META_FILE).is_file():
+        model = load_pruned(source)
+        return model, hf.load_tokenizer(source, model.config.vocab_size)
+    return hf.load(str(source))
+
+
+def text_perplexity(
+    model: nn.Module,
+    tokenizer: Any,
+    text: str | Path,
+    seq_len: int,
+    batch_size: int = 1,
+    device: torch.device | str = "cpu",
+    all_text: bool = False,
+) -> dict[str, Any]:
+    """A decoder's perplexity (``perplexity``: SparseGPT's protocol) on the evaluation documents of a text folder
+    (``text.split_documents``: never a calibration document of the same folder), or on all of it (``all_text``,
+    for a test set that calibration never saw). Returns the number and what it was measured on."""
+    if not adapter_for(model).causal:
+        raise CorpError(f"perplexity needs a decoder (a causal LM); {type(model).__name__} is an encoder")
+    if tokenizer is None:
+        raise CorpError("perplexity needs the model's tokenizer, and its folder has none")
+    check_seq_len(seq_len, model.config)
+    docs = read_documents(text)
+    chosen = docs if all_text else split_documents(docs).evaluation
+    if not chosen:
+        raise CorpError(
+            f"{text} holds {len(docs)} documents, too few to keep an evaluation part apart from calibration; "
+            "pass --all-text if calibration never read this folder"
+        )
+    windows = packed_sequences(tokenizer, chosen, seq_len)
+    value = perplexity(model.to(device), windows, batch_size, device)
+    part = "all" if all_text else "evaluation"
+    return {
+        "perplexity": value,
+        "windows": windows.shape[0],
+        "seq_len": seq_len,
+        "documents": len(chosen),
+        "of_documents": len(docs),
+        "part": part,
+        "text": str(text),
     }

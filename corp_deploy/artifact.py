@@ -21,7 +21,7 @@ from typing import Any
 import timm
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_model, save_model
 from torch import nn
 
 from corp_deploy import hf
@@ -55,7 +55,7 @@ FAMILIES = {
         TIMM_VIT.apply_structure,
         TIMM_VIT.block_keys,
     ),
-    HF_BERT.name: Family(hf.build, HF_BERT.apply_structure, HF_BERT.block_keys),
+    **{name: Family(hf.build, hf.apply_structure, HF_BERT.block_keys) for name in hf.FAMILY_NAMES},
 }
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "corp.json"
@@ -74,10 +74,9 @@ def save_pruned(model: nn.Module, out: str | Path, meta: dict[str, Any], overwri
         **meta,
         "structure": structure(model),
     }
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     try:
         with atomic_dir(out, overwrite) as tmp:
-            save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+            save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})  # tied weights stored once
             adapter.write_files(model, tmp)
             (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
     except (OSError, SafetensorError) as e:  # a full disk is already one line (``fsio.staged``)
@@ -128,7 +127,7 @@ def load_pruned(path: str | Path, device: str | torch.device = "cpu") -> nn.Modu
             "re-run `corp-deploy prune`"
         ) from None
     try:
-        model.load_state_dict(load_file(str(Path(path) / WEIGHTS_FILE)))
+        load_model(model, str(Path(path) / WEIGHTS_FILE))  # strict; ties (an LM head on the embedding) restored
     except (RuntimeError, OSError, SafetensorError) as e:
         raise CorpError(f"weights in {path} do not match its {META_FILE}: {first_line(e)}") from None
     return model.to(device).eval()

@@ -22,6 +22,7 @@ import torch
 from corp_deploy import api
 from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.bench.measure import Method
+from corp_deploy.bench.report import skipped_lines
 from corp_deploy.bench.run import benchmark, pairs
 from corp_deploy.env import device_name
 from corp_deploy.errors import CorpError, first_line
@@ -175,7 +176,7 @@ def format_demo(result: dict[str, Any]) -> str:
         "",
         f"cpu {env['cpu']} ({env['torch_threads']} threads)" + (f", gpu {env['gpu']}" if "gpu" in env else ""),
     ]
-    lines += [f"skipped {name}: {why}" for name, why in result["skipped_backends"].items()]
+    lines += skipped_lines(result["skipped_backends"])
     return "\n".join(lines)
 
 

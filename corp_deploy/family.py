@@ -20,6 +20,7 @@ structures of every block and never reads a model's attribute names itself; it a
 
 And per model: ``blocks``; ``run`` (one calibration forward), ``count`` (sequences or images in a batch),
 ``token_mask`` (which token positions count: padding is excluded from every sum, None = all of them);
+``causal`` (a decoder's attention: the Q/K statistics sum over the (query, key) pairs with key <= query);
 ``tokens`` and ``example`` (tokens per input and one input, for MACs); ``block_inputs`` /
 ``features_from`` (the sensitivity pass).
 
@@ -50,6 +51,10 @@ class Adapter(ABC):
 
     name: str
     block_keys: frozenset[str]
+    causal = False
+    """A decoder: a query sees only the keys at or before it, so the Q/K moments count those pairs only."""
+    unit = "images"
+    """What one input is, in reports ("sequences" for text)."""
 
     @abstractmethod
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
@@ -254,5 +259,5 @@ def adapter_for(model: nn.Module) -> Adapter:
         return adapter_for_hf(model)
     raise CorpError(
         f"{type(model).__name__} is not a supported model family; corp-deploy prunes timm VisionTransformers "
-        "and transformers BERT-family encoders (BertModel, RobertaModel)"
+        "and transformers BERT-family encoders (BertModel, RobertaModel) and OPT decoders (OPTForCausalLM)"
     )

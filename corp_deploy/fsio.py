@@ -31,12 +31,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "corp-deploy"
 
 
-def sha256(path: str | Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks: what sidecars record to tie an output to its input."""
+def sha256(*paths: str | Path) -> str:
+    """Hex sha256 of files read one after another in 1 MiB chunks: what sidecars record to tie an output to
+    its input (several files when the input is several, as an ONNX graph and its external weights are)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
+    for path in paths:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
     return digest.hexdigest()
 
 

@@ -84,14 +84,61 @@ class PrunedSelfAttention(nn.Module):
         return out.reshape(*hidden_states.shape[:-1], -1).contiguous(), weights
 
 
-def _linear_like(old: nn.Linear, in_features: int, out_features: int) -> nn.Linear:
+def qk_hooks(query: nn.Linear, key: nn.Linear, heads: int, fn: QKHook) -> list[RemovableHandle]:
+    """Hooks handing ``fn`` (q, k) as (batch, tokens, heads, d) from separate query and key Linears.
+
+    The query output is kept until the key Linear of the same forward runs (the attention calls query first).
+    """
+    held: list[Tensor] = []
+
+    def on_query(_m: nn.Module, _args: tuple, out: Tensor) -> None:
+        held[:] = [out]
+
+    def on_key(_m: nn.Module, _args: tuple, out: Tensor) -> None:
+        q = held.pop()
+        fn(q.unflatten(-1, (heads, -1)), out.unflatten(-1, (heads, -1)))
+
+    return [query.register_forward_hook(on_query), key.register_forward_hook(on_key)]
+
+
+def linear_like(old: nn.Linear, in_features: int, out_features: int) -> nn.Linear:
     """An unfilled Linear of the new shape on ``old``'s device, dtype and mode (an eval model stays in eval)."""
     kw = {"device": old.weight.device, "dtype": old.weight.dtype}
     return nn.Linear(in_features, out_features, bias=old.bias is not None, **kw).train(old.training)
 
 
-class HfBert(Adapter):
-    """BertModel-layout encoders; calibration inputs are ``{"input_ids", "attention_mask"}`` batches."""
+class HfText(Adapter):
+    """What every ``transformers`` text family shares: ``{"input_ids", "attention_mask"}`` batches, padding
+    excluded through the mask, MACs at ``count_macs_at``'s tokens, config and tokenizer in the artifact."""
+
+    unit = "sequences"
+
+    def write_files(self, model: nn.Module, folder: Path) -> None:
+        write_files(model, folder)
+
+    def run(self, model: nn.Module, inputs: Mapping[str, Tensor], device: torch.device | str) -> None:
+        model(**{k: t.to(device, non_blocking=True) for k, t in inputs.items()})
+
+    def count(self, inputs: Mapping[str, Tensor]) -> int:
+        return inputs["input_ids"].shape[0]
+
+    def token_mask(self, inputs: Mapping[str, Tensor], device: torch.device | str) -> Tensor | None:
+        mask = inputs.get("attention_mask")
+        return None if mask is None else mask.to(device).bool()
+
+    def tokens(self, model: nn.Module) -> int:
+        """The length ``count_macs_at`` set (else ``MACS_SEQ_LEN``), or the model's positions when it has fewer."""
+        return min(getattr(model.config, MACS_SEQ_LEN_KEY, MACS_SEQ_LEN), max_positions(model.config))
+
+    def example(self, model: nn.Module) -> dict[str, Tensor]:
+        """One sequence of ``tokens`` tokens (what MACs are counted on)."""
+        device = next(model.parameters()).device
+        ids = torch.zeros(1, self.tokens(model), dtype=torch.long, device=device)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+class HfBert(HfText):
+    """BertModel-layout encoders."""
 
     name = "hf-bert"
     block_keys = frozenset({"heads", "mlp_hidden", "qk_dim", "v_dim"})
@@ -105,7 +152,7 @@ class HfBert(Adapter):
 
     def set_mlp(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor | None) -> None:
         up, down = block.intermediate.dense, block.output.dense
-        new_up, new_down = _linear_like(up, up.in_features, keep.numel()), _linear_like(down, keep.numel(), w.shape[0])
+        new_up, new_down = linear_like(up, up.in_features, keep.numel()), linear_like(down, keep.numel(), w.shape[0])
         with torch.no_grad():
             new_up.weight.copy_(up.weight[keep])
             new_up.bias.copy_(up.bias[keep])
@@ -134,18 +181,8 @@ class HfBert(Adapter):
         )
 
     def on_qk(self, block: nn.Module, fn: QKHook) -> list[RemovableHandle]:
-        """The query output is kept until the key Linear of the same forward runs (BERT calls query first)."""
-        attn, heads = block.attention.self, self.heads(block)
-        held: list[Tensor] = []
-
-        def on_query(_m: nn.Module, _args: tuple, out: Tensor) -> None:
-            held[:] = [out]
-
-        def on_key(_m: nn.Module, _args: tuple, out: Tensor) -> None:
-            q = held.pop()
-            fn(q.unflatten(-1, (heads, -1)), out.unflatten(-1, (heads, -1)))
-
-        return [attn.query.register_forward_hook(on_query), attn.key.register_forward_hook(on_key)]
+        attn = block.attention.self
+        return qk_hooks(attn.query, attn.key, self.heads(block), fn)
 
     def _rebuilt(self, block: nn.Module, qk_dim: int, v_dim: int) -> PrunedSelfAttention:
         """An unfilled ``PrunedSelfAttention`` with ``block``'s heads and dense scale at the given widths."""
@@ -175,7 +212,7 @@ class HfBert(Adapter):
         new.key.load_state_dict(old.key.state_dict())
         new.value.weight.copy_(old.value.weight[keep])
         new.value.bias.copy_(old.value.bias[keep])
-        new_proj = _linear_like(proj, keep.numel(), proj.out_features)
+        new_proj = linear_like(proj, keep.numel(), proj.out_features)
         new_proj.weight.copy_(w)
         new_proj.bias.copy_(b)
         block.attention.self, block.attention.output.dense = new, new_proj
@@ -185,36 +222,13 @@ class HfBert(Adapter):
         for block, widths in zip(self.blocks(model), entries, strict=True):
             up, down = block.intermediate.dense, block.output.dense
             if widths["mlp_hidden"] != up.out_features:
-                block.intermediate.dense = _linear_like(up, up.in_features, widths["mlp_hidden"])
-                block.output.dense = _linear_like(down, widths["mlp_hidden"], down.out_features)
+                block.intermediate.dense = linear_like(up, up.in_features, widths["mlp_hidden"])
+                block.output.dense = linear_like(down, widths["mlp_hidden"], down.out_features)
             qk, v = widths["qk_dim"], widths["v_dim"]
             if (qk, v) != self.head_widths(block):
                 proj = self.proj(block)
                 block.attention.self = self._rebuilt(block, qk, v)
-                block.attention.output.dense = _linear_like(proj, self.heads(block) * v, proj.out_features)
-
-    def write_files(self, model: nn.Module, folder: Path) -> None:
-        write_files(model, folder)
-
-    def run(self, model: nn.Module, inputs: Mapping[str, Tensor], device: torch.device | str) -> None:
-        model(**{k: t.to(device, non_blocking=True) for k, t in inputs.items()})
-
-    def count(self, inputs: Mapping[str, Tensor]) -> int:
-        return inputs["input_ids"].shape[0]
-
-    def token_mask(self, inputs: Mapping[str, Tensor], device: torch.device | str) -> Tensor | None:
-        mask = inputs.get("attention_mask")
-        return None if mask is None else mask.to(device).bool()
-
-    def tokens(self, model: nn.Module) -> int:
-        """The length ``count_macs_at`` set (else ``MACS_SEQ_LEN``), or the model's positions when it has fewer."""
-        return min(getattr(model.config, MACS_SEQ_LEN_KEY, MACS_SEQ_LEN), max_positions(model.config))
-
-    def example(self, model: nn.Module) -> dict[str, Tensor]:
-        """One sequence of ``tokens`` tokens (what MACs are counted on)."""
-        device = next(model.parameters()).device
-        ids = torch.zeros(1, self.tokens(model), dtype=torch.long, device=device)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+                block.attention.output.dense = linear_like(proj, self.heads(block) * v, proj.out_features)
 
 
 HF_BERT = HfBert()
@@ -239,10 +253,24 @@ def adapter_for_hf(model: nn.Module) -> Adapter:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in MODEL_TYPES and hasattr(getattr(model, "base_model", None), "encoder"):
         return HF_BERT
+    if model_type == "opt" and hasattr(getattr(model, "base_model", None), "decoder"):
+        from corp_deploy.opt import HF_OPT
+
+        return HF_OPT
     raise CorpError(
         f"{type(model).__name__} (model_type {model_type!r}) is not supported; corp-deploy prunes timm "
-        f"VisionTransformers and transformers BERT-family encoders (model_type {', '.join(MODEL_TYPES)})"
+        f"VisionTransformers, transformers BERT-family encoders (model_type {', '.join(MODEL_TYPES)}) "
+        "and OPT decoders (model_type opt)"
     )
+
+
+FAMILY_NAMES = (HF_BERT.name, "hf-opt")
+"""Artifact families built from a config.json (``build``, ``apply_structure``); ``corp_deploy.opt`` is hf-opt."""
+
+
+def apply_structure(model: nn.Module, entries: list[dict[str, Any]]) -> None:
+    """The recorded widths on a ``build`` tree, by its family's adapter."""
+    adapter_for_hf(model).apply_structure(model, entries)
 
 
 def transformers_module(purpose: str) -> Any:
@@ -272,27 +300,39 @@ def is_source(model: str) -> bool:
 
 
 def load(source: str) -> tuple[nn.Module, Any]:
-    """(model in eval mode, tokenizer or None) from a local folder or ``hf:NAME``; one line when it cannot."""
+    """(model in eval mode, tokenizer or None) from a local folder or ``hf:NAME``; one line when it cannot.
+
+    Always float32, whatever the checkpoint holds (OPT's are float16): calibration, the fold and perplexity run
+    as for ViTs, and a float16 model on a CPU would be slow and lose precision; exports make FP16 themselves."""
     transformers = transformers_module("pruning a transformers model")
     transformers.utils.logging.disable_progress_bar()  # corp-deploy prints its own progress
     where = source.removeprefix(HUB_PREFIX)
     try:
         config = transformers.AutoConfig.from_pretrained(where)
         cls = _architecture(transformers, config)
-        model = cls.from_pretrained(where, attn_implementation="sdpa")
+        model = cls.from_pretrained(where, attn_implementation="sdpa", dtype=torch.float32)
     except (OSError, ValueError, KeyError) as e:
         raise CorpError(f"cannot load the transformers model {source} ({first_line(e)})") from None
     adapter_for_hf(model)
+    return model.eval(), load_tokenizer(source, model.config.vocab_size)
+
+
+def load_tokenizer(source: str | Path, vocab_size: int) -> Any:
+    """The tokenizer beside a model (a folder, ``hf:NAME``, a prune artifact), or None when it has none; one line
+    when it has more tokens than the model's embedding (it belongs to other weights)."""
+    transformers = transformers_module("tokenizing text")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(where)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(source).removeprefix(HUB_PREFIX))
     except (OSError, ValueError, KeyError, TypeError):
-        tokenizer = None
-    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
+        return None
+    if not tokenizer.vocab_size:  # no tokenizer files: transformers still builds the config's class, empty
+        return None
+    if len(tokenizer) > vocab_size:
         raise CorpError(
-            f"the tokenizer of {source} has {len(tokenizer)} tokens and the model {model.config.vocab_size}: "
+            f"the tokenizer of {source} has {len(tokenizer)} tokens and the model {vocab_size}: "
             "they do not belong together; use the tokenizer the weights were trained with"
         )
-    return model.eval(), tokenizer
+    return tokenizer
 
 
 def _architecture(transformers: Any, config: Any) -> type:

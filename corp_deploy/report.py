@@ -120,7 +120,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
         f"time {sum(t.values()):.1f}s = "
         + " + ".join(f"{k} {v:.2f}s" for k, v in t.items())
-        + f"   on {report['device']}, {report['calibration']['images']} calibration images"
+        + f"   on {report['device']}, {report['calibration']['images']} calibration "
+        + report["calibration"].get("unit", "images")
         + (f" ({report['calibration']['skipped']} unreadable, skipped)" if report["calibration"]["skipped"] else "")
     )
     mem = report["memory"]

@@ -75,8 +75,11 @@ class MlpStats(_Sums):
         self.active = torch.zeros(width, **f64)
 
     def update(self, x: Tensor, mask: Tensor | None = None) -> None:
-        """x: (..., width) tokens; ``mask`` (x's leading shape, bool): the tokens that count (None: all)."""
-        x = _at_least_fp32(x[mask] if mask is not None else x.reshape(-1, x.shape[-1]))
+        """x: (..., width) tokens; ``mask`` (bool, the same tokens in the same order): those that count (None: all).
+
+        Both are flattened over tokens, so x may come flat (OPT runs its MLP on (batch * tokens, width))."""
+        x = x.reshape(-1, x.shape[-1])
+        x = _at_least_fp32(x if mask is None else x[mask.reshape(-1)])
         self.count += x.shape[0]
         self.sum += x.sum(0, dtype=torch.float64)
         self.outer += _outer_sum(x, x)
@@ -122,16 +125,18 @@ class PairStats(MlpStats):
 
 
 class QKStats(_Sums):
-    """Per-head packed 4th-order Q/K moment of one attention layer, summed over images.
+    """Per-head packed 4th-order Q/K moment of one attention layer, summed over the counted (query, key) pairs.
 
-    ``moment[h, p, q] = sum_b GQ_b[h][p] GK_b[h][q]`` where ``GQ_b = Q_b^T Q_b`` (d x d, symmetric)
-    is stored as its upper triangle of ``P = d (d + 1) / 2`` entries. Ranking (its diagonal), the
-    Kronecker ridge system and its right-hand side for ANY kept set all follow from it, so one pass
-    serves every sparsity. Size: ``heads * P^2`` float64, e.g. 415 MB per DeiT-Base layer.
+    ``moment[h, p, q] = sum_b sum_(i, j) (q_i q_i^T)[p] (k_j k_j^T)[q]`` over the pairs the softmax sees in
+    sequence b: every pair of real tokens for an encoder (then it is ``GQ_b[p] GK_b[q]`` with the Grams
+    ``GQ_b = Q_b^T Q_b``), only ``j <= i`` for a causal decoder (``causal``). A d x d symmetric matrix is
+    stored as its upper triangle of ``P = d (d + 1) / 2`` entries. Ranking (its diagonal), the Kronecker ridge
+    system and its right-hand side for ANY kept set all follow from it, so one pass serves every sparsity.
+    Size: ``heads * P^2`` float64, e.g. 415 MB per DeiT-Base layer.
     """
 
-    def __init__(self, heads: int, head_dim: int, device: torch.device | str = "cpu") -> None:
-        self.heads, self.head_dim = heads, head_dim
+    def __init__(self, heads: int, head_dim: int, device: torch.device | str = "cpu", causal: bool = False) -> None:
+        self.heads, self.head_dim, self.causal = heads, head_dim, causal
         self.index = packed_index(head_dim, device=device)
         self.rows, self.cols = torch.triu_indices(head_dim, head_dim, device=device)
         p = self.rows.numel()
@@ -141,16 +146,31 @@ class QKStats(_Sums):
     def update(self, q: Tensor, k: Tensor, mask: Tensor | None = None) -> None:
         """q, k: (batch, tokens, heads, head_dim) for the same inputs; ``mask`` (batch, tokens): real tokens.
 
-        Zeroing the padded rows of q and k leaves exactly the (real query, real key) pairs in every Gram.
+        Zeroing the padded rows of q and k leaves exactly the (real query, real key) pairs in every sum.
         """
         q, k = _at_least_fp32(q), _at_least_fp32(k)
         if mask is not None:
             keep = mask[:, :, None, None].to(q.dtype)
             q, k = q * keep, k * keep
+        self.count += q.shape[0]
+        if self.causal:
+            self._update_causal(q, k)
+            return
         gq = torch.einsum("bnhd,bnhe->bhde", q, q)[..., self.rows, self.cols]
         gk = torch.einsum("bnhd,bnhe->bhde", k, k)[..., self.rows, self.cols]
-        self.count += q.shape[0]
         self.moment += torch.einsum("bhp,bhq->hpq", gq, gk).double()
+
+    def _update_causal(self, q: Tensor, k: Tensor) -> None:
+        """``sum_i (q_i q_i^T) (x) sum_(j <= i) k_j k_j^T``: a running (prefix) sum of the keys' packed outer
+        products over the tokens, paired with each query's: one GEMM over tokens per head.
+
+        Costs ``tokens * P^2`` per head and sequence (the all-pairs moment ``P^2``); heads run one at a time to
+        bound the memory of the per-token packed products."""
+        for h in range(self.heads):
+            qh, kh = q[:, :, h], k[:, :, h]
+            qq = (qh[..., self.rows] * qh[..., self.cols]).flatten(0, 1)
+            prefix = (kh[..., self.rows] * kh[..., self.cols]).cumsum(1).flatten(0, 1)
+            self.moment[h] += (qq.T @ prefix).double()
 
     def tensors(self) -> list[Tensor]:
         return [self.count, self.moment]
@@ -216,7 +236,7 @@ def empty_stats(
         if mlp:
             stats.mlp[i] = linear(adapter.mlp_out(block).in_features, device)
         if qk:
-            stats.qk[i] = QKStats(adapter.heads(block), adapter.head_widths(block)[0], device)
+            stats.qk[i] = QKStats(adapter.heads(block), adapter.head_widths(block)[0], device, adapter.causal)
         if proj:
             stats.proj[i] = linear(adapter.proj(block).in_features, device)
     return stats

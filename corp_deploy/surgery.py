@@ -113,7 +113,7 @@ def pruned_attention_like(attn: Attention | PrunedAttention, qk_dim: int, v_dim:
     )
     if v_dim == old_v:
         new.norm, new.gate, new.proj = attn.norm, getattr(attn, "gate", None), attn.proj  # gate: timm >= 1.0.28
-    return new.to(attn.qkv.weight.device, attn.qkv.weight.dtype)
+    return new.to(attn.qkv.weight.device, attn.qkv.weight.dtype).train(attn.training)  # an eval model stays in eval
 
 
 def pad_qk(model: nn.Module, enable: bool = True) -> int:
@@ -134,8 +134,8 @@ def shrink_mlp(mlp: Mlp, hidden: int) -> None:
     """Replace ``fc1``/``fc2`` in place by (unfilled) Linears with ``hidden`` channels."""
     fc1, fc2 = mlp.fc1, mlp.fc2
     kw = {"device": fc1.weight.device, "dtype": fc1.weight.dtype}
-    mlp.fc1 = nn.Linear(fc1.in_features, hidden, bias=fc1.bias is not None, **kw)
-    mlp.fc2 = nn.Linear(hidden, fc2.out_features, bias=fc2.bias is not None, **kw)
+    mlp.fc1 = nn.Linear(fc1.in_features, hidden, bias=fc1.bias is not None, **kw).train(fc1.training)
+    mlp.fc2 = nn.Linear(hidden, fc2.out_features, bias=fc2.bias is not None, **kw).train(fc2.training)
 
 
 def apply_widths(model: nn.Module, blocks: list[dict[str, int]]) -> None:

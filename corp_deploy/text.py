@@ -1,8 +1,15 @@
-"""Text in, as an encoder takes it: documents from .txt / .jsonl files, tokenized into padded, masked batches.
+"""Text in, as a model takes it: documents from .txt / .jsonl files, tokenized into batches.
 
-The text counterpart of ``data``: one document per sequence (truncated to ``seq_len`` tokens, padded to the
-longest in its batch, with its attention mask: padding is excluded from every statistic), or random token ids
-for smoke runs. Batches are ``({"input_ids", "attention_mask"}, skipped)`` pairs, as the calibration expects.
+The text counterpart of ``data``. Encoders get one document per sequence (truncated to ``seq_len`` tokens,
+padded to the longest in its batch, with its attention mask: padding is excluded from every statistic).
+Decoders get documents joined into one token stream (the tokenizer's EOS between them) cut into fixed-length
+sequences with no padding, so every token counts (``packed_batches``; the paper's C4 protocol). Random token
+ids serve smoke runs. Batches are ``({"input_ids", "attention_mask"}, skipped)`` pairs, as the calibration
+expects.
+
+Corpora are often stored sorted by class or source, so the calibration, held-out and evaluation documents
+are disjoint draws of one seeded permutation (``split_documents``), fixed by ``SPLIT_SEED`` and not by
+``--seed``: prune and eval on the same folder never share a document, whatever seeds they ran with.
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ from corp_deploy.errors import CorpError
 from corp_deploy.hf import max_positions
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
+SPLIT_SEED = 0
+"""The permutation that splits a folder's documents; fixed so that every command draws the same split."""
+EVAL_FRACTION = HELDOUT_FRACTION = 0.1
+"""Shares of a folder's documents kept for evaluation and for held-out checks (rounded down; the rest calibrates)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,29 @@ def read_documents(root: str | Path) -> list[Document]:
     if not docs:
         raise CorpError(f"no text (.txt files, or .jsonl lines with a 'text' field) under {root}; point it at text")
     return docs
+
+
+@dataclass(frozen=True)
+class DocumentSplit:
+    """Disjoint parts of one folder's documents, each in the folder's (path) order."""
+
+    calibration: list[Document]
+    heldout: list[Document]
+    evaluation: list[Document]
+
+
+def split_documents(docs: Sequence[Document]) -> DocumentSplit:
+    """A seeded permutation of ALL documents cut into evaluation, held-out and calibration parts.
+
+    Drawn across the whole folder, because taking the first or last files of a folder sorted by class would
+    calibrate on some classes and evaluate on others. A folder of one document calibrates on it (parts that
+    would round to zero stay empty)."""
+    n = len(docs)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED)).tolist()
+    n_eval, n_held = int(n * EVAL_FRACTION), int(n * HELDOUT_FRACTION)
+    part = {i: 0 for i in order[:n_eval]} | {i: 1 for i in order[n_eval : n_eval + n_held]}
+    pick = lambda k: [d for i, d in enumerate(docs) if part.get(i, 2) == k]  # noqa: E731
+    return DocumentSplit(pick(2), pick(1), pick(0))
 
 
 def _texts(path: Path) -> list[str]:
@@ -74,6 +108,46 @@ def text_batches(
     """Tokenized batches of ``docs`` in order (tokenized lazily, one batch at a time)."""
     for start in range(0, len(docs), batch_size):
         yield tokenize(tokenizer, [d.text for d in docs[start : start + batch_size]], seq_len), 0
+
+
+def shuffled(docs: Sequence[Document], seed: int) -> list[Document]:
+    """``docs`` in a seeded random order: packing takes windows from the front, which must not be one class."""
+    order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed))
+    return [docs[i] for i in order.tolist()]
+
+
+def token_stream(tokenizer: Any, docs: Sequence[Document]) -> Iterator[int]:
+    """The documents' tokens as one stream: BOS first (when the tokenizer has one), EOS after each document.
+
+    Each document is tokenized on its own, lazily, so that packing reads only as much text as it needs; a
+    document longer than the model's positions is expected (it is cut into windows), so no warning says so."""
+    if tokenizer.bos_token_id is not None:
+        yield tokenizer.bos_token_id
+    for doc in docs:
+        yield from tokenizer(doc.text, add_special_tokens=False, verbose=False)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            yield tokenizer.eos_token_id
+
+
+def packed_sequences(tokenizer: Any, docs: Sequence[Document], seq_len: int, num: int | None = None) -> Tensor:
+    """(sequences, seq_len) token ids: ``docs`` joined (``token_stream``) and cut into non-overlapping windows,
+    the first ``num`` of them (all whole windows when None); the tail shorter than a window is left out."""
+    stream, rows = token_stream(tokenizer, docs), []
+    while num is None or len(rows) < num:
+        row = [t for _, t in zip(range(seq_len), stream, strict=False)]
+        if len(row) < seq_len:
+            break
+        rows.append(row)
+    if not rows:
+        raise CorpError(f"the text holds fewer than --seq-len {seq_len} tokens; pass more text or a lower --seq-len")
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def packed_batches(ids: Tensor, batch_size: int) -> Iterator[tuple[dict[str, Tensor], int]]:
+    """Batches of packed sequences: every position is a real token (a mask of ones)."""
+    for start in range(0, ids.shape[0], batch_size):
+        chunk = ids[start : start + batch_size]
+        yield {"input_ids": chunk, "attention_mask": torch.ones_like(chunk)}, 0
 
 
 def synthetic_text_batches(

@@ -22,6 +22,7 @@ from torch import nn
 
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
+from corp_deploy.fsio import sha256
 
 DEFAULT_OPSET = 20
 """Verified here: the pruned SDPA decomposes to MatMul/Softmax and matches onnxruntime (tests/test_export.py,
@@ -159,6 +160,12 @@ def onnx_files(path: str | Path, proto=None) -> list[Path]:
     proto = proto if proto is not None else load_onnx(path, weights=False)
     locations = {ExternalDataInfo(t).location for t in _tensors(proto) if uses_external_data(t)}
     return [path, *(path.parent / location for location in sorted(locations))]
+
+
+def onnx_sha256(path: str | Path) -> str:
+    """sha256 of an ONNX model as a whole, graph then external weights: what an output made from it records,
+    so that re-exported weights behind an unchanged graph file still make that output stale."""
+    return sha256(*onnx_files(path))
 
 
 def onnx_bytes(path: str | Path) -> int:

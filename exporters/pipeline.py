@@ -44,6 +44,7 @@ from corp_deploy.exporters.onnx_export import (
     input_shape,
     load_onnx,
     onnx_bytes,
+    onnx_sha256,
     read_metadata,
 )
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
@@ -55,8 +56,8 @@ from corp_deploy.exporters.tensorrt_engine import (
     build_engine,
     build_missing,
 )
-from corp_deploy.exporters.text_onnx import Encoder, export_text_onnx
-from corp_deploy.fsio import sha256, staged
+from corp_deploy.exporters.text_onnx import export_text_onnx, graph
+from corp_deploy.fsio import staged
 from corp_deploy.tables import text_table
 
 
@@ -113,8 +114,9 @@ def export_verified(
 ) -> dict[str, Any]:
     """Export ``model`` to ``path`` and check it against PyTorch on the CPU; return its record.
 
-    A text encoder (``description`` from ``api.describe``) takes ``input_ids`` and ``attention_mask`` with
-    dynamic batch and sequence (``text_onnx``) and is checked at untraced shapes with padding.
+    A text model (``description`` from ``api.describe``) takes ``input_ids`` and ``attention_mask`` with
+    dynamic batch and sequence (``text_onnx``: an encoder's last hidden state, a decoder's logits) and is
+    checked at untraced shapes with padding.
     """
     metadata = {**description, "precision": "fp32"}
     start = time.perf_counter()
@@ -123,7 +125,7 @@ def export_verified(
             raise CorpError("--simplify is for image graphs; export text encoders without it")
         check_opset(opset)
         export_text_onnx(model, path, opset, metadata)
-        reference = TorchRunner(Encoder(model))
+        reference = TorchRunner(graph(model)[0])
     else:
         export_onnx(model, path, tuple(description["input_size"]), opset, simplify, metadata)
         reference = TorchRunner(model)
@@ -154,7 +156,12 @@ def convert_verified(src: Path, path: Path, opts: VerifyOptions = VerifyOptions(
     check_ = _verified(*runners, graph_inputs(proto, opts.seed), opts, opts.fp16, f"FP16 ONNX {path.name}")
     check_["reference"] = f"{src.name} ({check_['reference']})"
     record = {**read_metadata(proto), "file": path.name, "precision": "fp16", "bytes": onnx_bytes(path)}
-    record |= {"seconds": round(seconds, 2), "verify": check_, "converted_from": src.name, "source_sha256": sha256(src)}
+    record |= {
+        "seconds": round(seconds, 2),
+        "verify": check_,
+        "converted_from": src.name,
+        "source_sha256": onnx_sha256(src),
+    }
     write_sidecar(path, record)
     return record
 
@@ -185,7 +192,7 @@ def engine_verified(
 def fp16_graph(src: Path, half: Path, opts: VerifyOptions, say: Callable[[str], None] = print) -> Path:
     """``half`` if it was converted from the current ``src`` (its sidecar says so), else a fresh verified conversion."""
     try:
-        if json.loads(Path(f"{half}.json").read_text())["source_sha256"] == sha256(src):
+        if json.loads(Path(f"{half}.json").read_text())["source_sha256"] == onnx_sha256(src):
             say(f"using {half} (converted from the current {src.name})")
             return half
     except (OSError, KeyError, json.JSONDecodeError):

@@ -42,9 +42,10 @@ from corp_deploy.exporters.onnx_export import (
     load_onnx,
     onnx_bytes,
     onnx_files,
+    onnx_sha256,
     read_metadata,
 )
-from corp_deploy.fsio import check_writable, sha256, staged
+from corp_deploy.fsio import check_writable, staged
 
 INT8_OPS = ("MatMul", "Gemm", "Conv")
 """Op types quantized where one input is a weight (linear layers, patch embedding)."""
@@ -291,7 +292,7 @@ def quantize_verified(
     verify = {"reference": f"{src.name} ({reference.name})", "runtime": candidate.name, **summary(comparisons)}
     verify |= {"images": comparisons[-1].batch, "tolerance": asdict(tol)}
     record = {**meta, "file": out.name, "bytes": onnx_bytes(out), "seconds": round(seconds, 2)}
-    record |= {"verify": verify, "quantized_from": src.name, "source_sha256": sha256(src)}
+    record |= {"verify": verify, "quantized_from": src.name, "source_sha256": onnx_sha256(src)}
     write_sidecar(out, record)
     return record
 

@@ -23,6 +23,9 @@ GPU_PROVIDERS = ("CUDAExecutionProvider",)
 """onnxruntime's GPU backend is its CUDA provider, named explicitly: its TensorRT provider (first in
 onnxruntime-gpu's list) would make ``ort-cuda`` a TensorRT benchmark and compare our engines with
 TensorRT instead of an independent reference."""
+PROVIDER_OPTIONS = {"CUDAExecutionProvider": {"use_tf32": "0"}}
+"""FP32 means FP32: onnxruntime's CUDA provider runs FP32 matmuls in TF32 unless told not to (10-bit mantissa:
+an FP32 reference or an FP32 latency would silently be neither)."""
 
 
 class TorchRunner:
@@ -78,7 +81,8 @@ class OrtRunner:
         if threads:
             options.intra_op_num_threads = threads
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=providers)
+            chosen = [(p, PROVIDER_OPTIONS.get(p, {})) for p in providers]
+            self.session = ort.InferenceSession(str(path), options, providers=chosen)
         except Exception as e:
             raise CorpError(f"onnxruntime cannot load {path}: {str(e).splitlines()[0]}") from None
         self.provider = self.session.get_providers()[0]

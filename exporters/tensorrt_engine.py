@@ -32,7 +32,7 @@ import torch
 from corp_deploy import env
 from corp_deploy.deps import install_hint, optional
 from corp_deploy.errors import CorpError
-from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, read_metadata
+from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, onnx_sha256, read_metadata
 from corp_deploy.fsio import atomic_file, cache_dir, check_writable, sha256, staged
 from corp_deploy.version import __version__
 
@@ -195,6 +195,12 @@ def default_timing_cache(trt) -> Path:
     return cache_dir() / f"{slug}.timing-cache"
 
 
+def source_record(onnx_path: Path, engine: Path) -> dict[str, str]:
+    """The sidecar's record of the graph an engine is built from: its path relative to the engine (a run folder
+    moves as a whole) and the hash of the whole model (graph and external weights: ``check_compatible``)."""
+    return {"path": os.path.relpath(onnx_path.resolve(), engine.parent.resolve()), "sha256": onnx_sha256(onnx_path)}
+
+
 def sidecar(engine: str | Path) -> Path:
     return Path(f"{engine}.json")
 
@@ -276,8 +282,7 @@ def build_engine(
         "build_seconds": round(seconds, 2),
         "engine_bytes": serialized.nbytes,
         "attention": {"blocks": len(read_metadata(proto).get("structure", [])) or None, **log.attention()},
-        # Relative to the engine, so that a run folder can move as a whole.
-        "onnx": {"path": os.path.relpath(onnx_path.resolve(), out.parent.resolve()), "sha256": sha256(onnx_path)},
+        "onnx": source_record(onnx_path, out),
         "corp_deploy": __version__,
     }
     with staged(out, overwrite) as stage:
@@ -439,7 +444,7 @@ def check_compatible(
             "TensorRT engines are tied to the GPU that built them: rebuild it with `corp-deploy build-engine`"
         )
     source = Path(onnx) if onnx is not None else Path(engine).parent / meta["onnx"]["path"]
-    if source.is_file() and sha256(source) != meta["onnx"]["sha256"]:
+    if source.is_file() and onnx_sha256(source) != meta["onnx"]["sha256"]:
         raise CorpError(f"{engine} is stale: {source} changed after it was built; rebuild the engine")
 
 

@@ -1,9 +1,10 @@
-"""Text encoders (``transformers``, dense or pruned) -> ONNX with dynamic batch AND sequence, verified.
+"""Text models (``transformers``, dense or pruned) -> ONNX with dynamic batch AND sequence, verified.
 
-The graph takes ``input_ids`` and ``attention_mask`` (int64, batch x sequence) and returns the encoder's
-``last_hidden_state``; pooling stays with the caller, as with sentence-transformers. The dynamo exporter
-keeps both axes symbolic (a pruned attention reshapes with -1, so no size is baked in); ``verify_text_onnx``
-runs onnxruntime at shapes other than the traced one, with padding, against PyTorch.
+The graph takes ``input_ids`` and ``attention_mask`` (int64, batch x sequence) and returns an encoder's
+``last_hidden_state`` (pooling stays with the caller, as with sentence-transformers) or a causal LM's
+``logits`` (the full-sequence forward, no key/value cache: scoring and prefill, not token-by-token decoding).
+The dynamo exporter keeps both axes symbolic (a pruned attention reshapes with -1, so no size is baked in);
+``verify_text_onnx`` runs onnxruntime at shapes other than the traced one, with padding, against PyTorch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, _quiet, add_metadat
 
 INPUTS = ("input_ids", "attention_mask")
 OUTPUT = "last_hidden_state"
+LOGITS = "logits"
 EXAMPLE = (2, 8)
 """Traced (batch, sequence): torch.export specialises sizes 0 and 1, which would pin an axis."""
 VERIFY_SHAPES = ((1, 5), (3, 19))
@@ -37,6 +39,26 @@ class Encoder(nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
+class CausalLM(nn.Module):
+    """``model(input_ids, attention_mask).logits`` without a key/value cache: every position's next-token logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+def graph(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module to export (on CPU, eval) and its output's name: logits for a model that generates (a causal
+    LM head), the last hidden state otherwise."""
+    model = model.to("cpu").eval()
+    if type(model).can_generate():
+        return CausalLM(model).eval(), LOGITS
+    return Encoder(model).eval(), OUTPUT
+
+
 def example_inputs(vocab: int, batch: int, seq: int, seed: int = 0) -> tuple[Tensor, Tensor]:
     """Random token ids; every sequence after the first is padded from a random length on."""
     g = torch.Generator().manual_seed(seed)
@@ -51,15 +73,15 @@ def export_text_onnx(
 ) -> Path:
     """Export ``model`` (moved to CPU, eval) to ``path`` (weights inside, < 2 GB) and check it."""
     onnx = require("onnx", "ONNX export")
-    encoder = Encoder(model.to("cpu").eval()).eval()
+    module, output = graph(model)
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
     try:
         with _quiet():
             program = torch.onnx.export(
-                encoder,
+                module,
                 example_inputs(model.config.vocab_size, *EXAMPLE),
                 input_names=list(INPUTS),
-                output_names=[OUTPUT],
+                output_names=[output],
                 opset_version=opset,
                 dynamic_shapes={name: {0: batch, 1: seq} for name in INPUTS},
                 dynamo=True,
@@ -79,13 +101,13 @@ def verify_text_onnx(model: nn.Module, path: str | Path, shapes: tuple[tuple[int
     """Largest |onnxruntime - PyTorch| / max |PyTorch| over real tokens at ``shapes`` (batch, sequence)."""
     ort = require("onnxruntime", "ONNX verification")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    encoder = Encoder(model.to("cpu").eval()).eval()
+    module, output = graph(model)
     worst = 0.0
     for k, (batch, seq) in enumerate(shapes):
         ids, mask = example_inputs(model.config.vocab_size, batch, seq, seed=k + 1)
         with torch.inference_mode():
-            ref = encoder(ids, mask).numpy()
-        out = session.run([OUTPUT], {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
+            ref = module(ids, mask).numpy()
+        out = session.run([output], {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
         real = mask.numpy().astype(bool)
         worst = max(worst, float(np.abs(out - ref)[real].max() / np.abs(ref[real]).max()))
     return worst

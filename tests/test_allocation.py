@@ -306,7 +306,7 @@ def test_budget_under_two_gloo_processes(tmp_path) -> None:
         PruneConfig(budget="macs=0.6", target="all", allocation="local"),
         progress=False,
     )
-    assert local["calibration"] == {"images": 64, "skipped": 0, "mode": "one-pass", "processes": 2}
+    assert local["calibration"] == {"images": 64, "skipped": 0, "mode": "one-pass", "unit": "images", "processes": 2}
     assert local["widths"] == [[e[p]["kept"] for p in ("mlp", "qk", "v")] for e in single.report["blocks"]]
     assert sens["calibration"]["images"] == 56 and sens["allocation"]["heldout"]["images"] == 8
     assert sens["allocation"]["planned_macs"] <= sens["allocation"]["limit_macs"]

