@@ -261,3 +261,24 @@ def test_two_gloo_processes_calibrate_text_to_the_single_process_model(folder, t
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-4, msg=key)  # summation order differs
     one, two = (json.loads((tmp_path / n / "corp.json").read_text())["report"]["calibration"] for n in ("one", "two"))
     assert two["images"] == one["images"] > 5 and (one["processes"], two["processes"]) == (1, 2)
+
+
+@pytest.mark.e2e
+def test_a_decoder_exports_its_logits_and_benches_like_an_encoder(tmp_path, capsys) -> None:
+    """OPT through prune-export (the full-sequence forward, no key/value cache) and bench, with the same records."""
+    import onnx
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    size = {"hidden_size": 32, "num_hidden_layers": 2, "ffn_dim": 64, "num_attention_heads": 4}
+    config = transformers.OPTConfig(vocab_size=50, max_position_embeddings=64, word_embed_proj_dim=32, **size)
+    transformers.OPTForCausalLM(config).eval().save_pretrained(tmp_path / "tiny-opt")
+    out = tmp_path / "run"
+    argv = ["prune-export", str(tmp_path / "tiny-opt"), "--calib", "synthetic", *TEXT_ARGS, "--precision", "fp32"]
+    code, _, stderr = run([*argv, "--batch", "1:4:8", "--out", str(out)], capsys)
+    assert code == 0, stderr
+    assert [o.name for o in onnx.load(str(out / "pruned.onnx")).graph.output] == ["logits"]
+    assert json.loads((out / "pruned.onnx.json").read_text())["seq_len"] == 32
+    code, stdout, stderr = run(["bench", str(out), "--backends", "ort-cpu-fp32", "--batch-sizes", "2", *FAST], capsys)
+    assert code == 0 and "batch    2 x 32 tokens" in stdout and "dense tok/s" in stdout, stderr
