@@ -14,34 +14,47 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import timm
 import torch
 from torch import nn
 
-from corp_deploy.artifact import META_FILE, load_pruned, read_meta
+from corp_deploy.artifact import FAMILIES, META_FILE, load_pruned, read_meta
 from corp_deploy.bench.measure import Step
 from corp_deploy.deps import missing as uninstalled
 from corp_deploy.deps import optional
 from corp_deploy.errors import CorpError, first_line
+from corp_deploy.exporters.compare import Feed
 from corp_deploy.exporters.rewrites import default_rewrites, rewritten
-from corp_deploy.exporters.tensorrt_engine import run_missing
+from corp_deploy.exporters.tensorrt_engine import TEXT_ENGINES, run_missing
+from corp_deploy.exporters.text_onnx import graph
 
 MODELS = ("dense", "pruned")
 
 
+class Text(NamedTuple):
+    """A text run's inputs: token ids below ``vocab``, ``seq_len`` real tokens per sequence."""
+
+    vocab: int
+    seq_len: int
+
+
 @dataclass(frozen=True)
 class RunFolder:
-    """A ``prune-export`` folder (or a bare prune artifact): the models in every form it holds."""
+    """A ``prune-export`` folder (or a bare prune artifact): the models in every form it holds.
+
+    ``seq_len``: a text run's tokens per sequence, instead of the one ``prune-export`` recorded.
+    """
 
     root: Path
     rewrites: tuple[str, ...] | None = None
     """The exact rewrites (``exporters.rewrites``) the torch backends apply; None: each backend's defaults."""
+    seq_len: int | None = None
 
     @classmethod
-    def open(cls, path: str | Path) -> RunFolder:
+    def open(cls, path: str | Path, seq_len: int | None = None) -> RunFolder:
         root = Path(path)
         if not (root / "pruned" / META_FILE).is_file() and (root / META_FILE).is_file():
             raise CorpError(f"{root} is a prune artifact; bench a `corp-deploy prune-export` folder (it has ONNX too)")
@@ -49,21 +62,49 @@ class RunFolder:
             raise CorpError(
                 f"{root} is not a prune-export folder (no pruned/{META_FILE}); run `corp-deploy prune-export`"
             )
-        return cls(root)
+        run = cls(root, seq_len=seq_len)
+        _ = run.text  # a bad --seq-len fails here, before any backend loads
+        return run
 
     @cached_property
     def meta(self) -> dict:
         return read_meta(self.root / "pruned")
 
+    @cached_property
+    def graph(self) -> dict:
+        """What ``prune-export`` recorded beside pruned.onnx (input size, or a text encoder's inputs); empty when
+        missing, for torch backends to run without it (``input_size`` then says what is missing)."""
+        try:
+            return json.loads((self.root / "pruned.onnx.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    @cached_property
+    def text(self) -> Text | None:
+        """A text encoder's inputs (``seq_len`` checked against its positions), or None for an image model."""
+        if self.graph.get("modality") != "text":
+            if self.seq_len is not None:
+                raise CorpError(f"--seq-len is for text encoders; {self.root} holds an image model")
+            return None
+        seq_len, limit = self.seq_len or self.graph["seq_len"], self.graph["max_positions"]
+        if not 1 <= seq_len <= limit:
+            raise CorpError(f"--seq-len must be between 1 and {limit} (the model's positions), got {seq_len}")
+        return Text(self.graph["vocab_size"], seq_len)
+
     def torch_model(self, which: str) -> nn.Module:
-        """The pruned model from its artifact; the dense one rebuilt from the same timm name.
+        """The pruned model from its artifact; the dense one rebuilt from the same timm name or config.json
+        (a text model's, taking ``input_ids, attention_mask``: ``text_onnx.graph``, as exported).
 
         The dense weights are random: values do not change a dense model's latency.
         """
         if which == "pruned":
-            return load_pruned(self.root / "pruned")
-        model = self.meta["model"]
-        return timm.create_model(model["name"], pretrained=False, **model.get("args", {})).eval()
+            model = load_pruned(self.root / "pruned")
+        elif self.text is not None:
+            model = FAMILIES[self.meta["family"]].build(self.meta["model"], self.root / "pruned").eval()
+        else:
+            model = self.meta["model"]
+            return timm.create_model(model["name"], pretrained=False, **model.get("args", {})).eval()
+        return graph(model)[0] if self.text is not None else model
 
     def onnx(self, which: str, precision: str = "fp32") -> Path:
         return self.root / (f"{which}.onnx" if precision == "fp32" else f"{which}.{precision}.onnx")
@@ -74,13 +115,30 @@ class RunFolder:
     @cached_property
     def input_size(self) -> tuple[int, int, int]:
         """(C, H, W) as ``prune-export`` recorded it beside pruned.onnx: no model is built to learn it."""
-        record = self.root / "pruned.onnx.json"
         try:
-            return tuple(json.loads(record.read_text())["input_size"])
-        except (OSError, ValueError, KeyError, TypeError):
+            return tuple(self.graph["input_size"])
+        except (KeyError, TypeError):
             raise CorpError(
-                f"{record} is missing or records no input_size; re-run `corp-deploy prune-export`"
+                f"{self.root}/pruned.onnx.json is missing or records no input_size; re-run `corp-deploy prune-export`"
             ) from None
+
+
+def inputs_for(run: RunFolder, batch: int) -> Feed:
+    """A batch as ``run``'s models take it: full-length random token ids (mask all ones) for a text run,
+    else random images. Anything else with an ``input_size`` (``speed``'s models) gets images."""
+    rng = np.random.default_rng(batch)
+    text = run.text if isinstance(run, RunFolder) else None
+    if text is None:
+        return rng.standard_normal((batch, *run.input_size), dtype=np.float32)
+    ids = rng.integers(0, text.vocab, (batch, text.seq_len))
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+
+
+def torch_inputs(feed: Feed, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """``feed`` as torch tensors on ``device``: images in ``dtype``, token ids and masks as they are."""
+    if isinstance(feed, dict):
+        return tuple(torch.from_numpy(a).to(device) for a in feed.values())
+    return (torch.from_numpy(feed).to(device, dtype),)
 
 
 def cpu_step(call: Callable[[], object]) -> Step:
@@ -144,28 +202,33 @@ def _every_recompile_allowed() -> Iterator[None]:
         yield
 
 
-def torch_forward(model: nn.Module, x: torch.Tensor, graph: bool = False) -> Callable[[], torch.Tensor]:
-    """``model(x)`` under ``inference_mode``, run once here so a compiled model compiles now, not when timed.
+def torch_forward(
+    model: nn.Module, x: torch.Tensor | tuple[torch.Tensor, ...], graph: bool = False
+) -> Callable[[], torch.Tensor]:
+    """``model(x)`` (``model(*x)`` for a tuple) under ``inference_mode``, run once here so a compiled model
+    compiles now, not when timed.
 
     ``graph``: after warm-up iterations on a side stream (CUDA graphs capture no first-call work), the
     forward is captured once in a CUDA graph and the call replays it: no per-kernel launch cost. ``x``
     is then the static input buffer (write new inputs into it) and the call returns the static output.
     """
+    args = x if isinstance(x, tuple) else (x,)
 
     def run() -> torch.Tensor:
         with torch.inference_mode():
-            return model(x)
+            return model(*args)
 
     with _every_recompile_allowed():
         if not graph:
             run()
             return run
-        side = torch.cuda.Stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
+        device = args[0].device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(3):
                 run()
-        torch.cuda.current_stream(x.device).wait_stream(side)
+        torch.cuda.current_stream(device).wait_stream(side)
         captured = torch.cuda.CUDAGraph()
         with torch.cuda.graph(captured):
             out = run()
@@ -186,10 +249,9 @@ def _torch(name: str, dtype: torch.dtype, compile_backend: str | None = None, gr
         model = rewritten(run.torch_model(which), names)[0].to(device, dtype).eval()
         if compile_backend:
             model = compile_model(model, compile_backend)
-        shape = run.input_size
 
         def at(batch: int) -> Step:
-            x = torch.randn(batch, *shape, device=device, dtype=dtype)
+            x = torch_inputs(inputs_for(run, batch), device, dtype)
             try:
                 forward = torch_forward(model, x, graph)
             except torch.cuda.OutOfMemoryError:
@@ -197,10 +259,11 @@ def _torch(name: str, dtype: torch.dtype, compile_backend: str | None = None, gr
             except RuntimeError as e:  # a compiler or capture failure: this batch is skipped, the bench goes on
                 raise CorpError(f"the warm-up forward (compile, graph capture) failed: {first_line(e)}") from e
             if include_copies and device == "cuda":
-                host = torch.randn(batch, *shape, dtype=dtype).pin_memory()
+                hosts = [t.cpu().pin_memory() for t in x]
 
                 def call() -> torch.Tensor:
-                    x.copy_(host, non_blocking=True)
+                    for t, host in zip(x, hosts, strict=True):
+                        t.copy_(host, non_blocking=True)
                     return forward().cpu()
 
                 return cuda_step(call)
@@ -218,10 +281,9 @@ def _ort(device: str, precision: str = "fp32") -> Callable:
         runner = OrtRunner(run.onnx(which, precision), device, threads)
         if device == "gpu" and runner.provider == "CPUExecutionProvider":
             raise CorpError("onnxruntime fell back to the CPU provider; its GPU provider did not load")
-        shape = run.input_size
 
         def at(batch: int) -> Step:
-            x = np.random.default_rng(batch).standard_normal((batch, *shape), dtype=np.float32)
+            x = inputs_for(run, batch)
             if device == "cpu" or include_copies:
                 return cpu_step(lambda: runner(x))  # session.run blocks until the result is on the host
             return cpu_step(runner.on_gpu(x))
@@ -282,6 +344,8 @@ def _ort_missing(device: str, precision: str = "fp32") -> Callable[[RunFolder], 
 
 def _engine_missing(precision: str) -> Callable[[RunFolder], str | None]:
     def missing(run: RunFolder) -> str | None:
+        if run.text is not None:
+            return TEXT_ENGINES
         absent = [run.engine(m, precision).name for m in MODELS if not run.engine(m, precision).is_file()]
         if absent:
             return f"no {', '.join(absent)} in {run.root} (prune-export --precision {precision})"

@@ -23,10 +23,25 @@ COLUMNS = (
     ("pruned_throughput", "pruned img/s", "{:.1f}"),
     ("throughput_ratio", "throughput ratio", "{:.2f}x"),
 )
+TEXT_COLUMNS = (
+    *COLUMNS[:4],
+    ("seq_len", "seq-len", "{}"),
+    *COLUMNS[4:7],
+    ("dense_throughput", "dense sent/s", "{:.1f}"),
+    ("pruned_throughput", "pruned sent/s", "{:.1f}"),
+    ("dense_tokens_per_s", "dense tok/s", "{:.0f}"),
+    ("pruned_tokens_per_s", "pruned tok/s", "{:.0f}"),
+    COLUMNS[-1],
+)
+"""A text run's: tokens per sequence beside the batch; sentences/s and tokens/s instead of images/s."""
+
+
+def _columns(record: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    return TEXT_COLUMNS if any("seq_len" in r for r in record["results"]) else COLUMNS
 
 
 def _rows(record: dict[str, Any]) -> list[list[str]]:
-    return [[fmt.format(p[key]) for key, _, fmt in COLUMNS] for p in pairs(record)]
+    return [[fmt.format(p[key]) for key, _, fmt in _columns(record)] for p in pairs(record)]
 
 
 def skipped_lines(skipped: dict[str, str]) -> list[str]:
@@ -38,12 +53,12 @@ def skipped_lines(skipped: dict[str, str]) -> list[str]:
 
 
 def format_table(record: dict[str, Any]) -> str:
-    rows = text_table([[title for _, title, _ in COLUMNS], *_rows(record)], right_from=3)
+    rows = text_table([[title for _, title, _ in _columns(record)], *_rows(record)], right_from=3)
     return "\n".join([rows, *skipped_lines(record["skipped"])])
 
 
 def format_markdown(record: dict[str, Any]) -> str:
-    return markdown_table([title for _, title, _ in COLUMNS], _rows(record)) + "\n"
+    return markdown_table([title for _, title, _ in _columns(record)], _rows(record)) + "\n"
 
 
 def to_csv(record: dict[str, Any]) -> str:
@@ -78,7 +93,8 @@ def plot(record: dict[str, Any], path: Path) -> None:
             label = f"{backend} {model}"
             left.plot(batches, [r["throughput"] for r in rows], style, color=color, marker="o", label=label)
             right.plot(batches, [r["p50_ms"] for r in rows], style, color=color, marker="o", label=label)
-    for ax, title in ((left, "throughput (images/s)"), (right, "p50 latency (ms)")):
+    unit = "sentences/s" if _columns(record) is TEXT_COLUMNS else "images/s"
+    for ax, title in ((left, f"throughput ({unit})"), (right, "p50 latency (ms)")):
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_yscale("log")

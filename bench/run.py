@@ -47,7 +47,10 @@ def benchmark(
     skipped: dict[str, str] | None = None,
     progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
-    """Measure; return the record that ``--json`` writes and the gate compares."""
+    """Measure; return the record that ``--json`` writes and the gate compares.
+
+    A text run's results also hold ``seq_len`` (tokens per sequence); their throughput is sentences/s.
+    """
     method = method or Method()
     if repeats < 1:
         raise CorpError(f"--repeats must be >= 1, got {repeats}")
@@ -69,6 +72,8 @@ def benchmark(
         "skipped": dict(skipped or {}),
         "results": [],
     }
+    tokens = {} if run.text is None else {"seq_len": run.text.seq_len}
+    shape = "" if run.text is None else f" x {run.text.seq_len} tokens"
     for backend in backends:
         try:
             loaders = {m: backend.load(run, m, include_copies, threads) for m in MODELS}
@@ -83,7 +88,7 @@ def benchmark(
                 repeats_ = [interleaved(steps, method, warm_up=i == 0) for i in range(repeats)]
             except (torch.cuda.OutOfMemoryError, CorpError) as e:
                 record["skipped"][f"{backend.name}@{batch}"] = first_line(e)
-                progress(f"{backend.name:{WIDTH}s} batch {batch:4d}: skipped ({first_line(e)})")
+                progress(f"{backend.name:{WIDTH}s} batch {batch:4d}{shape}: skipped ({first_line(e)})")
                 continue
             for m in MODELS:
                 stats = median_of_repeats([summarize(r[m], batch) for r in repeats_])
@@ -94,12 +99,13 @@ def benchmark(
                         "precision": backend.precision,
                         "model": m,
                         "batch": batch,
+                        **tokens,
                         **asdict(stats),
                     }
                 )
             dense, pruned = record["results"][-2], record["results"][-1]
             progress(
-                f"{backend.name:{WIDTH}s} batch {batch:4d}: p50 dense {dense['p50_ms']:8.2f} ms, "
+                f"{backend.name:{WIDTH}s} batch {batch:4d}{shape}: p50 dense {dense['p50_ms']:8.2f} ms, "
                 f"pruned {pruned['p50_ms']:8.2f} ms ({dense['p50_ms'] / pruned['p50_ms']:.2f}x)"
             )
         del loaders
@@ -109,7 +115,8 @@ def benchmark(
 
 
 def pairs(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """Dense and pruned side by side per (backend, batch), with the pruned/dense ratios."""
+    """Dense and pruned side by side per (backend, batch), with the pruned/dense ratios; a text run's rows
+    also hold ``seq_len`` and tokens/s (sentences/s x tokens per sequence)."""
     by_key: dict[tuple[str, int], dict[str, dict]] = {}
     for r in record["results"]:
         by_key.setdefault((r["backend"], r["batch"]), {})[r["model"]] = r
@@ -118,6 +125,9 @@ def pairs(record: dict[str, Any]) -> list[dict[str, Any]]:
         if set(models) != set(MODELS):
             continue
         d, p = models["dense"], models["pruned"]
+        tokens = d.get("seq_len")
+        text = {} if tokens is None else {"seq_len": tokens}
+        text |= {f"{m}_tokens_per_s": models[m]["throughput"] * tokens for m in MODELS} if tokens else {}
         out.append(
             {
                 "backend": backend,
@@ -130,6 +140,7 @@ def pairs(record: dict[str, Any]) -> list[dict[str, Any]]:
                 "dense_throughput": d["throughput"],
                 "pruned_throughput": p["throughput"],
                 "throughput_ratio": p["throughput"] / d["throughput"],
+                **text,
             }
         )
     return out

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -66,6 +66,8 @@ from corp_deploy.text import (
     text_batches,
 )
 from corp_deploy.version import __version__
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -132,14 +134,14 @@ def calibration_data(
             stacklevel=2,
         )
         num -= hold_out
-        noise = synthetic_batches(num, batch_size, input_size(model), seed)  # whole batches per rank
-        sizes = [min(batch_size, num - start) for start in range(0, num, batch_size)]
-        batches = (b for i, b in enumerate(noise) if i % world.size == world.rank)
+        batches, total = _own_batches(
+            synthetic_batches(num, batch_size, input_size(model), seed), num, batch_size, world
+        )
         heldout = None
         if hold_out and world.is_main:
             images = next(synthetic_batches(hold_out, hold_out, input_size(model), seed + HELDOUT_SEED_OFFSET))[0]
             heldout = Heldout(images, {SYNTHETIC: hold_out})
-        return Calibration(batches, sum(shard(sizes, world)), heldout)
+        return Calibration(batches, total, heldout)
     root = Path(source)
     files, held = split(sample(list_images(root), num, seed), hold_out, seed)
     files = shard(files, world)
@@ -153,6 +155,13 @@ def calibration_data(
     return Calibration(folder_batches(files, data_config(model), batch_size, workers), len(files), heldout)
 
 
+def _own_batches(batches: Iterable[T], num: int, batch_size: int, world: World) -> tuple[Iterable[T], int]:
+    """This rank's whole batches of a seeded synthetic stream of ``num`` items (every rank draws the same
+    stream), and how many items they hold."""
+    sizes = [min(batch_size, num - start) for start in range(0, num, batch_size)]
+    return (b for i, b in enumerate(batches) if i % world.size == world.rank), sum(shard(sizes, world))
+
+
 def text_calibration_data(
     model: nn.Module,
     tokenizer: Any,
@@ -162,13 +171,16 @@ def text_calibration_data(
     seed: int = 0,
     seq_len: int = 128,
     hold_out: int = 0,
+    world: World = SINGLE_PROCESS,
 ) -> Calibration:
     """``calibration_data`` for a text model: ``num`` sequences of the calibration documents of a folder of
     .txt/.jsonl files (``text.split_documents``), or random token ids when ``source == "synthetic"``.
 
     The model decides the form: a decoder (``Adapter.causal``) gets the seeded documents packed into ``num``
     full ``seq_len`` windows (every token counts); an encoder a seeded sample of ``num`` documents, one per
-    sequence, padded and masked."""
+    sequence, padded and masked. Under torch.distributed each rank of an encoder gets its own disjoint shard
+    of the same seeded sample (whole batches of random tokens), as ``calibration_data`` shards images;
+    decoders calibrate in one process so far."""
     if num < 1 or batch_size < 1:
         raise CorpError("--num-calib and --calib-batch-size must be >= 1")
     if hold_out:
@@ -179,18 +191,21 @@ def text_calibration_data(
             "--calib synthetic: calibrating on RANDOM TOKENS. Use only for smoke tests; pass --calib-dir with text.",
             stacklevel=2,
         )
-        return Calibration(synthetic_text_batches(model.config.vocab_size, num, seq_len, batch_size, seed), num, None)
+        tokens = synthetic_text_batches(model.config.vocab_size, num, seq_len, batch_size, seed)
+        return Calibration(*_own_batches(tokens, num, batch_size, world), None)
     if tokenizer is None:
         raise CorpError(f"{source}: text calibration needs the model's tokenizer, and its folder has none")
     docs = split_documents(read_documents(source)).calibration
     if adapter_for(model).causal:
+        if world.size > 1:
+            raise CorpError("decoders calibrate in one process so far; launch this command without torchrun")
         ids = packed_sequences(tokenizer, shuffled(docs, seed), seq_len, num)
         if ids.shape[0] < num:
             warnings.warn(
                 f"{source} holds {ids.shape[0]} calibration sequences of {seq_len} tokens, not {num}", stacklevel=2
             )
         return Calibration(packed_batches(ids, batch_size), ids.shape[0], None)
-    docs = sample(docs, num, seed)
+    docs = shard(sample(docs, num, seed), world)
     return Calibration(text_batches(tokenizer, docs, seq_len, batch_size), len(docs), None)
 
 
@@ -522,12 +537,19 @@ def load_source(
     weights: str = "pretrained",
     checkpoint: str | Path | None = None,
     model_args: dict | None = None,
+    seq_len: int = hf.MACS_SEQ_LEN,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """A prune artifact folder or a timm model name -> (model in eval mode, ``describe(model)``)."""
+    """A prune artifact folder, a ``transformers`` encoder (a folder with a config.json, or ``hf:NAME``) or a
+    timm model name -> (model in eval mode, ``describe(model)``); text descriptions are for ``seq_len`` tokens."""
     if Path(source, META_FILE).is_file():
         meta = read_meta(source)
         model = load_pruned(source)
-        return model, describe(model, meta["model"]["name"], meta["model"].get("args", {}), "corp-pruned")
+        return model, describe(model, meta["model"]["name"], meta["model"].get("args", {}), "corp-pruned", seq_len)
+    if hf.is_source(str(source)):
+        if checkpoint is not None or model_args:
+            raise CorpError("--checkpoint and --model-arg are for timm models; a transformers folder holds its weights")
+        model, _ = hf.load(str(source))
+        return model, describe(model, str(source), {}, "pretrained", seq_len)
     model = create_model(str(source), weights=weights, checkpoint=checkpoint, model_args=model_args)
     origin = f"checkpoint:{Path(checkpoint).name}" if checkpoint else weights
     return model, describe(model, resolve_name(str(source)), model_args or {}, origin)
@@ -555,8 +577,28 @@ def dense_original(meta: dict[str, Any], checkpoint: str | Path | None = None) -
     return None, "dense weights were random or their checkpoint moved (pass --checkpoint)"
 
 
-def describe(model: nn.Module, name: str, model_args: dict, weights: str) -> dict[str, Any]:
-    """What an exported file needs to say about its model: name, weights, widths, input, preprocessing."""
+def describe(
+    model: nn.Module, name: str, model_args: dict, weights: str, seq_len: int = hf.MACS_SEQ_LEN
+) -> dict[str, Any]:
+    """What an exported file needs to say about its model: name, weights, widths, input, preprocessing.
+
+    A text model's inputs are token ids and a mask of dynamic batch and sequence: it records their names,
+    the sequence length it is meant for (``seq_len``: engine profiles, bench) and the range the positions allow.
+    """
+    if isinstance(adapter_for(model), hf.HfText):
+        check_seq_len(seq_len, model.config)
+        return {
+            "modality": "text",
+            "model": name,
+            "model_args": model_args,
+            "weights": weights,
+            "structure": structure(model),
+            "inputs": ["input_ids", "attention_mask"],
+            "seq_len": seq_len,
+            "max_positions": hf.max_positions(model.config),
+            "vocab_size": model.config.vocab_size,
+            "corp_deploy": __version__,
+        }
     cfg = data_config(model)
     return {
         "model": name,

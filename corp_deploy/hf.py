@@ -32,7 +32,11 @@ from corp_deploy.family import Adapter, QKHook
 MODEL_TYPES = ("bert", "roberta")
 """``config.model_type`` of the supported layout."""
 MACS_SEQ_LEN = 128
-"""Tokens per sequence at which a text model's MACs are counted (``report.model_size``, budgets)."""
+"""Tokens per sequence at which a text model's MACs are counted (``report.model_size``, budgets) unless
+``count_macs_at`` set another."""
+MACS_SEQ_LEN_KEY = "corp_macs_seq_len"
+"""The config attribute holding a model's MACs sequence length: saved in config.json, so a reloaded artifact
+counts at the length it was pruned for."""
 
 
 class PrunedSelfAttention(nn.Module):
@@ -105,7 +109,7 @@ def linear_like(old: nn.Linear, in_features: int, out_features: int) -> nn.Linea
 
 class HfText(Adapter):
     """What every ``transformers`` text family shares: ``{"input_ids", "attention_mask"}`` batches, padding
-    excluded through the mask, MACs at ``MACS_SEQ_LEN`` tokens, config and tokenizer in the artifact."""
+    excluded through the mask, MACs at ``count_macs_at``'s tokens, config and tokenizer in the artifact."""
 
     unit = "sequences"
 
@@ -123,8 +127,8 @@ class HfText(Adapter):
         return None if mask is None else mask.to(device).bool()
 
     def tokens(self, model: nn.Module) -> int:
-        """``MACS_SEQ_LEN``, or the model's positions when it has fewer."""
-        return min(MACS_SEQ_LEN, max_positions(model.config))
+        """The length ``count_macs_at`` set (else ``MACS_SEQ_LEN``), or the model's positions when it has fewer."""
+        return min(getattr(model.config, MACS_SEQ_LEN_KEY, MACS_SEQ_LEN), max_positions(model.config))
 
     def example(self, model: nn.Module) -> dict[str, Tensor]:
         """One sequence of ``tokens`` tokens (what MACs are counted on)."""
@@ -236,6 +240,12 @@ def max_positions(config: Any) -> int:
     if getattr(config, "model_type", "") == "roberta":
         limit -= (config.pad_token_id or 0) + 1
     return limit
+
+
+def count_macs_at(model: nn.Module, seq_len: int) -> None:
+    """Count ``model``'s MACs (its size in reports, a ``--budget macs=F``) at ``seq_len`` tokens per sequence:
+    a text model's cost grows with its inputs' length, so the run's ``--seq-len`` is the one that means something."""
+    setattr(model.config, MACS_SEQ_LEN_KEY, seq_len)
 
 
 def adapter_for_hf(model: nn.Module) -> Adapter:

@@ -15,7 +15,7 @@ from corp_deploy.family import adapter_for
 
 
 def model_size(model: nn.Module) -> dict[str, Any]:
-    """Parameters and MACs for one image, in total and per block.
+    """Parameters and MACs for one input (an image; a sequence of ``tokens``), in total and per block.
 
     MACs are measured by tracing a real forward pass (FlopCounterMode counts FLOPs = 2 x MACs),
     so attention's token-token products and the pruned Q/K width are included as they run.
@@ -36,6 +36,7 @@ def model_size(model: nn.Module) -> dict[str, Any]:
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "macs": flops["Global"] // 2,
+        "tokens": adapter.tokens(model),
         "blocks": [
             {"params": sum(p.numel() for p in b.parameters()), "macs": flops.get(names[id(b)], 0) // 2} for b in blocks
         ],

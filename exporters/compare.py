@@ -16,11 +16,19 @@ import numpy as np
 
 from corp_deploy.env import exact_fp32
 from corp_deploy.errors import CorpError
+from corp_deploy.exporters.text_onnx import example_inputs
 
-Runner = Callable[[np.ndarray], np.ndarray]
-"""Anything that maps an FP32 NCHW batch to an FP32 output array (logits or features): the runners in
+Feed = np.ndarray | dict[str, np.ndarray]
+"""One batch as a graph takes it: an FP32 NCHW image array, or arrays by input name (a text encoder's
+``input_ids`` and ``attention_mask``)."""
+Runner = Callable[[Feed], np.ndarray]
+"""Anything that maps a batch to an FP32 output array (logits or features): the runners in
 ``corp_deploy.exporters.runners``, ``TrtRunner``; the one definition, used by the comparators and by
 ``corp_deploy.bench.accuracy``."""
+Inputs = Callable[[int], Feed]
+"""Batch size -> a seeded batch, the same for every runner compared on it."""
+TEXT_VERIFY_SEQ = 19
+"""Tokens per sequence a text graph is verified at: neither the traced length (``text_onnx.EXAMPLE``) nor 1."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,23 @@ def random_inputs(batch: int, input_size: Sequence[int], seed: int = 0) -> np.nd
     return np.random.default_rng(seed + batch).standard_normal((batch, *input_size), dtype=np.float32)
 
 
-def compare_runners(reference: Runner, candidate: Runner, inputs: Iterable[np.ndarray]) -> list[Comparison]:
+def image_inputs(input_size: Sequence[int], seed: int = 0) -> Inputs:
+    """``random_inputs`` at each batch size."""
+    return lambda batch: random_inputs(batch, input_size, seed)
+
+
+def text_inputs(vocab: int, max_positions: int, seed: int = 0) -> Inputs:
+    """Random token ids of ``TEXT_VERIFY_SEQ`` tokens (fewer if the positions end sooner), every sequence after
+    the first padded from a random length on: what padding and an untraced shape do to a graph shows."""
+
+    def make(batch: int) -> dict[str, np.ndarray]:
+        ids, mask = example_inputs(vocab, batch, min(TEXT_VERIFY_SEQ, max_positions), seed + batch)
+        return {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+
+    return make
+
+
+def compare_runners(reference: Runner, candidate: Runner, inputs: Iterable[Feed]) -> list[Comparison]:
     """Both runners on each input batch. The reference runs in exact FP32 (``env.exact_fp32``): TF32 in a
     PyTorch reference on a GPU would be rounding of its own, blamed on the candidate."""
     comparisons = []
@@ -91,15 +115,9 @@ def compare_runners(reference: Runner, candidate: Runner, inputs: Iterable[np.nd
     return comparisons
 
 
-def verify(
-    reference: Runner,
-    candidate: Runner,
-    input_size: Sequence[int],
-    batches: Sequence[int] = (1, 4),
-    seed: int = 0,
-) -> list[Comparison]:
+def verify(reference: Runner, candidate: Runner, inputs: Inputs, batches: Sequence[int] = (1, 4)) -> list[Comparison]:
     """Run both on the same inputs at each batch size (two or more exercise the dynamic axis)."""
-    return compare_runners(reference, candidate, (random_inputs(b, input_size, seed) for b in batches))
+    return compare_runners(reference, candidate, (inputs(b) for b in batches))
 
 
 def check(comparisons: Sequence[Comparison], tol: Tolerance, what: str) -> None:

@@ -56,8 +56,7 @@ def export_onnx(
     (``corp_deploy.fsio.staged``) so that a failed export or verification leaves nothing.
     """
     onnx = _onnx()
-    if opset not in OPSETS:
-        raise CorpError(f"--opset {opset} is not supported; choose {OPSETS.start}..{OPSETS.stop - 1} (default 20)")
+    check_opset(opset)
     model = model.to("cpu").eval()
     external = sum(p.numel() * p.element_size() for p in model.parameters()) >= MAX_SINGLE_FILE
     proto = _trace(model, torch.randn(EXAMPLE_BATCH, *input_size), opset, _forward_params(model)[0])
@@ -68,6 +67,12 @@ def export_onnx(
     onnx.save(proto, str(path), save_as_external_data=external, location=f"{path.name}.data")
     check_onnx(path)
     return path
+
+
+def check_opset(opset: int) -> None:
+    """Refuse an opset outside the verified range, before anything is traced."""
+    if opset not in OPSETS:
+        raise CorpError(f"--opset {opset} is not supported; choose {OPSETS.start}..{OPSETS.stop - 1} (default 20)")
 
 
 def _trace(model: nn.Module, example: torch.Tensor, opset: int, forward_arg: str):

@@ -24,10 +24,22 @@ from typing import Any
 from torch import nn
 
 from corp_deploy.errors import CorpError
-from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance, check, summary, verify
+from corp_deploy.exporters.compare import (
+    FP16,
+    FP32,
+    INT8,
+    Inputs,
+    Tolerance,
+    check,
+    image_inputs,
+    summary,
+    text_inputs,
+    verify,
+)
 from corp_deploy.exporters.fp16 import convert_fp16
 from corp_deploy.exporters.onnx_export import (
     DEFAULT_OPSET,
+    check_opset,
     export_onnx,
     input_shape,
     load_onnx,
@@ -37,7 +49,15 @@ from corp_deploy.exporters.onnx_export import (
 )
 from corp_deploy.exporters.rewrites import rewritten
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
-from corp_deploy.exporters.tensorrt_engine import VERIFIED, BuildOptions, TrtRunner, build_engine, build_missing
+from corp_deploy.exporters.tensorrt_engine import (
+    TEXT_ENGINES,
+    VERIFIED,
+    BuildOptions,
+    TrtRunner,
+    build_engine,
+    build_missing,
+)
+from corp_deploy.exporters.text_onnx import export_text_onnx, graph
 from corp_deploy.fsio import staged
 from corp_deploy.tables import text_table
 
@@ -57,8 +77,26 @@ class VerifyOptions:
             raise CorpError(f"verify batches must be two or more batch sizes >= 1 (e.g. 1,4), got {self.batches}")
 
 
-def _verified(reference, candidate, input_size: Sequence[int], opts: VerifyOptions, tol: Tolerance, what: str) -> dict:
-    comparisons = verify(reference, candidate, input_size, opts.batches, opts.seed)
+TEXT = "text"
+"""The ``modality`` a text encoder's description (and graph metadata) records; images record none."""
+
+
+def is_text(meta: dict[str, Any]) -> bool:
+    """Whether a description or a graph's metadata is a text encoder's."""
+    return meta.get("modality") == TEXT
+
+
+def graph_inputs(proto, seed: int = 0) -> Inputs:
+    """The verification inputs of an ONNX graph: token ids with padding for a text encoder (from its
+    metadata), else random images of its input shape."""
+    meta = read_metadata(proto)
+    if is_text(meta):
+        return text_inputs(meta["vocab_size"], meta["max_positions"], seed)
+    return image_inputs(input_shape(proto), seed)
+
+
+def _verified(reference, candidate, inputs: Inputs, opts: VerifyOptions, tol: Tolerance, what: str) -> dict:
+    comparisons = verify(reference, candidate, inputs, opts.batches)
     check(comparisons, tol, what)
     return {"reference": reference.name, "runtime": candidate.name, **summary(comparisons), "tolerance": asdict(tol)}
 
@@ -80,14 +118,25 @@ def export_verified(
 
     ``rewrites`` (``exporters.rewrites``) are applied to the exported copy where exact; the check compares it
     with ``model`` as given, so a rewrite that changed the function would fail here, and the record lists them.
+    A text model (``description`` from ``api.describe``) takes ``input_ids`` and ``attention_mask`` with
+    dynamic batch and sequence (``text_onnx``: an encoder's last hidden state, a decoder's logits) and is
+    checked at untraced shapes with padding.
     """
-    input_size = tuple(description["input_size"])
     start = time.perf_counter()
     deployed, applied = rewritten(model, rewrites)
-    meta = {**description, "precision": "fp32", "rewrites": list(applied)}
-    export_onnx(deployed, path, input_size, opset, simplify, metadata=meta)
+    metadata = {**description, "precision": "fp32", "rewrites": list(applied)}
+    if is_text(description):
+        if simplify:
+            raise CorpError("--simplify is for image graphs; export text encoders without it")
+        check_opset(opset)
+        export_text_onnx(deployed, path, opset, metadata)
+        reference = TorchRunner(graph(model)[0])
+    else:
+        export_onnx(deployed, path, tuple(description["input_size"]), opset, simplify, metadata)
+        reference = TorchRunner(model)
     seconds = time.perf_counter() - start
-    check_ = _verified(TorchRunner(model), OrtRunner(path, "cpu"), input_size, opts, opts.fp32, f"ONNX {path.name}")
+    inputs = graph_inputs(load_onnx(path, weights=False), opts.seed)
+    check_ = _verified(reference, OrtRunner(path, "cpu"), inputs, opts, opts.fp32, f"ONNX {path.name}")
     record = {
         "file": path.name,
         "precision": "fp32",
@@ -110,7 +159,7 @@ def convert_verified(src: Path, path: Path, opts: VerifyOptions = VerifyOptions(
     convert_fp16(src, path)
     seconds = time.perf_counter() - start
     runners = OrtRunner(src, "cpu"), OrtRunner(path, "cpu")
-    check_ = _verified(*runners, input_shape(proto), opts, opts.fp16, f"FP16 ONNX {path.name}")
+    check_ = _verified(*runners, graph_inputs(proto, opts.seed), opts, opts.fp16, f"FP16 ONNX {path.name}")
     check_["reference"] = f"{src.name} ({check_['reference']})"
     record = {**read_metadata(proto), "file": path.name, "precision": "fp16", "bytes": onnx_bytes(path)}
     record |= {
@@ -129,15 +178,19 @@ def engine_verified(
     """Build an engine; where this machine can run it, check it against onnxruntime on its own graph.
 
     Elsewhere (TensorRT-RTX builds ahead of time on machines without a supported GPU) the record
-    says "built only" and why: nothing claims a verification that did not run.
+    says "built only" and why: nothing claims a verification that did not run. Text engines are
+    built only everywhere (``TEXT_ENGINES``).
     """
     options.profile.covers(opts.batches)
     tol = {"fp32": opts.fp16 if options.tf32 else opts.fp32, "fp16": opts.fp16, "int8": opts.int8}[options.precision]
+    proto = load_onnx(onnx_path, weights=False)
+    if is_text(read_metadata(proto)):
+        return build_engine(onnx_path, out, options, overwrite=overwrite, unchecked=TEXT_ENGINES)
 
     def check_engine(engine: Path) -> dict:
         runner = TrtRunner(engine, onnx=onnx_path)  # still staged: name its graph for the staleness check
         what = f"{runner.label} {options.precision} engine {out.name}"
-        return _verified(OrtRunner(onnx_path), runner, runner.meta["input"]["shape"], opts, tol, what)
+        return _verified(OrtRunner(onnx_path), runner, graph_inputs(proto, opts.seed), opts, tol, what)
 
     return build_engine(onnx_path, out, options, overwrite=overwrite, check=check_engine)
 

@@ -1,4 +1,4 @@
-"""Runners: one model on one backend, called with an FP32 NCHW numpy batch, returning FP32 numpy.
+"""Runners: one model on one backend, called with a numpy batch (``compare.Feed``), returning FP32 numpy.
 
 Loaders, runners and comparators are separate pieces (as in Polygraphy): ``compare.verify`` takes
 any two runners. The TensorRT runner lives in ``corp_deploy.exporters.tensorrt_engine``.
@@ -15,6 +15,7 @@ from torch import nn
 
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
+from corp_deploy.exporters.compare import Feed
 from corp_deploy.exporters.onnx_export import load_onnx
 
 ORT_PURPOSE = "running ONNX graphs"
@@ -36,8 +37,11 @@ class TorchRunner:
         self.name = f"torch-{self.device.type}-{str(dtype).removeprefix('torch.')}"
 
     @torch.inference_mode()
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        out = self.model(torch.from_numpy(x).to(self.device, self.dtype))
+    def __call__(self, x: Feed) -> np.ndarray:
+        if isinstance(x, dict):  # token ids and masks keep their integer type
+            out = self.model(**{name: torch.from_numpy(a).to(self.device) for name, a in x.items()})
+        else:
+            out = self.model(torch.from_numpy(x).to(self.device, self.dtype))
         return out.float().cpu().numpy()
 
 
@@ -86,11 +90,15 @@ class OrtRunner:
         self.output = self.session.get_outputs()[0].name
         self.name = f"ort-{self.provider.removesuffix('ExecutionProvider').lower()}"
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        (out,) = self.session.run(None, {self.input: x})
+    def feeds(self, x: Feed) -> dict[str, np.ndarray]:
+        """``x`` by input name: an image array goes to the graph's one input."""
+        return x if isinstance(x, dict) else {self.input: x}
+
+    def __call__(self, x: Feed) -> np.ndarray:
+        (out,) = self.session.run(None, self.feeds(x))
         return out.astype(np.float32, copy=False)
 
-    def on_gpu(self, x: np.ndarray) -> Callable[[], object]:
+    def on_gpu(self, x: Feed) -> Callable[[], object]:
         """``x`` copied to the GPU once; a call that runs on it and leaves the output there.
 
         onnxruntime's I/O binding: what a GPU latency is without the host<->device copies that
@@ -98,6 +106,7 @@ class OrtRunner:
         """
         ort = require("onnxruntime", ORT_PURPOSE)
         binding = self.session.io_binding()
-        binding.bind_ortvalue_input(self.input, ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0))
+        for name, array in self.feeds(x).items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
         binding.bind_output(self.output, "cuda")
         return lambda: self.session.run_with_iobinding(binding)

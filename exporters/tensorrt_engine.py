@@ -40,6 +40,8 @@ FORMAT = "corp-deploy/tensorrt-engine"
 FORMAT_VERSION = 2
 PRECISIONS = ("fp32", "fp16", "int8")
 VERIFIED = "verified against onnxruntime"
+TEXT_ENGINES = "text engines are built only: the engine runner takes one image input"
+"""Why a text encoder's engine (``input_ids``, ``attention_mask``) is never run or timed here."""
 MAKE_GRAPH = {
     "fp16": "convert with `corp-deploy export --fp16`",
     "int8": "an INT8 engine needs a Q/DQ graph: `corp-deploy quantize ONNX --calib-dir DIR` writes one",
@@ -79,7 +81,7 @@ RTX_GPUS = "TensorRT-RTX engines run on RTX-class GPUs (compute capability 8.0-1
 
 @dataclass(frozen=True)
 class Profile:
-    """One optimization profile over the batch axis: TensorRT tunes kernels for ``opt``."""
+    """One optimization profile over an axis (the batch, a text sequence): TensorRT tunes kernels for ``opt``."""
 
     min: int
     opt: int
@@ -87,7 +89,7 @@ class Profile:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min <= self.opt <= self.max:
-            raise CorpError(f"batch range must satisfy 1 <= min <= opt <= max, got {self.min}:{self.opt}:{self.max}")
+            raise CorpError(f"a range must satisfy 1 <= min <= opt <= max, got {self.min}:{self.opt}:{self.max}")
 
     def __str__(self) -> str:
         return f"{self.min}:{self.opt}:{self.max}"
@@ -102,13 +104,16 @@ class Profile:
             )
 
 
-def parse_profile(text: str) -> Profile:
-    """``"1:32:256"`` -> Profile(1, 32, 256); a single number means a fixed batch."""
+def parse_profile(text: str, flag: str = "--batch") -> Profile:
+    """``"1:32:256"`` -> Profile(1, 32, 256); a single number means a fixed size."""
     parts = text.split(":")
     if len(parts) not in (1, 3) or not all(p.strip().isdigit() for p in parts):
-        raise CorpError(f"--batch expects MIN:OPT:MAX (e.g. 1:32:256) or one batch size, got {text!r}")
+        raise CorpError(f"{flag} expects MIN:OPT:MAX (e.g. 1:32:256) or one size, got {text!r}")
     values = [int(p) for p in parts]
-    return Profile(*(values * 3 if len(values) == 1 else values))
+    try:
+        return Profile(*(values * 3 if len(values) == 1 else values))
+    except CorpError as e:
+        raise CorpError(f"{flag}: {e}") from None
 
 
 def parse_compute_capabilities(text: str | None) -> tuple[str, ...]:
@@ -132,6 +137,8 @@ class BuildOptions:
     timing_cache: Path | None = None
     runtime: str = "auto"
     compute_capabilities: tuple[str, ...] = ()
+    sequence: Profile | None = None
+    """The range of a graph's other dynamic axis (a text encoder's tokens per sequence); None for images."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -214,13 +221,15 @@ def build_engine(
     options: BuildOptions,
     overwrite: bool = False,
     check: Callable[[Path], dict] | None = None,
+    unchecked: str = "no check asked for",
 ) -> dict:
     """Build ``out`` from ``onnx_path``; write the engine and its sidecar; return the sidecar's record.
 
     The graph's own types decide the precision: ``options.precision`` must match them. ``check``
     runs on the finished engine before it is moved into place, when this machine can run the
     engine (its result goes into the record under ``verify``); if it raises, nothing is written.
-    Otherwise the record says the engine was built only, and why it was not executed.
+    Otherwise the record says the engine was built only, and why it was not executed (``unchecked``
+    when there is no ``check``).
     """
     onnx_path, out = Path(onnx_path), Path(out)
     check_writable(out, overwrite)
@@ -241,12 +250,7 @@ def build_engine(
     tf32_flag = getattr(trt.BuilderFlag, "TF32", None)
     if tf32_flag is not None:
         (config.set_flag if options.tf32 else config.clear_flag)(tf32_flag)
-    image = network.get_input(0)
-    shape = tuple(image.shape)[1:]
-    profile = builder.create_optimization_profile()
-    p = options.profile
-    profile.set_shape(image.name, (p.min, *shape), (p.opt, *shape), (p.max, *shape))
-    config.add_optimization_profile(profile)
+    inputs = _add_profile(builder, network, config, options, onnx_path)
     if flavour.builds_without_gpu:
         target = _set_targets(trt, config, options.compute_capabilities)
         cache_path = None
@@ -269,8 +273,10 @@ def build_engine(
         **target,
         "precision": options.precision,
         "tf32": bool(options.tf32 and tf32_flag is not None),
-        "profile": asdict(p),
-        "input": {"name": image.name, "shape": list(shape)},
+        "profile": asdict(options.profile),
+        "sequence_profile": None if options.sequence is None else asdict(options.sequence),
+        "input": inputs[0],
+        "inputs": inputs,
         "workspace_gib": options.workspace_gib,
         "opt_level": options.opt_level,
         "build_seconds": round(seconds, 2),
@@ -283,7 +289,7 @@ def build_engine(
         engine = stage / out.name
         engine.write_bytes(memoryview(serialized))
         record["engine_sha256"] = sha256(engine)
-        why = "no check asked for" if check is None else run_missing(engine, meta=record, onnx=onnx_path)
+        why = unchecked if check is None else run_missing(engine, meta=record, onnx=onnx_path)
         record |= {"verify": None, "status": f"built only (not executed: {why})" if why else VERIFIED}
         sidecar(engine).write_text(json.dumps(record, indent=2) + "\n")
         if not why:
@@ -292,6 +298,29 @@ def build_engine(
     if cache_path is not None:
         _save_timing_cache(config, cache_path)
     return record
+
+
+def _add_profile(builder, network, config, options: BuildOptions, onnx_path: Path) -> list[dict[str, Any]]:
+    """One optimization profile for every input: the batch axis over ``options.profile``, another dynamic
+    axis (a text graph's sequence) over ``options.sequence``; returns each input's name and non-batch shape."""
+    profile, inputs = builder.create_optimization_profile(), []
+    for tensor in (network.get_input(i) for i in range(network.num_inputs)):
+        shape = tuple(tensor.shape)[1:]
+        dynamic = sum(d < 0 for d in shape)
+        if dynamic > 1 or (dynamic and options.sequence is None):
+            raise CorpError(
+                f"{onnx_path} input {tensor.name} has {dynamic} dynamic axes besides the batch {list(shape)}; "
+                "an engine takes one more (a sequence, with --seq-range MIN:OPT:MAX): re-export it"
+            )
+
+        def at(batch: int, seq: int, shape: tuple[int, ...] = shape) -> tuple[int, ...]:
+            return (batch, *(seq if d < 0 else d for d in shape))
+
+        b, q = options.profile, options.sequence or options.profile  # q unused without a dynamic axis
+        profile.set_shape(tensor.name, at(b.min, q.min), at(b.opt, q.opt), at(b.max, q.max))
+        inputs.append({"name": tensor.name, "shape": list(shape)})
+    config.add_optimization_profile(profile)
+    return inputs
 
 
 FUSED_ATTENTION = re.compile(r"Name: ([^,\s]*_mha[^,\s]*), LayerType")

@@ -12,7 +12,7 @@ from conftest import pruned_copy, tf32_state, tiny_vit
 
 from corp_deploy.api import describe
 from corp_deploy.errors import CorpError
-from corp_deploy.exporters.compare import FP16, FP32, Tolerance, check, compare, random_inputs, verify
+from corp_deploy.exporters.compare import FP16, FP32, Tolerance, check, compare, image_inputs, random_inputs, verify
 from corp_deploy.exporters.fp16 import KEEP_FP32, convert_fp16
 from corp_deploy.exporters.onnx_export import graph_precision, input_shape, load_onnx, onnx_sha256, read_metadata
 from corp_deploy.exporters.pipeline import VerifyOptions, convert_verified, export_verified
@@ -56,7 +56,7 @@ def test_onnx_matches_pytorch_at_several_batch_sizes(exported, name) -> None:
     """The batch axis is symbolic, and the pruned attention (Q/K width != V width) exports exactly."""
     model = tiny_models()[name]
     runner = OrtRunner(exported[name], "cpu")
-    for comparison in verify(TorchRunner(model), runner, (3, 32, 32), batches=(1, 3, 8)):
+    for comparison in verify(TorchRunner(model), runner, image_inputs((3, 32, 32)), batches=(1, 3, 8)):
         assert comparison.within(FP32), comparison
         assert comparison.top1 == 1.0
     record = json.loads(Path(f"{exported[name]}.json").read_text())
@@ -200,7 +200,7 @@ def test_verification_references_run_without_tf32_and_leave_the_settings_as_foun
         return call
 
     if path == "verify":
-        verify(recording("reference"), recording("candidate"), (3, 4, 4))
+        verify(recording("reference"), recording("candidate"), image_inputs((3, 4, 4)))
     else:
         compare_on(recording("reference"), recording("candidate"), [random_inputs(3, (3, 4, 4))])
     assert seen == {"reference": (False, False, "highest"), "candidate": tf32_on} and tf32_state() == tf32_on
@@ -214,7 +214,7 @@ def test_random_inputs_are_seeded_per_batch() -> None:
 def test_verification_catches_a_wrong_graph(exported) -> None:
     """The dense graph checked against the pruned PyTorch model must fail, not pass by construction."""
     pruned = tiny_models()["pruned"]
-    comparisons = verify(TorchRunner(pruned), OrtRunner(exported["dense"], "cpu"), (3, 32, 32))
+    comparisons = verify(TorchRunner(pruned), OrtRunner(exported["dense"], "cpu"), image_inputs((3, 32, 32)))
     with pytest.raises(CorpError, match="does not match"):
         check(comparisons, VerifyOptions().fp32, "dense.onnx")
 

@@ -299,7 +299,7 @@ def test_sdpa_backend_on_cpu_follows_the_head_widths(variants) -> None:
 def test_onnx_of_equal_width_and_padded_models_matches_pytorch(variants, tmp_path) -> None:
     pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
     from corp_deploy.api import describe
-    from corp_deploy.exporters.compare import FP32, verify
+    from corp_deploy.exporters.compare import FP32, image_inputs, verify
     from corp_deploy.exporters.pipeline import export_verified
     from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 
@@ -308,7 +308,9 @@ def test_onnx_of_equal_width_and_padded_models_matches_pytorch(variants, tmp_pat
         model, path = variants[name], tmp_path / f"{name}.onnx"
         record = export_verified(model, path, describe(model, "tiny", {}, "random"))
         assert [(b["qk_dim"], b["v_dim"]) for b in record["structure"]] == [(8, 8 if name == "equal_width" else 16)] * 2
-        for comparison in verify(TorchRunner(model), OrtRunner(path, "cpu"), (3, 32, 32), batches=(1, 3, 8)):
+        for comparison in verify(
+            TorchRunner(model), OrtRunner(path, "cpu"), image_inputs((3, 32, 32)), batches=(1, 3, 8)
+        ):
             assert comparison.within(FP32) and comparison.top1 == 1.0, (name, comparison)
         sizes[name] = path.stat().st_size
     params = {name: sum(p.numel() for p in variants[name].parameters()) for name in sizes}

@@ -58,6 +58,9 @@ from corp_deploy.text import read_documents
     "(torch-cuda-*-compile[-graph]), which compile each model and batch size first: minutes in all. "
     "Or a comma list (see corp_deploy.bench.backends).",
 )
+@click.option(
+    "--seq-len", type=int, help="Text encoders: tokens per sequence [the --seq-len the run was exported for]."
+)
 @click.option("--repeats", default=1, show_default=True, help="Repeat the measurement; report medians.")
 @click.option("--threads", type=int, help="CPU threads for PyTorch and onnxruntime [default: theirs].")
 @click.option("--include-copies", is_flag=True, help="Time host->device input and device->host output copies too.")
@@ -80,6 +83,7 @@ def bench(
     run_dir: str,
     batch_sizes: str,
     backends: str,
+    seq_len: int | None,
     repeats: int,
     threads: int | None,
     include_copies: bool,
@@ -92,8 +96,11 @@ def bench(
     max_regression: str,
     gate_mode: str,
 ) -> None:
-    """Time dense against pruned from a prune-export RUN_DIR on every backend this machine has."""
-    run = RunFolder.open(run_dir)
+    """Time dense against pruned from a prune-export RUN_DIR on every backend this machine has.
+
+    A text encoder's run is timed on full sequences of --seq-len tokens: sentences/s and tokens/s.
+    """
+    run = RunFolder.open(run_dir, seq_len)
     sizes = parse_batch_sizes(batch_sizes)
     method = bench_method(timing)
     limit = gate.parse_fraction(max_regression)

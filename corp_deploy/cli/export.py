@@ -10,11 +10,12 @@ from typing import Any
 import click
 from torch import nn
 
-from corp_deploy import api, surgery
+from corp_deploy import api, hf, surgery
 from corp_deploy.cli.options import (
     build_options,
     calibration_source,
     engine_group,
+    for_graph,
     int8_options,
     model_options,
     needs,
@@ -34,7 +35,7 @@ from corp_deploy.cli.prune import pruned
 from corp_deploy.env import versions
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import INT8
-from corp_deploy.exporters.onnx_export import graph_precision, load_onnx
+from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import (
     convert_verified,
     engine_verified,
@@ -42,6 +43,7 @@ from corp_deploy.exporters.pipeline import (
     export_verified,
     format_summary,
     fp16_graph,
+    is_text,
     write_export_record,
 )
 from corp_deploy.exporters.quantize import quantize_graphs
@@ -57,12 +59,29 @@ def _pad_qk(model: nn.Module, description: dict, enabled: bool) -> dict:
     return description | {"pad_qk_blocks": surgery.pad_qk(model)} if enabled else description
 
 
+def _text_export(precisions_: tuple[str, ...], int8: bool, pad_qk: bool, simplify: bool) -> None:
+    """Refuse, before any work, what a text encoder's export does not do (INT8: its calibration feeds images)."""
+    if int8 or "int8" in precisions_:
+        raise CorpError(
+            "INT8 is for image models so far (its static calibration feeds images); export text encoders "
+            "with --precision fp32,fp16"
+        )
+    if pad_qk or simplify:
+        raise CorpError("--pad-qk and --simplify are for timm ViTs; export text encoders without them")
+
+
 @click.command()
 @click.argument("source")
 @model_options
 @onnx_options
 @verify_group
 @click.option("--fp16", is_flag=True, help="Also write <name>.fp16.onnx (FP16 inside, FP32 I/O), verified.")
+@click.option(
+    "--seq-len",
+    default=128,
+    show_default=True,
+    help="Text encoders: the tokens per sequence the graph is described for (engine profile, bench).",
+)
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="ONNX file to write (*.onnx).")
 @click.option("--overwrite", is_flag=True, help="Replace existing files.")
 def export(
@@ -76,10 +95,12 @@ def export(
     rewrites: str,
     verify: dict[str, Any],
     fp16: bool,
+    seq_len: int,
     out: str,
     overwrite: bool,
 ) -> None:
-    """Export SOURCE (a prune artifact folder or a timm model name) to ONNX, verified with onnxruntime."""
+    """Export SOURCE (a prune artifact folder, a timm model name, or a transformers encoder: a folder with a
+    config.json or hf:NAME) to ONNX, verified with onnxruntime; text graphs have dynamic batch and sequence."""
     opts = verify_options(verify)
     rewrites_ = parse_rewrites(rewrites, None)
     out_ = Path(out)
@@ -89,7 +110,9 @@ def export(
     for path in (out_, half) if fp16 else (out_,):
         check_writable(path, overwrite)
     needs("ONNX export", *onnx_needs(("fp16",) if fp16 else (), simplify))
-    model, description = api.load_source(source, weights, checkpoint, parse_model_args(model_arg))
+    model, description = api.load_source(source, weights, checkpoint, parse_model_args(model_arg), seq_len)
+    if is_text(description):
+        _text_export((), False, pad_qk, simplify)
     description = _pad_qk(model, description, pad_qk)
     with staged(out_, overwrite) as stage:
         records = [export_verified(model, stage / out_.name, description, opset, simplify, opts, rewrites_)]
@@ -126,6 +149,8 @@ def build_engine(
     options = build_options(engine, precision, opts)
     source = Path(onnx_file)
     proto = load_onnx(source, weights=False)
+    meta = read_metadata(proto)
+    options = for_graph(options, meta["seq_len"] if is_text(meta) else None)
     stem = source.name.removesuffix(".onnx").removesuffix(".fp16").removesuffix(".int8")
     plan = Path(out) if out else source.with_name(f"{stem}.{precision}.plan")
     check_writable(plan, overwrite)
@@ -191,6 +216,9 @@ def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
         graphs = [source]
     else:
         raise CorpError(f"{source} is neither a prune-export folder nor a .onnx file")
+    for g in graphs:
+        if is_text(read_metadata(load_onnx(g, weights=False))):
+            raise CorpError(f"{g} is a text encoder; INT8 is for image models so far (its calibration feeds images)")
     return [(g, g.with_name(f"{g.stem}.int8.onnx")) for g in graphs]
 
 
@@ -239,10 +267,13 @@ def prune_export(
     before anything is written, and re-allocated from the same statistics while it misses (--latency-rounds).
     """
     precisions_ = precisions(precision)
+    text = hf.is_source(prune_args["model"])
+    if text:
+        _text_export(precisions_, int8, pad_qk, simplify)
     prune_args["pruning"] = with_latency(prune_args["pruning"], prune_args["latency"])
     rewrites_ = parse_rewrites(rewrites, prune_args["latency"]["latency_on"])
     opts = verify_options(verify)
-    build = build_options(engine, "fp32", opts)
+    build = for_graph(build_options(engine, "fp32", opts), prune_args["seq_len"] if text else None)
     if require_engines and build_missing(build):
         raise CorpError(f"--require-engines: cannot build TensorRT engines here: {build_missing(build)}")
     out = out_path(out, prune_args["model"], prune_args["pruning"], overwrite)
@@ -262,15 +293,18 @@ def prune_export(
             workers=prune_args["workers"] or 0,
         )
     rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
-    run = pruned(**prune_args, keep_dense=True, latency_rounds=rounds)
+    run = pruned(**prune_args, keep_dense=True, text=text, latency_rounds=rounds)
     if run is None:
         return
     click.echo(format_report(run.result.report))
+    seq_len = prune_args["seq_len"]
     models = {
-        "dense": (run.dense, api.describe(run.dense, run.name, run.args, run.weights)),
+        "dense": (run.dense, api.describe(run.dense, run.name, run.args, run.weights, seq_len)),
         "pruned": (
             run.result.model,
-            _pad_qk(run.result.model, api.describe(run.result.model, run.name, run.args, "corp-pruned"), pad_qk),
+            _pad_qk(
+                run.result.model, api.describe(run.result.model, run.name, run.args, "corp-pruned", seq_len), pad_qk
+            ),
         ),
     }
     with atomic_dir(out, overwrite) as tmp:

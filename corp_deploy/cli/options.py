@@ -12,6 +12,7 @@ import re
 import shlex
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from corp_deploy.exporters.tensorrt_engine import (
     PRECISIONS,
     RUNTIMES,
     BuildOptions,
+    Profile,
     parse_compute_capabilities,
     parse_profile,
 )
@@ -251,6 +253,11 @@ onnx_options = group(
 
 engine_group = group(
     click.option("--batch", default="1:32:256", show_default=True, help="Engine batch range MIN:OPT:MAX."),
+    click.option(
+        "--seq-range",
+        metavar="MIN:OPT:MAX",
+        help="Text encoders: the engine's tokens-per-sequence range [1:SEQ:SEQ, SEQ the graph's --seq-len].",
+    ),
     click.option("--workspace-gib", default=8.0, show_default=True, help="TensorRT workspace limit."),
     click.option("--opt-level", default=3, show_default=True, help="TensorRT builder optimization level 0..5."),
     click.option("--tf32", is_flag=True, help="Allow TF32 in FP32 engines (off: exact FP32)."),
@@ -401,9 +408,20 @@ def build_options(engine: dict[str, Any], precision: str, opts: VerifyOptions) -
         cache,
         engine["runtime"],
         parse_compute_capabilities(engine["compute_capability"]),
+        None if engine["seq_range"] is None else parse_profile(engine["seq_range"], "--seq-range"),
     )
     options.profile.covers(opts.batches)
     return options
+
+
+def for_graph(options: BuildOptions, seq_len: int | None) -> BuildOptions:
+    """``options`` for a text encoder of ``seq_len`` tokens (sequence range 1:seq_len:seq_len unless --seq-range
+    gave one), or for an image model (``seq_len`` None), which has no sequence axis to give a range."""
+    if seq_len is None:
+        if options.sequence is not None:
+            raise CorpError("--seq-range is for text encoders' engines; an image graph has no sequence axis")
+        return options
+    return replace(options, sequence=options.sequence or Profile(1, seq_len, seq_len))
 
 
 def bench_method(timing: dict[str, Any]) -> Method:

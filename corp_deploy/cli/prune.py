@@ -104,14 +104,9 @@ def inputs(
     if hf.is_source(model):
         if not text:
             raise CorpError(f"{model} is a transformers model; this command takes timm ViTs only (use prune)")
-        return _text_inputs(model, source, num_calib, calib_batch_size, seed, seq_len, device, hold_out)
+        return _text_inputs(model, source, num_calib, calib_batch_size, seed, seq_len, device, hold_out, dist_timeout)
     args = parse_model_args(model_arg)
-    device_ = api.resolve_device(device)
-    world = distributed.SINGLE_PROCESS
-    if distributed.launched():
-        if dist_timeout is None:
-            raise CorpError("only prune and prune-export run data-parallel; launch this command without torchrun")
-        world, device_ = distributed.init(device_, dist_timeout)
+    world, device_ = _world(api.resolve_device(device), dist_timeout)
     torch.manual_seed(seed)  # --weights random: the same model on every run and every rank
     net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=args)
     data = api.calibration_data(net, source, num_calib, calib_batch_size, seed, workers, world, hold_out)
@@ -121,22 +116,38 @@ def inputs(
     )
 
 
+def _world(device: torch.device, dist_timeout: float | None) -> tuple[distributed.World, torch.device]:
+    """This process's rank under torchrun (after joining the group), else the single process; refused for a
+    command that does not run data-parallel (``dist_timeout`` None)."""
+    if not distributed.launched():
+        return distributed.SINGLE_PROCESS, device
+    if dist_timeout is None:
+        raise CorpError("only prune and prune-export run data-parallel; launch this command without torchrun")
+    return distributed.init(device, dist_timeout)
+
+
 def _text_inputs(
-    model: str, source: str, num: int, batch_size: int, seed: int, seq_len: int, device: str, hold_out: int
+    model: str,
+    source: str,
+    num: int,
+    batch_size: int,
+    seed: int,
+    seq_len: int,
+    device: str,
+    hold_out: int,
+    dist_timeout: float | None,
 ) -> Inputs:
     """``inputs`` for a transformers model: the model and its tokenizer, text calibration (packed for a decoder,
-    ``api.text_calibration_data``); one process."""
-    if distributed.launched():
-        raise CorpError("text models calibrate in one process; launch this command without torchrun")
+    ``api.text_calibration_data``; under torchrun, this rank's shard of an encoder's documents)."""
     device_ = api.resolve_device(device)
     hf.transformers_module("pruning a transformers model")  # the install line before any work
     if source != SYNTHETIC:
         read_documents(source)  # a folder without text fails before the model loads
+    world, device_ = _world(device_, dist_timeout)
     net, tokenizer = hf.load(model)
-    data = api.text_calibration_data(net, tokenizer, source, num, batch_size, seed, seq_len, hold_out)
-    return Inputs(
-        net, data.batches, data.total, None, device_, model, {}, "pretrained", source, distributed.SINGLE_PROCESS
-    )
+    hf.count_macs_at(net, seq_len)
+    data = api.text_calibration_data(net, tokenizer, source, num, batch_size, seed, seq_len, hold_out, world)
+    return Inputs(net, data.batches, data.total, None, device_, model, {}, "pretrained", source, world)
 
 
 def latency_loop(backend: Backend, batch: int, rounds: int, say: Callable[[str], None]) -> api.LatencyLoop:
@@ -178,6 +189,11 @@ def pruned(
     """
     config = prune_config(pruning)
     api.calibration_mode(config, max_stats_gib, distributed.SINGLE_PROCESS)  # combinations refused before any data
+    if latency["latency_on"] is not None and hf.is_source(flags["model"]):
+        raise CorpError(
+            "a latency budget (--speedup, --budget latency=F) is timed on timm ViTs only so far; "
+            "use --budget macs=F or --sparsity for a transformers model"
+        )
     backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"])
     say = (lambda line: None) if quiet else click.echo
     loop = None
@@ -205,4 +221,6 @@ def pruned(
     if result is None:
         return None
     result.report["calibration"] |= {"source": got.source, "seed": flags["seed"]}
+    if hf.is_source(flags["model"]):
+        result.report["calibration"]["seq_len"] = flags["seq_len"]
     return Pruned(result, got.name, got.args, got.weights, dense)
