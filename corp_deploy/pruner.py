@@ -359,15 +359,16 @@ def prune_block(
     timer: Timer,
     logit_targets: LogitTargets | None = None,
 ) -> dict[str, Any]:
-    """Prune block ``i`` in place to ``widths``; its diagnostics, keyed by part (``mlp``, ``qk``, ``v``).
+    """Prune block ``i`` in place to ``widths``; its diagnostics, keyed by part (``mlp``, ``qk``, ``v``) and
+    ``replaced`` (module -> its fit and relative residual energy).
 
     ``stats`` holds at least block i's sums; ``PairStats`` and ``logit_targets`` make the fits sequential.
     Q/K are pruned before V; they touch disjoint weights (the query and key projections; the value projection and
     proj's columns). ``adapter`` (the model's family) finds and rebuilds the layers.
     """
     entry: dict[str, Any] = {"block": i}
-    for module in widths.replace:
-        entry[module] = replace_module(adapter, block, i, stats, module, config, timer)
+    if widths.replace:
+        entry["replaced"] = {m: replace_module(adapter, block, i, stats, m, config, timer) for m in widths.replace}
     if widths.mlp is not None:
         entry["mlp"] = _prune_mlp(adapter, block, stats.mlp[i], widths.mlp, config, timer)
     if widths.qk is not None:
@@ -395,7 +396,7 @@ def replace_module(
     branch, error = fit_branch(stats.depth[(i, module)], config.depth_fit, config.ridge)
     surgery.replace_branch(block, module, branch)
     timer.add("compensation", t)
-    return {"replaced": config.depth_fit, "rel_error": error}
+    return {"fit": config.depth_fit, "rel_error": error}
 
 
 def _compensate(

@@ -7,14 +7,20 @@ import copy
 import pytest
 import torch
 from conftest import TINY, tiny_batches, tiny_vit
+from helpers import PRUNE, run
 
 from corp_deploy import compensation as C
+from corp_deploy import latency, speed
+from corp_deploy.allocation import MODULE_KEYS, error_curves, plan_budget
 from corp_deploy.artifact import load_pruned, save_pruned
+from corp_deploy.bench.backends import BACKENDS
 from corp_deploy.errors import CorpError
 from corp_deploy.family import structure
+from corp_deploy.latency import LatencyTable
 from corp_deploy.pruner import MODULES, PruneConfig, Timer, Widths, calibrate, fit_branch, prune_model
+from corp_deploy.sensitivity import measure
 from corp_deploy.stats import BranchStats, collect, empty_stats
-from corp_deploy.surgery import AffineBranch
+from corp_deploy.surgery import AffineBranch, replace_branch
 
 LATENCY = {"budget": "latency=0.7"}
 
@@ -92,7 +98,7 @@ def test_replaced_block_computes_the_closed_form_on_calibration_data(module: str
     pruned = copy.deepcopy(model)
     plan = [Widths(), Widths(replace=(module,))]
     report = prune_model(pruned, stats, config, Timer(), plan)
-    assert report[1][module]["rel_error"] == pytest.approx(error) and 0 < error < 1
+    assert report[1]["replaced"][module]["rel_error"] == pytest.approx(error) and 0 < error < 1
     images = batches[0][0]
     with torch.no_grad():
         x = model.patch_embed(images)
@@ -163,3 +169,82 @@ def test_onnx_export_of_a_depth_pruned_model_matches_torch(tmp_path) -> None:
 def test_refusals(kwargs, message) -> None:
     with pytest.raises(CorpError, match=message):
         PruneConfig(**kwargs)
+
+
+# ------------------------------------------------------------------------------ latency and allocation
+
+ATTN_GONE_S, MLP_GONE_S = 2e-4, 3e-4
+
+
+def fake_time(model: torch.nn.Module) -> float:
+    """A made-up time: additive per block, linear in widths; a replaced module costs a constant."""
+    total = 0.01
+    for b in structure(model):
+        mlp = MLP_GONE_S if "mlp" in b else 1e-4 * b["mlp_hidden"]
+        attn = ATTN_GONE_S if "attn" in b else 3e-4 * b["qk_dim"] + 2e-4 * b["v_dim"]
+        total += mlp + attn + 1e-3
+    return total
+
+
+def depth_table() -> LatencyTable:
+    key = speed.key("deit_tiny", {"depth": 2}, BACKENDS["ort-cpu-fp32"], 8, 2, ("attn", "mlp"))
+    timer = lambda models: {n: fake_time(m) for n, m in models.items()}  # noqa: E731
+    return speed.build_table(tiny_vit(), key, BACKENDS["ort-cpu-fp32"], timer=timer)
+
+
+def test_latency_table_learns_blocks_with_a_module_replaced() -> None:
+    """The grid's no-attn / no-mlp models give the replaced blocks' times; width 0 stands for a replaced module."""
+    table = depth_table()
+    assert set(table.removed) == {"attn", "mlp"}
+    model = tiny_vit()
+    for widths in ([(40, 0, 0), (0, 8, 12)], [(0, 0, 0), (128, 16, 16)]):
+        assert table.predict(widths) == pytest.approx(fake_time(speed.with_widths(model, widths)))
+    plain = latency.fit(table.key, table.shape, False, {n: 1.0 for n in latency.grid(table.shape, False)})
+    with pytest.raises(CorpError, match="no time for a block without its attn"):
+        plain.predict([(128, 0, 0)])
+
+
+def plan_with(weight: float) -> tuple[list[Widths], dict]:
+    """A latency budget (0.8 of dense) with attention replaceable, its removal's end-to-end weight set to
+    ``weight`` x the widths' typical one; the widths' own weights 1."""
+    model = tiny_vit()
+    config = PruneConfig(budget="latency=0.8", target="mlp,qk,v", depth="attn", round_to=4)
+    stats = calibrate(model, tiny_batches(), config, "cpu", progress=False)
+    curves = error_curves(model, stats, config, config.target)
+    weights = dict.fromkeys(curves, 1.0)
+    for i in range(2):
+        weights[(i, MODULE_KEYS["attn"])] = weight
+    return plan_budget(model, stats, config, 0, weights, curves, depth_table())
+
+
+def test_allocation_replaces_attention_when_it_saves_much_at_small_end_to_end_error() -> None:
+    widths, record = plan_with(1e-3)
+    assert [w.replace for w in widths].count(("attn",)) >= 1
+    assert record["replaced"]["attn"] and record["latency"]["planned_s"] <= record["latency"]["limit_s"]
+    replaced = next(w for w in widths if w.replace)
+    assert replaced.qk is None and replaced.v is None  # nothing left to cut
+    kept, _ = plan_with(1e3)
+    assert all(not w.replace for w in kept)
+
+
+def test_sensitivity_of_a_replacement_is_its_measured_end_to_end_error() -> None:
+    """weight x local residual = relative error of the final features with that module replaced alone."""
+    model = tiny_vit()
+    config = PruneConfig(budget="latency=0.8", target="mlp", depth="attn")
+    stats = calibrate(model, tiny_batches(), config, "cpu", progress=False)
+    held = tiny_batches(8, 8, seed=5)[0][0]
+    weights = measure(model, stats, config, held)
+    for i in range(2):
+        branch, local = fit_branch(stats.depth[(i, "attn")], config.depth_fit, config.ridge)
+        trial = copy.deepcopy(model)
+        replace_branch(trial.blocks[i], "attn", branch)
+        with torch.no_grad():
+            dense, got = (m.forward_head(m.forward_features(held), pre_logits=True) for m in (model, trial))
+        final = float((got - dense).double().square().sum() / dense.double().square().sum())
+        assert weights[(i, MODULE_KEYS["attn"])] * local == pytest.approx(final, rel=1e-4)
+
+
+def test_cli_refuses_depth_without_a_latency_budget(capsys) -> None:
+    code, _, err = run([*PRUNE, "--calib", "synthetic", "--depth", "attn"], capsys)
+    assert code == 1 and "--depth replaces modules within a latency budget" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

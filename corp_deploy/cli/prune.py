@@ -166,7 +166,8 @@ def pruned(
     got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, text=text)
     table = None
     if backend is not None:
-        key = speed.key(got.name, got.args, backend, latency["latency_batch"], torch.get_num_threads())
+        threads = torch.get_num_threads()
+        key = speed.key(got.name, got.args, backend, latency["latency_batch"], threads, config.depth, config.depth_fit)
         table = speed.table_for(got.net, key, backend, latency["latency_table"], say)
         say(format_table(table))
     dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
