@@ -110,6 +110,10 @@ class Adapter(ABC):
                 "or --target qk"
             )
 
+    def check_depth(self, block: nn.Module, i: int) -> None:
+        """Refuse, data-free, a block whose modules ``--depth`` cannot replace."""
+        raise CorpError(f"--depth (replacing whole modules) does not support {self.name} models yet")
+
     def on_branch(self, block: nn.Module, module: str, fn: BranchHook) -> list[RemovableHandle]:
         """Hooks handing ``module``'s (``attn`` or ``mlp``) branch input and output to ``fn`` (``--depth``)."""
         raise CorpError(f"--depth (replacing whole modules) does not support {self.name} models yet")
@@ -207,10 +211,15 @@ class TimmViT(Adapter):
         if "v" in parts:
             surgery.check_v_prunable(block.attn, i)
 
+    def check_depth(self, block: nn.Module, i: int) -> None:
+        """The branch must be timm's ``x + ls(module(norm(x)))`` (``Block``), which ``surgery.replace_branch`` keeps."""
+        if type(block) is not Block:
+            raise CorpError(
+                f"--depth replaces modules of timm's plain Block only; block {i} is a {type(block).__name__}"
+            )
+
     def on_branch(self, block: nn.Module, module: str, fn: BranchHook) -> list[RemovableHandle]:
         """x is the input of the branch's norm, y the output of its LayerScale (``surgery.BRANCHES``)."""
-        if type(block) is not Block:
-            raise CorpError(f"--depth replaces modules of timm's plain Block only, not {type(block).__name__}")
         norm, _, scale = (getattr(block, name) for name in surgery.BRANCHES[module])
         seen: list[Tensor] = []
         return [

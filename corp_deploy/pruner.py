@@ -288,10 +288,13 @@ def calibrate(
 
 def check_parts(model: nn.Module, config: PruneConfig) -> None:
     """What every width rule needs of the blocks (``Adapter.check_parts``: a compensated MLP fold takes the
-    constant term in a bias, V pruning folds into proj). Data-free, so a refusal comes before calibration."""
+    constant term in a bias, V pruning folds into proj) and ``--depth`` (``Adapter.check_depth``). Data-free, so a
+    refusal comes before calibration."""
     adapter = adapter_for(model)
     for i, block in enumerate(adapter.blocks(model)):
         adapter.check_parts(block, i, config.target, config.compensation)
+        if config.depth:
+            adapter.check_depth(block, i)
 
 
 def plan_widths(model: nn.Module, config: PruneConfig, stats: CalibrationStats | None = None) -> list[Widths]:

@@ -8,16 +8,18 @@ import pytest
 import torch
 from conftest import TINY, tiny_batches, tiny_vit
 from helpers import PRUNE, run
+from timm.models.vision_transformer import ResPostBlock
 
+from corp_deploy import api, latency, speed
 from corp_deploy import compensation as C
-from corp_deploy import latency, speed
 from corp_deploy.allocation import MODULE_KEYS, error_curves, plan_budget
 from corp_deploy.artifact import load_pruned, save_pruned
 from corp_deploy.bench.backends import BACKENDS
+from corp_deploy.distributed import World
 from corp_deploy.errors import CorpError
 from corp_deploy.family import structure
 from corp_deploy.latency import LatencyTable
-from corp_deploy.pruner import MODULES, PruneConfig, Timer, Widths, calibrate, fit_branch, prune_model
+from corp_deploy.pruner import MODULES, PruneConfig, Timer, Widths, calibrate, check_parts, fit_branch, prune_model
 from corp_deploy.sensitivity import measure
 from corp_deploy.stats import BranchStats, collect, empty_stats
 from corp_deploy.surgery import AffineBranch, replace_branch
@@ -248,3 +250,12 @@ def test_cli_refuses_depth_without_a_latency_budget(capsys) -> None:
     code, _, err = run([*PRUNE, "--calib", "synthetic", "--depth", "attn"], capsys)
     assert code == 1 and "--depth replaces modules within a latency budget" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_depth_refuses_torchrun_and_blocks_it_cannot_replace_before_any_data() -> None:
+    config = PruneConfig(budget="latency=0.5", depth="attn")
+    with pytest.raises(CorpError, match="--depth runs in one process"):
+        api.calibration_mode(config, None, World(rank=0, size=2))
+    model = tiny_vit(block_fn=ResPostBlock)  # norm after the branch: no x + ls(module(norm(x))) to replace
+    with pytest.raises(CorpError, match="plain Block only; block 0 is a ResPostBlock"):
+        check_parts(model, config)
