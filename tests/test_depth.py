@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -259,3 +260,26 @@ def test_depth_refuses_torchrun_and_blocks_it_cannot_replace_before_any_data() -
     model = tiny_vit(block_fn=ResPostBlock)  # norm after the branch: no x + ls(module(norm(x))) to replace
     with pytest.raises(CorpError, match="plain Block only; block 0 is a ResPostBlock"):
         check_parts(model, config)
+
+
+@pytest.mark.e2e
+def test_prune_export_with_depth_replaces_attention_a_width_only_plan_cannot_do_without(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """3.5x of the fake cost is below every width-only model (the fixed per-block cost): only replacing
+    attention modules meets it. The command records the replaced modules, exports and verifies the model."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(speed, "time_models", lambda models, *_: {n: [fake_time(m)] * 6 for n, m in models.items()})
+    monkeypatch.setattr(speed, "time_against", lambda _, models, *__: {n: fake_time(m) for n, m in models.items()})
+    out = tmp_path / "run"
+    flags = ["--speedup", "3.5", "--latency-on", "ort-cpu-fp32", "--latency-batch", "2", "--sensitivity-images", "4"]
+    argv = ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--precision", "fp32", *flags, "--out", str(out)]
+    code, _, err = run([*argv, "--depth", "attn"], capsys)
+    assert code == 0, err
+    meta = json.loads((out / "pruned" / "corp.json").read_text())
+    replaced = meta["report"]["allocation"]["replaced"]["attn"]
+    assert replaced and meta["report"]["config"]["depth"] == "attn"
+    assert [i for i, b in enumerate(meta["structure"]) if b.get("attn") == "affine-mean"] == replaced
+    assert all(set(meta["report"]["blocks"][i]["replaced"]) == {"attn"} for i in replaced)
+    code, _, err = run([*argv, "--overwrite"], capsys)  # the same budget without --depth: out of reach, one line
+    assert code == 1 and "below the smallest model" in err and len(err.strip().splitlines()) == 1
