@@ -29,8 +29,8 @@ from torch import Tensor, nn
 from corp_deploy import compensation as C
 from corp_deploy.errors import CorpError
 from corp_deploy.family import adapter_for
-from corp_deploy.latency import LatencyTable
-from corp_deploy.pruner import PARTS, PruneConfig, Widths
+from corp_deploy.latency import REMOVED, LatencyTable
+from corp_deploy.pruner import MODULES, PARTS, PruneConfig, Widths, fit_branch
 from corp_deploy.ranking import channel_scores, qk_scores
 from corp_deploy.stats import CalibrationStats, MlpStats, QKStats
 from corp_deploy.surgery import linear_float64
@@ -44,6 +44,10 @@ BlockCost = Callable[[int, Mapping[str, int]], float]
 """A block's cost (MACs, seconds) given the widths of its targeted parts (the others as they are)."""
 QKV = "qk=v"
 """Q/K and V moved as one part, when the backend's fused attention needs equal widths."""
+MODULE_KEYS = {m: f"{m}-module" for m in MODULES}
+"""``--depth``: the allocator's part for keeping (width 1) or replacing (width 0) a block's whole module. Its error
+at 0 is the fit's residual energy, weighted by the measured end-to-end sensitivity of that very replacement."""
+KEEP, REPLACE = 1, 0
 
 
 # ------------------------------------------------------------------------------------------ MACs
@@ -168,6 +172,9 @@ def error_curves(
             order = (ranks + d * torch.arange(heads, device=ranks.device)[:, None]).T.flatten()  # rank-major
             widths = candidate_widths(d, config.round_to)
             curves[(i, "v")] = (widths, affine_curve(s, w, b, order, [k * heads for k in widths]))
+        for module in config.depth:
+            error = fit_branch(stats.depth[(i, module)], config.depth_fit, config.ridge)[1]
+            curves[(i, MODULE_KEYS[module])] = ([KEEP, REPLACE], [0.0, error])
     return curves
 
 
@@ -275,10 +282,11 @@ def macs_cost(model: nn.Module, dense_macs: int, parts: frozenset[str]) -> Cost:
     return Cost("MACs", fixed, per_unit(unit), dense_macs, widths)
 
 
-def latency_cost(model: nn.Module, table: LatencyTable, parts: frozenset[str]) -> Cost:
+def latency_cost(model: nn.Module, table: LatencyTable, parts: frozenset[str], depth: tuple[str, ...] = ()) -> Cost:
     """Predicted seconds: the table's block times at the targeted widths, the other widths as they are.
 
     With a ``tied`` table Q/K and V are one part (``QKV``): the backend's fused attention needs one head size.
+    ``depth``: modules that may be replaced (``MODULE_KEYS``); a replaced module's widths no longer cost anything.
     """
     blocks = block_parts(model)
     if [b["widths"]["mlp"] for b in blocks] != [table.shape.mlp] * table.shape.depth or any(
@@ -287,10 +295,15 @@ def latency_cost(model: nn.Module, table: LatencyTable, parts: frozenset[str]) -
         raise CorpError("a latency budget plans from the dense model; this one is already pruned")
     keys = allocation_parts(parts, table.tied)
     widths = {(i, p): b["widths"]["qk" if p == QKV else p] for i, b in enumerate(blocks) for p in keys}
+    widths |= {(i, MODULE_KEYS[m]): KEEP for i in range(len(blocks)) for m in depth}
     dense = {"mlp": table.shape.mlp, "qk": table.shape.head_dim, "v": table.shape.head_dim}
 
     def block(i: int, w: Mapping[str, int]) -> float:
         full = dense | dict(w) | ({"qk": w[QKV], "v": w[QKV]} if QKV in w else {})
+        if w.get(MODULE_KEYS["attn"]) == REPLACE:
+            full |= {"qk": REMOVED, "v": REMOVED}
+        if w.get(MODULE_KEYS["mlp"]) == REPLACE:
+            full["mlp"] = REMOVED
         return table.scale * table.block_s(full["mlp"], full["qk"], full["v"])
 
     return Cost("latency", table.fixed_s, block, table.dense_s, widths)
@@ -314,7 +327,7 @@ def budget_cost(model: nn.Module, config: PruneConfig, dense_macs: int, table: L
         return macs_cost(model, dense_macs, config.target)
     if table is None:
         raise CorpError("--budget latency=F needs a latency table: pass --latency-on BACKEND (or --latency-table)")
-    return latency_cost(model, table, config.target)
+    return latency_cost(model, table, config.target, config.depth)
 
 
 def check_budget(model: nn.Module, config: PruneConfig, dense_macs: int, table: LatencyTable | None = None) -> float:
@@ -330,7 +343,7 @@ def check_budget(model: nn.Module, config: PruneConfig, dense_macs: int, table: 
     limit = int(limit) if cost.unit == "MACs" else limit
     blocks: dict[int, dict[str, int]] = {}
     for (i, p), w in cost.widths.items():
-        blocks.setdefault(i, {})[p] = min(w, config.round_to)
+        blocks.setdefault(i, {})[p] = REPLACE if p in MODULE_KEYS.values() else min(w, config.round_to)
     smallest = cost.fixed + sum(cost.block(i, w) for i, w in blocks.items())
     if smallest > limit:
         raise CorpError(
@@ -365,7 +378,7 @@ def plan_budget(
     tie = table is not None and table.tied and config.budget.kind == "latency"
     moved, moved_weights = tie_curves(curves, weights) if tie else (curves, weights)
     chosen = untie(allocate(moved, moved_weights, cost.block, cost.fixed, limit))
-    plan = [Widths(**{p: chosen[(i, p)] for p in parts}) for i in range(len(adapter_for(model).blocks(model)))]
+    plan = [block_widths(chosen, i, parts, config.depth) for i in range(len(adapter_for(model).blocks(model)))]
     record: dict[str, Any] = {
         "budget": str(config.budget),
         "criterion": "local" if local else "sensitivity",
@@ -391,14 +404,23 @@ def plan_budget(
                 "predicted_speedup": table.dense_s / predicted,
             }
         }
+    keys = [p for p in PARTS if p in parts] + [MODULE_KEYS[m] for m in config.depth]
     record["planned_error"] = {
-        p: [curves[(i, p)][1][curves[(i, p)][0].index(chosen[(i, p)])] for i in range(len(plan))]
-        for p in PARTS
-        if p in parts
+        p: [curves[(i, p)][1][curves[(i, p)][0].index(chosen[(i, p)])] for i in range(len(plan))] for p in keys
     }
     if not local:
-        record["sensitivity"] = {p: [weights[(i, p)] for i in range(len(plan))] for p in PARTS if p in parts}
+        record["sensitivity"] = {p: [weights[(i, p)] for i in range(len(plan))] for p in keys}
+    if config.depth:
+        record["replaced"] = {m: [i for i, w in enumerate(plan) if m in w.replace] for m in config.depth}
     return plan, record
+
+
+def block_widths(chosen: dict[Key, int], i: int, parts: tuple[str, ...], depth: tuple[str, ...]) -> Widths:
+    """Block ``i``'s ``Widths`` from the allocation: a replaced module's widths are None (nothing left to cut)."""
+    replace = tuple(m for m in depth if chosen[(i, MODULE_KEYS[m])] == REPLACE)
+    gone = {"mlp"} if "mlp" in replace else set()
+    gone |= {"qk", "v"} if "attn" in replace else set()
+    return Widths(**{p: chosen[(i, p)] for p in parts if p not in gone}, replace=replace)
 
 
 def tie_curves(
@@ -430,6 +452,11 @@ def untie(chosen: dict[Key, int]) -> dict[Key, int]:
 
 
 def widths_of(model: nn.Module, w: Widths) -> tuple[int, int, int]:
-    """(mlp, qk, v) of a planned block; parts left as they are take the model's dense widths."""
+    """(mlp, qk, v) of a planned block; parts left as they are take the model's dense widths, replaced modules
+    ``latency.REMOVED``."""
     dense = block_parts(model)[0]["widths"]
-    return (w.mlp or dense["mlp"], w.qk or dense["qk"], w.v or dense["v"])
+    if "attn" in w.replace:
+        qk = v = REMOVED
+    else:
+        qk, v = w.qk or dense["qk"], w.v or dense["v"]
+    return (REMOVED if "mlp" in w.replace else w.mlp or dense["mlp"], qk, v)

@@ -230,6 +230,8 @@ cached stem pass; block by block over the stream pruned so far (``blockwise``)."
 
 def calibration_mode(config: PruneConfig, max_stats_gib: float | None, world: World) -> str:
     """The calibration step for ``config``; combinations no step supports are refused here, before any work."""
+    if config.depth and world.size > 1:
+        raise CorpError("--depth runs in one process so far; drop torchrun or --depth")
     if config.sequential:
         if config.budget is not None and world.size > 1:
             raise CorpError("--budget with --sequential runs in one process; drop torchrun or one of the two")

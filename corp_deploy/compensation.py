@@ -284,3 +284,60 @@ def fold_projection(weight: Tensor, bias: Tensor | None, factor: Tensor) -> tupl
     ``q' k'^T`` is not ``q_S (I + M) k_S^T``.
     """
     return factor.T @ weight, None if bias is None else factor.T @ bias
+
+
+# --------------------------------------------------------------------------------------- depth
+
+DEPTH_FITS = ("mean", "affine", "affine-mean")
+"""What replaces a removed module's branch ``y`` (added to the residual) as a function of its input x:
+a constant, an affine map per token, or an affine map of the token and its image's token mean."""
+
+
+def branch_features(fit: str, dim: int) -> slice:
+    """The columns of ``z = [x, x_bar]`` a fit reads: none (mean), x (affine), both (affine-mean)."""
+    return slice(0, {"mean": 0, "affine": dim, "affine-mean": 2 * dim}[fit])
+
+
+def branch_fit(
+    mean_z: Tensor, second_z: Tensor, mean_y: Tensor, cross: Tensor, features: slice, alpha: float
+) -> tuple[Tensor, Tensor]:
+    """Ridge fit of ``y ~ W f + b`` (f = z[features]) from moments; returns W (dim x |f|) and b (dim).
+
+    ``mean_z = E[z]``, ``second_z = E[z z^T]``, ``mean_y = E[y]``, ``cross = E[y z^T]``, over all calibration tokens.
+    ``W = C_yf (C_ff + lam I)^-1`` on covariances and ``b = E[y] - W E[f]``: the normal equations of the centred
+    problem, so ``alpha = 0`` is the least-squares fit (``ridge_solve``'s minimum-norm solution). With no features
+    (``mean``) W is empty and ``b = E[y]``: the affine fit with W fixed at 0, whose best constant is the mean.
+    """
+    mu_f = mean_z[features]
+    if mu_f.numel() == 0:
+        return mean_y.new_zeros(mean_y.numel(), 0), mean_y.clone()
+    cov_ff = second_z[features, features] - torch.outer(mu_f, mu_f)
+    cov_yf = cross[:, features] - torch.outer(mean_y, mu_f)
+    w = ridge_solve(cov_ff, cov_yf.T.contiguous(), alpha).T
+    return w, mean_y - w @ mu_f
+
+
+def branch_error(
+    mean_z: Tensor,
+    second_z: Tensor,
+    mean_y: Tensor,
+    cross: Tensor,
+    energy: Tensor,
+    features: slice,
+    w: Tensor,
+    b: Tensor,
+) -> Tensor:
+    """Relative residual energy ``E||y - W f - b||^2 / E||y||^2`` on the calibration tokens, exact from moments.
+
+    Expanding the square: ``E||y||^2 - 2 <W, E[y f^T]> + <W E[f f^T], W> - 2 b.(E[y] - W E[f]) + ||b||^2``, with
+    ``energy = E||y||^2``. ``W = 0, b = 0`` (the module simply removed) gives 1.
+    """
+    f = features
+    err = (
+        energy
+        - 2 * (w * cross[:, f]).sum()
+        + ((w @ second_z[f, f]) * w).sum()
+        - 2 * torch.dot(b, mean_y - w @ mean_z[f])
+        + torch.dot(b, b)
+    )
+    return err.clamp_min(0) / energy

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from timm.models.vision_transformer import VisionTransformer
+from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -44,6 +44,8 @@ from corp_deploy.errors import CorpError
 
 QKHook = Callable[[Tensor, Tensor], None]
 """Called with (q, k), each (batch, tokens, heads, d), once per forward of an attention."""
+BranchHook = Callable[[Tensor, Tensor], None]
+"""Called with (x, y), each (batch, tokens, dim): a branch's input (the residual stream) and what it adds to it."""
 
 
 class Adapter(ABC):
@@ -113,7 +115,15 @@ class Adapter(ABC):
                 "or --target qk"
             )
 
-    def structure(self, block: nn.Module) -> dict[str, int]:
+    def check_depth(self, block: nn.Module, i: int) -> None:
+        """Refuse, data-free, a block whose modules ``--depth`` cannot replace."""
+        raise CorpError(f"--depth (replacing whole modules) does not support {self.name} models yet")
+
+    def on_branch(self, block: nn.Module, module: str, fn: BranchHook) -> list[RemovableHandle]:
+        """Hooks handing ``module``'s (``attn`` or ``mlp``) branch input and output to ``fn`` (``--depth``)."""
+        raise CorpError(f"--depth (replacing whole modules) does not support {self.name} models yet")
+
+    def structure(self, block: nn.Module) -> dict[str, int | str]:
         qk, v = self.head_widths(block)
         return {"mlp_hidden": self.mlp_out(block).in_features, "qk_dim": qk, "v_dim": v, "heads": self.heads(block)}
 
@@ -158,7 +168,8 @@ class TimmViT(Adapter):
     """timm VisionTransformers (``models.check_supported``): fused qkv, ``fc1 -> act -> fc2``, every token counts."""
 
     name = "timm-vit"
-    block_keys = frozenset({"heads", "mlp_hidden", "qk_dim", "v_dim"})
+    block_keys = frozenset({"heads", "mlp_hidden", "qk_dim", "v_dim", "attn", "mlp"})
+    """``attn`` / ``mlp``: the module was replaced by an ``AffineBranch`` of that fit (then its widths are absent)."""
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         return model.blocks
@@ -205,6 +216,36 @@ class TimmViT(Adapter):
         if "v" in parts:
             surgery.check_v_prunable(block.attn, i)
 
+    def check_depth(self, block: nn.Module, i: int) -> None:
+        """The branch must be timm's ``x + ls(module(norm(x)))`` (``Block``), which ``surgery.replace_branch`` keeps."""
+        if type(block) is not Block:
+            raise CorpError(
+                f"--depth replaces modules of timm's plain Block only; block {i} is a {type(block).__name__}"
+            )
+
+    def on_branch(self, block: nn.Module, module: str, fn: BranchHook) -> list[RemovableHandle]:
+        """x is the input of the branch's norm, y the output of its LayerScale (``surgery.BRANCHES``)."""
+        norm, _, scale = (getattr(block, name) for name in surgery.BRANCHES[module])
+        seen: list[Tensor] = []
+        return [
+            norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0])),
+            scale.register_forward_hook(lambda _m, _args, out: fn(seen.pop(), out)),
+        ]
+
+    def structure(self, block: nn.Module) -> dict[str, int | str]:
+        """A replaced module is recorded as its fit (``attn``/``mlp``) instead of its widths."""
+        entry: dict[str, int | str] = {}
+        if (fit := surgery.removed(block, "mlp")) is not None:
+            entry["mlp"] = fit
+        else:
+            entry["mlp_hidden"] = self.mlp_out(block).in_features
+        if (fit := surgery.removed(block, "attn")) is not None:
+            entry["attn"] = fit
+        else:
+            qk, v = self.head_widths(block)
+            entry |= {"qk_dim": qk, "v_dim": v, "heads": self.heads(block)}
+        return entry
+
     def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
         surgery.apply_widths(model, entries)
 
@@ -243,7 +284,7 @@ class TimmViT(Adapter):
 TIMM_VIT = TimmViT()
 
 
-def structure(model: nn.Module) -> list[dict[str, int]]:
+def structure(model: nn.Module) -> list[dict[str, int | str]]:
     """Per-block widths as recorded in ``corp.json``."""
     adapter = adapter_for(model)
     return [adapter.structure(block) for block in adapter.blocks(model)]

@@ -11,6 +11,9 @@ In a ViT every block has the same shapes, so a few uniform-width models give the
 A block's time is then ``mlp(m) + attn(qk, v) - dense_block``: the MLP and attention parts add (they are
 separate GEMM chains), each interpolated piecewise-linearly between measured widths (bilinearly over the
 (Q/K, V) grid), extrapolated below the smallest measured width with the last segment's slope, never below 0.
+With ``--depth`` the grid adds a model with every block's attention (``no-attn``) or MLP (``no-mlp``) replaced by
+its fitted stand-in (``surgery.AffineBranch``): a removed module's time replaces that part's, and a width of 0 in
+a (mlp, qk, v) triple means the module is replaced (``REMOVED``).
 Backends whose fused attention needs one head size (torch SDPA's flash kernels, TensorRT's MHA) measure
 and allocate equal Q/K and V widths only (``tied``).
 
@@ -41,6 +44,8 @@ EQUAL_HEAD_WIDTHS = ("torch-", "tensorrt-")
 """Backend name prefixes whose fused attention needs Q/K width == V width (SDPA flash, TensorRT MHA)."""
 FIXED = "fixed"
 """Name of the block-free model among the measured ones."""
+REMOVED = 0
+"""The width that stands for a replaced module in (mlp, qk, v): ``(m, 0, 0)`` has no attention, ``(0, q, v)`` no MLP."""
 
 
 def tied(backend: str) -> bool:
@@ -63,14 +68,19 @@ class Shape:
     head_dim: int
 
 
-def grid(shape: Shape, equal_heads: bool) -> dict[str, tuple[int, int, int] | None]:
-    """Name -> uniform widths (mlp, qk, v) of every model to measure; ``fixed`` (None) is the block-free one."""
+def grid(shape: Shape, equal_heads: bool, removals: Sequence[str] = ()) -> dict[str, tuple[int, int, int] | None]:
+    """Name -> uniform widths (mlp, qk, v) of every model to measure; ``fixed`` (None) is the block-free one;
+    ``removals`` (``attn``, ``mlp``) add the models with that module replaced in every block (width ``REMOVED``)."""
     mlps = sorted({grid_width(shape.mlp, f) for f in MLP_GRID}, reverse=True)
     heads = sorted({grid_width(shape.head_dim, f) for f in ATTN_GRID}, reverse=True)
     pairs = [(q, q) for q in heads] if equal_heads else [(q, v) for q in heads for v in heads]
     out: dict[str, tuple[int, int, int] | None] = {FIXED: None}
     out |= {f"mlp{m}": (m, shape.head_dim, shape.head_dim) for m in mlps}
     out |= {f"qk{q}-v{v}": (shape.mlp, q, v) for q, v in pairs if (q, v) != (shape.head_dim, shape.head_dim)}
+    if "attn" in removals:
+        out["no-attn"] = (shape.mlp, REMOVED, REMOVED)
+    if "mlp" in removals:
+        out["no-mlp"] = (REMOVED, shape.head_dim, shape.head_dim)
     return out
 
 
@@ -100,16 +110,25 @@ class LatencyTable:
     """(Q/K, V) per-head widths -> one block's seconds at the dense MLP width."""
     scale: float = 1.0
     corrections: tuple[dict[str, float], ...] = field(default=())
+    removed: dict[str, float] = field(default_factory=dict)
+    """Module (``attn``, ``mlp``) -> one block's seconds with it replaced, the rest dense (``--depth``)."""
 
     @property
     def dense_block_s(self) -> float:
         return self.mlp[self.shape.mlp]
 
     def block_s(self, mlp: int, qk: int, v: int) -> float:
-        """Predicted seconds of one block with these widths (before ``scale``), never below 0."""
+        """Predicted seconds of one block with these widths (before ``scale``), never below 0; a width of
+        ``REMOVED`` is the module replaced."""
         widths = sorted(self.mlp)
-        m = interp(widths, [self.mlp[w] for w in widths], mlp)
-        return max(0.0, m + self._attn_s(qk, v) - self.dense_block_s)
+        m = self._removed_s("mlp") if mlp == REMOVED else interp(widths, [self.mlp[w] for w in widths], mlp)
+        a = self._removed_s("attn") if qk == REMOVED else self._attn_s(qk, v)
+        return max(0.0, m + a - self.dense_block_s)
+
+    def _removed_s(self, module: str) -> float:
+        if module not in self.removed:
+            raise CorpError(f"this latency table has no time for a block without its {module}; measure it with --depth")
+        return self.removed[module]
 
     def _attn_s(self, qk: int, v: int) -> float:
         if self.tied:
@@ -171,6 +190,7 @@ class LatencyTable:
             "attn": [[q, v, s] for (q, v), s in sorted(self.attn.items(), reverse=True)],
             "scale": self.scale,
             "corrections": list(self.corrections),
+            "removed": self.removed,
         }
 
     @classmethod
@@ -189,6 +209,7 @@ class LatencyTable:
                 attn={(int(q), int(v)): float(s) for q, v, s in data["attn"]},
                 scale=float(data.get("scale", 1.0)),
                 corrections=tuple(data.get("corrections", ())),
+                removed={str(m): float(t) for m, t in data.get("removed", {}).items()},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorpError(
@@ -210,9 +231,11 @@ class Timing:
         return self.dense_s / self.pruned_s
 
 
-def fit(key: dict[str, Any], shape: Shape, equal_heads: bool, seconds: Mapping[str, float]) -> LatencyTable:
-    """The table from the measured times (seconds) of ``grid(shape, equal_heads)``'s models; pure."""
-    models = grid(shape, equal_heads)
+def fit(
+    key: dict[str, Any], shape: Shape, equal_heads: bool, seconds: Mapping[str, float], removals: Sequence[str] = ()
+) -> LatencyTable:
+    """The table from the measured times (seconds) of ``grid(shape, equal_heads, removals)``'s models; pure."""
+    models = grid(shape, equal_heads, removals)
     absent = sorted(set(models) - set(seconds))
     if absent:
         raise CorpError(f"latency table: no time for {', '.join(absent)}")
@@ -222,7 +245,8 @@ def fit(key: dict[str, Any], shape: Shape, equal_heads: bool, seconds: Mapping[s
     dense = mlp[shape.mlp]
     attn = {(w[1], w[2]): per_block[n] for n, w in models.items() if n.startswith("qk")}
     attn[(shape.head_dim, shape.head_dim)] = dense
-    return LatencyTable(key, shape, equal_heads, fixed, mlp, attn)
+    removed = {m: per_block[f"no-{m}"] for m in removals}
+    return LatencyTable(key, shape, equal_heads, fixed, mlp, attn, removed=removed)
 
 
 # ------------------------------------------------------------------------------------------ keys
@@ -292,6 +316,12 @@ def format_table(table: LatencyTable) -> str:
         + ", ".join(f"{q}/{v}: {s * 1e3:.2f}" for (q, v), s in sorted(table.attn.items(), reverse=True))
         + " ms",
     ]
+    if table.removed:
+        lines.append(
+            "  one block with a module replaced by its fit: "
+            + ", ".join(f"no {m}: {t * 1e3:.2f}" for m, t in table.removed.items())
+            + " ms"
+        )
     if table.tied:
         lines.append("  equal Q/K and V widths only (this backend's fused attention needs one head size)")
     return "\n".join(lines)

@@ -15,12 +15,13 @@ import torch
 from torch import Tensor, nn
 
 from corp_deploy import compensation as C
+from corp_deploy import surgery
 from corp_deploy.env import exact_fp32
 from corp_deploy.errors import CorpError
 from corp_deploy.family import Adapter, adapter_for
 from corp_deploy.ranking import RANKERS, channel_scores, global_widths, kept_width, qk_scores, split_top
-from corp_deploy.stats import CalibrationStats, MlpStats, PairStats, QKStats, collect, empty_stats
-from corp_deploy.surgery import linear_float64
+from corp_deploy.stats import BranchStats, CalibrationStats, MlpStats, PairStats, QKStats, collect, empty_stats
+from corp_deploy.surgery import AffineBranch, linear_float64
 
 PARTS = ("mlp", "qk", "v")
 """Prunable structures: MLP hidden channels, attention Q/K dims per head, attention V channels per head.
@@ -35,6 +36,8 @@ BUDGET_KINDS = ("macs", "latency")
 """What a budget bounds: the closed-form MACs, or the time predicted by a latency table measured on a backend."""
 CRITERIA = ("sensitivity", "local")
 """How errors of different blocks are put on one scale: measured end-to-end sensitivity, or none."""
+MODULES = ("attn", "mlp")
+"""What ``--depth`` may replace whole: a block's attention or its MLP (``surgery.AffineBranch``)."""
 DEFAULT_RIDGE = 1e-3
 """Relative ridge damping alpha: lam = alpha * mean(diag(system)); see docs/BENCHMARKS.md."""
 
@@ -73,6 +76,8 @@ class Widths:
     mlp: int | None = None
     qk: int | None = None
     v: int | None = None
+    replace: tuple[str, ...] = ()
+    """Modules (``MODULES``) replaced by their fitted branch; their widths are then None."""
 
     def get(self, part: str) -> int | None:
         return getattr(self, part)
@@ -108,9 +113,13 @@ class PruneConfig:
     sequential: bool = False
     """Error-correcting calibration (``blockwise``): block i's statistics come from the stream pruned up to it and
     its compensation regresses the dense model's targets. Costs about 4 block passes per block instead of one."""
+    depth: tuple[str, ...] | str = ()
+    """Modules (``MODULES``) a latency budget may replace whole by ``depth_fit`` (``"attn,mlp"`` or a sequence)."""
+    depth_fit: str = "affine-mean"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", parse_target(self.target))
+        object.__setattr__(self, "depth", parse_depth(self.depth))
         if isinstance(self.budget, str):
             object.__setattr__(self, "budget", parse_budget(self.budget))
         for label, value in (
@@ -126,6 +135,7 @@ class PruneConfig:
             ("--compensation", self.compensation, COMPENSATIONS),
             ("--allocation", self.allocation, CRITERIA),
             ("--selection", self.selection, SELECTIONS),
+            ("--depth-fit", self.depth_fit, C.DEPTH_FITS),
         )
         for label, value, allowed in choices:
             if value not in allowed:
@@ -138,6 +148,21 @@ class PruneConfig:
             self._check_budget()
         if self.selection == "global" and "mlp" not in self.target:
             raise CorpError("--selection global chooses MLP channels across blocks; add mlp to --target")
+        if self.depth:
+            self._check_depth()
+
+    def _check_depth(self) -> None:
+        """Replacing a module saves fixed costs (kernels, launches) that only a measured latency table sees, and the
+        local fit error picks the wrong blocks (late attention gathers the class token), so removals are judged by
+        their measured end-to-end effect (the sensitivity pass) against a latency budget, on one pass's statistics."""
+        if self.budget is None or self.budget.kind != "latency":
+            raise CorpError("--depth replaces modules within a latency budget: add --speedup S (or --budget latency=F)")
+        if self.allocation != "sensitivity":
+            raise CorpError(
+                "--depth judges a removal by its measured end-to-end error: use --allocation sensitivity, not local"
+            )
+        if self.sequential:
+            raise CorpError("--depth fits replacements from one calibration pass; drop --sequential or --depth")
 
     def _check_budget(self) -> None:
         """A budget chooses every width, so nothing else may fix one; it ranks widths by CORP's error."""
@@ -182,9 +207,19 @@ class PruneConfig:
         return asdict(self) | {
             "target": ",".join(self.target),
             "budget": None if self.budget is None else str(self.budget),
+            "depth": ",".join(self.depth),
             "sparsity": None if self.budget is not None else self.sparsity,
             **{f"{p}_sparsity": self.part_sparsity(p) for p in PARTS},
         }
+
+
+def parse_depth(depth: str | Iterable[str]) -> tuple[str, ...]:
+    """``"attn,mlp"`` / ``("attn",)`` / ``""`` -> the ``MODULES`` it names, in ``MODULES`` order."""
+    words = [w.strip() for w in (depth.split(",") if isinstance(depth, str) else depth) if w.strip()]
+    bad = [w for w in words if w not in MODULES]
+    if bad:
+        raise CorpError(f"--depth takes a comma-separated combination of {', '.join(MODULES)}, got {depth!r}")
+    return tuple(m for m in MODULES if m in words)
 
 
 def parse_target(target: str | Iterable[str]) -> tuple[str, ...]:
@@ -234,7 +269,14 @@ def calibrate(
     pass runs in exact float32 (``env.exact_fp32``): TF32 would put ~1e-3 relative error into sums
     that the Q/K systems (condition numbers of 1e10 and more) are solved from.
     """
-    stats = empty_stats(model, mlp=config.prunes("mlp"), qk=config.prunes("qk"), device=device, proj=config.prunes("v"))
+    stats = empty_stats(
+        model,
+        mlp=config.prunes("mlp"),
+        qk=config.prunes("qk"),
+        device=device,
+        proj=config.prunes("v"),
+        depth=config.depth,
+    )
     with exact_fp32():
         collect(model, batches, stats, device, total=total, progress=progress)
     if merge is not None:
@@ -246,10 +288,13 @@ def calibrate(
 
 def check_parts(model: nn.Module, config: PruneConfig) -> None:
     """What every width rule needs of the blocks (``Adapter.check_parts``: a compensated MLP fold takes the
-    constant term in a bias, V pruning folds into proj). Data-free, so a refusal comes before calibration."""
+    constant term in a bias, V pruning folds into proj) and ``--depth`` (``Adapter.check_depth``). Data-free, so a
+    refusal comes before calibration."""
     adapter = adapter_for(model)
     for i, block in enumerate(adapter.blocks(model)):
         adapter.check_parts(block, i, config.target, config.compensation)
+        if config.depth:
+            adapter.check_depth(block, i)
 
 
 def plan_widths(model: nn.Module, config: PruneConfig, stats: CalibrationStats | None = None) -> list[Widths]:
@@ -317,13 +362,16 @@ def prune_block(
     timer: Timer,
     logit_targets: LogitTargets | None = None,
 ) -> dict[str, Any]:
-    """Prune block ``i`` in place to ``widths``; its diagnostics, keyed by part (``mlp``, ``qk``, ``v``).
+    """Prune block ``i`` in place to ``widths``; its diagnostics, keyed by part (``mlp``, ``qk``, ``v``) and
+    ``replaced`` (module -> its fit and relative residual energy).
 
     ``stats`` holds at least block i's sums; ``PairStats`` and ``logit_targets`` make the fits sequential.
     Q/K are pruned before V; they touch disjoint weights (the query and key projections; the value projection and
     proj's columns). ``adapter`` (the model's family) finds and rebuilds the layers.
     """
     entry: dict[str, Any] = {"block": i}
+    if widths.replace:
+        entry["replaced"] = {m: replace_module(adapter, block, i, stats, m, config, timer) for m in widths.replace}
     if widths.mlp is not None:
         entry["mlp"] = _prune_mlp(adapter, block, stats.mlp[i], widths.mlp, config, timer)
     if widths.qk is not None:
@@ -331,6 +379,27 @@ def prune_block(
     if widths.v is not None:
         entry["v"] = _prune_v(adapter, block, stats.proj[i], widths.v, config, timer)
     return entry
+
+
+def fit_branch(s: BranchStats, fit: str, alpha: float) -> tuple[AffineBranch, float]:
+    """The fitted stand-in of one branch (``compensation.branch_fit``) and its relative residual energy."""
+    dim = s.sum_x.numel()
+    mean_z, second_z, mean_y, cross, energy = s.moments()
+    features = C.branch_features(fit, dim)
+    w, b = C.branch_fit(mean_z, second_z, mean_y, cross, features, alpha)
+    error = float(C.branch_error(mean_z, second_z, mean_y, cross, energy, features, w, b))
+    return AffineBranch(dim, fit).fill(w.float(), b.float()), error
+
+
+def replace_module(
+    adapter: Adapter, block: nn.Module, i: int, stats: CalibrationStats, module: str, config: PruneConfig, timer: Timer
+) -> dict[str, Any]:
+    """Replace block ``i``'s ``module`` by its fitted branch (``surgery.replace_branch``); its diagnostics."""
+    t = time.perf_counter()
+    branch, error = fit_branch(stats.depth[(i, module)], config.depth_fit, config.ridge)
+    surgery.replace_branch(block, module, branch)
+    timer.add("compensation", t)
+    return {"fit": config.depth_fit, "rel_error": error}
 
 
 def _compensate(

@@ -107,6 +107,12 @@ def format_report(report: dict[str, Any]) -> str:
         "(errors: relative reconstruction error on the calibration data; mlp = fc2 output, logit = Q K^T, "
         "proj = attention output projection; v kept is per head)"
     )
+    replaced = [(e["block"], m, r) for e in report["blocks"] for m, r in e.get("replaced", {}).items()]
+    if replaced:
+        lines.append(
+            "replaced by their fit from the block's input (--depth; residual energy on the calibration data): "
+            + ", ".join(f"block {i} {m} ({r['fit']}, {r['rel_error']:.3f})" for i, m, r in replaced)
+        )
     if alloc := report.get("allocation"):
         lines.append(f"widths per block from --budget {alloc['budget']} ({alloc['criterion']} errors): {_spent(alloc)}")
     if check := report.get("latency"):

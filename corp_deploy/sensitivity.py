@@ -5,7 +5,9 @@ what matters is how much each moves the model's final features. For every target
 prune that part ALONE at a reference width (compensated, from the same statistics), run held-out
 images through the rest of the network, and divide the relative error of the final features
 (pre-logits) by the part's local error. ``allocation.allocate`` multiplies local error curves by
-these weights. No labels are used; the images are calibration images kept out of the statistics.
+these weights. A replaceable module (``--depth``) is probed by its replacement itself, so its weighted error is
+exactly the measured end-to-end error of that replacement: the local fit error alone picks the wrong blocks.
+No labels are used; the images are calibration images kept out of the statistics.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from statistics import median
 import torch
 from torch import Tensor, nn
 
-from corp_deploy.allocation import Key, candidate_widths
+from corp_deploy.allocation import MODULE_KEYS, Key, candidate_widths
 from corp_deploy.family import adapter_for
-from corp_deploy.pruner import PruneConfig, Timer, Widths, prune_block
+from corp_deploy.pruner import PruneConfig, Timer, Widths, prune_block, replace_module
 from corp_deploy.stats import CalibrationStats
 
 REFERENCE_SPARSITY = 0.5
@@ -67,6 +69,16 @@ def measure(model: nn.Module, stats: CalibrationStats, config: PruneConfig, imag
     parts = config.target
     out: dict[Key, float] = {}
     blocks = adapter.blocks(model)
+
+    def weight(i: int, trial: nn.Module, local: float) -> float:
+        """Final-feature error with block i replaced by ``trial``, over ``local``."""
+        block, blocks[i] = blocks[i], trial
+        try:
+            final = _relative(adapter.features_from(model, i, inputs[i]), dense)
+        finally:
+            blocks[i] = block
+        return final / local if local > NEGLIGIBLE else float("nan")
+
     for i, block in enumerate(blocks):
         qk, v = adapter.head_widths(block)
         full = {"mlp": adapter.mlp_out(block).in_features, "qk": qk, "v": v}
@@ -78,14 +90,13 @@ def measure(model: nn.Module, stats: CalibrationStats, config: PruneConfig, imag
                 continue
             trial = copy.deepcopy(block)
             entry = prune_block(adapter, trial, i, stats, Widths(**{part: kept}), config, Timer())
-            local = entry[part]["rel_error"]["corp"]
-            blocks[i] = trial
-            try:
-                final = _relative(adapter.features_from(model, i, inputs[i]), dense)
-            finally:
-                blocks[i] = block
-            out[(i, part)] = final / local if local > NEGLIGIBLE else float("nan")
-    for part in parts:  # redundant parts: the typical weight of their kind
+            out[(i, part)] = weight(i, trial, entry[part]["rel_error"]["corp"])
+        for module in config.depth:  # the whole module replaced, as a plan would: its weighted error is end to end
+            trial = copy.deepcopy(block)
+            out[(i, MODULE_KEYS[module])] = weight(
+                i, trial, replace_module(adapter, trial, i, stats, module, config, Timer())["rel_error"]
+            )
+    for part in (*parts, *(MODULE_KEYS[m] for m in config.depth)):  # redundant parts: the typical weight of their kind
         known = [v for (_, p), v in out.items() if p == part and v == v]
         for key, v in out.items():
             if key[1] == part and v != v:

@@ -59,8 +59,18 @@ def check_backend(name: str) -> Backend:
     return backend
 
 
-def key(model: str, args: dict[str, Any], backend: Backend, batch: int, threads: int) -> dict[str, Any]:
-    """Everything a block's time depends on besides its widths: what a table is cached under and checked against."""
+def key(
+    model: str,
+    args: dict[str, Any],
+    backend: Backend,
+    batch: int,
+    threads: int,
+    depth: tuple[str, ...] = (),
+    depth_fit: str = "affine-mean",
+) -> dict[str, Any]:
+    """Everything a block's time depends on besides its widths: what a table is cached under and checked against.
+
+    ``depth``: the modules whose replacement (by a ``depth_fit`` stand-in) the table also measures."""
     device = torch.cuda.get_device_name() if backend.device == "cuda" else cpu_model()
     ort = backend.name.startswith("ort-")
     applied = {"applied": list(backend.rewrites)} if backend.rewrites else {}  # none: the keys cached before them
@@ -75,7 +85,13 @@ def key(model: str, args: dict[str, Any], backend: Backend, batch: int, threads:
         "threads": threads,
         "versions": libs | {"corp_deploy": __version__},
         "rewrites": ({"opset": DEFAULT_OPSET} if ort else {}) | applied,
-    }
+    } | ({"depth": {"modules": list(depth), "fit": depth_fit}} if depth else {})
+
+
+def removals(table_key: dict[str, Any]) -> tuple[list[str], str]:
+    """(modules whose replacement a table measures, the stand-in's fit) of a table ``key``."""
+    depth = table_key.get("depth", {"modules": [], "fit": "affine-mean"})
+    return depth["modules"], depth["fit"]
 
 
 def shape_of(model: nn.Module) -> Shape:
@@ -87,13 +103,20 @@ def shape_of(model: nn.Module) -> Shape:
     return Shape(len(model.blocks), mlp, qk)
 
 
-def with_widths(dense: nn.Module, widths: list[tuple[int, int, int]] | None) -> nn.Module:
-    """A copy of ``dense`` with these (mlp, qk, v) block widths (random weights where they changed); None: no blocks."""
+def with_widths(dense: nn.Module, widths: list[tuple[int, int, int]] | None, fit: str = "affine-mean") -> nn.Module:
+    """A copy of ``dense`` with these (mlp, qk, v) block widths (random weights where they changed); None: no blocks.
+
+    A width of ``latency.REMOVED`` replaces the module by a ``fit`` stand-in (``surgery.AffineBranch``)."""
     model = copy.deepcopy(dense).eval()
     if widths is None:
         model.blocks = nn.Sequential()
         return model
-    apply_widths(model, [{"mlp_hidden": m, "qk_dim": q, "v_dim": v} for m, q, v in widths])
+    entries = []
+    for m, q, v in widths:
+        entry: dict[str, int | str] = {"mlp": fit} if m == latency.REMOVED else {"mlp_hidden": m}
+        entry |= {"attn": fit} if q == latency.REMOVED else {"qk_dim": q, "v_dim": v}
+        entries.append(entry)
+    apply_widths(model, entries)
     return model
 
 
@@ -178,14 +201,15 @@ def build_table(
 ) -> LatencyTable:
     """Measure the grid's uniform-width models (p50 of each) and fit the table. ``timer``: seconds per model."""
     shape = shape_of(dense)
-    grid = latency.grid(shape, latency.tied(backend.name))
-    models = {name: with_widths(dense, None if w is None else [w] * shape.depth) for name, w in grid.items()}
+    modules, fit = removals(table_key)
+    grid = latency.grid(shape, latency.tied(backend.name), modules)
+    models = {name: with_widths(dense, None if w is None else [w] * shape.depth, fit) for name, w in grid.items()}
     if timer is None:
         dense_name = next(name for name, w in grid.items() if w == (shape.mlp, shape.head_dim, shape.head_dim))
         seconds = time_against(dense_name, models, backend, table_key["batch"], table_key["threads"], method)
     else:
         seconds = timer(models)
-    return latency.fit(table_key, shape, latency.tied(backend.name), seconds)
+    return latency.fit(table_key, shape, latency.tied(backend.name), seconds, modules)
 
 
 def table_for(
@@ -202,7 +226,7 @@ def table_for(
     if (table := latency.cached(table_key)) is not None:
         say(f"latency table: cached {latency.cache_path(table_key)}")
         return table
-    n = len(latency.grid(shape_of(dense), latency.tied(backend.name)))
+    n = len(latency.grid(shape_of(dense), latency.tied(backend.name), removals(table_key)[0]))
     say(f"latency table: measuring {n} uniform-width models on {backend.name} at batch {table_key['batch']}")
     table = build_table(dense, table_key, backend, timer=timer)
     latency.write(table, latency.cache_path(table_key))

@@ -176,6 +176,53 @@ class QKStats(_Sums):
         return [self.count, self.moment]
 
 
+class BranchStats(_Sums):
+    """Moments to fit a block's branch output y (what it adds to the residual) from the branch input x (depth).
+
+    The fit's input is ``z = [x, x_bar]`` with ``x_bar`` the image's token mean (``compensation.branch_fit``).
+    Only ``x x^T`` and ``y x^T`` need token-level products: ``x_bar`` is constant over an image's N tokens, so
+    ``sum_tokens x x_bar^T = sum_tokens x_bar x_bar^T = sum_images N x_bar x_bar^T`` and ``sum_tokens y x_bar^T =
+    sum_images N y_bar x_bar^T``, and ``sum_tokens x_bar = sum_tokens x``. Every token counts (timm ViTs).
+    """
+
+    def __init__(self, width: int, device: torch.device | str = "cpu") -> None:
+        f64 = {"dtype": torch.float64, "device": device}
+        self.count = torch.zeros((), **f64)
+        self.sum_x = torch.zeros(width, **f64)
+        self.sum_y = torch.zeros(width, **f64)
+        self.xx = torch.zeros(width, width, **f64)
+        self.bb = torch.zeros(width, width, **f64)
+        self.yx = torch.zeros(width, width, **f64)
+        self.yb = torch.zeros(width, width, **f64)
+        self.energy = torch.zeros((), **f64)
+
+    def update(self, x: Tensor, y: Tensor) -> None:
+        """x, y: (batch, tokens, width), the branch's input and output for the same tokens."""
+        x, y = _at_least_fp32(x), _at_least_fp32(y)
+        n = x.shape[1]
+        xbar, ybar = x.mean(1), y.mean(1)
+        xt, yt = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        self.count += xt.shape[0]
+        self.sum_x += xt.sum(0, dtype=torch.float64)
+        self.sum_y += yt.sum(0, dtype=torch.float64)
+        self.xx += _outer_sum(xt, xt)
+        self.yx += _outer_sum(yt, xt)
+        self.bb += n * _outer_sum(xbar, xbar)
+        self.yb += n * _outer_sum(ybar, xbar)
+        self.energy += yt.double().square().sum()
+
+    def moments(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``E[z]``, ``E[z z^T]``, ``E[y]``, ``E[y z^T]``, ``E||y||^2`` over the tokens, z = [x, x_bar]."""
+        mean_x = self.sum_x / self.count
+        bb = self.bb / self.count
+        second = torch.cat([torch.cat([self.xx / self.count, bb], 1), torch.cat([bb, bb], 1)])
+        cross = torch.cat([self.yx, self.yb], 1) / self.count
+        return torch.cat([mean_x, mean_x]), second, self.sum_y / self.count, cross, self.energy / self.count
+
+    def tensors(self) -> list[Tensor]:
+        return [self.count, self.sum_x, self.sum_y, self.xx, self.bb, self.yx, self.yb, self.energy]
+
+
 @dataclass
 class CalibrationStats:
     """Everything CORP needs from the calibration data, per transformer block."""
@@ -185,6 +232,8 @@ class CalibrationStats:
     proj: dict[int, MlpStats] = field(default_factory=dict)
     images: int = 0
     skipped: int = 0
+    depth: dict[tuple[int, str], BranchStats] = field(default_factory=dict)
+    """(block, module) -> its branch's moments, for replacing the module (``--depth``)."""
     paired: bool = False
     """Sequential calibration: hooked tensors are ``[dense; pruned]`` halves (``PairStats``; Q/K read the pruned)."""
 
@@ -197,6 +246,8 @@ class CalibrationStats:
             out += self.qk[i].tensors()
         for i in sorted(self.proj):
             out += self.proj[i].tensors()
+        for k in sorted(self.depth):
+            out += self.depth[k].tensors()
         return out
 
     def __iadd__(self, other: CalibrationStats) -> CalibrationStats:
@@ -206,6 +257,8 @@ class CalibrationStats:
             self.qk[i] += s
         for i, s in other.proj.items():
             self.proj[i] += s
+        for k, s in other.depth.items():
+            self.depth[k] += s
         self.images += other.images
         self.skipped += other.skipped
         return self
@@ -222,8 +275,10 @@ def empty_stats(
     proj: bool = False,
     blocks: Iterable[int] | None = None,
     paired: bool = False,
+    depth: Iterable[str] = (),
 ) -> CalibrationStats:
-    """Zeroed accumulators for ``blocks`` (default: all) of a supported model (``proj``: attention outputs, for V).
+    """Zeroed accumulators for ``blocks`` (default: all) of a supported model (``proj``: attention outputs, for V;
+    ``depth``: the modules, ``attn`` and/or ``mlp``, whose branches may be replaced).
 
     ``paired``: sequential calibration (``PairStats``). ``device="meta"`` sizes them without allocating.
     """
@@ -239,6 +294,8 @@ def empty_stats(
             stats.qk[i] = QKStats(adapter.heads(block), adapter.head_widths(block)[0], device, adapter.causal)
         if proj:
             stats.proj[i] = linear(adapter.proj(block).in_features, device)
+        for module in depth:
+            stats.depth[(i, module)] = BranchStats(adapter.dim(block), device)
     return stats
 
 
@@ -253,7 +310,8 @@ class TokenMask:
 def recording(model: nn.Module, stats: CalibrationStats) -> Iterator[TokenMask]:
     """Hooks feeding ``stats`` from forward passes of ``model``'s blocks; removed however the pass ends.
 
-    They read the input of each block's ``mlp_out`` and ``proj`` and each attention's (q, k) (``Adapter.on_qk``),
+    They read the input of each block's ``mlp_out`` and ``proj``, each attention's (q, k) (``Adapter.on_qk``) and
+    each recorded branch's input and output (``Adapter.on_branch``),
     keeping the tokens of the yielded ``TokenMask``: set its ``value`` before each forward of a padded batch.
     """
     adapter = adapter_for(model)
@@ -272,6 +330,8 @@ def recording(model: nn.Module, stats: CalibrationStats) -> Iterator[TokenMask]:
             s.update(q, k, mask.value)
 
         handles += adapter.on_qk(blocks[i], on_qk)
+    for (i, module), s in stats.depth.items():
+        handles += adapter.on_branch(blocks[i], module, s.update)
     try:
         yield mask
     finally:

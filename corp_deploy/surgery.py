@@ -65,6 +65,62 @@ class PrunedAttention(nn.Module):
         return self.proj(x)
 
 
+class AffineBranch(nn.Module):
+    """A removed module's closed-form stand-in (``--depth``): ``y = x W^T + x_bar U^T + b`` per token.
+
+    ``x`` is the block's residual stream where the branch reads it (before the branch's norm), ``x_bar`` its mean
+    over the image's tokens, ``y`` what the branch added to the residual (after its LayerScale): the fit
+    (``compensation.branch_fit``) replaces norm, module and LayerScale together, so nothing is folded through
+    a LayerNorm. ``fit`` (``compensation.DEPTH_FITS``) says which terms exist: ``mean`` keeps only b,
+    ``affine`` adds W, ``affine-mean`` adds U. Ordinary ops only (Linear, mean, add), so it exports to ONNX.
+    """
+
+    def __init__(self, dim: int, fit: str) -> None:
+        super().__init__()
+        self.fit = fit
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.linear = nn.Linear(dim, dim, bias=False) if fit != "mean" else None
+        self.token_mean = nn.Linear(dim, dim, bias=False) if fit == "affine-mean" else None
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        """timm's Block calls its attention with ``attn_mask``/``is_causal``; a fitted map has no use for them."""
+        y = self.bias.expand_as(x) if self.linear is None else self.linear(x) + self.bias
+        if self.token_mean is not None:
+            y = y + self.token_mean(x.mean(1, keepdim=True))
+        return y
+
+    @torch.no_grad()
+    def fill(self, w: Tensor, b: Tensor) -> AffineBranch:
+        """Set the fitted ``y ~ W z + b`` with ``z = [x, x_bar]`` (W: dim x |features of the fit|)."""
+        dim = self.bias.numel()
+        self.bias.copy_(b)
+        if self.linear is not None:
+            self.linear.weight.copy_(w[:, :dim])
+        if self.token_mean is not None:
+            self.token_mean.weight.copy_(w[:, dim:])
+        return self
+
+
+BRANCHES = {"attn": ("norm1", "attn", "ls1"), "mlp": ("norm2", "mlp", "ls2")}
+"""Per removable module of a timm Block: (its norm, the module, its LayerScale); the branch is ls(module(norm(x)))."""
+
+
+def replace_branch(block: nn.Module, module: str, branch: AffineBranch) -> None:
+    """Make ``block``'s ``module`` branch ``branch(x)``: the norm and LayerScale become identities, so timm's own
+    ``x + drop_path(ls(module(norm(x))))`` computes ``x + branch(x)`` (drop_path is the identity in eval)."""
+    norm, name, scale = BRANCHES[module]
+    setattr(block, norm, nn.Identity())
+    setattr(block, scale, nn.Identity())
+    param = next(getattr(block, name).parameters())
+    setattr(block, name, branch.to(param.device, param.dtype))
+
+
+def removed(block: nn.Module, module: str) -> str | None:
+    """The fit that replaced ``block``'s ``module`` (``AffineBranch.fit``), or None while the module is there."""
+    m = getattr(block, BRANCHES[module][1])
+    return m.fit if isinstance(m, AffineBranch) else None
+
+
 def check_v_prunable(attn: nn.Module, block: int) -> None:
     """V pruning folds into proj's weight AND bias, and needs nothing else to act on the V channels."""
     problem = None
@@ -138,14 +194,21 @@ def shrink_mlp(mlp: Mlp, hidden: int) -> None:
     mlp.fc2 = nn.Linear(hidden, fc2.out_features, bias=fc2.bias is not None, **kw).train(fc2.training)
 
 
-def apply_widths(model: nn.Module, blocks: list[dict[str, int]]) -> None:
-    """Give every block the recorded widths (``mlp_hidden``, ``qk_dim``, ``v_dim``); weights are left unfilled.
+def apply_widths(model: nn.Module, blocks: list[dict[str, int | str]]) -> None:
+    """Give every block the recorded widths (``mlp_hidden``, ``qk_dim``, ``v_dim``) or replaced modules (``attn``,
+    ``mlp``: the ``AffineBranch`` fit); weights are left unfilled.
 
     Artifacts written before V pruning have no ``v_dim``: their V width is the dense head dim.
     """
     for block, widths in zip(model.blocks, blocks, strict=True):
-        if widths["mlp_hidden"] != block.mlp.fc1.out_features:
+        dim = block.attn.qkv.in_features
+        if "mlp" in widths:
+            replace_branch(block, "mlp", AffineBranch(dim, widths["mlp"]))
+        elif widths["mlp_hidden"] != block.mlp.fc1.out_features:
             shrink_mlp(block.mlp, widths["mlp_hidden"])
+        if "attn" in widths:
+            replace_branch(block, "attn", AffineBranch(dim, widths["attn"]))
+            continue
         d = block.attn.head_dim
         qk, v = widths["qk_dim"], widths.get("v_dim", d)
         if (qk, v) != (d, d):

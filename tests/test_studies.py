@@ -126,3 +126,17 @@ def test_loop_band_runs_the_command_again_and_reports_the_spread(tmp_path, monke
     assert sorted(b["measured"]) == [b["min"], b["max"]] == sorted(r["measured_speedup"] for r in runs)
     assert b["median"] == pytest.approx(sum(b["measured"]) / 2) and b["met"] == sum(r["met"] for r in runs)
     assert "| 2 | 1.00x |" in capsys.readouterr().out
+
+
+def test_depth_study_prunes_each_speedup_with_and_without_depth(tmp_path, tiny_real) -> None:
+    from studies import depth_study
+
+    pytest.importorskip("onnxruntime")
+    out = tmp_path / "depth"
+    small = ["--train", "30", "--test", "20", "--num-calib", "16", "--sensitivity-images", "4", "--rounds", "1"]
+    depth_study.main([*small, "--speedups", "1.2", "--out", str(out)])
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["target_speedup"], r["depth"]) for r in record["rows"]] == [(1.2, "-"), (1.2, "attn")]
+    for row in record["rows"]:  # a tiny model at batch 1 is mostly fixed cost: a budget may be out of reach
+        assert "unreachable" in row or (row["measured_speedup"] > 0 and row["images"] == 20 and row["top1_se"] < 0.2)
+    assert "| 1.20x | attn |" in out.with_suffix(".md").read_text()

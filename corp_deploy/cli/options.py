@@ -19,6 +19,7 @@ from typing import Any
 import click
 
 from corp_deploy.bench.measure import Method
+from corp_deploy.compensation import DEPTH_FITS
 from corp_deploy.data import SYNTHETIC
 from corp_deploy.deps import missing
 from corp_deploy.errors import CorpError
@@ -176,6 +177,22 @@ sparsity_options = group(
         show_default=True,
         help="MLP channels: the same fraction in every block, or VBP's one score threshold across all blocks "
         "(global; each block's count rounded to --round-to).",
+    ),
+    click.option(
+        "--depth",
+        default="",
+        metavar="attn[,mlp]",
+        help="With a latency budget: the allocation may also replace a block's whole attention (and/or MLP) by its "
+        "closed-form prediction from the block's input (see --depth-fit), judged by its measured end-to-end error. "
+        "Off by default.",
+    ),
+    click.option(
+        "--depth-fit",
+        type=click.Choice(DEPTH_FITS),
+        default="affine-mean",
+        show_default=True,
+        help="--depth: what replaces a module: its mean output, an affine map per token, or affine in the token "
+        "and the image's token mean (ridge fits from the same calibration pass).",
     ),
     click.option(
         "--sequential",

@@ -163,9 +163,17 @@ def latency_loop(backend: Backend, batch: int, rounds: int, say: Callable[[str],
     return api.LatencyLoop(timing, rounds)
 
 
-def latency_table(got: Inputs, backend: Backend, latency: dict[str, Any], say: Callable[[str], None]) -> LatencyTable:
-    """The latency table of the built model on ``backend`` at --latency-batch: given, cached or measured now."""
-    key = speed.key(got.name, got.args, backend, latency["latency_batch"], torch.get_num_threads())
+def latency_table(
+    got: Inputs,
+    backend: Backend,
+    latency: dict[str, Any],
+    say: Callable[[str], None],
+    depth: tuple[str, ...] = (),
+    depth_fit: str = "affine-mean",
+) -> LatencyTable:
+    """The latency table of the built model on ``backend`` at --latency-batch: given, cached or measured now
+    (with ``depth``, also each block's time with those modules replaced by their ``depth_fit`` stand-in)."""
+    key = speed.key(got.name, got.args, backend, latency["latency_batch"], torch.get_num_threads(), depth, depth_fit)
     table = speed.table_for(got.net, key, backend, latency["latency_table"], say)
     say(format_table(table))
     return table
@@ -201,7 +209,7 @@ def pruned(
         loop = latency_loop(backend, latency["latency_batch"], latency_rounds, say)
         api.check_loop(config, max_stats_gib, 2 if distributed.launched() else 1)
     got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, text=text)
-    table = None if backend is None else latency_table(got, backend, latency, say)
+    table = None if backend is None else latency_table(got, backend, latency, say, config.depth, config.depth_fit)
     dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
     progress = not quiet and got.world.is_main
     result = api.prune(
