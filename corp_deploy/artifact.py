@@ -55,7 +55,7 @@ FAMILIES = {
         TIMM_VIT.apply_structure,
         TIMM_VIT.block_keys,
     ),
-    **{name: Family(hf.build, hf.apply_structure, HF_BERT.block_keys) for name in hf.FAMILY_NAMES},
+    **{name: Family(hf.build, hf.apply_structure, hf.BLOCK_KEYS) for name in hf.FAMILY_NAMES},
 }
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "corp.json"
