@@ -28,7 +28,6 @@ from corp_deploy import hf
 from corp_deploy.errors import CorpError, first_line
 from corp_deploy.family import TIMM_VIT, adapter_for, structure
 from corp_deploy.fsio import atomic_dir
-from corp_deploy.hf import HF_BERT
 
 FORMAT = "corp-deploy/pruned-vit"
 FORMAT_VERSION = 3

@@ -176,7 +176,10 @@ class HfLlama(HfText):
         super().check_parts(block, i, parts, compensation)
 
     def structure(self, block: nn.Module) -> dict[str, int]:
-        biases = {"mlp_bias": int(block.mlp.down_proj.bias is not None), "proj_bias": int(self.proj(block).bias is not None)}
+        biases = {
+            "mlp_bias": int(block.mlp.down_proj.bias is not None),
+            "proj_bias": int(self.proj(block).bias is not None),
+        }
         return {**super().structure(block), **biases}
 
     def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:

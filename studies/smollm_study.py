@@ -65,7 +65,9 @@ def prune_mlp_uncentred(model: torch.nn.Module, stats: CalibrationStats, config:
         w, _ = linear_float64(out, s.sum.device)
         keep, prune = split_top(channel_scores(config.ranker, s, w), widths.mlp)
         b = C.mlp_linear(s.second_moment(), keep, prune, config.ridge)
-        new_w, _ = C.fold_mlp(w, torch.zeros(w.shape[0], dtype=w.dtype), keep, prune, b, torch.zeros(prune.numel(), dtype=w.dtype))
+        new_w, _ = C.fold_mlp(
+            w, torch.zeros(w.shape[0], dtype=w.dtype), keep, prune, b, torch.zeros(prune.numel(), dtype=w.dtype)
+        )
         adapter.set_mlp(block, keep, new_w.to(out.weight.dtype), None)
 
 

