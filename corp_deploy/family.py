@@ -24,7 +24,9 @@ And per model: ``blocks``; ``run`` (one calibration forward), ``count`` (sequenc
 ``tokens`` and ``example`` (tokens per input and one input, for MACs); ``block_inputs`` /
 ``features_from`` (the sensitivity pass).
 
-Families: ``TimmViT`` here; ``corp_deploy.hf.HfBert`` (``transformers``, imported only when a model is one).
+Families: ``TimmViT`` here; ``corp_deploy.hf.HfBert``, ``corp_deploy.opt.HfOpt`` and ``corp_deploy.llama.HfLlama``
+(``transformers``, imported only when a model is one). ``value_groups`` (grouped-query attention) and
+``adds_bias`` (bias-free readers) are the decoders' answers.
 """
 
 from __future__ import annotations
