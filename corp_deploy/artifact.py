@@ -28,7 +28,6 @@ from corp_deploy import hf
 from corp_deploy.errors import CorpError, first_line
 from corp_deploy.family import TIMM_VIT, adapter_for, structure
 from corp_deploy.fsio import atomic_dir
-from corp_deploy.hf import HF_BERT
 
 FORMAT = "corp-deploy/pruned-vit"
 FORMAT_VERSION = 3
@@ -55,7 +54,7 @@ FAMILIES = {
         TIMM_VIT.apply_structure,
         TIMM_VIT.block_keys,
     ),
-    **{name: Family(hf.build, hf.apply_structure, HF_BERT.block_keys) for name in hf.FAMILY_NAMES},
+    **{name: Family(hf.build, hf.apply_structure, hf.BLOCK_KEYS) for name in hf.FAMILY_NAMES},
 }
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "corp.json"

@@ -69,6 +69,21 @@ def mlp_affine(mean: Tensor, second: Tensor, keep: Tensor, prune: Tensor, alpha:
     return b, c
 
 
+def mlp_linear(second: Tensor, keep: Tensor, prune: Tensor, alpha: float) -> Tensor:
+    """Ridge fit of ``x_P ~ B x_S`` WITHOUT a constant: for a reader that has no bias to take ``W_P c``.
+
+    Why it is ``mlp_affine`` with the moments taken about 0 instead of the mean: the least-squares
+    problem ``min_B E||x_P - B x_S||^2`` has the normal equations ``B E[x_S x_S^T] = E[x_P x_S^T]``
+    (set the derivative ``-2 E[(x_P - B x_S) x_S^T]`` to 0), i.e. eq. 9's system with the covariance
+    ``E[x x^T] - mu mu^T`` replaced by the raw second moment ``E[x x^T]`` (the "uncentred" ridge), and
+    ``c = mu_P - B mu_S`` replaced by 0. The affine fit is this fit on ``[x_S; 1]`` with the constant
+    unpenalised, so its error is never larger; the gap is ``E``-weighted by how far the kept channels'
+    mean is from predicting the removed ones' (``|W_P (mu_P - B mu_S)|^2``), which is what the bias buys.
+    Returns ``B`` (|P| x |S|); fold it with ``fold_mlp(..., b=B, c=0)``.
+    """
+    return ridge_solve(second[keep][:, keep], second[keep][:, prune], alpha).T
+
+
 def fold_mlp(w2: Tensor, b2: Tensor, keep: Tensor, prune: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     """Fold the affine prediction into fc2: ``W_S + W_P B`` and ``b + W_P c``."""
     w_p = w2[:, prune]

@@ -24,7 +24,9 @@ And per model: ``blocks``; ``run`` (one calibration forward), ``count`` (sequenc
 ``tokens`` and ``example`` (tokens per input and one input, for MACs); ``block_inputs`` /
 ``features_from`` (the sensitivity pass).
 
-Families: ``TimmViT`` here; ``corp_deploy.hf.HfBert`` (``transformers``, imported only when a model is one).
+Families: ``TimmViT`` here; ``corp_deploy.hf.HfBert``, ``corp_deploy.opt.HfOpt`` and ``corp_deploy.llama.HfLlama``
+(``transformers``, imported only when a model is one). ``value_groups`` (grouped-query attention) and
+``adds_bias`` (bias-free readers) are the decoders' answers.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class Adapter(ABC):
     """A decoder: a query sees only the keys at or before it, so the Q/K moments count those pairs only."""
     unit = "images"
     """What one input is, in reports ("sequences" for text)."""
+    adds_bias = False
+    """A folded reader without a bias gets one for the compensation's constant (Llama's bias-free down_proj and
+    o_proj); otherwise a compensated fold into a bias-free reader is refused (``check_parts``)."""
 
     @abstractmethod
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
@@ -77,6 +82,10 @@ class Adapter(ABC):
     @abstractmethod
     def head_widths(self, block: nn.Module) -> tuple[int, int]:
         raise NotImplementedError
+
+    def value_groups(self, block: nn.Module) -> int:
+        """Query heads that share one V head (grouped-query attention): their V channels are kept together."""
+        return 1
 
     def dim(self, block: nn.Module) -> int:
         """The residual stream's width (the input of every projection)."""
@@ -108,7 +117,7 @@ class Adapter(ABC):
 
     def check_parts(self, block: nn.Module, i: int, parts: Sequence[str], compensation: str) -> None:
         """Refuse a part this block cannot take (data-free): a compensated MLP fold needs a bias."""
-        if "mlp" in parts and compensation != "none" and self.mlp_out(block).bias is None:
+        if "mlp" in parts and compensation != "none" and self.mlp_out(block).bias is None and not self.adds_bias:
             raise CorpError(
                 f"MLP pruning with --compensation {compensation} is not supported for block {i}: its "
                 f"{self.mlp_out_name} has no bias to take the compensation's constant; use --compensation none "

@@ -257,15 +257,22 @@ def adapter_for_hf(model: nn.Module) -> Adapter:
         from corp_deploy.opt import HF_OPT
 
         return HF_OPT
+    if model_type == "llama" and hasattr(getattr(model, "base_model", None), "layers"):
+        from corp_deploy.llama import HF_LLAMA
+
+        return HF_LLAMA
     raise CorpError(
         f"{type(model).__name__} (model_type {model_type!r}) is not supported; corp-deploy prunes timm "
         f"VisionTransformers, transformers BERT-family encoders (model_type {', '.join(MODEL_TYPES)}) "
-        "and OPT decoders (model_type opt)"
+        "OPT decoders (model_type opt) and Llama decoders (model_type llama)"
     )
 
 
-FAMILY_NAMES = (HF_BERT.name, "hf-opt")
-"""Artifact families built from a config.json (``build``, ``apply_structure``); ``corp_deploy.opt`` is hf-opt."""
+FAMILY_NAMES = (HF_BERT.name, "hf-opt", "hf-llama")
+"""Artifact families built from a config.json (``build``, ``apply_structure``); ``corp_deploy.opt`` is hf-opt,
+``corp_deploy.llama`` hf-llama."""
+BLOCK_KEYS = HF_BERT.block_keys | {"mlp_bias", "proj_bias"}
+"""What their block entries may hold: the widths, and (hf-llama) which bias-free readers gained a bias."""
 
 
 def apply_structure(model: nn.Module, entries: list[dict[str, Any]]) -> None:

