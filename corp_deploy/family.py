@@ -309,5 +309,6 @@ def adapter_for(model: nn.Module) -> Adapter:
         return adapter_for_hf(model)
     raise CorpError(
         f"{type(model).__name__} is not a supported model family; corp-deploy prunes timm VisionTransformers "
-        "and transformers BERT-family encoders (BertModel, RobertaModel) and OPT decoders (OPTForCausalLM)"
+        "and transformers BERT-family encoders (BertModel, RobertaModel), OPT decoders (OPTForCausalLM) and Llama "
+        "decoders (LlamaForCausalLM)"
     )

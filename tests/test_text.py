@@ -188,6 +188,8 @@ def test_unsupported_transformers_model_is_refused_in_one_line() -> None:
 
     with pytest.raises(CorpError, match="model_type 'gpt2'.*BERT-family"):
         adapter_for(GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
+    with pytest.raises(CorpError, match="Linear is not a supported model family.*OPT.*Llama decoders"):
+        adapter_for(torch.nn.Linear(2, 2))  # neither timm nor transformers: every family is named
 
 
 def _model_folder(root: Path) -> Path:
