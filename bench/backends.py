@@ -173,12 +173,15 @@ class Backend:
     missing: Callable[[RunFolder], str | None]
     opt_in: str | None = None
     """Why ``auto`` leaves this backend out (it runs only when named); None: ``auto`` includes it."""
+    chosen_rewrites: tuple[str, ...] | None = None
+    """The user's ``--rewrites`` where they replace the defaults: a latency budget times what is exported."""
 
     @property
     def rewrites(self) -> tuple[str, ...]:
-        """The exact rewrites that pay here (``exporters.rewrites``): its torch loader applies them to dense and
-        pruned alike; the ONNX and engine backends run the graphs as exported (their sidecars say which)."""
-        return default_rewrites(self.name)
+        """The exact rewrites applied here (``exporters.rewrites``): those chosen, else those that pay. Its torch
+        loader applies them to dense and pruned alike; the ONNX and engine backends run the graphs as exported (their
+        sidecars say which)."""
+        return default_rewrites(self.name) if self.chosen_rewrites is None else self.chosen_rewrites
 
 
 def compile_model(model: nn.Module, backend: str | Callable[..., Any] = "inductor") -> nn.Module:

@@ -8,6 +8,7 @@ values do not change a dense GEMM's time.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -40,8 +41,9 @@ MIN_BAND = 0.03
 """The smallest noise band claimed for a measured speedup: +-3%."""
 
 
-def check_backend(name: str) -> Backend:
-    """The bench backend a latency budget is measured on; one line when it cannot be here."""
+def check_backend(name: str, rewrites: tuple[str, ...] | None = None) -> Backend:
+    """The bench backend a latency budget is measured on, timing models with ``rewrites`` (None: the backend's
+    defaults; ``prune-export --rewrites`` passes what it exports); one line when it cannot be here."""
     if name not in BACKENDS:
         raise CorpError(f"--latency-on: unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
     backend = BACKENDS[name]
@@ -56,7 +58,7 @@ def check_backend(name: str) -> Backend:
         raise CorpError(f"--latency-on {name} needs {absent}")
     if "compile" in name and (reason := backend.missing(None)):
         raise CorpError(f"--latency-on {name} cannot run here: {reason}")
-    return backend
+    return backend if rewrites is None else dataclasses.replace(backend, chosen_rewrites=tuple(rewrites))
 
 
 def key(

@@ -288,6 +288,26 @@ def test_prune_export_with_a_speedup_records_the_check(tmp_path, capsys, cache, 
     assert all(b["qk"]["kept"] == b["v"]["kept"] for b in widths)  # torch SDPA: one head size
 
 
+def test_prune_export_times_the_rewrites_it_exports(tmp_path, capsys, cache, monkeypatch) -> None:
+    """--rewrites replaces the backend's defaults in the latency table and loop too: torch-cpu times no rewrite by
+    default, so a patch-linear export must be planned and checked with patch-linear (its table key says so)."""
+    timed: list[tuple[str, ...]] = []
+
+    def fake_time_models(models, backend, *_, **__):
+        timed.append(backend.rewrites)
+        return {n: [fake_time(m)] * 6 for n, m in models.items()}
+
+    monkeypatch.setattr(speed, "time_models", fake_time_models)
+    monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))
+    flags = ["--speedup", "1.3", "--latency-on", "torch-cpu-fp32", "--latency-batch", "2", "--rewrites", "patch-linear"]
+    argv = ["prune-export", *PRUNE[1:], "--allocation", "local", "--precision", "fp32", *flags]
+    code, _, err = run([*argv, "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, err
+    (table,) = cache.iterdir()
+    assert json.loads(table.read_text())["key"]["rewrites"] == {"applied": ["patch-linear"]}
+    assert timed and set(timed) == {("patch-linear",)}
+
+
 def test_profile_prints_the_table_checks_it_and_writes_it(tmp_path, capsys, cache, monkeypatch) -> None:
     monkeypatch.setattr(speed, "time_models", lambda models, *_: {n: [fake_time(m)] * 6 for n, m in models.items()})
     monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))

@@ -293,7 +293,7 @@ def prune_export(
             workers=prune_args["workers"] or 0,
         )
     rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
-    run = pruned(**prune_args, keep_dense=True, text=text, latency_rounds=rounds)
+    run = pruned(**prune_args, keep_dense=True, text=text, latency_rounds=rounds, rewrites=rewrites_)
     if run is None:
         return
     click.echo(format_report(run.result.report))

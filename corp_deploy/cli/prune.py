@@ -188,12 +188,14 @@ def pruned(
     keep_dense: bool = False,
     text: bool = False,
     latency_rounds: int | None = None,
+    rewrites: tuple[str, ...] | None = None,
     **flags: Any,
 ) -> Pruned | None:
     """Validate everything cheap first, then build, calibrate and prune (the dense copy kept on request).
 
     Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``. A latency
-    budget's table is measured (or read) before calibration; ``latency_rounds`` closes the loop (``api.LatencyLoop``).
+    budget's table is measured (or read) before calibration; ``latency_rounds`` closes the loop (``api.LatencyLoop``);
+    both time the models with ``rewrites`` (None: the backend's defaults), as they will be exported.
     """
     config = prune_config(pruning)
     api.calibration_mode(config, max_stats_gib, distributed.SINGLE_PROCESS)  # combinations refused before any data
@@ -202,7 +204,7 @@ def pruned(
             "a latency budget (--speedup, --budget latency=F) is timed on timm ViTs only so far; "
             "use --budget macs=F or --sparsity for a transformers model"
         )
-    backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"])
+    backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"], rewrites)
     say = (lambda line: None) if quiet else click.echo
     loop = None
     if backend is not None and latency_rounds is not None:

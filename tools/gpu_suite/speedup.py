@@ -8,7 +8,8 @@ measured speedup misses). Each row is judged against its goal (issue 23: >= 1.65
 
 Random weights and noise calibration: the speed of a pruned model does not depend on its weights' values, and
 its accuracy is not measured here (the real-weights study does that). ``LEVERS`` are the pruning settings timed
-per goal; width alone now (MLP, Q/K and V channels).
+per goal: width alone (MLP, Q/K and V channels), and width with whole attention modules replaceable by their
+closed-form fit (``--depth attn``: the lever for batch 1, where fixed costs dominate).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from corp_deploy.tables import markdown_table
 from tools.gpu_suite.core import Context, create, warm_device
 
 LEVERS: dict[str, dict[str, Any]] = {
-    "width": {"target": "mlp,qk,v"},
+    "width": {"target": "mlp,qk,v", "allocation": "local"},
+    "width+depth": {"target": "mlp,qk,v", "depth": "attn", "allocation": "sensitivity", "sensitivity_images": 16},
 }
 """Lever name -> PruneConfig fields besides the budget: what the allocator may remove."""
 
@@ -81,15 +83,19 @@ def _budgeted(
     from corp_deploy import api, speed
 
     threads = torch.get_num_threads()
-    table = speed.table_for(model, speed.key(name, ctx.plan.models.get(name, {}), backend, batch, threads), backend)
-    config = corp_deploy.PruneConfig(budget=f"latency={1 / goal!r}", allocation="local", **fields)
+    config = corp_deploy.PruneConfig(budget=f"latency={1 / goal!r}", **fields)
+    key = speed.key(name, ctx.plan.models.get(name, {}), backend, batch, threads, config.depth, config.depth_fit)
+    table = speed.table_for(model, key, backend)
     loop = api.LatencyLoop(lambda d, p: speed.measure_pair(d, p, backend, batch, threads), rounds=3)
+    held = config.sensitivity_images if config.allocation == "sensitivity" else 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # noise images, on purpose
-        batches, total = corp_deploy.calibration_batches(
-            model, "synthetic", ctx.plan.latency_images, ctx.plan.calib_batch
+        data = api.calibration_data(
+            model, "synthetic", ctx.plan.latency_images + held, ctx.plan.calib_batch, hold_out=held
         )
-        result = api.prune(model, batches, config, ctx.device, total, False, table=table, loop=loop)
+        result = api.prune(
+            model, data.batches, config, ctx.device, data.total, False, heldout=data.heldout, table=table, loop=loop
+        )
     check = result.report["latency"]
     last = check["history"][-1]
     return {
