@@ -7,6 +7,7 @@ tested is the arithmetic, the keys and the loop, never a speed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from contextlib import contextmanager
@@ -190,6 +191,23 @@ def test_latency_budget_meets_the_predicted_time_with_equal_heads_when_tied() ->
         plan_budget(model, stats, PruneConfig(budget="latency=0.01", target="all"), 0, table=table)
     with pytest.raises(CorpError, match="needs a latency table"):
         plan_budget(model, stats, config, 0)
+
+
+def test_latency_plan_stays_within_the_widths_the_table_measured() -> None:
+    """Below the grid a block's time is extrapolated, not measured: the plan keeps at least the smallest measured
+    widths (MLP 64 and 8 per head; unfloored, this plan takes MLP 44), and the smallest model is judged there."""
+    model = tiny_vit()
+    config = PruneConfig(budget="latency=0.7", target="all", allocation="local", round_to=4)
+    stats = calibrate(model, tiny_batches(), config, "cpu", progress=False)
+    full = tied_table(model)
+    table = dataclasses.replace(
+        full, mlp={w: t for w, t in full.mlp.items() if w >= 64}, attn={k: t for k, t in full.attn.items() if k[0] >= 8}
+    )
+    plan, record = plan_budget(model, stats, config, 0, table=table)
+    assert all(w.mlp is None or w.mlp >= 64 for w in plan) and all(w.qk is None or w.qk >= 8 for w in plan)
+    assert min(w.mlp for w in plan) == 64 and record["latency"]["planned_s"] <= 0.7 * record["latency"]["dense_s"]
+    with pytest.raises(CorpError, match="every part at its smallest measured width"):
+        plan_budget(model, stats, PruneConfig(budget="latency=0.6", target="all", round_to=4), 0, table=table)
 
 
 def test_closed_loop_corrects_the_table_and_replans_from_the_same_statistics() -> None:
