@@ -83,13 +83,15 @@ def test_speed_study_plans_every_method_at_a_predicted_speedup_and_measures_it(
     monkeypatch.setattr(speed, "table_for", functools.partial(speed.table_for, timer=by_macs))
     out = tmp_path / "speed"
     small = ["--train", "30", "--test", "20", "--num-calib", "16", "--heldout", "4", "--backend", "torch-cpu-fp32"]
-    speed_study.main([*small, "--batches", "2", "--speedups", "1.05,50", "--out", str(out)])
+    speed_study.main([*small, "--batches", "2", "--speedups", "1.05,50", "--rounds", "2", "--out", str(out)])
 
     record = json.loads(out.with_suffix(".json").read_text())
     assert [r["method"] for r in record["rows"]] == list(speed_study.METHODS)  # 1.05x, every method
     for row in record["rows"]:
         assert row["batch"] == 2 and row["target"] == 1.05 and row["measured_speedup"] > 0
-        assert row["predicted_speedup"] >= 1.05 - 1e-9 and row["macs"] < 1 and len(row["widths"]) == TINY["depth"]
+        assert row["macs"] < 1 and len(row["widths"]) == TINY["depth"] and len(row["history"]) == row["rounds"] <= 2
+        assert row["history"][0]["predicted_speedup"] >= 1.05 - 1e-9  # the table's plan; a corrected one may differ
+        assert row["history"][-1]["measured_speedup"] == row["measured_speedup"]
         assert all(0 <= row[p]["top1"] <= 1 and row[p]["top1_se"] >= 0 for p in speed_study.PROBES)
     unreachable = record["args"]["unreachable"]  # 50x: beyond what any method reaches
     assert [(u["target"], u["method"]) for u in unreachable] == [(50, m) for m in speed_study.METHODS]
