@@ -29,6 +29,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from corp_deploy.errors import CorpError
@@ -112,6 +113,10 @@ class LatencyTable:
     corrections: tuple[dict[str, float], ...] = field(default=())
     removed: dict[str, float] = field(default_factory=dict)
     """Module (``attn``, ``mlp``) -> one block's seconds with it replaced, the rest dense (``--depth``)."""
+    savings: float = 1.0
+    """Factor on every block's saving over the dense block (``corrected``): above 1 where pruned blocks measured
+    faster than the additive model says (a block whose MLP and attention both shrink saves more than the two
+    savings measured one at a time)."""
 
     @property
     def dense_block_s(self) -> float:
@@ -123,7 +128,8 @@ class LatencyTable:
         widths = sorted(self.mlp)
         m = self._removed_s("mlp") if mlp == REMOVED else interp(widths, [self.mlp[w] for w in widths], mlp)
         a = self._removed_s("attn") if qk == REMOVED else self._attn_s(qk, v)
-        return max(0.0, m + a - self.dense_block_s)
+        saved = self.dense_block_s - max(0.0, m + a - self.dense_block_s)
+        return max(0.0, self.dense_block_s - self.savings * saved)
 
     def _removed_s(self, module: str) -> float:
         if module not in self.removed:
@@ -150,16 +156,20 @@ class LatencyTable:
     def corrected(self, dense_s: float, pruned_s: float, pruned: Sequence[tuple[int, int, int]]) -> LatencyTable:
         """The table after one more measured pair (the closed loop): dense and ``pruned`` timed in one run.
 
-        A measured speedup pins one number, the fixed cost relative to the block scale: with ``T = F + s B``,
-        ``S = (c + B_dense) / (c + B_pruned)`` for ``c = F / s``. Each measured pair gives a ``c``; their median
-        over all pairs so far (noise on a shared machine moves single pairs by several percent) replaces the
-        table's, clamped at 0; the scale then matches the latest dense time. Block times keep their shape.
+        A measured speedup pins one number. With ``T = F + s B`` it is the fixed cost relative to the block scale:
+        ``S = (c + B_dense) / (c + B_pruned)`` for ``c = F / s``. Each measured pair gives a ``c``; their median over
+        all pairs so far (noise on a shared machine moves single pairs by several percent) replaces the table's.
+        A negative median means no fixed cost explains the pairs: the pruned blocks saved MORE than the table says
+        (heavily pruned DINOv2-S blocks on ort-cpu: 13-25% more speedup than predicted). Then ``c = 0`` and the
+        pairs pin the factor ``k`` on the blocks' savings instead, ``S = B_dense / (B_dense - k (B_dense -
+        B_pruned))`` (``savings``, their median). The scale then matches the latest dense time.
         """
+        raw = replace(self, savings=1.0)
         dense_blocks = self.shape.depth * self.dense_block_s
         point = {
             "dense_s": dense_s,
             "pruned_s": pruned_s,
-            "blocks_s": sum(self.block_s(*w) for w in pruned),
+            "blocks_s": sum(raw.block_s(*w) for w in pruned),
             "predicted_s": self.predict(pruned),
         }
         points = (*self.corrections, point)
@@ -168,13 +178,14 @@ class LatencyTable:
                 f"the pruned model measured {pruned_s * 1e3:.1f} ms against the dense {dense_s * 1e3:.1f} ms: "
                 "no correction of the latency table can follow that; re-run on a quieter machine"
             )
-        fits = sorted(
-            (dense_blocks - p["dense_s"] / p["pruned_s"] * p["blocks_s"]) / (p["dense_s"] / p["pruned_s"] - 1)
-            for p in points
-        )
-        c = max(0.0, fits[len(fits) // 2] if len(fits) % 2 else (fits[len(fits) // 2 - 1] + fits[len(fits) // 2]) / 2)
+        pairs = [(p["dense_s"] / p["pruned_s"], p["blocks_s"]) for p in points]  # (speedup, predicted blocks)
+        c = median([(dense_blocks - r * blocks) / (r - 1) for r, blocks in pairs])
+        k = 1.0
+        if c < 0:
+            c = 0.0
+            k = median([dense_blocks * (1 - 1 / r) / (dense_blocks - blocks) for r, blocks in pairs])
         scale = dense_s / (c + dense_blocks)
-        return replace(self, scale=scale, fixed_s=scale * c, corrections=points)
+        return replace(self, scale=scale, fixed_s=scale * c, corrections=points, savings=k)
 
     # ------------------------------------------------------------------------------------- files
 
@@ -189,6 +200,7 @@ class LatencyTable:
             "mlp": [[w, s] for w, s in sorted(self.mlp.items(), reverse=True)],
             "attn": [[q, v, s] for (q, v), s in sorted(self.attn.items(), reverse=True)],
             "scale": self.scale,
+            "savings": self.savings,
             "corrections": list(self.corrections),
             "removed": self.removed,
         }
@@ -208,6 +220,7 @@ class LatencyTable:
                 mlp={int(w): float(s) for w, s in data["mlp"]},
                 attn={(int(q), int(v)): float(s) for q, v, s in data["attn"]},
                 scale=float(data.get("scale", 1.0)),
+                savings=float(data.get("savings", 1.0)),
                 corrections=tuple(data.get("corrections", ())),
                 removed={str(m): float(t) for m, t in data.get("removed", {}).items()},
             )

@@ -158,6 +158,22 @@ def test_correction_goes_through_a_measured_pair_and_takes_the_median_of_several
         table.corrected(0.5, 0.6, pruned)
 
 
+def test_blocks_that_save_more_than_the_table_says_scale_its_savings(tmp_path) -> None:
+    """A speedup beyond what even a zero fixed cost gives (heavily pruned blocks saving more than the additive
+    model): no fixed cost can explain it, so the blocks' savings are scaled, and the pair is then predicted."""
+    model = tiny_vit()
+    table = speed.build_table(model, table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    pruned = [(32, 8, 8), (32, 8, 8)]
+    blocks = table.shape.depth * table.dense_block_s
+    ceiling = blocks / sum(table.block_s(*w) for w in pruned)  # the speedup at zero fixed cost
+    fast = table.corrected(0.9, 0.9 / (1.2 * ceiling), pruned)
+    assert fast.fixed_s == 0 and fast.savings > 1
+    assert fast.dense_s / fast.predict(pruned) == pytest.approx(1.2 * ceiling)
+    assert latency.read(latency.write(fast, tmp_path / "t.json"), fast.key).savings == pytest.approx(fast.savings)
+    slow = table.corrected(0.9, 0.9 / (0.9 * ceiling), pruned)  # within reach of a fixed cost: savings untouched
+    assert slow.savings == 1 and slow.fixed_s > 0
+
+
 def test_allocator_jumps_across_a_cost_plateau() -> None:
     """A width that saves no time is passed over together with the next one: the greedy does not stall."""
     widths = [4, 3, 2, 1]
