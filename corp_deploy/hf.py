@@ -63,7 +63,7 @@ class PrunedSelfAttention(nn.Module):
     def forward(
         self, hidden_states: Tensor, attention_mask: Tensor | None = None, past_key_values: Any = None, **kwargs: Any
     ) -> tuple[Tensor, Tensor | None]:
-        if past_key_values is not None:
+        if layer_cache(past_key_values, kwargs) is not None:
             raise CorpError("a pruned BERT encoder takes no key/value cache")
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         from transformers.models.bert.modeling_bert import eager_attention_forward
@@ -82,6 +82,14 @@ class PrunedSelfAttention(nn.Module):
             **kwargs,
         )
         return out.reshape(*hidden_states.shape[:-1], -1).contiguous(), weights
+
+
+def layer_cache(past_key_values: Any, kwargs: dict[str, Any]) -> Any:
+    """An attention layer's key/value cache, taken out of ``kwargs``: transformers 5.24 renamed the layers'
+    ``past_key_values=`` argument to ``cache=`` (a pruned attention that reads only the old name never fills the
+    cache, and generation with it silently diverges from generation without it)."""
+    cache = kwargs.pop("cache", None)
+    return past_key_values if cache is None else cache
 
 
 def qk_hooks(query: nn.Linear, key: nn.Linear, heads: int, fn: QKHook) -> list[RemovableHandle]:

@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotar
 
 from corp_deploy.errors import CorpError
 from corp_deploy.family import QKHook
-from corp_deploy.hf import HfText, linear_like
+from corp_deploy.hf import HfText, layer_cache, linear_like
 
 
 class PrunedLlamaAttention(LlamaAttention):
@@ -72,8 +72,9 @@ class PrunedLlamaAttention(LlamaAttention):
         k = self.k_proj(hidden_states).view(*shape, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(*shape, self.v_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        cache = layer_cache(past_key_values, kwargs)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         dropout = self.attention_dropout if self.training else 0.0
         out, weights = attend(self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs)

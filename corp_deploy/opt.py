@@ -26,7 +26,7 @@ from transformers.models.opt.modeling_opt import OPTAttention, eager_attention_f
 
 from corp_deploy.errors import CorpError
 from corp_deploy.family import QKHook
-from corp_deploy.hf import HfText, linear_like, qk_hooks
+from corp_deploy.hf import HfText, layer_cache, linear_like, qk_hooks
 
 
 class PrunedOptAttention(OPTAttention):
@@ -60,8 +60,9 @@ class PrunedOptAttention(OPTAttention):
         shape = (*hidden_states.shape[:-1], self.num_heads, -1)
         q = (self.q_proj(hidden_states) * self.scaling).view(shape).transpose(1, 2)
         k, v = (lin(hidden_states).view(shape).transpose(1, 2) for lin in (self.k_proj, self.v_proj))
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        cache = layer_cache(past_key_values, kwargs)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         dropout = self.dropout if self.training else 0.0
         out, weights = attend(self, q, k, v, attention_mask, dropout=dropout, scaling=1.0, **kwargs)
