@@ -83,6 +83,7 @@ def test_speed_study_plans_every_method_at_a_predicted_speedup_and_measures_it(
     monkeypatch.setattr(speed, "table_for", functools.partial(speed.table_for, timer=by_macs))
     out = tmp_path / "speed"
     small = ["--train", "30", "--test", "20", "--num-calib", "16", "--heldout", "4", "--backend", "torch-cpu-fp32"]
+    small += ["--probes", "digits"]  # Fashion-MNIST needs a Debian package CI need not have
     speed_study.main([*small, "--batches", "2", "--speedups", "1.05,50", "--rounds", "2", "--out", str(out)])
 
     record = json.loads(out.with_suffix(".json").read_text())
@@ -92,7 +93,7 @@ def test_speed_study_plans_every_method_at_a_predicted_speedup_and_measures_it(
         assert row["macs"] < 1 and len(row["widths"]) == TINY["depth"] and len(row["history"]) == row["rounds"] <= 2
         assert row["history"][0]["predicted_speedup"] >= 1.05 - 1e-9  # the table's plan; a corrected one may differ
         assert row["history"][-1]["measured_speedup"] == row["measured_speedup"]
-        assert all(0 <= row[p]["top1"] <= 1 and row[p]["top1_se"] >= 0 for p in speed_study.PROBES)
+        assert 0 <= row["digits"]["top1"] <= 1 and row["digits"]["top1_se"] >= 0 and "fashion-mnist" not in row
     unreachable = record["args"]["unreachable"]  # 50x: beyond what any method reaches
     assert [(u["target"], u["method"]) for u in unreachable] == [(50, m) for m in speed_study.METHODS]
     assert "below the smallest model" in unreachable[-1]["why"]  # even with every attention module replaced
