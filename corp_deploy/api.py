@@ -436,8 +436,7 @@ def prune(
     mode = calibration_mode(config, max_stats_gib, world)
     dense = model_size(model)
     widths = check_widths(model, config, dense["macs"], table)
-    if mode != ONE_PASS:  # an unsupported model or a bound below one block fails here too
-        blockwise.check_supported(model)
+    if mode != ONE_PASS:  # a bound below one block fails here
         blockwise.plan_groups(model, config, max_stats_gib)
     if config.heldout_images and heldout is None and world.is_main:
         heldout, batches, total = _hold_out(batches, config.heldout_images, total)

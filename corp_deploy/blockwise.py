@@ -1,19 +1,22 @@
 """Block-by-block calibration: memory-bounded statistics, and sequential (error-correcting) CORP.
 
 The one-pass default (``pruner.calibrate``) keeps every block's sums alive at once: 5.5 GiB for deit_base, about
-40 GiB for deit3_huge. Here the images run ONCE through the stem (everything before ``model.blocks``) and the
-block-0 input tokens are cached; then the walk visits groups of consecutive blocks: the cached tokens run through the
-group with hooks (its statistics; the cache advances to the next group's input), the group is pruned and its sums
-are freed. Groups are as large as ``max_stats_gib`` allows. On the dense stream this IS the one-pass method: every
-block sees the same dense tokens, batch by batch in the same order, so the sums and the pruned weights are the same.
+40 GiB for deit3_huge. Here the inputs run ONCE through the model up to block 0 and block 0's input tokens are
+cached with the rest of its call (``Adapter.block_call``: nothing for a timm ViT; the attention mask and rotary
+position embeddings of a ``transformers`` model) and the batch's token mask (padding stays out of every sum); then
+the walk visits groups of consecutive blocks: the cached tokens run through the group with hooks (its statistics;
+the cache advances to the next group's input), the group is pruned and its sums are freed. Groups are as large as
+``max_stats_gib`` allows. On the dense stream this IS the one-pass method: every block sees the same dense tokens,
+batch by batch in the same order, so the sums and the pruned weights are the same.
 
-Sequential (``PruneConfig.sequential``): one block at a time, with two cached streams of the same images, the DENSE
+Sequential (``PruneConfig.sequential``): one block at a time, with two cached streams of the same inputs, the DENSE
 model's and the model pruned so far. Per block i:
 
 1. dense block i runs on ``[dense; pruned]`` tokens (one batch): the pruned stream's sums (ranking, ridge
    systems), the dense stream's (targets) and their cross moments (``stats.PairStats``);
-2. with Q/K pruned, once the kept dims are ranked, a second pass through block i's ``norm1 -> qkv`` only gives
-   the cross term of the logit regression (``compensation.sequential_logit_system``);
+2. with Q/K pruned, once the kept dims are ranked, a second pass through the dense block i, stopped once its
+   query and key projections ran, gives the cross term of the logit regression
+   (``compensation.sequential_logit_system``) over the pairs the softmax sees (a decoder's: key <= query);
 3. block i is pruned, regressing the dense targets from the pruned stream (so upstream error is undone too);
 4. both streams advance: the dense one through a copy of the dense block, the pruned one through the pruned block.
 
@@ -37,13 +40,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor, nn
 from tqdm import tqdm
 
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, all_reduce_tensors
 from corp_deploy.errors import CorpError
-from corp_deploy.family import TIMM_VIT
+from corp_deploy.family import Adapter, BlockCall, adapter_for
 from corp_deploy.pruner import PruneConfig, Timer, Widths, plan_widths, prune_block
 from corp_deploy.stats import CalibrationStats, empty_stats, recording
 
@@ -51,25 +53,6 @@ CACHE_FRACTION = 0.5
 """Share of the GPU memory free at the start that the token cache may take; the rest is for statistics, weights
 and activations. Judgement: a deit_base block's activations at batch 64 are well under a GiB."""
 GIB = 2**30
-
-
-def check_supported(model: nn.Module) -> None:
-    """The walk calls the stem and the blocks itself: only timm VisionTransformers with standard Blocks."""
-    blocks = getattr(model, "blocks", None)
-    if not (
-        isinstance(model, VisionTransformer)
-        and isinstance(blocks, nn.Sequential)
-        and all(isinstance(b, Block) for b in blocks)
-    ):
-        raise CorpError(
-            f"block-by-block calibration (--sequential, --max-stats-gib) supports timm VisionTransformer models with "
-            f"standard blocks; {type(model).__name__} is not one: use the one-pass default"
-        )
-
-
-def stem(model: VisionTransformer, images: Tensor) -> Tensor:
-    """Block 0's input tokens: ``forward_features`` up to ``model.blocks`` (timm 1.0)."""
-    return model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(images))))
 
 
 def block_stats(
@@ -86,7 +69,7 @@ def plan_groups(model: nn.Module, config: PruneConfig, max_stats_gib: float | No
 
     Cheap and data-free (sizes from meta tensors): call it before calibrating so a bad bound fails at once.
     """
-    sizes = [block_stats(model, config, [i], "meta").nbytes() for i in range(len(model.blocks))]
+    sizes = [block_stats(model, config, [i], "meta").nbytes() for i in range(len(adapter_for(model).blocks(model)))]
     if max_stats_gib is not None:
         if not max_stats_gib > 0:
             raise CorpError(f"--max-stats-gib must be > 0, got {max_stats_gib:g}")
@@ -112,6 +95,16 @@ def plan_groups(model: nn.Module, config: PruneConfig, max_stats_gib: float | No
 
 
 @dataclass
+class Chunk:
+    """One calibration batch in the walk: its token streams (the block input of each), the rest of the block call,
+    and which token positions count (``Adapter.token_mask``; None = all). Lives on the device or the host."""
+
+    streams: list[Tensor]
+    call: BlockCall
+    mask: Tensor | None
+
+
+@dataclass
 class TokenCache:
     """Token chunks (one per calibration batch) of one or two streams; each chunk lives on the device or the host."""
 
@@ -119,23 +112,29 @@ class TokenCache:
     streams: int
     budget: float
     """Bytes of the calibration device the cache may take; chunks beyond it live in host memory."""
-    chunks: list[list[Tensor]] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
 
-    def add(self, x: Tensor) -> None:
-        """A new chunk of block-0 tokens, the same in every stream."""
+    def add(self, x: Tensor, call: BlockCall, mask: Tensor | None) -> None:
+        """A new chunk of block-0 tokens (the same in every stream), with the rest of its block call."""
         need = x.numel() * x.element_size() * self.streams
         home = self.device if self.nbytes(self.device) + need <= self.budget else torch.device("cpu")
-        self.chunks.append([x.to(home, copy=s > 0) for s in range(self.streams)])
+        streams = [x.to(home, copy=s > 0) for s in range(self.streams)]
+        self.chunks.append(Chunk(streams, call.to(home), None if mask is None else mask.to(home)))
 
-    def load(self, k: int) -> list[Tensor]:
-        return [t.to(self.device, non_blocking=True) for t in self.chunks[k]]
+    def load(self, k: int) -> tuple[list[Tensor], BlockCall, Tensor | None]:
+        """Chunk ``k`` on the device: its streams, block call and token mask."""
+        c = self.chunks[k]
+        mask = None if c.mask is None else c.mask.to(self.device, non_blocking=True)
+        return [t.to(self.device, non_blocking=True) for t in c.streams], c.call.to(self.device), mask
 
     def store(self, k: int, stream: int, x: Tensor) -> None:
-        self.chunks[k][stream] = x.to(self.chunks[k][stream].device)
+        self.chunks[k].streams[stream] = x.to(self.chunks[k].streams[stream].device)
 
     def nbytes(self, on: torch.device | None = None) -> int:
-        """Bytes held, on ``on`` only when given."""
-        return sum(t.numel() * t.element_size() for chunk in self.chunks for t in chunk if on is None or t.device == on)
+        """Bytes held by the token streams, on ``on`` only when given."""
+        return sum(
+            t.numel() * t.element_size() for chunk in self.chunks for t in chunk.streams if on is None or t.device == on
+        )
 
 
 def device_budget(device: torch.device, statistics: int) -> float:
@@ -165,7 +164,7 @@ def walk(
     Returns the per-block report (as ``pruner.prune_model``'s) and what the walk did: images, groups, passes,
     peak statistics bytes and cache size.
     """
-    check_supported(model)
+    adapter = adapter_for(model)
     if device.type == "cuda" and device.index is None:  # tensors report cuda:N: compare like with like
         device = torch.device("cuda", torch.cuda.current_device())
     timer = timer or Timer()
@@ -174,17 +173,17 @@ def walk(
     peak = max(block_stats(model, config, g, "meta").nbytes() for g in groups)
     cache = TokenCache(device, 2 if config.sequential else 1, device_budget(device, peak))
     start = time.perf_counter()
-    images, skipped = _cache_stem(model, batches, cache, total, progress)
+    images, skipped = _cache_stem(model, adapter, batches, cache, total, progress)
     counts = torch.tensor([images, skipped], dtype=torch.float64, device=device)
     all_reduce_tensors([counts], world, dist_timeout)
     images, skipped = int(counts[0]), int(counts[1])
     if images == 0:
-        raise CorpError(f"none of the {skipped} calibration images could be read; check the files")
+        raise CorpError(f"none of the {skipped} calibration {adapter.unit} could be read; check the files")
     timer.add("calibration", start)
     report = []
     step = _sequential_block if config.sequential else _dense_group
     for group in tqdm(groups, unit="group", desc="blocks", disable=not progress):
-        report += step(model, group, plan, cache, config, world, dist_timeout, timer)
+        report += step(model, adapter, group, plan, cache, config, world, dist_timeout, timer)
     passes = len(plan) * (4 if config.sequential else 1)
     return report, {
         "images": images,
@@ -200,21 +199,30 @@ def walk(
 
 
 def _cache_stem(
-    model: nn.Module, batches: Iterable[tuple[Tensor, int]], cache: TokenCache, total: int | None, progress: bool
+    model: nn.Module,
+    adapter: Adapter,
+    batches: Iterable[tuple[Any, int]],
+    cache: TokenCache,
+    total: int | None,
+    progress: bool,
 ) -> tuple[int, int]:
+    """Every batch once through the model up to block 0 (``Adapter.block_call``): the cache's chunks."""
     images = skipped = 0
-    with torch.inference_mode(), tqdm(total=total, unit="img", desc="stem", disable=not progress) as bar:
-        for x, bad in batches:
+    with torch.inference_mode(), tqdm(total=total, unit="input", desc="stem", disable=not progress) as bar:
+        for inputs, bad in batches:
             skipped += bad
-            if x.shape[0]:
-                cache.add(stem(model, x.to(cache.device, non_blocking=True)))
-                images += x.shape[0]
-            bar.update(x.shape[0] + bad)
+            n = adapter.count(inputs)
+            if n:
+                x, call = adapter.block_call(model, inputs, cache.device)
+                cache.add(x, call, adapter.token_mask(inputs, cache.device))
+                images += n
+            bar.update(n + bad)
     return images, skipped
 
 
 def _dense_group(
     model: nn.Module,
+    adapter: Adapter,
     group: list[int],
     plan: list,
     cache: TokenCache,
@@ -225,20 +233,22 @@ def _dense_group(
 ) -> list[dict]:
     """One pass of the dense tokens through the group (statistics; the cache advances), then prune it."""
     t = time.perf_counter()
+    blocks = adapter.blocks(model)
     stats = block_stats(model, config, group, cache.device)
-    with recording(model, stats), torch.inference_mode():
+    with recording(model, stats) as token_mask, torch.inference_mode():
         for k in range(len(cache.chunks)):
-            (x,) = cache.load(k)
+            (x,), call, token_mask.value = cache.load(k)
             for i in group:
-                x = model.blocks[i](x)
+                x = call.run(blocks[i], x)
             cache.store(k, 0, x)
     all_reduce_stats(stats, world, dist_timeout)
     timer.add("calibration", t)
-    return [prune_block(TIMM_VIT, model.blocks[i], i, stats, plan[i], config, timer) for i in group]
+    return [prune_block(adapter, blocks[i], i, stats, plan[i], config, timer) for i in group]
 
 
 def _sequential_block(
     model: nn.Module,
+    adapter: Adapter,
     group: list[int],
     plan: list,
     cache: TokenCache,
@@ -249,59 +259,103 @@ def _sequential_block(
 ) -> list[dict]:
     """Steps 1-4 of the module docstring for the group's one block."""
     (i,) = group
+    block = adapter.blocks(model)[i]
     t = time.perf_counter()
-    dense = copy.deepcopy(model.blocks[i])
+    dense = copy.deepcopy(block)
     stats = block_stats(model, config, group, cache.device)
-    with recording(model, stats), torch.inference_mode():
+    with recording(model, stats) as token_mask, torch.inference_mode():
         for k in range(len(cache.chunks)):
-            model.blocks[i](torch.cat(cache.load(k)))
+            streams, call, mask = cache.load(k)
+            token_mask.value = None if mask is None else torch.cat([mask, mask])
+            call.paired(streams[0].shape[0]).run(block, torch.cat(streams))
     all_reduce_stats(stats, world, dist_timeout)
     timer.add("calibration", t)
 
     def logit_targets(keep: Tensor) -> tuple[Tensor, Tensor]:
-        return _logit_targets(dense, cache, keep, world, dist_timeout)
+        return _logit_targets(adapter, dense, cache, keep, world, dist_timeout)
 
-    entry = prune_block(TIMM_VIT, model.blocks[i], i, stats, plan[i], config, timer, logit_targets)
+    entry = prune_block(adapter, block, i, stats, plan[i], config, timer, logit_targets)
     t = time.perf_counter()
     with torch.inference_mode():
         for k in range(len(cache.chunks)):
-            x_dense, x_pruned = cache.load(k)
-            cache.store(k, 0, dense(x_dense))
-            cache.store(k, 1, model.blocks[i](x_pruned))
+            (x_dense, x_pruned), call, _ = cache.load(k)
+            cache.store(k, 0, call.run(dense, x_dense))
+            cache.store(k, 1, call.run(block, x_pruned))
     timer.add("calibration", t)
     return [entry]
 
 
-def _split_qk(out: Tensor, heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
-    """timm's fused qkv output (B, N, 3*H*d) -> q, k as (B, N, H, d)."""
-    qkv = out.unflatten(-1, (3, heads, head_dim))
-    return qkv[..., 0, :, :], qkv[..., 1, :, :]
+class _Seen(Exception):
+    """Raised by a hook once it has what it came for: the rest of the forward is not needed."""
+
+
+def _dense_qk(adapter: Adapter, block: nn.Module, x: Tensor, call: BlockCall) -> tuple[Tensor, Tensor]:
+    """(q, k) of ``block`` for the tokens ``x``, as (batch, tokens, heads, d); the block stops after them."""
+    seen: list[Tensor] = []
+
+    def grab(q: Tensor, k: Tensor) -> None:
+        seen[:] = [q, k]
+        raise _Seen
+
+    handles = adapter.on_qk(block, grab)
+    try:
+        call.run(block, x)
+    except _Seen:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return seen[0], seen[1]
 
 
 def _logit_targets(
-    block: Block, cache: TokenCache, keep: Tensor, world: World, dist_timeout: float
+    adapter: Adapter, block: nn.Module, cache: TokenCache, keep: Tensor, world: World, dist_timeout: float
 ) -> tuple[Tensor, Tensor]:
-    """Per head ``sum_b (Q~_S,b^T Q_b)(K_b^T K~_S,b)`` (heads, d', d') and ``sum_b ||Q_b K_b^T||^2`` (heads).
+    """Per head ``sum (Q~_S^T Q)(K^T K~_S)`` (heads, d', d') and ``sum ||Q K^T||^2`` (heads), over the (query, key)
+    pairs the softmax sees (``causal_logit_sums``), padding excluded.
 
-    Q, K from the dense stream, Q~, K~ from the pruned one, both through the DENSE block's ``norm1 -> qkv``.
+    Q, K from the dense stream, Q~, K~ from the pruned one, both through the DENSE ``block``'s Q/K projections.
     Per-batch products in fp32 added into float64 sums, as in ``stats.QKStats``.
     """
-    attn = block.attn
-    heads, d = attn.num_heads, attn.head_dim
+    heads = keep.shape[0]
     f64 = {"dtype": torch.float64, "device": keep.device}
     cross = torch.zeros(heads, keep.shape[1], keep.shape[1], **f64)
     energy = torch.zeros(heads, **f64)
     with torch.inference_mode():
         for k in range(len(cache.chunks)):
-            x_dense, x_pruned = cache.load(k)
-            q, kk = (t.float() for t in _split_qk(attn.qkv(block.norm1(x_dense)), heads, d))
-            qp, kp = (t.float() for t in _split_qk(attn.qkv(block.norm1(x_pruned)), heads, d))
+            streams, call, mask = cache.load(k)
+            q2, k2 = _dense_qk(adapter, block, torch.cat(streams), call.paired(streams[0].shape[0]))
+            if mask is not None:
+                keep_rows = torch.cat([mask, mask])[:, :, None, None].to(q2.dtype)
+                q2, k2 = q2 * keep_rows, k2 * keep_rows
+            (q, qp), (kk, kp) = (t.float().chunk(2) for t in (q2, k2))
             index = keep.to(qp.device).expand(*qp.shape[:2], -1, -1)
             qs, ks = qp.gather(-1, index), kp.gather(-1, index)
-            gq = torch.einsum("bnhs,bnhd->bhsd", qs, q)
-            gk = torch.einsum("bnhd,bnht->bhdt", kk, ks)
-            cross += torch.einsum("bhsd,bhdt->hst", gq, gk).double()
-            grams = [torch.einsum("bnhd,bnhe->bhde", t, t) for t in (q, kk)]
-            energy += torch.einsum("bhde,bhde->h", *grams).double()
+            c, e = (causal_logit_sums if adapter.causal else logit_sums)(q, kk, qs, ks)
+            cross += c.double()
+            energy += e.double()
     all_reduce_tensors([cross, energy], world, dist_timeout)
     return cross, energy
+
+
+def logit_sums(q: Tensor, k: Tensor, qs: Tensor, ks: Tensor) -> tuple[Tensor, Tensor]:
+    """Over every (query, key) pair of each sequence: ``sum_b (Q~_S,b^T Q_b)(K_b^T K~_S,b)`` and
+    ``sum_b ||Q_b K_b^T||^2`` per head. q, k: (batch, tokens, heads, d); qs, ks: (batch, tokens, heads, d')."""
+    gq = torch.einsum("bnhs,bnhd->bhsd", qs, q)
+    gk = torch.einsum("bnhd,bnht->bhdt", k, ks)
+    grams = [torch.einsum("bnhd,bnhe->bhde", t, t) for t in (q, k)]
+    return torch.einsum("bhsd,bhdt->hst", gq, gk), torch.einsum("bhde,bhde->h", *grams)
+
+
+def causal_logit_sums(q: Tensor, k: Tensor, qs: Tensor, ks: Tensor) -> tuple[Tensor, Tensor]:
+    """``logit_sums`` over the pairs (query i, key j <= i) only: ``sum_i q~_i (q_i^T P_i)`` with the running
+    sum ``P_i = sum_(j <= i) k_j k~_j^T``, and ``sum_i q_i^T (sum_(j <= i) k_j k_j^T) q_i``. Heads one at a time
+    bound the per-token (d x d') prefix products."""
+    cross, energy = [], []
+    for h in range(q.shape[2]):
+        qh, kh, qsh, ksh = (t[:, :, h] for t in (q, k, qs, ks))
+        prefix = torch.einsum("bnd,bnt->bndt", kh, ksh).cumsum(1)
+        cross.append(torch.einsum("bns,bnd,bndt->st", qsh, qh, prefix))
+        grams = torch.einsum("bnd,bne->bnde", kh, kh).cumsum(1)
+        energy.append(torch.einsum("bnd,bnde,bne->", qh, grams, qh))
+    return torch.stack(cross), torch.stack(energy)

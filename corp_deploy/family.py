@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,47 @@ QKHook = Callable[[Tensor, Tensor], None]
 """Called with (q, k), each (batch, tokens, heads, d), once per forward of an attention."""
 BranchHook = Callable[[Tensor, Tensor], None]
 """Called with (x, y), each (batch, tokens, dim): a branch's input (the residual stream) and what it adds to it."""
+
+
+def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it, through tuples, lists and dicts."""
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+@dataclass
+class BlockCall:
+    """The rest of a block's call besides its input tokens: positional and keyword arguments the model passes every
+    block (an attention mask, rotary position embeddings; nothing for a timm ViT), as captured from block 0."""
+
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, block: nn.Module, x: Tensor) -> Tensor:
+        """``block``'s output tokens for input ``x`` (a ``transformers`` layer may return them in a tuple)."""
+        out = block(x, *self.args, **self.kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def to(self, device: torch.device | str) -> BlockCall:
+        return BlockCall(*_map_tensors((self.args, self.kwargs), lambda t: t.to(device, non_blocking=True)))
+
+    def paired(self, batch: int) -> BlockCall:
+        """The call for ``[stream; stream]`` inputs (sequential calibration runs two streams as one batch): every
+        per-sequence tensor (leading dimension ``batch``) repeated; shared ones (a leading 1) broadcast as they are."""
+
+        def twice(t: Tensor) -> Tensor:
+            return torch.cat([t, t]) if t.dim() and t.shape[0] == batch and batch > 1 else t
+
+        return BlockCall(*_map_tensors((self.args, self.kwargs), twice))
+
+
+class _AtBlock0(Exception):
+    """Stops a forward at block 0 once its call is captured (``Adapter.block_call``)."""
 
 
 class Adapter(ABC):
@@ -163,6 +205,28 @@ class Adapter(ABC):
     def example(self, model: nn.Module) -> Any:
         """One input of the size MACs are counted at, on the model's device and in its dtype."""
         raise NotImplementedError
+
+    def block_call(self, model: nn.Module, inputs: Any, device: torch.device | str) -> tuple[Tensor, BlockCall]:
+        """Block 0's input tokens for ``inputs`` and the rest of its call, from one forward stopped there (what the
+        block-by-block walk caches). Later blocks take the same call: each block's output is the next one's input."""
+        seen: list[Any] = []
+
+        def capture(_m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            seen[:] = [args, kwargs]
+            raise _AtBlock0
+
+        handle = self.blocks(model)[0].register_forward_pre_hook(capture, with_kwargs=True)
+        try:
+            self.run(model, inputs, device)
+        except _AtBlock0:
+            pass
+        finally:
+            handle.remove()
+        args, kwargs = seen
+        if not args:  # called by keyword (``hidden_states=``)
+            kwargs = dict(kwargs)
+            return kwargs.pop("hidden_states"), BlockCall((), kwargs)
+        return args[0], BlockCall(tuple(args[1:]), dict(kwargs))
 
     def block_inputs(self, model: nn.Module, inputs: Any) -> tuple[list[Tensor], Tensor]:
         """Every block's input for ``inputs`` (one dense forward) and the final features."""

@@ -125,7 +125,9 @@ class HfText(Adapter):
         write_files(model, folder)
 
     def run(self, model: nn.Module, inputs: Mapping[str, Tensor], device: torch.device | str) -> None:
-        model(**{k: t.to(device, non_blocking=True) for k, t in inputs.items()})
+        """A decoder runs without its key/value cache: calibration never generates, and the cache only costs."""
+        extra = {"use_cache": False} if self.causal else {}
+        model(**{k: t.to(device, non_blocking=True) for k, t in inputs.items()}, **extra)
 
     def count(self, inputs: Mapping[str, Tensor]) -> int:
         return inputs["input_ids"].shape[0]

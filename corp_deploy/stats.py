@@ -109,16 +109,15 @@ class PairStats(MlpStats):
         self.cross = torch.zeros(width, width, dtype=torch.float64, device=device)
 
     def update(self, x: Tensor, mask: Tensor | None = None) -> None:
-        """x: ``[dense rows; pruned rows]`` along dim 0, the same images in the same order in both halves.
-
-        Sequential calibration is for families where every token counts (``blockwise.check_supported``)."""
+        """x: ``[dense rows; pruned rows]`` along dim 0, the same inputs in the same order in both halves;
+        ``mask``: the tokens that count, in the same order (the same in both halves)."""
+        target, source = x.reshape(-1, x.shape[-1]).chunk(2)
         if mask is not None:
-            raise ValueError("paired statistics take no token mask")
-        target, source = x.chunk(2)
+            counted_target, counted_source = mask.reshape(-1).chunk(2)
+            target, source = target[counted_target], source[counted_source]
         super().update(source)
         self.target.update(target)
-        flat = lambda t: _at_least_fp32(t.reshape(-1, t.shape[-1]))  # noqa: E731
-        self.cross += _outer_sum(flat(target), flat(source))
+        self.cross += _outer_sum(_at_least_fp32(target), _at_least_fp32(source))
 
     def tensors(self) -> list[Tensor]:
         return super().tensors() + self.target.tensors() + [self.cross]
@@ -325,9 +324,11 @@ def recording(model: nn.Module, stats: CalibrationStats) -> Iterator[TokenMask]:
     for i, s in stats.qk.items():
 
         def on_qk(q: Tensor, k: Tensor, s: QKStats = s) -> None:
+            counted = mask.value
             if stats.paired:  # Q/K statistics read the pruned half
-                q, k = q[q.shape[0] // 2 :], k[k.shape[0] // 2 :]
-            s.update(q, k, mask.value)
+                half = q.shape[0] // 2
+                q, k, counted = q[half:], k[half:], None if counted is None else counted[half:]
+            s.update(q, k, counted)
 
         handles += adapter.on_qk(blocks[i], on_qk)
     for (i, module), s in stats.depth.items():

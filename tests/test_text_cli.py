@@ -150,14 +150,6 @@ BAD = {
         ["prune-export", "{folder}", "--calib", "synthetic", "--seq-range", "8:4:2"],
         "1 <= min <= opt <= max",
     ),
-    "prune-export sequential": (
-        ["prune-export", "{folder}", "--calib", "synthetic", "--sequential"],
-        "block-by-block calibration (--sequential, --max-stats-gib) supports timm",
-    ),
-    "prune-export max-stats": (
-        ["prune-export", "{folder}", "--calib", "synthetic", "--max-stats-gib", "1"],
-        "block-by-block calibration (--sequential, --max-stats-gib) supports timm",
-    ),
     "prune-export speedup": (
         ["prune-export", "{folder}", "--calib", "synthetic", "--speedup", "1.5", "--latency-on", "ort-cpu-fp32"],
         "a latency budget (--speedup, --budget latency=F) is timed on timm ViTs only",
