@@ -12,6 +12,7 @@ import copy
 import os
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -64,6 +65,7 @@ from corp_deploy.text import (
     split_documents,
     synthetic_text_batches,
     text_batches,
+    tokenize,
 )
 from corp_deploy.version import __version__
 
@@ -90,9 +92,10 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 class Heldout(NamedTuple):
-    """Calibration images kept out of the statistics for the width planning (the sensitivity pass)."""
+    """Calibration inputs kept out of the statistics for the width planning (the sensitivity pass)."""
 
-    images: Tensor
+    images: Any
+    """One batch: images, or a text model's token ids with their attention mask (``{"input_ids", ...}``)."""
     folders: dict[str, int]
     """Where they came from: count per folder (class) of the source, or ``{"synthetic": n}``."""
 
@@ -178,35 +181,54 @@ def text_calibration_data(
 
     The model decides the form: a decoder (``Adapter.causal``) gets the seeded documents packed into ``num``
     full ``seq_len`` windows (every token counts); an encoder a seeded sample of ``num`` documents, one per
-    sequence, padded and masked. Under torch.distributed each rank of an encoder gets its own disjoint shard
-    of the same seeded sample (whole batches of random tokens), as ``calibration_data`` shards images;
-    decoders calibrate in one process so far."""
+    sequence, padded and masked. ``hold_out`` sequences for the sensitivity pass come, in the same form, from the
+    split's held-out documents (disjoint from calibration and evaluation), as one batch. Under torch.distributed
+    each rank of an encoder gets its own disjoint shard of the same seeded sample (whole batches of random
+    tokens), as ``calibration_data`` shards images; decoders calibrate in one process so far."""
     if num < 1 or batch_size < 1:
         raise CorpError("--num-calib and --calib-batch-size must be >= 1")
-    if hold_out:
-        raise CorpError("--allocation sensitivity runs on images only so far; use --allocation local with a text model")
     check_seq_len(seq_len, model.config)
+    heldout = None
     if str(source) == SYNTHETIC:
         warnings.warn(
             "--calib synthetic: calibrating on RANDOM TOKENS. Use only for smoke tests; pass --calib-dir with text.",
             stacklevel=2,
         )
-        tokens = synthetic_text_batches(model.config.vocab_size, num, seq_len, batch_size, seed)
-        return Calibration(*_own_batches(tokens, num, batch_size, world), None)
+        vocab = model.config.vocab_size
+        if hold_out and world.is_main:
+            held = next(synthetic_text_batches(vocab, hold_out, seq_len, hold_out, seed + HELDOUT_SEED_OFFSET))[0]
+            heldout = Heldout(held, {SYNTHETIC: hold_out})
+        tokens = synthetic_text_batches(vocab, num, seq_len, batch_size, seed)
+        return Calibration(*_own_batches(tokens, num, batch_size, world), heldout)
     if tokenizer is None:
         raise CorpError(f"{source}: text calibration needs the model's tokenizer, and its folder has none")
-    docs = split_documents(read_documents(source)).calibration
-    if adapter_for(model).causal:
+    parts = split_documents(read_documents(source))
+    if hold_out and not parts.heldout:
+        raise CorpError(
+            f"{source} has too few documents to hold any out for --allocation sensitivity (a tenth of them is "
+            "kept for it); pass more documents or use --allocation local"
+        )
+    causal = adapter_for(model).causal
+    if hold_out and world.is_main:
+        if causal:
+            held_ids = packed_sequences(tokenizer, shuffled(parts.heldout, seed), seq_len, hold_out)
+            heldout = Heldout(next(packed_batches(held_ids, hold_out))[0], {"held-out documents": held_ids.shape[0]})
+        else:
+            held_docs = sample(parts.heldout, hold_out, seed)
+            heldout = Heldout(
+                tokenize(tokenizer, [d.text for d in held_docs], seq_len), dict(Counter(d.folder for d in held_docs))
+            )
+    if causal:
         if world.size > 1:
             raise CorpError("decoders calibrate in one process so far; launch this command without torchrun")
-        ids = packed_sequences(tokenizer, shuffled(docs, seed), seq_len, num)
+        ids = packed_sequences(tokenizer, shuffled(parts.calibration, seed), seq_len, num)
         if ids.shape[0] < num:
             warnings.warn(
                 f"{source} holds {ids.shape[0]} calibration sequences of {seq_len} tokens, not {num}", stacklevel=2
             )
-        return Calibration(packed_batches(ids, batch_size), ids.shape[0], None)
-    docs = shard(sample(docs, num, seed), world)
-    return Calibration(text_batches(tokenizer, docs, seq_len, batch_size), len(docs), None)
+        return Calibration(packed_batches(ids, batch_size), ids.shape[0], heldout)
+    docs = shard(sample(parts.calibration, num, seed), world)
+    return Calibration(text_batches(tokenizer, docs, seq_len, batch_size), len(docs), heldout)
 
 
 def calibration_batches(
@@ -297,7 +319,7 @@ def planner(
         budgeted = config if budget is None else replace(config, budget=budget)
         widths, record = plan_budget(model, stats, budgeted, dense_macs, weights, curves, table)
         if heldout is not None:
-            record["heldout"] = {"images": heldout.images.shape[0], "folders": heldout.folders}
+            record["heldout"] = {"images": adapter_for(model).count(heldout.images), "folders": heldout.folders}
         return widths, record
 
     return replan
@@ -439,6 +461,11 @@ def prune(
     if mode != ONE_PASS:  # a bound below one block fails here
         blockwise.plan_groups(model, config, max_stats_gib)
     if config.heldout_images and heldout is None and world.is_main:
+        if adapter_for(model).unit != "images":
+            raise CorpError(
+                "--allocation sensitivity on a text model needs held-out sequences: pass the heldout of "
+                "text_calibration_data(..., hold_out=n), or use --allocation local"
+            )
         heldout, batches, total = _hold_out(batches, config.heldout_images, total)
     model.to(device).eval()
     if device.type == "cuda":

@@ -21,8 +21,9 @@ structures of every block and never reads a model's attribute names itself; it a
 And per model: ``blocks``; ``run`` (one calibration forward), ``count`` (sequences or images in a batch),
 ``token_mask`` (which token positions count: padding is excluded from every sum, None = all of them);
 ``causal`` (a decoder's attention: the Q/K statistics sum over the (query, key) pairs with key <= query);
-``tokens`` and ``example`` (tokens per input and one input, for MACs); ``block_inputs`` /
-``features_from`` (the sensitivity pass).
+``tokens`` and ``example`` (tokens per input and one input, for MACs); ``block_call`` (block 0's input and
+the rest of its call, which every block takes: the block-by-block walk and the sensitivity pass run blocks
+themselves) and ``features`` (what the sensitivity pass compares).
 
 Families: ``TimmViT`` here; ``corp_deploy.hf.HfBert``, ``corp_deploy.opt.HfOpt`` and ``corp_deploy.llama.HfLlama``
 (``transformers``, imported only when a model is one). ``value_groups`` (grouped-query attention) and
@@ -228,13 +229,25 @@ class Adapter(ABC):
             return kwargs.pop("hidden_states"), BlockCall((), kwargs)
         return args[0], BlockCall(tuple(args[1:]), dict(kwargs))
 
-    def block_inputs(self, model: nn.Module, inputs: Any) -> tuple[list[Tensor], Tensor]:
-        """Every block's input for ``inputs`` (one dense forward) and the final features."""
-        raise CorpError(f"the sensitivity pass (--allocation sensitivity) does not support {self.name} models yet")
+    def block_inputs(self, model: nn.Module, inputs: Any) -> tuple[list[Tensor], BlockCall, Tensor]:
+        """Every block's input for ``inputs`` (one dense forward), the blocks' call and the final features."""
+        x, call = self.block_call(model, inputs, next(model.parameters()).device)
+        found = []
+        for block in self.blocks(model):
+            found.append(x)
+            x = call.run(block, x)
+        return found, call, self.features(model, x, inputs)
 
-    def features_from(self, model: nn.Module, start: int, x: Tensor) -> Tensor:
+    def features_from(self, model: nn.Module, start: int, x: Tensor, call: BlockCall, inputs: Any) -> Tensor:
         """The final features from block ``start``'s input ``x`` on."""
-        raise CorpError(f"the sensitivity pass (--allocation sensitivity) does not support {self.name} models yet")
+        for block in self.blocks(model)[start:]:
+            x = call.run(block, x)
+        return self.features(model, x, inputs)
+
+    @abstractmethod
+    def features(self, model: nn.Module, x: Tensor, inputs: Any) -> Tensor:
+        """What the sensitivity pass compares: the final features from the last block's output ``x``."""
+        raise NotImplementedError
 
 
 class TimmViT(Adapter):
@@ -337,20 +350,8 @@ class TimmViT(Adapter):
         h, w = model.patch_embed.img_size
         return torch.zeros(1, model.patch_embed.proj.in_channels, h, w, device=param.device, dtype=param.dtype)
 
-    def block_inputs(self, model: nn.Module, inputs: Tensor) -> tuple[list[Tensor], Tensor]:
-        found: list[Tensor] = []
-        handles = [b.register_forward_pre_hook(lambda _m, args: found.append(args[0])) for b in model.blocks]
-        try:
-            features = model.forward_head(model.forward_features(inputs), pre_logits=True)
-        finally:
-            for h in handles:
-                h.remove()
-        return found, features
-
-    def features_from(self, model: nn.Module, start: int, x: Tensor) -> Tensor:
-        """Pre-logit features: the remaining blocks, the final norm, the pooled head input."""
-        for block in model.blocks[start:]:
-            x = block(x)
+    def features(self, model: nn.Module, x: Tensor, inputs: Tensor) -> Tensor:
+        """Pre-logit features: the final norm, the pooled head input."""
         return model.forward_head(model.norm(x), pre_logits=True)
 
 

@@ -136,6 +136,16 @@ class HfText(Adapter):
         mask = inputs.get("attention_mask")
         return None if mask is None else mask.to(device).bool()
 
+    def features(self, model: nn.Module, x: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
+        """The last hidden state at the real tokens: ``final`` of the last block's output, padding left out."""
+        x = self.final(model, x)
+        mask = self.token_mask(inputs, x.device)
+        return x if mask is None else x[mask]
+
+    def final(self, model: nn.Module, x: Tensor) -> Tensor:
+        """What the stack applies after its last block (nothing for post-LN BERT)."""
+        return x
+
     def tokens(self, model: nn.Module) -> int:
         """The length ``count_macs_at`` set (else ``MACS_SEQ_LEN``), or the model's positions when it has fewer."""
         return min(getattr(model.config, MACS_SEQ_LEN_KEY, MACS_SEQ_LEN), max_positions(model.config))

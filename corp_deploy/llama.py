@@ -105,6 +105,9 @@ class HfLlama(HfText):
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         return model.base_model.layers
 
+    def final(self, model: nn.Module, x: Tensor) -> Tensor:
+        return model.base_model.norm(x)
+
     def mlp_out(self, block: nn.Module) -> nn.Linear:
         return block.mlp.down_proj
 

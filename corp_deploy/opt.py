@@ -79,6 +79,13 @@ class HfOpt(HfText):
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         return model.base_model.decoder.layers
 
+    def final(self, model: nn.Module, x: Tensor) -> Tensor:
+        """The decoder's final LayerNorm (pre-LN models) and ``project_out`` (when the embedding is narrower)."""
+        decoder = model.base_model.decoder
+        for layer in (decoder.final_layer_norm, decoder.project_out):
+            x = x if layer is None else layer(x)
+        return x
+
     def mlp_out(self, block: nn.Module) -> nn.Linear:
         return block.fc2
 

@@ -7,7 +7,7 @@ images through the rest of the network, and divide the relative error of the fin
 (pre-logits) by the part's local error. ``allocation.allocate`` multiplies local error curves by
 these weights. A replaceable module (``--depth``) is probed by its replacement itself, so its weighted error is
 exactly the measured end-to-end error of that replacement: the local fit error alone picks the wrong blocks.
-No labels are used; the images are calibration images kept out of the statistics.
+No labels are used; the inputs are calibration images (or sequences) kept out of the statistics.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import copy
 import itertools
 from collections.abc import Iterable, Iterator
 from statistics import median
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -57,15 +58,15 @@ def _relative(x: Tensor, ref: Tensor) -> float:
 
 
 @torch.inference_mode()
-def measure(model: nn.Module, stats: CalibrationStats, config: PruneConfig, images: Tensor) -> dict[Key, float]:
+def measure(model: nn.Module, stats: CalibrationStats, config: PruneConfig, heldout: Any) -> dict[Key, float]:
     """Sensitivity (final-feature relative error / local relative error) of every targeted (block, part).
 
-    ``model`` is the dense model (left unchanged); ``images`` the held-out images.
+    ``model`` is the dense model (left unchanged); ``heldout`` one batch of held-out inputs (images; token ids
+    with their mask, whose padding the features leave out).
     """
     model.eval()
     adapter = adapter_for(model)
-    param = next(model.parameters())
-    inputs, dense = adapter.block_inputs(model, images.to(param.device, param.dtype))
+    inputs, call, dense = adapter.block_inputs(model, heldout)
     parts = config.target
     out: dict[Key, float] = {}
     blocks = adapter.blocks(model)
@@ -74,7 +75,7 @@ def measure(model: nn.Module, stats: CalibrationStats, config: PruneConfig, imag
         """Final-feature error with block i replaced by ``trial``, over ``local``."""
         block, blocks[i] = blocks[i], trial
         try:
-            final = _relative(adapter.features_from(model, i, inputs[i]), dense)
+            final = _relative(adapter.features_from(model, i, inputs[i], call, heldout), dense)
         finally:
             blocks[i] = block
         return final / local if local > NEGLIGIBLE else float("nan")

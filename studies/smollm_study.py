@@ -11,8 +11,10 @@ calibration documents (order seeded by ``--seed``), and a fixed evaluation text 
 statistics); every (part, sparsity, compensation) prunes a copy from the same statistics. Rows: dense; MLP
 and V at each sparsity with CORP, the mean shift and plain removal; and MLP with CORP fitted WITHOUT a
 constant (``compensation.mlp_linear``, no bias added to down_proj), the alternative to the bias CORP's
-constant needs. ``±``: the standard error of the mean per-window log-perplexity, scaled to perplexity
-(windows are equal length, so their mean log-perplexity is the whole text's).
+constant needs; and sequential CORP (``--rows ...,sequential``: the block-by-block walk over the same
+calibration sequences, each block regressing the dense targets from the model pruned up to it). ``±``: the
+standard error of the mean per-window log-perplexity, scaled to perplexity (windows are equal length, so their
+mean log-perplexity is the whole text's).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from corp_deploy import compensation as C
+from corp_deploy.api import prune
 from corp_deploy.family import adapter_for
 from corp_deploy.hf import load
 from corp_deploy.offline.gguf_folder import convert_gguf, smollm2_gguf
@@ -41,6 +44,9 @@ from studies.text_study import package_folder
 
 COMPENSATIONS = ("corp", "mean", "none")
 UNCENTRED = "corp, no constant"
+SEQUENTIAL = "corp, sequential"
+ROWS = {"corp": "corp", "mean": "mean", "none": "none", "no-constant": UNCENTRED, "sequential": SEQUENTIAL}
+"""``--rows`` names and the rows' labels; the uncentred fit is for the MLP only."""
 
 
 def params(model: torch.nn.Module) -> int:
@@ -95,8 +101,12 @@ def main() -> None:
     p.add_argument("--sparsities", default="0.2,0.1,0.3", help="the first is run first, for every part")
     p.add_argument("--parts", default="mlp,v")
     p.add_argument("--batch", type=int, default=4, help="calibration batch (sequences)")
+    p.add_argument("--rows", default="corp,mean,none,no-constant", help=f"of {','.join(ROWS)}")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
+    if unknown := set(a.rows.split(",")) - set(ROWS):
+        p.error(f"--rows: unknown {','.join(sorted(unknown))}; choose from {','.join(ROWS)}")
+    labels = [ROWS[r] for r in a.rows.split(",")]
     start = time.perf_counter()
     torch.set_grad_enabled(False)
 
@@ -118,11 +128,14 @@ def main() -> None:
     rows = [row | scored(dense, windows)]
     for sparsity in (float(s) for s in a.sparsities.split(",")):
         for part in parts:
-            for compensation in (*COMPENSATIONS, *([UNCENTRED] if part == "mlp" else [])):
+            for compensation in (r for r in labels if part == "mlp" or r != UNCENTRED):
                 config = PruneConfig(sparsity=sparsity, target=part, compensation=compensation.split(",")[0])
                 model = copy.deepcopy(dense)
                 if compensation == UNCENTRED:
                     prune_mlp_uncentred(model, stats, config)
+                elif compensation == SEQUENTIAL:
+                    walk = PruneConfig(**{**config.__dict__, "sequential": True})
+                    prune(model, packed_batches(calib, a.batch), walk, "cpu", progress=False)
                 else:
                     prune_model(model, stats, config)
                 row = {"part": part, "sparsity": sparsity, "compensation": compensation}

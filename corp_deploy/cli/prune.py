@@ -147,7 +147,7 @@ def _text_inputs(
     net, tokenizer = hf.load(model)
     hf.count_macs_at(net, seq_len)
     data = api.text_calibration_data(net, tokenizer, source, num, batch_size, seed, seq_len, hold_out, world)
-    return Inputs(net, data.batches, data.total, None, device_, model, {}, "pretrained", source, world)
+    return Inputs(net, data.batches, data.total, data.heldout, device_, model, {}, "pretrained", source, world)
 
 
 def latency_loop(backend: Backend, batch: int, rounds: int, say: Callable[[str], None]) -> api.LatencyLoop:
