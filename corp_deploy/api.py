@@ -183,8 +183,8 @@ def text_calibration_data(
     full ``seq_len`` windows (every token counts); an encoder a seeded sample of ``num`` documents, one per
     sequence, padded and masked. ``hold_out`` sequences for the sensitivity pass come, in the same form, from the
     split's held-out documents (disjoint from calibration and evaluation), as one batch. Under torch.distributed
-    each rank of an encoder gets its own disjoint shard of the same seeded sample (whole batches of random
-    tokens), as ``calibration_data`` shards images; decoders calibrate in one process so far."""
+    each rank gets its own disjoint shard of the same seeded sample (documents, packed windows, or whole batches
+    of random tokens), as ``calibration_data`` shards images."""
     if num < 1 or batch_size < 1:
         raise CorpError("--num-calib and --calib-batch-size must be >= 1")
     check_seq_len(seq_len, model.config)
@@ -219,14 +219,13 @@ def text_calibration_data(
                 tokenize(tokenizer, [d.text for d in held_docs], seq_len), dict(Counter(d.folder for d in held_docs))
             )
     if causal:
-        if world.size > 1:
-            raise CorpError("decoders calibrate in one process so far; launch this command without torchrun")
         ids = packed_sequences(tokenizer, shuffled(parts.calibration, seed), seq_len, num)
         if ids.shape[0] < num:
             warnings.warn(
                 f"{source} holds {ids.shape[0]} calibration sequences of {seq_len} tokens, not {num}", stacklevel=2
             )
-        return Calibration(packed_batches(ids, batch_size), ids.shape[0], heldout)
+        mine = ids[world.rank :: world.size]  # this rank's shard of the packed windows (``distributed.shard``)
+        return Calibration(packed_batches(mine, batch_size), mine.shape[0], heldout)
     docs = shard(sample(parts.calibration, num, seed), world)
     return Calibration(text_batches(tokenizer, docs, seq_len, batch_size), len(docs), heldout)
 

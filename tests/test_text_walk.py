@@ -235,3 +235,37 @@ def test_cli_allocates_a_decoder_by_sensitivity_and_refuses_a_folder_with_nothin
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert code != 0 and len(lines) == 1 and "too few documents to hold any out" in lines[0], err
     assert not (tmp_path / "x").exists() and "Traceback" not in err
+
+
+@pytest.mark.e2e
+def test_two_gloo_processes_calibrate_a_decoder_to_the_single_process_model(tmp_path: Path) -> None:
+    """torchrun data-parallel for a decoder: each rank takes every other packed window; the merged sums give the
+    same model as one process (the sequential walk too: every rank prunes each block from the merged sums)."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    model, text = _folders(tmp_path)
+    argv = ["-m", "corp_deploy", "prune", str(model), "--calib-dir", str(text), "--seq-len", "8", "--num-calib", "7"]
+    argv += ["--calib-batch-size", "2", "--device", "cpu", "--target", "all", "--round-to", "2", "--quiet"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    for name, launcher, extra in (("one", [], []), ("two", torchrun, []), ("two-seq", torchrun, ["--sequential"])):
+        done = subprocess.run(
+            [sys.executable, *launcher, *argv, *extra, "--out", str(tmp_path / name)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=420,
+        )
+        assert done.returncode == 0, done.stderr
+    a, b = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("one", "two"))
+    assert sorted(a) == sorted(b)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-4, msg=key)  # summation order differs
+    reports = {n: read_meta(tmp_path / n)["report"]["calibration"] for n in ("one", "two", "two-seq")}
+    assert reports["one"]["images"] == reports["two"]["images"] == reports["two-seq"]["images"] == 7
+    assert (reports["two"]["processes"], reports["two-seq"]["mode"]) == (2, "sequential")
