@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, all_reduce_tensors
 from corp_deploy.errors import CorpError
-from corp_deploy.family import Adapter, BlockCall, adapter_for
+from corp_deploy.family import Adapter, BlockCall, adapter_for, map_tensors
 from corp_deploy.pruner import PruneConfig, Timer, Widths, plan_widths, prune_block
 from corp_deploy.stats import CalibrationStats, empty_stats, recording
 
@@ -96,12 +96,20 @@ def plan_groups(model: nn.Module, config: PruneConfig, max_stats_gib: float | No
 
 @dataclass
 class Chunk:
-    """One calibration batch in the walk: its token streams (the block input of each), the rest of the block call,
-    and which token positions count (``Adapter.token_mask``; None = all). Lives on the device or the host."""
+    """One calibration batch in the walk: its token streams (the block input of each), the rest of the block call
+    (``paired``: the call for both streams as one batch, captured from the doubled inputs; sequential only), and
+    which token positions count (``Adapter.token_mask``; None = all). Lives on the device or the host."""
 
     streams: list[Tensor]
     call: BlockCall
+    paired: BlockCall | None
     mask: Tensor | None
+
+    def to(self, device: torch.device, streams: list[Tensor] | None = None) -> Chunk:
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        streams = [move(t) for t in self.streams] if streams is None else streams
+        paired = None if self.paired is None else self.paired.to(device)
+        return Chunk(streams, self.call.to(device), paired, move(self.mask))
 
 
 @dataclass
@@ -114,18 +122,16 @@ class TokenCache:
     """Bytes of the calibration device the cache may take; chunks beyond it live in host memory."""
     chunks: list[Chunk] = field(default_factory=list)
 
-    def add(self, x: Tensor, call: BlockCall, mask: Tensor | None) -> None:
+    def add(self, x: Tensor, call: BlockCall, mask: Tensor | None, paired: BlockCall | None = None) -> None:
         """A new chunk of block-0 tokens (the same in every stream), with the rest of its block call."""
         need = x.numel() * x.element_size() * self.streams
         home = self.device if self.nbytes(self.device) + need <= self.budget else torch.device("cpu")
         streams = [x.to(home, copy=s > 0) for s in range(self.streams)]
-        self.chunks.append(Chunk(streams, call.to(home), None if mask is None else mask.to(home)))
+        self.chunks.append(Chunk([], call, paired, mask).to(home, streams))
 
-    def load(self, k: int) -> tuple[list[Tensor], BlockCall, Tensor | None]:
-        """Chunk ``k`` on the device: its streams, block call and token mask."""
-        c = self.chunks[k]
-        mask = None if c.mask is None else c.mask.to(self.device, non_blocking=True)
-        return [t.to(self.device, non_blocking=True) for t in c.streams], c.call.to(self.device), mask
+    def load(self, k: int) -> Chunk:
+        """Chunk ``k`` on the device."""
+        return self.chunks[k].to(self.device)
 
     def store(self, k: int, stream: int, x: Tensor) -> None:
         self.chunks[k].streams[stream] = x.to(self.chunks[k].streams[stream].device)
@@ -214,7 +220,12 @@ def _cache_stem(
             n = adapter.count(inputs)
             if n:
                 x, call = adapter.block_call(model, inputs, cache.device)
-                cache.add(x, call, adapter.token_mask(inputs, cache.device))
+                paired = None
+                if cache.streams == 2:  # sequential: both streams run as one batch, whose call is captured too
+                    paired = adapter.block_call(model, map_tensors(inputs, lambda t: torch.cat([t, t])), cache.device)[
+                        1
+                    ]
+                cache.add(x, call, adapter.token_mask(inputs, cache.device), paired)
                 images += n
             bar.update(n + bad)
     return images, skipped
@@ -237,9 +248,10 @@ def _dense_group(
     stats = block_stats(model, config, group, cache.device)
     with recording(model, stats) as token_mask, torch.inference_mode():
         for k in range(len(cache.chunks)):
-            (x,), call, token_mask.value = cache.load(k)
+            chunk = cache.load(k)
+            (x,), token_mask.value = chunk.streams, chunk.mask
             for i in group:
-                x = call.run(blocks[i], x)
+                x = chunk.call.run(blocks[i], x)
             cache.store(k, 0, x)
     all_reduce_stats(stats, world, dist_timeout)
     timer.add("calibration", t)
@@ -265,9 +277,9 @@ def _sequential_block(
     stats = block_stats(model, config, group, cache.device)
     with recording(model, stats) as token_mask, torch.inference_mode():
         for k in range(len(cache.chunks)):
-            streams, call, mask = cache.load(k)
-            token_mask.value = None if mask is None else torch.cat([mask, mask])
-            call.paired(streams[0].shape[0]).run(block, torch.cat(streams))
+            chunk = cache.load(k)
+            token_mask.value = None if chunk.mask is None else torch.cat([chunk.mask, chunk.mask])
+            chunk.paired.run(block, torch.cat(chunk.streams))
     all_reduce_stats(stats, world, dist_timeout)
     timer.add("calibration", t)
 
@@ -278,9 +290,10 @@ def _sequential_block(
     t = time.perf_counter()
     with torch.inference_mode():
         for k in range(len(cache.chunks)):
-            (x_dense, x_pruned), call, _ = cache.load(k)
-            cache.store(k, 0, call.run(dense, x_dense))
-            cache.store(k, 1, call.run(block, x_pruned))
+            chunk = cache.load(k)
+            x_dense, x_pruned = chunk.streams
+            cache.store(k, 0, chunk.call.run(dense, x_dense))
+            cache.store(k, 1, chunk.call.run(block, x_pruned))
     timer.add("calibration", t)
     return [entry]
 
@@ -323,10 +336,10 @@ def _logit_targets(
     energy = torch.zeros(heads, **f64)
     with torch.inference_mode():
         for k in range(len(cache.chunks)):
-            streams, call, mask = cache.load(k)
-            q2, k2 = _dense_qk(adapter, block, torch.cat(streams), call.paired(streams[0].shape[0]))
-            if mask is not None:
-                keep_rows = torch.cat([mask, mask])[:, :, None, None].to(q2.dtype)
+            chunk = cache.load(k)
+            q2, k2 = _dense_qk(adapter, block, torch.cat(chunk.streams), chunk.paired)
+            if chunk.mask is not None:
+                keep_rows = torch.cat([chunk.mask, chunk.mask])[:, :, None, None].to(q2.dtype)
                 q2, k2 = q2 * keep_rows, k2 * keep_rows
             (q, qp), (kk, kp) = (t.float().chunk(2) for t in (q2, k2))
             index = keep.to(qp.device).expand(*qp.shape[:2], -1, -1)

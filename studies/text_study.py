@@ -9,7 +9,9 @@ documents, probe-training documents and evaluation documents. The model is calib
 sequence, padded and masked, ``--seq-len`` tokens); every (sparsity, compensation) prunes a copy from the
 same statistics. Scores on the evaluation documents: embedding cosine to the dense model (masked mean pooling
 + L2 normalisation, as sentence-transformers does) and the top-1 of a ridge probe fitted on DENSE embeddings
-of the probe-training documents (5 classes), each with its standard error. Then the dense model and the
+of the probe-training documents (5 classes), each with its standard error. ``--allocated`` adds, per sparsity,
+CORP with per-layer widths allocated by ``--allocation sensitivity`` under the uniform CORP model's MACs (its
+``--heldout`` documents drawn apart from the calibration sample). Then the dense model and the
 first sparsity's CORP model are exported to ONNX (dynamic batch and sequence, verified against PyTorch) and
 timed on onnxruntime CPU at ``--bench-batch`` x ``--bench-seq`` tokens, interleaved in the same loop.
 """
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 from sklearn.linear_model import RidgeClassifier
 
+from corp_deploy.api import Heldout, prune
 from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.data import sample, split
 from corp_deploy.deps import require
@@ -121,6 +124,12 @@ def main() -> None:
     p.add_argument("--bench-batch", type=int, default=32)
     p.add_argument("--bench-seq", type=int, default=128)
     p.add_argument("--bench-seconds", type=float, default=20.0, help="timed seconds per model (0: no benchmark)")
+    p.add_argument(
+        "--allocated",
+        action="store_true",
+        help="add a row per sparsity: widths allocated by --allocation sensitivity under the uniform CORP MACs",
+    )
+    p.add_argument("--heldout", type=int, default=32, help="documents for the allocated rows' sensitivity pass")
     a = p.parse_args()
     start = time.perf_counter()
     torch.set_grad_enabled(False)
@@ -132,6 +141,8 @@ def main() -> None:
     rest, evaluation = split(docs, a.num_eval, a.seed)
     rest, probe_docs = split(rest, a.num_probe, a.seed + 1)
     calib_docs = sample(rest, a.num_calib, a.seed)
+    calibrated = {id(d) for d in calib_docs}  # the held-out draw leaves the calibration sample as it was
+    held_docs = sample([d for d in rest if id(d) not in calibrated], a.heldout, a.seed + 2)
     classes = sorted({d.folder for d in docs})
     label = lambda ds: np.array([classes.index(d.folder) for d in ds])  # noqa: E731
 
@@ -172,6 +183,25 @@ def main() -> None:
             print(rows[-1], flush=True)
             if compensation == "corp" and len(timed) == 1:
                 timed[f"corp-{sparsity:g}"] = model
+        if a.allocated:  # at the uniform CORP model's MACs (the first row of this sparsity)
+            macs = rows[-len(COMPENSATIONS)]["macs_ratio"]
+            config = PruneConfig(target=a.target, budget=f"macs={macs:.6f}", sensitivity_images=len(held_docs))
+            held = Heldout(tokenize(tokenizer, [d.text for d in held_docs], a.seq_len), {"held-out": len(held_docs)})
+            batches = text_batches(tokenizer, calib_docs, a.seq_len, a.batch)
+            result = prune(copy.deepcopy(dense), batches, config, "cpu", len(calib_docs), progress=False, heldout=held)
+            first = result.report["blocks"][0]
+            rows.append(
+                {
+                    "sparsity": sparsity,
+                    "compensation": "corp, allocated",
+                    "macs_ratio": model_size(result.model)["macs"] / dense_macs,
+                    "kept": {part: first[part]["kept"] for part in config.target if part in first},
+                    **scores(
+                        embed(result.model, tokenizer, evaluation, a.seq_len, a.batch), dense_eval, probe, eval_labels
+                    ),
+                }
+            )
+            print(rows[-1], flush=True)
 
     lines = [
         "| sparsity | compensation | kept (block 0) | MACs | cosine to dense | probe top-1 % |",

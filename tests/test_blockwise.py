@@ -176,31 +176,23 @@ def test_groups_fill_the_bound_and_bad_bounds_are_refused_before_calibration() -
 
 def test_token_cache_keeps_chunks_on_the_device_while_they_fit_then_on_the_host() -> None:
     """The meta device stands in for a GPU: placement is decided per chunk against the budget, for both streams,
-    and a chunk's block call and token mask live where its tokens do."""
+    and a chunk's block calls and token mask live where its tokens do."""
     chunk = torch.randn(4, 17, 64)
     call, mask = BlockCall((torch.zeros(4, 1, 17, 17),), {"rope": (torch.ones(1, 17, 8),)}), torch.ones(4, 17).bool()
     cache = blockwise.TokenCache(torch.device("meta"), streams=2, budget=2.5 * 2 * chunk.nbytes)
     for _ in range(4):
-        cache.add(chunk, call, mask)
+        cache.add(chunk, call, mask, paired=call)
     assert [[t.device.type for t in c.streams] for c in cache.chunks] == [["meta"] * 2] * 2 + [["cpu"] * 2] * 2
-    assert [c.mask.device.type for c in cache.chunks] == ["meta"] * 2 + ["cpu"] * 2
-    assert [c.call.kwargs["rope"][0].device.type for c in cache.chunks] == ["meta"] * 2 + ["cpu"] * 2
+    homes = [
+        [c.mask.device.type, c.call.kwargs["rope"][0].device.type, c.paired.args[0].device.type] for c in cache.chunks
+    ]
+    assert homes == [["meta"] * 3] * 2 + [["cpu"] * 3] * 2
     assert cache.nbytes(torch.device("meta")) == 4 * chunk.nbytes and cache.nbytes() == 8 * chunk.nbytes
-    streams, loaded_call, loaded_mask = cache.load(3)  # moved over for the computation
-    assert all(t.device.type == "meta" for t in [*streams, *loaded_call.args, loaded_mask])
+    loaded = cache.load(3)  # moved over for the computation
+    assert all(t.device.type == "meta" for t in [*loaded.streams, *loaded.call.args, *loaded.paired.args, loaded.mask])
     cache.store(0, 1, chunk)  # a result goes back to where its chunk lives
     assert cache.chunks[0].streams[1].device.type == "meta"
     assert cache.chunks[3].streams[0] is not cache.chunks[3].streams[1]
-
-
-def test_a_paired_block_call_repeats_per_sequence_tensors_and_keeps_shared_ones() -> None:
-    """Sequential calibration runs [dense; pruned] as one batch: a (batch, ...) mask doubles, a (1, ...) rotary
-    table broadcasts as it is, non-tensors pass through."""
-    call = BlockCall((torch.arange(3.0)[:, None],), {"rope": (torch.ones(1, 5),), "flag": True})
-    paired = call.paired(3)
-    assert torch.equal(paired.args[0], torch.cat([call.args[0], call.args[0]]))
-    assert paired.kwargs["rope"][0] is call.kwargs["rope"][0] and paired.kwargs["flag"] is True
-    assert call.paired(1).args[0] is call.args[0]  # a batch of one broadcasts already
 
 
 @pytest.mark.parametrize("target", ["both", "all"])

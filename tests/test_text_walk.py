@@ -28,6 +28,7 @@ from test_opt import _folders, tiny_opt, token_batches, tokenizer  # noqa: E402
 from test_text import padded_batches, tiny_bert  # noqa: E402
 
 from corp_deploy.artifact import read_meta  # noqa: E402
+from corp_deploy.family import adapter_for  # noqa: E402
 from corp_deploy.text import packed_sequences, read_documents, shuffled, split_documents  # noqa: E402
 
 FAMILIES = {
@@ -84,15 +85,18 @@ def test_sequential_walk_lowers_a_decoders_hidden_state_error(name: str, factor:
     assert _hidden_error(name, sequential.model) < factor * _hidden_error(name, one_pass.model)
 
 
-def test_sequential_qk_of_a_decoders_first_block_is_one_pass_corp() -> None:
+@pytest.mark.parametrize("name", ["opt", "bert"])
+def test_sequential_qk_of_the_first_block_is_one_pass_corp(name: str) -> None:
     """At block 0 both streams are the dense input, so the sequential logit regression reduces to CORP's
-    (``compensation.sequential_logit_system``) only if its cross-sums count the causal pairs as the moment does:
-    with the all-pairs sums block 0's query weights move by 0.11 (of 0.065 at most)."""
-    one_pass, sequential = _prune("opt"), _prune("opt", sequential=True)
-    a, b = (r.model.model.decoder.layers[0].self_attn for r in (one_pass, sequential))
-    assert sequential.report["blocks"][0]["qk"]["kept"] == 4
-    for name in ("q_proj", "k_proj"):
-        torch.testing.assert_close(getattr(b, name).weight, getattr(a, name).weight, rtol=1e-4, atol=1e-5)
+    (``compensation.sequential_logit_system``) only if its cross-sums count the pairs the moment counts: a decoder's
+    causal pairs (with the all-pairs sums OPT's block-0 query weights move by 0.11, of 0.065 at most), an encoder's
+    real tokens (BERT's padded batches run as one doubled batch with the mask captured for it)."""
+    one_pass, sequential = _prune(name), _prune(name, sequential=True)
+    adapter = adapter_for(one_pass.model)
+    a, b = (adapter.qk_weights(adapter.blocks(r.model)[0]) for r in (one_pass, sequential))
+    assert sequential.report["blocks"][0]["qk"]["kept"] < sequential.report["blocks"][0]["qk"]["head_dim"]
+    for got, want in zip(b, a, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_sequential_block_zero_sees_the_one_pass_sums_of_real_tokens_only(monkeypatch) -> None:
