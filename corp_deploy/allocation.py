@@ -60,32 +60,21 @@ def tokens(model: nn.Module) -> int:
     return adapter_for(model).tokens(model)
 
 
-def unit_macs(tokens: int, dim: int, heads: int) -> dict[str, int]:
-    """MACs per image added by one unit of each width: an MLP channel, or one per-head Q/K or V dim.
-
-    Every MAC of a block is linear in its widths: qkv ``N D H (2 qk + v)``, the attention matmuls
-    ``H N^2 (qk + v)``, proj ``N H v D`` and the MLP ``2 N D m``. That is what ``report.model_size``
-    counts (the math attention backend; norms, softmax and activations are not MACs). A Q/K dim and a
-    V channel cost the same: two D-wide projections (q and k; v and proj) and one N x N matmul.
-    """
-    head_unit = heads * (2 * tokens * dim + tokens * tokens)
-    return {"mlp": 2 * tokens * dim, "qk": head_unit, "v": head_unit}
-
-
 def block_parts(model: nn.Module) -> list[dict[str, Any]]:
-    """Per block: its dim, heads and current width of every part (MLP channels; Q/K and V per head)."""
-    adapter = adapter_for(model)
+    """Per block: its dim, heads, current width of every part (MLP channels; Q/K and V per head) and the MACs per
+    unit of each width at the model's tokens (``Adapter.unit_macs``)."""
+    adapter, n = adapter_for(model), tokens(model)
     out = []
     for block in adapter.blocks(model):
         qk, v = adapter.head_widths(block)
         widths = {"mlp": adapter.mlp_out(block).in_features, "qk": qk, "v": v}
-        out.append({"dim": adapter.dim(block), "heads": adapter.heads(block), "widths": widths})
+        unit = adapter.unit_macs(block, n)
+        out.append({"dim": adapter.dim(block), "heads": adapter.heads(block), "widths": widths, "unit": unit})
     return out
 
 
-def block_macs(tokens: int, dim: int, heads: int, widths: dict[str, int]) -> int:
-    """Closed-form MACs of one block for one image (equals ``model_size``'s counted per-block MACs)."""
-    unit = unit_macs(tokens, dim, heads)
+def block_macs(unit: dict[str, int], widths: dict[str, int]) -> int:
+    """Closed-form MACs of one block for one input (equals ``model_size``'s counted per-block MACs)."""
     return sum(unit[part] * widths[part] for part in PARTS)
 
 
@@ -251,10 +240,9 @@ def allocate(
 
 def macs_layout(model: nn.Module, dense_macs: int, parts: frozenset[str]) -> tuple[dict[Key, int], int, dict[Key, int]]:
     """(MACs per width unit of each targeted part, MACs that no targeted width changes, current widths)."""
-    n = tokens(model)
     unit, widths, variable = {}, {}, 0
     for i, b in enumerate(block_parts(model)):
-        per = unit_macs(n, b["dim"], b["heads"])
+        per = b["unit"]
         for part in parts:
             unit[(i, part)], widths[(i, part)] = per[part], b["widths"][part]
             variable += per[part] * b["widths"][part]

@@ -125,6 +125,23 @@ class Adapter(ABC):
         """The residual stream's width (the input of every projection)."""
         return self.proj(block).out_features
 
+    mlp_projections = 2
+    """D-wide projections per MLP channel: fc1 and fc2 (3 for SwiGLU: gate, up and down)."""
+
+    def unit_macs(self, block: nn.Module, tokens: int) -> dict[str, int]:
+        """MACs per input added by one unit of each width: an MLP channel, or one per-head Q/K or V dim.
+
+        Every MAC of a block is linear in its widths (N tokens, D dim, H query heads over H/g key/value heads):
+        q, k ``N D H qk (1 + 1/g)``, v ``N D H v / g``, the attention matmuls ``H N^2 (qk + v)``, the output
+        projection ``N H v D`` and the MLP ``mlp_projections N D m``. That is what ``report.model_size`` counts
+        (the math attention backend, keys and values repeated per query head; norms, softmax and activations are
+        not MACs). Without grouping (g = 1) a Q/K dim and a V channel cost the same.
+        """
+        n, dim, heads = tokens, self.dim(block), self.heads(block)
+        shared = heads // self.value_groups(block) * n * dim  # a key or value projection row, per K/V head
+        attend = heads * (n * dim + n * n)  # the query (or output) projection and one N x N matmul, per query head
+        return {"mlp": self.mlp_projections * n * dim, "qk": attend + shared, "v": attend + shared}
+
     @abstractmethod
     def qk_weights(self, block: nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
         """(query weight, query bias, key weight, key bias): weights (heads, d, dim), biases (heads, d) or None."""

@@ -101,6 +101,7 @@ class HfLlama(HfText):
     causal = True
     adds_bias = True
     mlp_out_name = "down_proj"
+    mlp_projections = 3  # SwiGLU: gate, up and down
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         return model.base_model.layers

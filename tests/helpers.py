@@ -42,6 +42,21 @@ def run(argv: list[str], capsys) -> tuple[int, str, str]:
     return exit_info.value.code, out, err
 
 
+def launch(argv: list[str], out, processes: int = 1) -> None:
+    """``python [-m torch.distributed.run] ARGV --out OUT`` in a fresh process: one process, or ``processes`` gloo
+    ranks on this machine, one thread each; fails the test with the command's stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    command = [sys.executable, *(launcher if processes > 1 else []), *argv, "--out", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, done.stderr
+
+
 def bench_record(p50: dict[tuple[str, str, int], float]) -> dict:
     results = [
         {"backend": b, "device": "cpu", "precision": "fp32", "model": m, "batch": n, "p50_ms": v, "throughput": n / v}

@@ -26,7 +26,6 @@ from corp_deploy.allocation import (
     macs_layout,
     per_unit,
     plan_budget,
-    tokens,
 )
 from corp_deploy.artifact import load_pruned
 from corp_deploy.errors import CorpError
@@ -96,8 +95,7 @@ def test_closed_form_macs_equal_counted_macs(overrides) -> None:
     dense_macs = model_size(dense)["macs"]
     for model in (dense, pruned):
         size = model_size(model)
-        n = tokens(model)
-        blocks = [block_macs(n, b["dim"], b["heads"], b["widths"]) for b in block_parts(model)]
+        blocks = [block_macs(b["unit"], b["widths"]) for b in block_parts(model)]
         assert blocks == [b["macs"] for b in size["blocks"]]
         unit, fixed, widths = macs_layout(model, size["macs"], frozenset({"mlp", "qk", "v"}))
         assert fixed + sum(unit[k] * w for k, w in widths.items()) == size["macs"]
