@@ -12,11 +12,11 @@ statistics); every (part, sparsity, compensation) prunes a copy from the same st
 and V at each sparsity with CORP, the mean shift and plain removal; and MLP with CORP fitted WITHOUT a
 constant (``compensation.mlp_linear``, no bias added to down_proj), the alternative to the bias CORP's
 constant needs; and sequential CORP (``--rows ...,sequential``: the block-by-block walk over the same
-calibration sequences, each block regressing the dense targets from the model pruned up to it), and allocated CORP
-(``budget``: per-layer widths under the uniform model's MACs, ``--allocation sensitivity`` on ``--heldout``
-sequences packed from the held-out documents). ``±``: the
-standard error of the mean per-window log-perplexity, scaled to perplexity (windows are equal length, so their
-mean log-perplexity is the whole text's).
+calibration sequences, each block regressing the dense targets from the model pruned up to it), and allocated
+CORP (``budget``: per-layer widths under the uniform model's MACs, ``--allocation sensitivity`` on ``--heldout``
+sequences packed from the held-out documents; ``budget-none``: the same widths, pruned without
+compensation). ``±``: the standard error of the mean per-window log-perplexity, scaled to perplexity (windows
+are equal length, so their mean log-perplexity is the whole text's).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from corp_deploy import compensation as C
-from corp_deploy.api import Heldout, prune
+from corp_deploy.api import Heldout, plan, prune
 from corp_deploy.family import adapter_for
 from corp_deploy.hf import load
 from corp_deploy.offline.gguf_folder import convert_gguf, smollm2_gguf
@@ -48,14 +48,15 @@ from studies.text_study import package_folder
 COMPENSATIONS = ("corp", "mean", "none")
 UNCENTRED = "corp, no constant"
 SEQUENTIAL = "corp, sequential"
-BUDGET = "corp, allocated"
+BUDGETS = ("corp, allocated", "none, allocated")
 ROWS = {
     "corp": "corp",
     "mean": "mean",
     "none": "none",
     "no-constant": UNCENTRED,
     "sequential": SEQUENTIAL,
-    "budget": BUDGET,
+    "budget": BUDGETS[0],
+    "budget-none": BUDGETS[1],
 }
 """``--rows`` names and the rows' labels; the uncentred fit is for the MLP only."""
 
@@ -86,6 +87,20 @@ def prune_mlp_uncentred(model: torch.nn.Module, stats: CalibrationStats, config:
             w, torch.zeros(w.shape[0], dtype=w.dtype), keep, prune, b, torch.zeros(prune.numel(), dtype=w.dtype)
         )
         adapter.set_mlp(block, keep, new_w.to(out.weight.dtype), None)
+
+
+def allocate(dense: torch.nn.Module, stats: CalibrationStats, uniform: PruneConfig, heldout: torch.Tensor) -> list:
+    """Per-layer widths under the MACs of ``uniform``'s model, allocated by the sensitivity pass on ``heldout``."""
+    model = copy.deepcopy(dense)
+    prune_model(model, stats, uniform)
+    dense_macs = model_size(dense)["macs"]
+    budget = PruneConfig(
+        target=uniform.target,
+        budget=f"macs={model_size(model)['macs'] / dense_macs:.6f}",
+        sensitivity_images=heldout.shape[0],
+    )
+    held = Heldout(next(packed_batches(heldout, heldout.shape[0]))[0], {"held-out documents": heldout.shape[0]})
+    return plan(dense, stats, budget, dense_macs, held)[0]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -139,6 +154,7 @@ def main() -> None:
     args = vars(a) | {"calibration_documents": len(split.calibration), "evaluation_documents": len(split.evaluation)}
     row = {"part": "dense", "sparsity": 0.0, "compensation": "dense", "params": params(dense)}
     rows = [row | scored(dense, windows)]
+    allocated: dict[tuple[str, float], list] = {}
     for sparsity in (float(s) for s in a.sparsities.split(",")):
         for part in parts:
             for compensation in (r for r in labels if part == "mlp" or r != UNCENTRED):
@@ -149,15 +165,11 @@ def main() -> None:
                 elif compensation == SEQUENTIAL:
                     walk = PruneConfig(**{**config.__dict__, "sequential": True})
                     prune(model, packed_batches(calib, a.batch), walk, "cpu", progress=False)
-                elif compensation == BUDGET:
-                    uniform = copy.deepcopy(dense)
-                    prune_model(uniform, stats, config)
-                    macs = model_size(uniform)["macs"] / model_size(dense)["macs"]
-                    budget = PruneConfig(target=part, budget=f"macs={macs:.6f}", sensitivity_images=heldout.shape[0])
-                    held = Heldout(
-                        next(packed_batches(heldout, heldout.shape[0]))[0], {"held-out documents": heldout.shape[0]}
-                    )
-                    prune(model, packed_batches(calib, a.batch), budget, "cpu", progress=False, heldout=held)
+                elif compensation in BUDGETS:  # one allocation per (part, sparsity), pruned with each compensation
+                    if (part, sparsity) not in allocated:
+                        allocated[(part, sparsity)] = allocate(dense, stats, config, heldout)
+                    plain = PruneConfig(target=part, compensation=config.compensation)
+                    prune_model(model, stats, plain, plan=allocated[(part, sparsity)])
                 else:
                     prune_model(model, stats, config)
                 row = {"part": part, "sparsity": sparsity, "compensation": compensation}
