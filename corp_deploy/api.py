@@ -211,7 +211,7 @@ def text_calibration_data(
     causal = adapter_for(model).causal
     if hold_out and world.is_main:
         if causal:
-            held_ids = packed_sequences(tokenizer, shuffled(parts.heldout, seed), seq_len, hold_out)
+            held_ids = packed_sequences(tokenizer, shuffled(parts.heldout, seed), seq_len, hold_out, "held-out")
             heldout = Heldout(next(packed_batches(held_ids, hold_out))[0], {"held-out documents": held_ids.shape[0]})
         else:
             held_docs = sample(parts.heldout, hold_out, seed)
@@ -670,9 +670,9 @@ def text_perplexity(
             f"{text} holds {len(docs)} documents, too few to keep an evaluation part apart from calibration; "
             "pass --all-text if calibration never read this folder"
         )
-    windows = packed_sequences(tokenizer, chosen, seq_len)
-    value = perplexity(model.to(device), windows, batch_size, device)
     part = "all" if all_text else "evaluation"
+    windows = packed_sequences(tokenizer, chosen, seq_len, part=part)
+    value = perplexity(model.to(device), windows, batch_size, device)
     return {
         "perplexity": value,
         "windows": windows.shape[0],

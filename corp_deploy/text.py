@@ -129,9 +129,12 @@ def token_stream(tokenizer: Any, docs: Sequence[Document]) -> Iterator[int]:
             yield tokenizer.eos_token_id
 
 
-def packed_sequences(tokenizer: Any, docs: Sequence[Document], seq_len: int, num: int | None = None) -> Tensor:
+def packed_sequences(
+    tokenizer: Any, docs: Sequence[Document], seq_len: int, num: int | None = None, part: str = "calibration"
+) -> Tensor:
     """(sequences, seq_len) token ids: ``docs`` joined (``token_stream``) and cut into non-overlapping windows,
-    the first ``num`` of them (all whole windows when None); the tail shorter than a window is left out."""
+    the first ``num`` of them (all whole windows when None); the tail shorter than a window is left out.
+    ``part`` names the documents in the error when they fill no window."""
     stream, rows = token_stream(tokenizer, docs), []
     while num is None or len(rows) < num:
         row = [t for _, t in zip(range(seq_len), stream, strict=False)]
@@ -139,7 +142,9 @@ def packed_sequences(tokenizer: Any, docs: Sequence[Document], seq_len: int, num
             break
         rows.append(row)
     if not rows:
-        raise CorpError(f"the text holds fewer than --seq-len {seq_len} tokens; pass more text or a lower --seq-len")
+        raise CorpError(
+            f"the {part} documents hold fewer than --seq-len {seq_len} tokens; pass more text or a lower --seq-len"
+        )
     return torch.tensor(rows, dtype=torch.long)
 
 

@@ -241,6 +241,14 @@ def test_cli_allocates_a_decoder_by_sensitivity_and_refuses_a_folder_with_nothin
     assert code != 0 and len(lines) == 1 and "too few documents to hold any out" in lines[0], err
     assert not (tmp_path / "x").exists() and "Traceback" not in err
 
+    long = [*common[:1], "48", *common[2:]]  # 48-token windows: the 3 held-out documents (43 tokens) fill none
+    code, _, err = run(
+        ["prune", str(model), "--calib-dir", str(text), *long, *budget, "--out", str(tmp_path / "y")], capsys
+    )
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code != 0 and len(lines) == 1 and "the held-out documents hold fewer than --seq-len 48" in lines[0], err
+    assert not (tmp_path / "y").exists() and "Traceback" not in err
+
 
 @pytest.mark.e2e
 def test_two_gloo_processes_calibrate_a_decoder_to_the_single_process_model(tmp_path: Path) -> None:
