@@ -74,6 +74,34 @@ def test_fitted_table_predicts_mixed_widths_of_an_additive_cost_exactly() -> Non
         assert table.predict(widths) == pytest.approx(fake_time(mixed))
 
 
+def test_the_joint_models_measure_what_narrowing_both_parts_saves_beyond_their_sum() -> None:
+    """A made-up cost whose block saves more when MLP and attention both shrink (a bilinear interaction): the
+    table fits the jointly narrowed grid models exactly, keeps the axes (one part dense) additive, and predicts a
+    jointly narrowed width between grid points closer than the additive sum does."""
+
+    def joint_block_s(mlp: int, qk: int, v: int) -> float:
+        return block_s(mlp, qk, v) - 5e-7 * (128 - mlp) * (32 - qk - v)
+
+    def timer(models):
+        return {
+            n: FIXED_S + sum(joint_block_s(b["mlp_hidden"], b["qk_dim"], b["v_dim"]) for b in block_widths(m))
+            for n, m in models.items()
+        }
+
+    model = tiny_vit()  # MLP 128, heads of 16
+    table = speed.build_table(model, table_key(), BACKENDS["ort-cpu-fp32"], timer=timer)
+    assert table.joint and all(s < 0 for s in table.joint.values())
+    for m, h in table.joint:  # the measured points, exactly
+        assert table.block_s(m, h, h) == pytest.approx(joint_block_s(m, h, h))
+    assert table.block_s(128, 8, 8) == pytest.approx(joint_block_s(128, 8, 8))  # a dense MLP: no interaction
+    assert table.block_s(40, 16, 16) == pytest.approx(joint_block_s(40, 16, 16))  # dense attention: none either
+    additive = dataclasses.replace(table, joint={})
+    truth = joint_block_s(40, 10, 10)
+    assert abs(table.block_s(40, 10, 10) - truth) < 0.5 * abs(additive.block_s(40, 10, 10) - truth)
+    assert "beyond the sum of the parts" in latency.format_table(table)
+    assert LatencyTable.from_json(json.loads(json.dumps(table.to_json()))).joint == table.joint
+
+
 def test_interpolation_is_piecewise_linear_and_never_negative() -> None:
     assert latency.interp([1, 2, 4], [10, 20, 22], 3) == pytest.approx(21)  # between measured widths
     assert latency.interp([1, 2, 4], [10, 20, 22], 0.5) == pytest.approx(5)  # below: the first segment's slope
