@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, all_reduce_tensors
 from corp_deploy.errors import CorpError
-from corp_deploy.family import Adapter, BlockCall, adapter_for, map_tensors
+from corp_deploy.family import Adapter, BlockCall, StopForward, adapter_for, map_tensors, run_until_stopped
 from corp_deploy.pruner import PruneConfig, Timer, Widths, plan_widths, prune_block
 from corp_deploy.stats import CalibrationStats, empty_stats, recording
 
@@ -222,9 +222,8 @@ def _cache_stem(
                 x, call = adapter.block_call(model, inputs, cache.device)
                 paired = None
                 if cache.streams == 2:  # sequential: both streams run as one batch, whose call is captured too
-                    paired = adapter.block_call(model, map_tensors(inputs, lambda t: torch.cat([t, t])), cache.device)[
-                        1
-                    ]
+                    doubled = map_tensors(inputs, lambda t: torch.cat([t, t]))
+                    paired = adapter.block_call(model, doubled, cache.device)[1]
                 cache.add(x, call, adapter.token_mask(inputs, cache.device), paired)
                 images += n
             bar.update(n + bad)
@@ -298,26 +297,15 @@ def _sequential_block(
     return [entry]
 
 
-class _Seen(Exception):
-    """Raised by a hook once it has what it came for: the rest of the forward is not needed."""
-
-
 def _dense_qk(adapter: Adapter, block: nn.Module, x: Tensor, call: BlockCall) -> tuple[Tensor, Tensor]:
     """(q, k) of ``block`` for the tokens ``x``, as (batch, tokens, heads, d); the block stops after them."""
     seen: list[Tensor] = []
 
     def grab(q: Tensor, k: Tensor) -> None:
         seen[:] = [q, k]
-        raise _Seen
+        raise StopForward
 
-    handles = adapter.on_qk(block, grab)
-    try:
-        call.run(block, x)
-    except _Seen:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
+    run_until_stopped(adapter.on_qk(block, grab), lambda: call.run(block, x))
     return seen[0], seen[1]
 
 

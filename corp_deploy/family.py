@@ -80,8 +80,19 @@ class BlockCall:
         return BlockCall(*map_tensors((self.args, self.kwargs), lambda t: t.to(device, non_blocking=True)))
 
 
-class _AtBlock0(Exception):
-    """Stops a forward at block 0 once its call is captured (``Adapter.block_call``)."""
+class StopForward(Exception):
+    """Raised by a hook once it has what it came for: the rest of the forward is not needed."""
+
+
+def run_until_stopped(handles: list[RemovableHandle], forward: Callable[[], Any]) -> None:
+    """Run ``forward`` until one of its hooks raises ``StopForward``; the hooks are removed however it ends."""
+    try:
+        forward()
+    except StopForward:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
 
 
 class Adapter(ABC):
@@ -222,15 +233,10 @@ class Adapter(ABC):
 
         def capture(_m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
             seen[:] = [args, kwargs]
-            raise _AtBlock0
+            raise StopForward
 
         handle = self.blocks(model)[0].register_forward_pre_hook(capture, with_kwargs=True)
-        try:
-            self.run(model, inputs, device)
-        except _AtBlock0:
-            pass
-        finally:
-            handle.remove()
+        run_until_stopped([handle], lambda: self.run(model, inputs, device))
         args, kwargs = seen
         if not args:  # called by keyword (``hidden_states=``)
             kwargs = dict(kwargs)
