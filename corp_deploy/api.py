@@ -498,7 +498,6 @@ def prune(
                 dense_model, model, blocks, stats, config, replan, table, widths, record, loop, timer
             )
         statistics, calibration = stats.nbytes(), {"images": stats.images, "skipped": stats.skipped, "mode": mode}
-        calibration["unit"] = adapter_for(model).unit  # "images" counts sequences for a text model
     else:
         statistics = 0 if stats is None else stats.nbytes()
         stats = None  # the walk keeps its own, block by block
@@ -510,8 +509,11 @@ def prune(
         calibration = {"images": walk.pop("images"), "skipped": walk.pop("skipped"), **walk}
     if not world.is_main:
         return None
+    adapter = adapter_for(model)
+    calibration = {adapter.unit: calibration.pop("images"), "unit": adapter.unit, **calibration}  # text: sequences
     report = {
         "config": config.to_dict(),
+        "mlp_out": adapter.mlp_out_name,
         "device": device_name(device),
         "calibration": {**calibration, "processes": world.size},
         "seconds": timer.seconds,
@@ -654,10 +656,13 @@ def text_perplexity(
     batch_size: int = 1,
     device: torch.device | str = "cpu",
     all_text: bool = False,
+    max_windows: int | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """A decoder's perplexity (``perplexity``: SparseGPT's protocol) on the evaluation documents of a text folder
     (``text.split_documents``: never a calibration document of the same folder), or on all of it (``all_text``,
-    for a test set that calibration never saw). Returns the number and what it was measured on."""
+    for a test set that calibration never saw), over the first ``max_windows`` windows when given.
+    Returns the number and what it was measured on."""
     if not adapter_for(model).causal:
         raise CorpError(f"perplexity needs a decoder (a causal LM); {type(model).__name__} is an encoder")
     if tokenizer is None:
@@ -672,10 +677,12 @@ def text_perplexity(
         )
     part = "all" if all_text else "evaluation"
     windows = packed_sequences(tokenizer, chosen, seq_len, part=part)
-    value = perplexity(model.to(device), windows, batch_size, device)
+    of_windows, windows = windows.shape[0], windows[:max_windows]
+    value = perplexity(model.to(device), windows, batch_size, device, progress)
     return {
         "perplexity": value,
         "windows": windows.shape[0],
+        "of_windows": of_windows,
         "seq_len": seq_len,
         "documents": len(chosen),
         "of_documents": len(docs),

@@ -29,7 +29,9 @@ from corp_deploy.errors import CorpError, first_line
 from corp_deploy.family import TIMM_VIT, adapter_for, structure
 from corp_deploy.fsio import atomic_dir
 
-FORMAT = "corp-deploy/pruned-vit"
+FORMAT = "corp-deploy/pruned"
+READS = frozenset({FORMAT, "corp-deploy/pruned-vit"})
+"""Format names this version reads: artifacts of every family were written as ``pruned-vit`` before text models."""
 FORMAT_VERSION = 3
 """3: a ``family`` and unknown block keys refused; 2: each block's ``v_dim``; 1 (V never pruned). All load."""
 DEFAULT_FAMILY = TIMM_VIT.name
@@ -92,7 +94,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
         raise CorpError(f"{meta_path} is corrupt ({e}); re-run `corp-deploy prune`") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version", 0) > FORMAT_VERSION:
+    if not isinstance(meta, dict) or meta.get("format") not in READS or meta.get("format_version", 0) > FORMAT_VERSION:
         raise CorpError(f"{meta_path} is not a prune artifact this corp-deploy version reads; upgrade or re-prune")
     model = meta.get("model")
     if not (

@@ -104,6 +104,8 @@ class Adapter(ABC):
     """A decoder: a query sees only the keys at or before it, so the Q/K moments count those pairs only."""
     unit = "images"
     """What one input is, in reports ("sequences" for text)."""
+    parts: tuple[str, ...] = ("mlp", "qk", "v")
+    """What the family can prune; a ``--target`` left at its default keeps to these (Llama: no Q/K under RoPE)."""
     adds_bias = False
     """A folded reader without a bias gets one for the compensation's constant (Llama's bias-free down_proj and
     o_proj); otherwise a compensated fold into a bias-free reader is refused (``check_parts``)."""

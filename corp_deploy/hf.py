@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import copy
 import shutil
+import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from torch import Tensor, nn
@@ -333,15 +335,34 @@ def load(source: str) -> tuple[nn.Module, Any]:
     as for ViTs, and a float16 model on a CPU would be slow and lose precision; exports make FP16 themselves."""
     transformers = transformers_module("pruning a transformers model")
     transformers.utils.logging.disable_progress_bar()  # corp-deploy prints its own progress
-    where = source.removeprefix(HUB_PREFIX)
+    where, offline = source.removeprefix(HUB_PREFIX), _offline(source)
     try:
-        config = transformers.AutoConfig.from_pretrained(where)
+        config = transformers.AutoConfig.from_pretrained(where, **offline)
         cls = _architecture(transformers, config)
-        model = cls.from_pretrained(where, attn_implementation="sdpa", dtype=torch.float32)
+        model = cls.from_pretrained(where, attn_implementation="sdpa", dtype=torch.float32, **offline)
     except (OSError, ValueError, KeyError) as e:
+        if offline:
+            raise CorpError(
+                f"cannot load {source}: the model hub is not reachable from here and {where} is not in the local "
+                "cache; download it once where there is network (it is cached then), or pass a local folder"
+            ) from None
         raise CorpError(f"cannot load the transformers model {source} ({first_line(e)})") from None
     adapter_for_hf(model)
     return model.eval(), load_tokenizer(source, model.config.vocab_size)
+
+
+def _offline(source: str) -> dict[str, bool]:
+    """``local_files_only`` for an ``hf:NAME`` whose hub's host does not resolve: without it ``huggingface_hub``
+    retries for ~25 s, printing a line per try, before it falls back to the cache or fails."""
+    if not source.startswith(HUB_PREFIX):
+        return {}
+    from huggingface_hub import constants
+
+    try:
+        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
+    except OSError:
+        return {"local_files_only": True}
+    return {}
 
 
 def load_tokenizer(source: str | Path, vocab_size: int) -> Any:
@@ -349,7 +370,9 @@ def load_tokenizer(source: str | Path, vocab_size: int) -> Any:
     when it has more tokens than the model's embedding (it belongs to other weights)."""
     transformers = transformers_module("tokenizing text")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(source).removeprefix(HUB_PREFIX))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(source).removeprefix(HUB_PREFIX), **_offline(str(source))
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if not tokenizer.vocab_size:  # no tokenizer files: transformers still builds the config's class, empty

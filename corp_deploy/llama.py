@@ -99,6 +99,7 @@ class HfLlama(HfText):
     name = "hf-llama"
     block_keys = frozenset({"heads", "mlp_hidden", "qk_dim", "v_dim", "mlp_bias", "proj_bias"})
     causal = True
+    parts = ("mlp", "v")
     adds_bias = True
     mlp_out_name = "down_proj"
     mlp_projections = 3  # SwiGLU: gate, up and down

@@ -54,6 +54,14 @@ def resolve_name(name: str) -> str:
     full = ALIASES.get(name, name)
     if full in timm.list_models():
         return full
+    path = Path(name).expanduser()
+    if path.is_dir():
+        raise CorpError(
+            f"{name} is a folder without a config.json: pass a transformers model folder (its config.json and "
+            "weights) or a timm model name"
+        )
+    if path.is_absolute() or name.startswith((".", "~")) or "/" in name:
+        raise CorpError(f"no such folder: {name}; pass an existing transformers model folder or a timm model name")
     candidates = list(ALIASES) + timm.list_models()
     close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; see `timm.list_models()` for names"

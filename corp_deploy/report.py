@@ -104,7 +104,8 @@ def format_report(report: dict[str, Any]) -> str:
             f" {v_cols[0]:>7} {v_cols[1]:>24} {macs:>15}"
         )
     lines.append(
-        "(errors: relative reconstruction error on the calibration data; mlp = fc2 output, logit = Q K^T, "
+        f"(errors: relative reconstruction error on the calibration data; mlp = {report.get('mlp_out', 'fc2')} "
+        "output, logit = Q K^T, "
         "proj = attention output projection; v kept is per head)"
     )
     replaced = [(e["block"], m, r) for e in report["blocks"] for m, r in e.get("replaced", {}).items()]
@@ -122,12 +123,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"params {dense['params'] / 1e6:.2f}M -> {pruned['params'] / 1e6:.2f}M ({params})"
         f"   MACs {dense['macs'] / 1e9:.3f}G -> {pruned['macs'] / 1e9:.3f}G ({_pct(pruned['macs'], dense['macs'])})"
     )
-    t = report["seconds"]
+    t, unit = report["seconds"], report["calibration"].get("unit", "images")
+    calibrated = report["calibration"].get(unit, report["calibration"].get("images"))
     lines.append(
         f"time {sum(t.values()):.1f}s = "
         + " + ".join(f"{k} {v:.2f}s" for k, v in t.items())
-        + f"   on {report['device']}, {report['calibration']['images']} calibration "
-        + report["calibration"].get("unit", "images")
+        + f"   on {report['device']}, {calibrated} calibration {unit}"
         + (f" ({report['calibration']['skipped']} unreadable, skipped)" if report["calibration"]["skipped"] else "")
     )
     mem = report["memory"]

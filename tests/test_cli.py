@@ -66,6 +66,8 @@ def _foreign_checkpoint(tmp_path: Path) -> Path:
 
 BAD_INPUTS = {
     "unknown model": (["prune", "deit_tinyy", "--calib", "synthetic"], "did you mean"),
+    "missing model folder": (["prune", "{tmp}/nope", "--calib", "synthetic"], "no such folder: "),
+    "folder without config.json": (["prune", "{empty}", "--calib", "synthetic"], "is a folder without a config.json"),
     "sparsity >= 1": ([*PRUNE, "--calib", "synthetic", "--sparsity", "1.0"], "--sparsity must be in [0, 1)"),
     "negative sparsity": ([*PRUNE, "--calib", "synthetic", "--attn-sparsity", "-0.1"], "--qk-sparsity"),
     "zero channels left": ([*PRUNE, "--calib", "synthetic", "--sparsity", "0.9", "--round-to", "8"], "leaves 0"),

@@ -142,6 +142,10 @@ def test_cli_prunes_a_llama_folder_and_refuses_qk_in_one_line_before_any_data(tm
     )
     assert code == 0, err
     assert read_meta(out)["family"] == "hf-llama" and type(load_pruned(out)) is LlamaForCausalLM
+    default = tmp_path / "default"  # --target left out: the default drops Q/K, which RoPE refuses
+    code, report, err = run(["prune", str(folder), "--calib-dir", str(text), *common, "--out", str(default)], capsys)
+    assert code == 0, err
+    assert read_meta(default)["report"]["config"]["target"] == "mlp" and "mlp = down_proj output" in report
     for target in ("mlp,qk", "qk", "all"):
         bad = tmp_path / f"bad-{target}"
         code, _, err = run(

@@ -316,22 +316,28 @@ def test_cli_prunes_an_opt_folder_and_evaluates_its_perplexity(tmp_path: Path, c
     )
     assert code == 0, err
     meta = read_meta(tmp_path / "txt")
-    assert meta["family"] == "hf-opt" and meta["report"]["calibration"]["images"] == 6
+    assert meta["family"] == "hf-opt" and meta["report"]["calibration"]["sequences"] == 6
     assert "6 calibration sequences" in out and (tmp_path / "txt" / "tokenizer.json").is_file()
     assert type(load_pruned(tmp_path / "txt")) is OPTForCausalLM
 
     code, out, err = run(["eval", str(tmp_path / "txt"), "--text", str(text), "--seq-len", "16"], capsys)
     assert code == 0, err
-    dense, pruned = (float(line.split()[2]) for line in out.splitlines()[:2])
-    assert out.startswith("dense: perplexity") and "pruned: perplexity" in out and "evaluation: 3 of 30" in out
+    pruned, dense = (float(line.split()[2]) for line in out.splitlines()[:2])
+    assert out.startswith("pruned: perplexity") and "dense: perplexity" in out and "evaluation: 3 of 30" in out
     loaded, tok = load_pruned(tmp_path / "txt"), tokenizer()
-    evaluation = split_documents(read_documents(text)).evaluation
-    assert pruned == pytest.approx(perplexity(loaded, packed_sequences(tok, evaluation, 16)), rel=1e-3)
-    assert dense == pytest.approx(perplexity(tiny_opt(), packed_sequences(tok, evaluation, 16)), rel=1e-3)
+    windows = packed_sequences(tok, split_documents(read_documents(text)).evaluation, 16)
+    assert pruned == pytest.approx(perplexity(loaded, windows), rel=1e-3)
+    assert dense == pytest.approx(perplexity(tiny_opt(), windows), rel=1e-3)
+
+    assert windows.shape[0] > 1  # --num caps the windows, first ones first
+    argv = ["eval", str(tmp_path / "txt"), "--text", str(text), "--seq-len", "16", "--num", "1"]
+    code, out, err = run(argv, capsys)
+    assert code == 0 and f"on 1 of {windows.shape[0]} windows" in out, err
+    assert float(out.split()[2]) == pytest.approx(perplexity(loaded, windows[:1]), rel=1e-3)
 
     shutil.rmtree(model)  # the dense folder moved: the pruned model is still evaluated, the dense skipped
     code, out, err = run(["eval", str(tmp_path / "txt"), "--text", str(text), "--seq-len", "16"], capsys)
-    assert code == 0 and out.startswith("dense: skipped (cannot load") and "pruned: perplexity" in out, err
+    assert code == 0 and out.startswith("pruned: perplexity") and "dense: skipped (cannot load" in out, err
 
 
 def test_cli_refuses_bad_decoder_input_in_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:

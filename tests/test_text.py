@@ -192,6 +192,22 @@ def test_unsupported_transformers_model_is_refused_in_one_line() -> None:
         adapter_for(torch.nn.Linear(2, 2))  # neither timm nor transformers: every family is named
 
 
+def test_a_hub_name_without_network_is_one_line_at_once(tmp_path: Path, monkeypatch) -> None:
+    """No host resolves: the hub is never asked (huggingface_hub would retry for ~25 s), the cache is."""
+    import socket
+
+    from corp_deploy import hf
+
+    def unresolved(*_args, **_kwargs):
+        raise socket.gaierror("Name or service not known")
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    monkeypatch.setattr(socket, "getaddrinfo", unresolved)
+    with pytest.raises(CorpError, match="not reachable from here and org/tiny is not in the local cache") as info:
+        hf.load("hf:org/tiny")
+    assert "\n" not in str(info.value)
+
+
 def _model_folder(root: Path) -> Path:
     folder = root / "tiny-bert"
     tiny_bert().save_pretrained(folder)
@@ -219,7 +235,7 @@ def test_cli_prunes_a_transformers_folder_on_text_and_refuses_bad_text_input(tmp
     )
     assert run.returncode == 0, run.stderr
     meta = read_meta(out)
-    assert meta["family"] == "hf-bert" and meta["report"]["calibration"]["images"] == 8
+    assert meta["family"] == "hf-bert" and meta["report"]["calibration"]["sequences"] == 8
     assert (out / "tokenizer_config.json").is_file()
     assert type(load_pruned(out)) is BertModel
 

@@ -238,7 +238,7 @@ def test_two_gloo_processes_calibrate_text_to_the_single_process_model(folder, t
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-4, msg=key)  # summation order differs
     one, two = (json.loads((tmp_path / n / "corp.json").read_text())["report"]["calibration"] for n in ("one", "two"))
-    assert two["images"] == one["images"] > 5 and (one["processes"], two["processes"]) == (1, 2)
+    assert two["sequences"] == one["sequences"] > 5 and (one["processes"], two["processes"]) == (1, 2)
 
 
 @pytest.mark.e2e

@@ -267,5 +267,5 @@ def test_two_gloo_processes_calibrate_a_decoder_to_the_single_process_model(tmp_
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-4, msg=key)  # summation order differs
     reports = {n: read_meta(tmp_path / n)["report"]["calibration"] for n in ("one", "two", "two-seq")}
-    assert reports["one"]["images"] == reports["two"]["images"] == reports["two-seq"]["images"] == 7
+    assert reports["one"]["sequences"] == reports["two"]["sequences"] == reports["two-seq"]["sequences"] == 7
     assert (reports["two"]["processes"], reports["two-seq"]["mode"]) == (2, "sequential")

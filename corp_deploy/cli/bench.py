@@ -146,9 +146,14 @@ def bench(
             raise CorpError(f"latency regression: {bad} of {len(checks)} checks beyond {limit:.1%} ({gate_mode} gate)")
 
 
-def _text_eval(source: str, text: str, seq_len: int | None, all_text: bool, batch_size: int) -> None:
+def _text_eval(
+    source: str, text: str, seq_len: int | None, all_text: bool, batch_size: int, num: int, quiet: bool
+) -> None:
     """``eval --text``: perplexity of ``source`` and, for a prune artifact, of its dense original when that loads
-    (the transformers folder or hf:NAME it was pruned from; skipped with the reason when it does not)."""
+    (the transformers folder or hf:NAME it was pruned from; skipped with the reason when it does not), on the
+    first ``num`` windows; each line printed as soon as it is measured."""
+    if num < 1:
+        raise CorpError(f"--num must be >= 1, got {num}")
     hf.transformers_module("evaluating a text model")
     artifact = Path(source, META_FILE).is_file()
     if not (artifact or hf.is_source(source)):
@@ -159,20 +164,20 @@ def _text_eval(source: str, text: str, seq_len: int | None, all_text: bool, batc
     def line(label: str, where: str) -> str:
         model, tokenizer = api.text_model(where)
         length = seq_len or min(2048, max_positions(model.config))
-        r = api.text_perplexity(model, tokenizer, text, length, batch_size, device, all_text)
+        r = api.text_perplexity(model, tokenizer, text, length, batch_size, device, all_text, num, not quiet)
         return (
-            f"{label}: perplexity {r['perplexity']:.3f} on {r['windows']} windows of {r['seq_len']} tokens "
-            f"({r['part']}: {r['documents']} of {r['of_documents']} documents of {text}) [{where}]"
+            f"{label}: perplexity {r['perplexity']:.3f} on {r['windows']} of {r['of_windows']} windows of "
+            f"{r['seq_len']} tokens ({r['part']}: {r['documents']} of {r['of_documents']} documents of {text}) "
+            f"[{where}]"
         )
 
-    measured = line("pruned" if artifact else "model", source)  # first: its errors are the user's to fix
+    click.echo(line("pruned" if artifact else "model", source))  # first: its errors are the user's to fix
     if artifact:
         origin = read_meta(source)["model"]["name"]
         try:
             click.echo(line("dense", origin))
         except CorpError as e:
             click.echo(f"dense: skipped ({e})")
-    click.echo(measured)
 
 
 @click.command()
@@ -270,7 +275,12 @@ def sweep(
 @click.option("--data-dir", type=click.Path(), help="Labelled ImageFolder (a subfolder per class): top-1/top-5.")
 @click.option("--images", type=click.Path(), help="Unlabelled images: agreement, KL and cosine vs the dense model.")
 @click.option("--probe-train", type=click.Path(), help="Labelled ImageFolder to fit a linear probe (backbones).")
-@click.option("--num", default=10**9, show_default="all", help="Evaluate a seeded subset of this many images.")
+@click.option(
+    "--num",
+    default=10**9,
+    show_default="all",
+    help="Evaluate a seeded subset of this many images (with --text: the first this many windows).",
+)
 @click.option("--batch-size", type=int, help="Images (default 32) or text windows (default 1) per batch.")
 @click.option(
     "--backends",
@@ -298,7 +308,7 @@ def eval_command(
             raise CorpError(
                 "--text measures a decoder's perplexity; --data-dir, --images and --probe-train are image sets"
             )
-        _text_eval(run_dir, text, seq_len, all_text, kwargs["batch_size"] or 1)
+        _text_eval(run_dir, text, seq_len, all_text, kwargs["batch_size"] or 1, kwargs["num"], quiet)
         return
     kwargs["batch_size"] = kwargs["batch_size"] or 32
     check_writable(Path(run_dir) / "eval.json", overwrite=True)

@@ -122,7 +122,8 @@ method_options = group(
         default="mlp,qk",
         show_default=True,
         help="What to prune: a comma list of mlp (MLP channels), qk (attention Q/K dims), v (attention V "
-        "channels); all = mlp,qk,v; both = joint = mlp,qk; attn = qk.",
+        "channels); all = mlp,qk,v; both = joint = mlp,qk; attn = qk. Left out, the parts the model's family "
+        "cannot prune are dropped from the default (Llama-family: no qk under RoPE).",
     ),
     click.option(
         "--ranker",
@@ -352,14 +353,18 @@ def needs(purpose: str, *modules: str) -> None:
         raise CorpError(f"{purpose} needs {reason}")
 
 
+def typed(name: str) -> bool:
+    """Whether the running command's option ``name`` came from the command line (not its default)."""
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+
+
 def prune_config(pruning: dict[str, Any], **override: Any) -> PruneConfig:
     """The pruning group (``--sparsity``... ``--round-to``) as a validated ``PruneConfig``.
 
     A ``--sparsity`` typed next to ``--budget`` (which chooses every width) is refused, not silently ignored.
     """
-    ctx = click.get_current_context(silent=True)
-    typed = ctx is not None and ctx.get_parameter_source("sparsity") is click.core.ParameterSource.COMMANDLINE
-    if pruning.get("budget") is not None and typed:
+    if pruning.get("budget") is not None and typed("sparsity"):
         raise CorpError("--budget chooses every block's widths; drop --sparsity or drop --budget")
     return PruneConfig(**{**pruning, **override})
 
@@ -370,11 +375,6 @@ def with_latency(pruning: dict[str, Any], latency: dict[str, Any]) -> dict[str, 
     A latency budget prunes mlp,qk,v unless ``--target`` was typed (V channels are time too).
     """
     speedup, backend = latency["speedup"], latency["latency_on"]
-    ctx = click.get_current_context(silent=True)
-
-    def typed(name: str) -> bool:
-        return ctx is not None and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
-
     if speedup is not None:
         if typed("sparsity"):
             raise CorpError("--speedup chooses every block's widths; drop --sparsity or drop --speedup")
@@ -472,7 +472,7 @@ def calibration_source(calib_dir: str | None, calib: str | None) -> str:
 def _smoke_command() -> str:
     """The command line as typed plus noise calibration, and random weights unless weights were chosen."""
     ctx = click.get_current_context()
-    typed = ctx.find_root().obj
-    argv = ["corp-deploy", *(sys.argv[1:] if typed is None else typed)]
+    given = ctx.find_root().obj
+    argv = ["corp-deploy", *(sys.argv[1:] if given is None else given)]
     chose = [p for p in ("weights", "checkpoint") if ctx.get_parameter_source(p) != click.core.ParameterSource.DEFAULT]
     return shlex.join(argv + ([] if chose else ["--weights", "random"]) + ["--calib", "synthetic"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import click
@@ -21,10 +22,12 @@ from corp_deploy.cli.options import (
     out_path,
     prune_config,
     prune_options,
+    typed,
     with_latency,
 )
 from corp_deploy.data import SYNTHETIC
 from corp_deploy.errors import CorpError
+from corp_deploy.family import adapter_for
 from corp_deploy.latency import LatencyTable, Timing, format_table
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.report import format_report
@@ -211,6 +214,8 @@ def pruned(
         loop = latency_loop(backend, latency["latency_batch"], latency_rounds, say)
         api.check_loop(config, max_stats_gib, 2 if distributed.launched() else 1)
     got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, text=text)
+    if not typed("target"):  # the default target names only what the model's family can prune
+        config = replace(config, target=[p for p in config.target if p in adapter_for(got.net).parts])
     table = None if backend is None else latency_table(got, backend, latency, say, config.depth, config.depth_fit)
     dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
     progress = not quiet and got.world.is_main
