@@ -15,8 +15,6 @@ attention_mask)`` outputs. ``transformers`` is imported only when a model is one
 
 from __future__ import annotations
 
-import copy
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,8 +60,16 @@ class HfText(Adapter):
 
     unit = "sequences"
 
-    def write_files(self, model: nn.Module, folder: Path) -> None:
-        write_files(model, folder)
+    def write_files(self, model: nn.Module, folder: Path) -> dict[str, Any]:
+        """The artifact folder as a transformers folder (``hf_folder``: standard or remote-code form)."""
+        from corp_deploy import hf_folder
+
+        return hf_folder.write(model, folder)
+
+    def stored(self, model: nn.Module) -> nn.Module:
+        from corp_deploy import hf_folder
+
+        return hf_folder.stored(model)
 
     def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
         """Unfilled layers of the recorded widths (``load_pruned``; weights load next): the same rebuild a
@@ -304,18 +310,6 @@ def _architecture(transformers: Any, config: Any) -> type:
     names = getattr(config, "architectures", None) or []
     cls = getattr(transformers, names[0], None) if names else None
     return cls if cls is not None else transformers.AutoModel._model_mapping[type(config)]
-
-
-def write_files(model: nn.Module, folder: Path) -> None:
-    """What ``build`` needs beside the weights: config.json (``architectures`` = the model's class) and the
-    tokenizer files of the folder the model came from."""
-    config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(folder)
-    source = Path(getattr(model.config, "_name_or_path", "") or "")
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, folder / name)
 
 
 def build(model: dict[str, Any], folder: Path) -> nn.Module:
