@@ -174,6 +174,9 @@ class Adapter(ABC):
     def set_values(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor) -> None:
         raise NotImplementedError
 
+    standard_parts: tuple[str, ...] = ()
+    """Parts whose uniform pruning the family's own config expresses (``--layout standard``); none: no such layout."""
+
     mlp_out_name = "fc2"
     """What users know ``mlp_out`` as, for messages."""
 

@@ -59,6 +59,8 @@ class HfText(Adapter):
     excluded through the mask, MACs at ``count_macs_at``'s tokens, config and tokenizer in the artifact."""
 
     unit = "sequences"
+    standard_parts = ("mlp",)
+    """A transformers config has one MLP width, and one head width for Q, K and V (``hf_folder.layout``)."""
 
     def write_files(self, model: nn.Module, folder: Path) -> dict[str, Any]:
         """The artifact folder as a transformers folder (``hf_folder``: standard or remote-code form)."""

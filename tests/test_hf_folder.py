@@ -27,7 +27,8 @@ import torch
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 pytest.importorskip("sentence_transformers", reason="the sentence-transformers check needs sentence-transformers")
 
-from transformers import (  # noqa: E402  # noqa: E402
+from helpers import run  # noqa: E402
+from transformers import (  # noqa: E402
     BertConfig,
     BertModel,
     BertTokenizerFast,
@@ -39,8 +40,10 @@ from transformers import (  # noqa: E402  # noqa: E402
 
 from corp_deploy import hf  # noqa: E402
 from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
+from corp_deploy.errors import CorpError  # noqa: E402
+from corp_deploy.family import TIMM_VIT  # noqa: E402
 from corp_deploy.hf_folder import MODELING_FILE, REMOTE, STANDARD  # noqa: E402
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
+from corp_deploy.pruner import PruneConfig, calibrate, check_standard, prune_model  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(40)]
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
@@ -242,3 +245,29 @@ def test_a_standard_llama_with_folded_biases_says_so_in_its_config(folders) -> N
     model = folders["models"][f"llama-{STANDARD}"]
     assert model.model.layers[0].mlp.down_proj.bias is not None and model.model.layers[0].mlp.gate_proj.bias is None
     assert config["mlp_bias"] is True and config["intermediate_size"] == 32
+
+
+def test_cli_layout_standard_writes_the_familys_own_folder_and_refuses_what_it_cannot_keep(folders, capsys) -> None:
+    source, root = folders["root"] / "st-source", folders["root"]
+    common = [str(source), "--calib", "synthetic", "--num-calib", "8", "--seq-len", "16", "--round-to", "2", "--quiet"]
+    argv = ["prune", *common, "--layout", "standard", "--target", "mlp", "--out", str(root / "cli")]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert "loads without corp-deploy: AutoModel.from_pretrained(folder) or SentenceTransformer(folder)" in out
+    assert read_meta(root / "cli")["report"]["config"]["layout"] == STANDARD
+    refusals = {
+        ("--target", "mlp,qk"): "the hf-bert config expresses only mlp pruning, not qk",
+        ("--budget", "macs=0.7"): "--layout standard keeps every layer's widths equal",
+        ("--selection", "global"): "drop --selection global",
+    }
+    for (flag, value), message in refusals.items():
+        bad = root / f"bad-{value}"
+        code, _, err = run(["prune", *common, "--layout", "standard", flag, value, "--out", str(bad)], capsys)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 1 and len(lines) == 1 and message in lines[0], err
+        assert not bad.exists()
+
+
+def test_layout_standard_is_refused_for_a_family_without_one() -> None:
+    with pytest.raises(CorpError, match="timm-vit artifacts have one layout"):
+        check_standard(TIMM_VIT, PruneConfig(layout="standard", target="mlp"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import click
@@ -56,6 +57,16 @@ def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
     path = api.save(run.result, out, run.name, run.args, weights=run.weights, overwrite=overwrite)
     click.echo(format_report(run.result.report))
     click.echo(f"wrote {path}/ (model.safetensors, corp.json); load it with corp_deploy.load_pruned({str(path)!r})")
+    say_folder(path)
+
+
+def say_folder(path: str | Path) -> None:
+    """A text artifact's one line on how it loads without corp-deploy (and why it needs remote code, if it does)."""
+    folder = api.read_meta(path).get("folder")
+    if folder:
+        from corp_deploy.hf_folder import describe
+
+        click.echo(f"{path}/ {describe(folder)}")
 
 
 class Inputs(NamedTuple):
