@@ -68,6 +68,7 @@ def save_pruned(model: nn.Module, out: str | Path, meta: dict[str, Any], overwri
     ``meta`` must hold ``model: {name, args}``; the per-block widths are taken from the model itself.
     """
     adapter = adapter_for(model)
+    model = adapter.stored(model)
     record = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -78,8 +79,8 @@ def save_pruned(model: nn.Module, out: str | Path, meta: dict[str, Any], overwri
     try:
         with atomic_dir(out, overwrite) as tmp:
             save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})  # tied weights stored once
-            adapter.write_files(model, tmp)
-            (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
+            folder = adapter.write_files(model, tmp)
+            (tmp / META_FILE).write_text(json.dumps(record | ({"folder": folder} if folder else {}), indent=2) + "\n")
     except (OSError, SafetensorError) as e:  # a full disk is already one line (``fsio.staged``)
         raise CorpError(f"could not write {out} ({first_line(e)}); whatever was there is unchanged") from None
     return Path(out)

@@ -176,6 +176,9 @@ class Adapter(ABC):
     def set_values(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor) -> None:
         raise NotImplementedError
 
+    standard_parts: tuple[str, ...] = ()
+    """Parts whose uniform pruning the family's own config expresses (``--layout standard``); none: no such layout."""
+
     mlp_out_name = "fc2"
     """What users know ``mlp_out`` as, for messages."""
 
@@ -204,9 +207,15 @@ class Adapter(ABC):
     def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
         raise NotImplementedError
 
-    def write_files(self, model: nn.Module, folder: Path) -> None:
-        """Files the artifact needs beside the weights and corp.json (a config, a tokenizer); none by default."""
-        return None
+    def write_files(self, model: nn.Module, folder: Path) -> dict[str, Any]:
+        """Files the artifact needs beside the weights and corp.json (a config, a tokenizer; none by default), and
+        what ``corp.json`` records about them (under ``folder``; nothing by default)."""
+        return {}
+
+    def stored(self, model: nn.Module) -> nn.Module:
+        """The model as the artifact stores its weights: itself, unless the family's own file format needs more
+        (zero biases a standard transformers config implies)."""
+        return model
 
     @abstractmethod
     def run(self, model: nn.Module, inputs: Any, device: torch.device | str) -> None:

@@ -8,15 +8,13 @@ the Q/K logit compensation applies unchanged. Padding is excluded from every sta
 batch's attention mask (``token_mask``).
 
 Pruned attention keeps ``attention.self``'s parameter names (``query``/``key``/``value``) in
-``PrunedSelfAttention``, whose Q/K and V head widths may differ and whose softmax scale stays the dense
+``hf_modeling.PrunedSelfAttention``, whose Q/K and V head widths may differ and whose softmax scale stays the dense
 one; the model remains the same ``transformers`` class, with the usual ``forward(input_ids,
 attention_mask)`` outputs. ``transformers`` is imported only when a model is one of these.
 """
 
 from __future__ import annotations
 
-import copy
-import shutil
 import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,59 +39,6 @@ MACS_SEQ_LEN_KEY = "corp_macs_seq_len"
 counts at the length it was pruned for."""
 
 
-class PrunedSelfAttention(nn.Module):
-    """BERT self-attention with Q/K head width ``qk_dim`` and V head width ``v_dim``, and the ORIGINAL scale.
-
-    Drop-in for ``attention.self``: same Linear names (so state dicts keep their keys), same call
-    (``hidden_states, attention_mask, ...``), same outputs ``(context, weights)``; the attention itself is
-    the configured ``transformers`` backend (eager or SDPA), which takes unequal Q/K and V head widths.
-    Reshapes use -1 so that no batch or sequence size is baked into exported graphs.
-    """
-
-    def __init__(self, config: Any, heads: int, qk_dim: int, v_dim: int, scaling: float) -> None:
-        super().__init__()
-        dim = config.hidden_size
-        self.config = config
-        self.num_attention_heads, self.qk_dim, self.v_dim, self.scaling = heads, qk_dim, v_dim, scaling
-        self.query = nn.Linear(dim, heads * qk_dim)
-        self.key = nn.Linear(dim, heads * qk_dim)
-        self.value = nn.Linear(dim, heads * v_dim)
-        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
-        self.is_decoder = False
-        self.is_causal = False
-
-    def forward(
-        self, hidden_states: Tensor, attention_mask: Tensor | None = None, past_key_values: Any = None, **kwargs: Any
-    ) -> tuple[Tensor, Tensor | None]:
-        if layer_cache(past_key_values, kwargs) is not None:
-            raise CorpError("a pruned BERT encoder takes no key/value cache")
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from transformers.models.bert.modeling_bert import eager_attention_forward
-
-        shape = (*hidden_states.shape[:-1], self.num_attention_heads, -1)
-        q, k, v = (lin(hidden_states).view(shape).transpose(1, 2) for lin in (self.query, self.key, self.value))
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        out, weights = attend(
-            self,
-            q,
-            k,
-            v,
-            attention_mask,
-            dropout=self.dropout.p if self.training else 0.0,
-            scaling=self.scaling,
-            **kwargs,
-        )
-        return out.reshape(*hidden_states.shape[:-1], -1).contiguous(), weights
-
-
-def layer_cache(past_key_values: Any, kwargs: dict[str, Any]) -> Any:
-    """An attention layer's key/value cache, taken out of ``kwargs``: transformers 5.24 renamed the layers'
-    ``past_key_values=`` argument to ``cache=`` (a pruned attention that reads only the old name never fills the
-    cache, and generation with it silently diverges from generation without it)."""
-    cache = kwargs.pop("cache", None)
-    return past_key_values if cache is None else cache
-
-
 def qk_hooks(query: nn.Linear, key: nn.Linear, heads: int, fn: QKHook) -> list[RemovableHandle]:
     """Hooks handing ``fn`` (q, k) as (batch, tokens, heads, d) from separate query and key Linears.
 
@@ -111,20 +56,31 @@ def qk_hooks(query: nn.Linear, key: nn.Linear, heads: int, fn: QKHook) -> list[R
     return [query.register_forward_hook(on_query), key.register_forward_hook(on_key)]
 
 
-def linear_like(old: nn.Linear, in_features: int, out_features: int) -> nn.Linear:
-    """An unfilled Linear of the new shape on ``old``'s device, dtype and mode (an eval model stays in eval)."""
-    kw = {"device": old.weight.device, "dtype": old.weight.dtype}
-    return nn.Linear(in_features, out_features, bias=old.bias is not None, **kw).train(old.training)
-
-
 class HfText(Adapter):
     """What every ``transformers`` text family shares: ``{"input_ids", "attention_mask"}`` batches, padding
     excluded through the mask, MACs at ``count_macs_at``'s tokens, config and tokenizer in the artifact."""
 
     unit = "sequences"
+    standard_parts = ("mlp",)
+    """A transformers config has one MLP width, and one head width for Q, K and V (``hf_folder.layout``)."""
 
-    def write_files(self, model: nn.Module, folder: Path) -> None:
-        write_files(model, folder)
+    def write_files(self, model: nn.Module, folder: Path) -> dict[str, Any]:
+        """The artifact folder as a transformers folder (``hf_folder``: standard or remote-code form)."""
+        from corp_deploy import hf_folder
+
+        return hf_folder.write(model, folder)
+
+    def stored(self, model: nn.Module) -> nn.Module:
+        from corp_deploy import hf_folder
+
+        return hf_folder.stored(model)
+
+    def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
+        """Unfilled layers of the recorded widths (``load_pruned``; weights load next): the same rebuild a
+        remote-code folder's own classes run (``hf_modeling.apply_widths``)."""
+        from corp_deploy.hf_modeling import apply_widths
+
+        apply_widths(model, entries)
 
     def run(self, model: nn.Module, inputs: Mapping[str, Tensor], device: torch.device | str) -> None:
         """A decoder runs without its key/value cache: calibration never generates, and the cache only costs."""
@@ -173,6 +129,8 @@ class HfBert(HfText):
         return block.output.dense
 
     def set_mlp(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor | None) -> None:
+        from corp_deploy.hf_modeling import linear_like
+
         up, down = block.intermediate.dense, block.output.dense
         new_up, new_down = linear_like(up, up.in_features, keep.numel()), linear_like(down, keep.numel(), w.shape[0])
         with torch.no_grad():
@@ -187,10 +145,9 @@ class HfBert(HfText):
         return block.attention.self.num_attention_heads
 
     def head_widths(self, block: nn.Module) -> tuple[int, int]:
-        attn = block.attention.self
-        if isinstance(attn, PrunedSelfAttention):
-            return attn.qk_dim, attn.v_dim
-        return attn.attention_head_size, attn.attention_head_size
+        from corp_deploy.hf_modeling import bert_head_widths
+
+        return bert_head_widths(block.attention.self)
 
     def qk_weights(self, block: nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
         attn, heads = block.attention.self, self.heads(block)
@@ -206,12 +163,11 @@ class HfBert(HfText):
         attn = block.attention.self
         return qk_hooks(attn.query, attn.key, self.heads(block), fn)
 
-    def _rebuilt(self, block: nn.Module, qk_dim: int, v_dim: int) -> PrunedSelfAttention:
+    def _rebuilt(self, block: nn.Module, qk_dim: int, v_dim: int) -> nn.Module:
         """An unfilled ``PrunedSelfAttention`` with ``block``'s heads and dense scale at the given widths."""
-        attn = block.attention.self
-        new = PrunedSelfAttention(attn.config, self.heads(block), qk_dim, v_dim, float(attn.scaling))
-        new.train(attn.training)  # an eval model stays without dropout
-        return new.to(attn.query.weight.device, attn.query.weight.dtype)
+        from corp_deploy.hf_modeling import bert_attention_at
+
+        return bert_attention_at(block.attention.self, qk_dim, v_dim)
 
     @torch.no_grad()
     def set_qk(self, block: nn.Module, q_w: Tensor, q_b: Tensor | None, k_w: Tensor, k_b: Tensor | None) -> None:
@@ -228,6 +184,8 @@ class HfBert(HfText):
 
     @torch.no_grad()
     def set_values(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor) -> None:
+        from corp_deploy.hf_modeling import linear_like
+
         old, proj = block.attention.self, self.proj(block)
         new = self._rebuilt(block, self.head_widths(block)[0], keep.numel() // self.heads(block))
         new.query.load_state_dict(old.query.state_dict())
@@ -238,19 +196,6 @@ class HfBert(HfText):
         new_proj.weight.copy_(w)
         new_proj.bias.copy_(b)
         block.attention.self, block.attention.output.dense = new, new_proj
-
-    def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
-        """Unfilled layers of the recorded widths (``load_pruned``; weights load next)."""
-        for block, widths in zip(self.blocks(model), entries, strict=True):
-            up, down = block.intermediate.dense, block.output.dense
-            if widths["mlp_hidden"] != up.out_features:
-                block.intermediate.dense = linear_like(up, up.in_features, widths["mlp_hidden"])
-                block.output.dense = linear_like(down, widths["mlp_hidden"], down.out_features)
-            qk, v = widths["qk_dim"], widths["v_dim"]
-            if (qk, v) != self.head_widths(block):
-                proj = self.proj(block)
-                block.attention.self = self._rebuilt(block, qk, v)
-                block.attention.output.dense = linear_like(proj, self.heads(block) * v, proj.out_features)
 
 
 HF_BERT = HfBert()
@@ -390,18 +335,6 @@ def _architecture(transformers: Any, config: Any) -> type:
     names = getattr(config, "architectures", None) or []
     cls = getattr(transformers, names[0], None) if names else None
     return cls if cls is not None else transformers.AutoModel._model_mapping[type(config)]
-
-
-def write_files(model: nn.Module, folder: Path) -> None:
-    """What ``build`` needs beside the weights: config.json (``architectures`` = the model's class) and the
-    tokenizer files of the folder the model came from."""
-    config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(folder)
-    source = Path(getattr(model.config, "_name_or_path", "") or "")
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, folder / name)
 
 
 def build(model: dict[str, Any], folder: Path) -> nn.Module:

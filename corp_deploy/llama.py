@@ -23,70 +23,23 @@ logit compensation) does not hold; Q/K pruning is refused before any data is rea
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
-from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb, eager_attention_forward
 
 from corp_deploy.errors import CorpError
 from corp_deploy.family import QKHook
-from corp_deploy.hf import HfText, layer_cache, linear_like
-
-
-class PrunedLlamaAttention(LlamaAttention):
-    """Llama attention whose heads carry ``v_dim`` V channels (Q/K keep the dense ``head_dim`` and scale) and
-    whose o_proj may have a bias (the compensation's constant).
-
-    Built without ``LlamaAttention.__init__`` (which makes dense-size Linears); it stays a ``LlamaAttention``
-    so that ``transformers``' output capture still finds it, with the same parameter names, call and
-    key/value cache use (the V cache is ``kv_heads * v_dim`` wide)."""
-
-    def __init__(self, config: Any, layer_idx: int | None, v_dim: int, proj_bias: bool) -> None:
-        nn.Module.__init__(self)
-        dim, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-        self.config, self.layer_idx, self.v_dim = config, layer_idx, v_dim
-        self.head_dim = getattr(config, "head_dim", None) or dim // heads
-        self.num_key_value_groups, self.scaling = heads // kv, self.head_dim**-0.5
-        self.attention_dropout, self.is_causal = config.attention_dropout, True
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(dim, heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, kv * v_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * v_dim, dim, bias=bias or proj_bias)
-
-    def forward(
-        self,
-        hidden_states: Tensor,
-        position_embeddings: tuple[Tensor, Tensor] | None = None,
-        attention_mask: Tensor | None = None,
-        past_key_values: Any = None,
-        **kwargs: Any,
-    ) -> tuple[Tensor, Tensor | None]:
-        """``LlamaAttention.forward`` with the V heads reshaped at their own width (-1: no size baked in)."""
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        shape = (*hidden_states.shape[:-1], -1)
-        q = self.q_proj(hidden_states).view(*shape, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(*shape, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(*shape, self.v_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        cache = layer_cache(past_key_values, kwargs)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        dropout = self.attention_dropout if self.training else 0.0
-        out, weights = attend(self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs)
-        return self.o_proj(out.reshape(*shape).contiguous()), weights
+from corp_deploy.hf import HfText
+from corp_deploy.hf_modeling import PrunedLlamaAttention, linear_like, llama_attention_at, llama_v_dim
 
 
 def _reader(old: nn.Linear, in_features: int, w: Tensor, b: Tensor | None) -> nn.Linear:
     """A folded reader (down_proj, o_proj) of ``in_features`` inputs: weight ``w``; a bias when ``old`` had one
     or the compensation's constant ``b`` is non-zero (plain removal adds none)."""
     bias = old.bias is not None or (b is not None and bool(b.any()))
-    new = nn.Linear(in_features, w.shape[0], bias=bias, device=old.weight.device, dtype=old.weight.dtype)
-    new.train(old.training)
+    new = linear_like(old, in_features, w.shape[0], bias)
     new.weight.copy_(w)
     if bias:
         new.bias.copy_(b if b is not None else old.bias)
@@ -133,7 +86,7 @@ class HfLlama(HfText):
 
     def head_widths(self, block: nn.Module) -> tuple[int, int]:
         attn = block.self_attn
-        return attn.head_dim, attn.v_dim if isinstance(attn, PrunedLlamaAttention) else attn.head_dim
+        return attn.head_dim, llama_v_dim(attn)
 
     def _no_qk(self) -> NoReturn:
         raise CorpError(
@@ -155,16 +108,13 @@ class HfLlama(HfText):
 
     def _rebuilt(self, block: nn.Module, v_dim: int, proj_bias: bool) -> PrunedLlamaAttention:
         """An unfilled ``PrunedLlamaAttention`` with ``block``'s config and layer index at the V width."""
-        attn = block.self_attn
-        new = PrunedLlamaAttention(attn.config, attn.layer_idx, v_dim, proj_bias)
-        new.train(attn.training)
-        return new.to(attn.q_proj.weight.device, attn.q_proj.weight.dtype)
+        return llama_attention_at(block.self_attn, v_dim, proj_bias)
 
     @torch.no_grad()
     def set_values(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor) -> None:
         """``keep`` indexes o_proj's input (all query heads); v_proj keeps one query head's rows per K/V head."""
         old, heads, group = block.self_attn, self.heads(block), self.value_groups(block)
-        d, kept = old.head_dim if not isinstance(old, PrunedLlamaAttention) else old.v_dim, keep.numel() // heads
+        d, kept = llama_v_dim(old), keep.numel() // heads
         per_head = keep.view(heads, kept)[::group]
         rows = (per_head % d + d * torch.arange(per_head.shape[0], device=keep.device)[:, None]).flatten()
         new = self._rebuilt(block, kept, False)
@@ -187,19 +137,6 @@ class HfLlama(HfText):
             "proj_bias": int(self.proj(block).bias is not None),
         }
         return {**super().structure(block), **biases}
-
-    def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
-        """Unfilled layers of the recorded widths and biases (``load_pruned``; weights load next)."""
-        for block, widths in zip(self.blocks(model), entries, strict=True):
-            mlp, hidden, mlp_bias = block.mlp, widths["mlp_hidden"], bool(widths.get("mlp_bias"))
-            if hidden != mlp.down_proj.in_features or mlp_bias != (mlp.down_proj.bias is not None):
-                mlp.gate_proj = linear_like(mlp.gate_proj, mlp.gate_proj.in_features, hidden)
-                mlp.up_proj = linear_like(mlp.up_proj, mlp.up_proj.in_features, hidden)
-                kw = {"device": mlp.down_proj.weight.device, "dtype": mlp.down_proj.weight.dtype}
-                mlp.down_proj = nn.Linear(hidden, mlp.down_proj.out_features, bias=mlp_bias, **kw)
-            proj_bias = bool(widths.get("proj_bias"))
-            if widths["v_dim"] != self.head_widths(block)[1] or proj_bias != (self.proj(block).bias is not None):
-                block.self_attn = self._rebuilt(block, widths["v_dim"], proj_bias)
 
 
 HF_LLAMA = HfLlama()

@@ -17,56 +17,15 @@ call and the same key/value cache use, so the model keeps ``forward`` and ``gene
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
-from transformers.models.opt.modeling_opt import OPTAttention, eager_attention_forward
 
 from corp_deploy.errors import CorpError
 from corp_deploy.family import QKHook
-from corp_deploy.hf import HfText, layer_cache, linear_like, qk_hooks
-
-
-class PrunedOptAttention(OPTAttention):
-    """OPT attention with Q/K head width ``qk_dim``, V head width ``v_dim`` and the dense ``scaling``.
-
-    Reshapes use -1 so that no batch or sequence size is baked into exported graphs. Built without
-    ``OPTAttention.__init__`` (which makes dense-size Linears); it stays an ``OPTAttention`` so that
-    ``transformers``' output capture (``output_attentions``) still finds it."""
-
-    def __init__(self, config: Any, layer_idx: int | None, heads: int, qk_dim: int, v_dim: int, scaling: float) -> None:
-        nn.Module.__init__(self)
-        dim, bias = config.hidden_size, config.enable_bias
-        self.config, self.layer_idx, self.embed_dim = config, layer_idx, dim
-        self.num_heads, self.qk_dim, self.v_dim, self.scaling = heads, qk_dim, v_dim, scaling
-        self.dropout, self.enable_bias, self.is_causal = config.attention_dropout, bias, True
-        self.q_proj = nn.Linear(dim, heads * qk_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, heads * qk_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, heads * v_dim, bias=bias)
-        self.out_proj = nn.Linear(heads * v_dim, dim, bias=bias)
-
-    def forward(
-        self,
-        hidden_states: Tensor,
-        past_key_values: Any = None,
-        attention_mask: Tensor | None = None,
-        output_attentions: bool = False,
-        **kwargs: Any,
-    ) -> tuple[Tensor, Tensor | None]:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        shape = (*hidden_states.shape[:-1], self.num_heads, -1)
-        q = (self.q_proj(hidden_states) * self.scaling).view(shape).transpose(1, 2)
-        k, v = (lin(hidden_states).view(shape).transpose(1, 2) for lin in (self.k_proj, self.v_proj))
-        cache = layer_cache(past_key_values, kwargs)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        dropout = self.dropout if self.training else 0.0
-        out, weights = attend(self, q, k, v, attention_mask, dropout=dropout, scaling=1.0, **kwargs)
-        return self.out_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+from corp_deploy.hf import HfText, qk_hooks
+from corp_deploy.hf_modeling import PrunedOptAttention, linear_like, opt_attention_at, opt_head_widths
 
 
 class HfOpt(HfText):
@@ -105,10 +64,7 @@ class HfOpt(HfText):
         return block.self_attn.num_heads
 
     def head_widths(self, block: nn.Module) -> tuple[int, int]:
-        attn = block.self_attn
-        if isinstance(attn, PrunedOptAttention):
-            return attn.qk_dim, attn.v_dim
-        return attn.head_dim, attn.head_dim
+        return opt_head_widths(block.self_attn)
 
     def qk_weights(self, block: nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
         heads, q, k = self.heads(block), block.self_attn.q_proj, block.self_attn.k_proj
@@ -122,10 +78,7 @@ class HfOpt(HfText):
 
     def _rebuilt(self, block: nn.Module, qk_dim: int, v_dim: int) -> PrunedOptAttention:
         """An unfilled ``PrunedOptAttention`` with ``block``'s heads, layer index and dense scale at the widths."""
-        attn = block.self_attn
-        new = PrunedOptAttention(attn.config, attn.layer_idx, self.heads(block), qk_dim, v_dim, float(attn.scaling))
-        new.train(attn.training)
-        return new.to(attn.q_proj.weight.device, attn.q_proj.weight.dtype)
+        return opt_attention_at(block.self_attn, qk_dim, v_dim)
 
     @torch.no_grad()
     def set_qk(self, block: nn.Module, q_w: Tensor, q_b: Tensor | None, k_w: Tensor, k_b: Tensor | None) -> None:
@@ -162,15 +115,6 @@ class HfOpt(HfText):
                 f"V pruning is not supported for layer {i}: its out_proj has no bias to take the compensation's "
                 "constant; use --target mlp,qk"
             )
-
-    def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
-        """Unfilled layers of the recorded widths (``load_pruned``; weights load next)."""
-        for block, widths in zip(self.blocks(model), entries, strict=True):
-            if widths["mlp_hidden"] != block.fc1.out_features:
-                block.fc1 = linear_like(block.fc1, block.fc1.in_features, widths["mlp_hidden"])
-                block.fc2 = linear_like(block.fc2, widths["mlp_hidden"], block.fc2.out_features)
-            if (widths["qk_dim"], widths["v_dim"]) != self.head_widths(block):
-                block.self_attn = self._rebuilt(block, widths["qk_dim"], widths["v_dim"])
 
 
 HF_OPT = HfOpt()

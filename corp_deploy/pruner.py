@@ -32,6 +32,10 @@ TARGET_ALIASES = {"attn": ("qk",), "both": ("mlp", "qk"), "joint": ("mlp", "qk")
 COMPENSATIONS = ("corp", "mean", "none")
 SELECTIONS = ("per-layer", "global")
 """How MLP channels are chosen at a sparsity: the same fraction in every block, or VBP's network-wide threshold."""
+LAYOUTS = ("auto", "standard")
+"""The folder a text model's plan may lead to: whichever its widths allow (``hf_folder``: the family's own format when
+they are uniform and attention keeps the config's head width, else remote code), or the family's own format only
+(uniform widths of the parts its config expresses)."""
 BUDGET_KINDS = ("macs", "latency")
 """What a budget bounds: the closed-form MACs, or the time predicted by a latency table measured on a backend."""
 CRITERIA = ("sensitivity", "local")
@@ -116,6 +120,9 @@ class PruneConfig:
     depth: tuple[str, ...] | str = ()
     """Modules (``MODULES``) a latency budget may replace whole by ``depth_fit`` (``"attn,mlp"`` or a sequence)."""
     depth_fit: str = "affine-mean"
+    layout: str = "auto"
+    """``standard``: keep to what the family's own config expresses (``Adapter.standard_parts``, uniform widths), so
+    the artifact loads with plain ``from_pretrained``; refused where the plan could not."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", parse_target(self.target))
@@ -136,6 +143,7 @@ class PruneConfig:
             ("--allocation", self.allocation, CRITERIA),
             ("--selection", self.selection, SELECTIONS),
             ("--depth-fit", self.depth_fit, C.DEPTH_FITS),
+            ("--layout", self.layout, LAYOUTS),
         )
         for label, value, allowed in choices:
             if value not in allowed:
@@ -150,6 +158,18 @@ class PruneConfig:
             raise CorpError("--selection global chooses MLP channels across blocks; add mlp to --target")
         if self.depth:
             self._check_depth()
+        if self.layout == "standard":
+            self._check_standard()
+
+    def _check_standard(self) -> None:
+        """A family's config has one width per part for all layers: only the same fraction in every block fits."""
+        if self.budget is not None:
+            raise CorpError(
+                "--layout standard keeps every layer's widths equal; a budget allocates them per layer: "
+                "prune with --sparsity, or drop --layout standard"
+            )
+        if self.selection != "per-layer":
+            raise CorpError("--layout standard keeps every layer's MLP width equal; drop --selection global")
 
     def _check_depth(self) -> None:
         """Replacing a module saves fixed costs (kernels, launches) that only a measured latency table sees, and the
@@ -291,10 +311,24 @@ def check_parts(model: nn.Module, config: PruneConfig) -> None:
     constant term in a bias, V pruning folds into proj) and ``--depth`` (``Adapter.check_depth``). Data-free, so a
     refusal comes before calibration."""
     adapter = adapter_for(model)
+    if config.layout == "standard":
+        check_standard(adapter, config)
     for i, block in enumerate(adapter.blocks(model)):
         adapter.check_parts(block, i, config.target, config.compensation)
         if config.depth:
             adapter.check_depth(block, i)
+
+
+def check_standard(adapter: Adapter, config: PruneConfig) -> None:
+    """``--layout standard``: the targeted parts must be ones the family's own config can express."""
+    if not adapter.standard_parts:
+        raise CorpError(f"--layout standard is for transformers text models; {adapter.name} artifacts have one layout")
+    extra = [p for p in config.target if p not in adapter.standard_parts]
+    if extra:
+        raise CorpError(
+            f"--layout standard: the {adapter.name} config expresses only {', '.join(adapter.standard_parts)} "
+            f"pruning, not {', '.join(extra)}; use --target {','.join(adapter.standard_parts)} or drop --layout"
+        )
 
 
 def plan_widths(model: nn.Module, config: PruneConfig, stats: CalibrationStats | None = None) -> list[Widths]:

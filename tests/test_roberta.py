@@ -17,7 +17,8 @@ from transformers import RobertaConfig, RobertaModel  # noqa: E402
 
 from corp_deploy import api  # noqa: E402
 from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.hf import PrunedSelfAttention, max_positions  # noqa: E402
+from corp_deploy.hf import max_positions  # noqa: E402
+from corp_deploy.hf_modeling import PrunedSelfAttention  # noqa: E402
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
 
 VOCAB, PAD = 30, 1  # RoBERTa pads with id 1; its positions start at PAD + 1

@@ -22,7 +22,8 @@ from transformers import BertConfig, BertModel, BertTokenizerFast  # noqa: E402
 
 from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
 from corp_deploy.family import adapter_for  # noqa: E402
-from corp_deploy.hf import HF_BERT, PrunedSelfAttention  # noqa: E402
+from corp_deploy.hf import HF_BERT  # noqa: E402
+from corp_deploy.hf_modeling import PrunedSelfAttention  # noqa: E402
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
 
 WORDS = [

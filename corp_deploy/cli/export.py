@@ -31,7 +31,7 @@ from corp_deploy.cli.options import (
     verify_options,
     with_latency,
 )
-from corp_deploy.cli.prune import pruned
+from corp_deploy.cli.prune import pruned, say_folder
 from corp_deploy.env import versions
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import INT8
@@ -315,3 +315,4 @@ def prune_export(
         record = write_export_record(tmp, run.name, run.result.report, record, versions())
     click.echo(format_summary(record, {k: v["params"] for k, v in record["size"].items()}))
     click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json)")
+    say_folder(Path(out) / "pruned")

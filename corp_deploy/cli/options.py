@@ -37,7 +37,7 @@ from corp_deploy.exporters.tensorrt_engine import (
 )
 from corp_deploy.fsio import check_writable
 from corp_deploy.models import WEIGHTS
-from corp_deploy.pruner import COMPENSATIONS, CRITERIA, DEFAULT_RIDGE, SELECTIONS, PruneConfig
+from corp_deploy.pruner import COMPENSATIONS, CRITERIA, DEFAULT_RIDGE, LAYOUTS, SELECTIONS, PruneConfig
 from corp_deploy.ranking import RANKERS
 
 CALIB_IMAGES = 4000
@@ -178,6 +178,15 @@ sparsity_options = group(
         show_default=True,
         help="MLP channels: the same fraction in every block, or VBP's one score threshold across all blocks "
         "(global; each block's count rounded to --round-to).",
+    ),
+    click.option(
+        "--layout",
+        type=click.Choice(LAYOUTS),
+        default="auto",
+        show_default=True,
+        help="Text models: the folder's form. auto: the family's own transformers format when the widths allow it, "
+        "else a remote-code folder (trust_remote_code=True); standard: keep the plan to the family's own format "
+        "(uniform --sparsity of the MLP only).",
     ),
     click.option(
         "--depth",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import click
@@ -59,6 +60,16 @@ def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
     path = api.save(run.result, out, run.name, run.args, weights=run.weights, overwrite=overwrite)
     click.echo(format_report(run.result.report))
     click.echo(f"wrote {path}/ (model.safetensors, corp.json); load it with corp_deploy.load_pruned({str(path)!r})")
+    say_folder(path)
+
+
+def say_folder(path: str | Path) -> None:
+    """A text artifact's one line on how it loads without corp-deploy (and why it needs remote code, if it does)."""
+    folder = api.read_meta(path).get("folder")
+    if folder:
+        from corp_deploy.hf_folder import describe
+
+        click.echo(f"{path}/ {describe(folder)}")
 
 
 class Inputs(NamedTuple):
@@ -214,8 +225,10 @@ def pruned(
         loop = latency_loop(backend, latency["latency_batch"], latency_rounds, say)
         api.check_loop(config, max_stats_gib, 2 if distributed.launched() else 1)
     got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, text=text)
-    if not typed("target"):  # the default target names only what the model's family can prune
-        config = replace(config, target=[p for p in config.target if p in adapter_for(got.net).parts])
+    if not typed("target"):  # the default target names only what the family can prune (in the layout asked for)
+        adapter = adapter_for(got.net)
+        parts = adapter.standard_parts if config.layout == "standard" and adapter.standard_parts else adapter.parts
+        config = replace(config, target=[p for p in config.target if p in parts])
     table = None if backend is None else latency_table(got, backend, latency, say, config.depth, config.depth_fit)
     dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
     progress = not quiet and got.world.is_main

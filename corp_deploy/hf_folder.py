@@ -1,0 +1,175 @@
+"""A pruned ``transformers`` model's artifact folder as a folder ``transformers`` loads alone.
+
+The artifact folder IS the model folder: config.json, model.safetensors and the tokenizer files sit beside
+``corp.json`` (which ``load_pruned`` reads, as before). Two forms:
+
+- **standard**: every layer has the same widths and attention is as the family's config describes it (uniform
+  MLP pruning): config.json is the family's own with the new MLP width (Llama: ``mlp_bias``/``attention_bias``
+  when CORP folded a constant into down_proj/o_proj; the Linears transformers then expects a bias on get a zero
+  one), so ``AutoModel[ForCausalLM].from_pretrained(folder)`` loads it.
+- **remote-code**: otherwise. config.json adds ``corp_layers`` (the per-layer widths) and an ``auto_map`` to
+  ``modeling_corp.py``, a copy of ``corp_deploy/hf_modeling.py`` (torch and transformers only), so
+  ``from_pretrained(folder, trust_remote_code=True)`` loads it. Why it is not the family's own format is one
+  line, printed and recorded in ``corp.json``.
+
+A sentence-transformers source (``modules.json`` with the Transformer module at its root) keeps its modules
+(``1_Pooling/``, ``2_Normalize/``...) and configs, so ``SentenceTransformer(folder)`` loads the pruned model with
+the source's pooling.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from corp_deploy import hf_modeling
+from corp_deploy.errors import CorpError
+from corp_deploy.family import structure
+from corp_deploy.hf import TOKENIZER_FILES
+
+MODELING_FILE = "modeling_corp.py"
+"""The remote-code folder's modeling file (``hf_modeling.py`` verbatim)."""
+STANDARD, REMOTE = "standard", "remote-code"
+SENTENCE_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+"""A sentence-transformers model's files at its root, copied beside the pruned Transformer module."""
+MLP_FIELD = {"bert": "intermediate_size", "roberta": "intermediate_size", "opt": "ffn_dim"}
+MLP_FIELD["llama"] = MLP_FIELD["bert"]
+"""``config.model_type`` -> the config field holding the MLP width."""
+BIAS_FLAGS = {"mlp_bias": ("gate_proj", "up_proj", "down_proj"), "proj_bias": ("q_proj", "k_proj", "v_proj", "o_proj")}
+"""Llama: a layer's record of a folded bias -> the Linears its config flag gives a bias (``mlp_bias`` and
+``attention_bias``: all of them or none)."""
+LLAMA_FLAG = {"mlp_bias": "mlp_bias", "proj_bias": "attention_bias"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The form a pruned model's folder takes: ``config`` holds the family config's new values (standard form),
+    ``why`` says in one line why it is not the family's own format (remote-code form)."""
+
+    form: str
+    config: dict[str, Any] = field(default_factory=dict)
+    why: str = ""
+
+
+def dense_head(config: Any) -> int:
+    """The family config's one attention head width (Q, K and V alike)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layout(model: nn.Module) -> Layout:
+    """Standard when the family's config can describe every layer, else remote-code with the reason."""
+    config, entries = model.config, structure(model)
+    name, mlp_field = type(config).__name__, MLP_FIELD[config.model_type]
+    widths = sorted({e["mlp_hidden"] for e in entries}, reverse=True)
+    if len(widths) > 1:
+        listed = ", ".join(map(str, widths))
+        return Layout(REMOTE, why=f"the layers' MLP widths differ ({listed}): {name} has one {mlp_field}")
+    head = dense_head(config)
+    for i, e in enumerate(entries):
+        if (e["qk_dim"], e["v_dim"]) != (head, head):
+            return Layout(
+                REMOTE,
+                why=f"layer {i}'s attention heads are {e['qk_dim']} wide for Q/K and {e['v_dim']} for V: "
+                f"{name} has one head width ({head}) for Q, K and V",
+            )
+    new = {mlp_field: widths[0]}
+    if config.model_type == "llama":
+        new |= {flag: getattr(config, flag) or any(e[key] for e in entries) for key, flag in LLAMA_FLAG.items()}
+    return Layout(STANDARD, new)
+
+
+@torch.no_grad()
+def stored(model: nn.Module) -> nn.Module:
+    """The model as its folder stores it: itself, or (a standard Llama with a folded bias) a copy whose Linears
+    that the config flags give a bias have one, zero where the pruned model has none: transformers' Llama has
+    one ``mlp_bias`` for gate, up and down and one ``attention_bias`` for q, k, v and o."""
+    plan = layout(model)
+    if plan.form != STANDARD or model.config.model_type != "llama":
+        return model
+    flagged = [key for key, flag in LLAMA_FLAG.items() if plan.config[flag] and not getattr(model.config, flag)]
+    if not flagged:
+        return model
+    model = copy.deepcopy(model)
+    for block in hf_modeling.layers_of(model):
+        for key in flagged:
+            for name in BIAS_FLAGS[key]:
+                owner = block.mlp if key == "mlp_bias" else block.self_attn
+                old = getattr(owner, name)
+                if old.bias is None:
+                    new = hf_modeling.linear_like(old, old.in_features, old.out_features, True)
+                    new.weight.copy_(old.weight)
+                    new.bias.zero_()
+                    setattr(owner, name, new)
+    for key in flagged:
+        setattr(model.config, LLAMA_FLAG[key], True)
+    return model
+
+
+def write(model: nn.Module, folder: Path) -> dict[str, Any]:
+    """config.json (and modeling_corp.py) in the model's form, the source's tokenizer and sentence-transformers
+    files; returns what ``corp.json`` records about the folder (``form``, ``why``, ``loads_with``)."""
+    plan = layout(model)
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    for stale in ("auto_map", hf_modeling.WIDTHS_KEY):  # a model loaded from a remote-code artifact has them
+        if hasattr(config, stale):
+            delattr(config, stale)
+    auto = "AutoModelForCausalLM" if type(model).__name__.endswith("ForCausalLM") else "AutoModel"
+    if plan.form == STANDARD:
+        for key, value in plan.config.items():
+            setattr(config, key, value)
+        loads_with = f"{auto}.from_pretrained(folder)"
+    else:
+        classes = hf_modeling.AUTO_MAP[config.model_type]
+        setattr(config, hf_modeling.WIDTHS_KEY, structure(model))
+        config.auto_map = {name: f"{Path(MODELING_FILE).stem}.{cls.__name__}" for name, cls in classes.items()}
+        shutil.copy2(hf_modeling.__file__, folder / MODELING_FILE)
+        auto = auto if auto in classes else "AutoModel"
+        loads_with = f"{auto}.from_pretrained(folder, trust_remote_code=True)"
+    config.save_pretrained(folder)
+    source = Path(getattr(model.config, "_name_or_path", "") or "")
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, folder / name)
+    record = {"form": plan.form, "loads_with": loads_with} | ({"why": plan.why} if plan.why else {})
+    if copy_sentence_transformers(source, folder):
+        trust = "" if plan.form == STANDARD else ", trust_remote_code=True"
+        record["sentence_transformers"] = f"SentenceTransformer(folder{trust})"
+    return record
+
+
+def copy_sentence_transformers(source: Path, folder: Path) -> bool:
+    """The source's sentence-transformers files and module folders, when its Transformer module is its root (the
+    pruned model takes that place); whether it was one."""
+    modules_file = source / "modules.json"
+    if not modules_file.is_file():
+        return False
+    try:
+        modules = json.loads(modules_file.read_text())
+        paths = [m.get("path", "") for m in modules]
+    except (ValueError, AttributeError, TypeError):
+        raise CorpError(f"{modules_file} is not a sentence-transformers module list; fix or remove it") from None
+    if "" not in paths:
+        return False
+    for name in SENTENCE_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, folder / name)
+    for path in paths:
+        if path and (source / path).is_dir():
+            shutil.copytree(source / path, folder / path)
+    return True
+
+
+def describe(record: dict[str, Any]) -> str:
+    """One line for the terminal: how the folder loads without corp-deploy, and why it is not standard."""
+    line = f"loads without corp-deploy: {record['loads_with']}"
+    if "sentence_transformers" in record:
+        line += f" or {record['sentence_transformers']}"
+    return line + (f" (remote code: {record['why']})" if "why" in record else " (the family's own format)")
