@@ -69,7 +69,8 @@ def layout(model: nn.Module) -> Layout:
     name, mlp_field = type(config).__name__, MLP_FIELD[config.model_type]
     widths = sorted({e["mlp_hidden"] for e in entries}, reverse=True)
     if len(widths) > 1:
-        listed = ", ".join(map(str, widths))
+        many = f"{len(widths)} widths, {widths[-1]} to {widths[0]}"
+        listed = many if len(widths) > 4 else ", ".join(map(str, widths))
         return Layout(REMOTE, why=f"the layers' MLP widths differ ({listed}): {name} has one {mlp_field}")
     head = dense_head(config)
     for i, e in enumerate(entries):
