@@ -94,7 +94,7 @@ def summary(record: dict[str, Any], name: str, folder: Path | None) -> str:
         f"{name}: decode-step graph = torch within {worst:.1e} over prefill + {record['verify']['decode_steps']} "
         f"steps; {genai['runtime']} greedy = transformers for {len(genai['prompts'])} prompts x "
         f"{genai['new_tokens']} tokens",
-        f"{name}: cache widths {record['kv_cache']['width']} (K {record['kv_cache']['key']}, V "
+        f"{name}: cache widths {record['kv_cache']['key_cache']} (K {record['kv_cache']['key']}, V "
         f"{record['kv_cache']['value']}); zero-padding costs {100 * pad['overhead']:.1f}% more cache",
     ]
     tokenizer = _tokenizer(folder)
