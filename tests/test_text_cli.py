@@ -262,5 +262,6 @@ def test_a_decoder_exports_its_logits_and_benches_like_an_encoder(tmp_path, caps
     for stem in ("dense", "pruned"):  # and the key/value-cache graphs onnxruntime-genai generates with
         record = json.loads((out / f"{stem}-genai" / "model.onnx.json").read_text())
         assert all(p["genai_equal"] for p in record["genai"]["prompts"]) and record["tokenizer"] is None
+    assert json.loads((out / "export.json").read_text())["genai"]["pruned-genai"]["genai"]["tokens_equal"]
     code, stdout, stderr = run(["bench", str(out), "--backends", "ort-cpu-fp32", "--batch-sizes", "2", *FAST], capsys)
     assert code == 0 and "batch    2 x 32 tokens" in stdout and "dense tok/s" in stdout, stderr
