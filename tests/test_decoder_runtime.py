@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -243,7 +244,7 @@ def test_bad_decoder_export_input_is_one_line_and_writes_nothing(case, llama_fol
 
     source, extra, expected = BAD[case]
     if case == "no genai extra":
-        monkeypatch.setitem(__import__("sys").modules, "onnxruntime_genai", None)  # as when it is not installed
+        monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # as when it is not installed
     monkeypatch.setattr("corp_deploy.api.load_source", _never)  # every refusal comes before the model loads
     places = {
         "llama": llama_folder,
@@ -268,7 +269,7 @@ def _never(*args, **kwargs):
 
 
 def test_prune_export_on_a_decoder_needs_genai_before_pruning(llama_folder, tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.setitem(__import__("sys").modules, "onnxruntime_genai", None)
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)
     monkeypatch.setattr("corp_deploy.cli.prune.create_model", _never)
     monkeypatch.setattr("corp_deploy.hf.load", _never)
     argv = ["prune-export", str(llama_folder), "--calib", "synthetic", "--seq-len", "16", "--precision", "fp32"]
