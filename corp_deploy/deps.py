@@ -23,6 +23,7 @@ PACKAGES: dict[str, tuple[str, str | None]] = {
     "tensorrt": ("tensorrt", "tensorrt"),
     "tensorrt_rtx_bindings": ("tensorrt-rtx-cu13-bindings", "tensorrt-rtx"),
     "transformers": ("transformers", "text"),
+    "onnxruntime_genai": ("onnxruntime-genai", "genai"),
 }
 """Top-level import name -> (distribution on the package index, corp-deploy extra that installs it)."""
 INDEX_URLS: dict[str, str] = {"tensorrt": "https://pypi.nvidia.com"}

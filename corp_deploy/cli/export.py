@@ -11,6 +11,7 @@ import click
 from torch import nn
 
 from corp_deploy import api, hf, surgery
+from corp_deploy.cli import genai
 from corp_deploy.cli.options import (
     build_options,
     calibration_source,
@@ -38,9 +39,11 @@ from corp_deploy.data import SYNTHETIC
 from corp_deploy.env import versions
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import INT8
+from corp_deploy.exporters.genai import CONFIG, GENAI_SUFFIX, GRAPH, NEW_TOKENS, write_genai_folder
 from corp_deploy.exporters.int4 import decoder_graph, format_int4, int4_graphs
 from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import (
+    VerifyOptions,
     convert_verified,
     engine_verified,
     export_run,
@@ -70,16 +73,6 @@ def _int4_refused(precisions_: tuple[str, ...], decoder: bool) -> None:
             "--precision int4 is for decoders (OPT, Llama-family: weight-only MatMulNBits gated on perplexity); "
             "use fp32, fp16 or int8 here"
         )
-
-
-def _is_decoder(source: str) -> bool:
-    """Whether a transformers source is a causal LM, from its config alone (no weights are read)."""
-    transformers = hf.transformers_module("a text model")
-    try:
-        config = transformers.AutoConfig.from_pretrained(source.removeprefix(hf.HUB_PREFIX))
-    except (OSError, ValueError):
-        return False  # the model's own loading says what is wrong, in one line
-    return any(a.endswith("ForCausalLM") for a in config.architectures or [])
 
 
 def _int4_windows(tokenizer_source: str | Path | None, data: str, vocab: int, int4: dict[str, Any], seed: int):
@@ -114,7 +107,19 @@ def _text_export(precisions_: tuple[str, ...], int8: bool, pad_qk: bool, simplif
     show_default=True,
     help="Text encoders: the tokens per sequence the graph is described for (engine profile, bench).",
 )
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="ONNX file to write (*.onnx).")
+@click.option(
+    "--prompt",
+    "prompts",
+    multiple=True,
+    help=f"Decoders: a prompt genai and transformers each continue greedily by {NEW_TOKENS} tokens, which must "
+    "match (repeatable; default: two random token prompts).",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(),
+    help="ONNX file to write (*.onnx); for an OPT or Llama-family decoder, a folder: the onnxruntime-genai folder.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace existing files.")
 def export(
     source: str,
@@ -128,16 +133,26 @@ def export(
     verify: dict[str, Any],
     fp16: bool,
     seq_len: int,
+    prompts: tuple[str, ...],
     out: str,
     overwrite: bool,
 ) -> None:
     """Export SOURCE (a prune artifact folder, a timm model name, or a transformers encoder: a folder with a
-    config.json or hf:NAME) to ONNX, verified with onnxruntime; text graphs have dynamic batch and sequence."""
+    config.json or hf:NAME) to ONNX, verified with onnxruntime; text graphs have dynamic batch and sequence.
+
+    A decoder (OPT, Llama family; dense folder or prune artifact) with a folder as --out gets an onnxruntime-genai
+    folder: the key/value-cache graph, genai_config.json and the tokenizer files, verified by generating."""
     opts = verify_options(verify)
     rewrites_ = parse_rewrites(rewrites, None)
     out_ = Path(out)
     if out_.suffix != ".onnx":
-        raise CorpError(f"--out must be a .onnx file, got {out}")
+        if not (hf.is_source(source) or Path(source).is_dir()):
+            raise CorpError(f"--out must be a .onnx file ({genai.FOLDER_IS}), got {out}")
+        flags = (fp16, pad_qk, simplify, bool(rewrites_))
+        _genai_export(source, out_, overwrite, opset, flags, opts, prompts, seq_len)
+        return
+    if prompts:
+        raise CorpError("--prompt is for a decoder's genai folder: pass a folder as --out")
     half = out_.with_name(f"{out_.stem}.fp16.onnx")
     for path in (out_, half) if fp16 else (out_,):
         check_writable(path, overwrite)
@@ -153,6 +168,30 @@ def export(
     params = {out_.stem: sum(p.numel() for p in model.parameters())}
     click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}, params))
     click.echo(f"wrote {', '.join(str(out_.with_name(r['file'])) for r in records)} (each with a .json record)")
+
+
+def _genai_export(
+    source: str,
+    out: Path,
+    overwrite: bool,
+    opset: int,
+    flags: tuple[bool, ...],
+    opts: VerifyOptions,
+    prompts: tuple[str, ...],
+    seq_len: int,
+) -> None:
+    """``export DECODER --out DIR``: every check before the model loads, then the folder, staged."""
+    folder = genai.decoder_folder(source)
+    if any(flags):
+        raise CorpError("--fp16, --pad-qk, --simplify and --rewrites are not for a genai folder (FP32); leave them out")
+    check_writable(out, overwrite)
+    genai.needs_genai()
+    ids = genai.prompt_ids(folder, prompts)
+    model, description = api.load_source(source, "pretrained", None, {}, seq_len)
+    with atomic_dir(out, overwrite) as tmp:
+        record = write_genai_folder(model, tmp, description, folder, opset, ids, opts.fp32)
+    click.echo(genai.summary(record, out.name, folder))
+    click.echo(f"wrote {out}/ ({GRAPH}, {GRAPH}.json, {CONFIG}, tokenizer files): onnxruntime_genai.Model('{out}')")
 
 
 @click.command("build-engine")
@@ -346,7 +385,8 @@ def prune_export(
     """
     precisions_ = precisions(precision)
     text = hf.is_source(prune_args["model"])
-    _int4_refused(precisions_, text and _is_decoder(prune_args["model"]))
+    decoder = text and genai.is_decoder(prune_args["model"])
+    _int4_refused(precisions_, decoder)
     int4_setup(int4)  # a bad INT4 flag fails here
     if text:
         _text_export(precisions_, int8, pad_qk, simplify)
@@ -359,6 +399,8 @@ def prune_export(
     out = out_path(out, prune_args["model"], prune_args["pruning"], overwrite)
     prune_config(prune_args["pruning"])  # a bad pruning flag fails here, before the package check
     needs("prune-export", *onnx_needs(precisions_, simplify))
+    if decoder:
+        genai.needs_genai()
     quantize = None
     if int8 or "int8" in precisions_:  # INT8 engines are built from the INT8 graphs
         source = calibration_source(prune_args["calib_dir"], prune_args["calib"])
@@ -391,6 +433,10 @@ def prune_export(
         api.save(run.result, tmp / "pruned", run.name, run.args, weights=run.weights)
         engines = tuple(p for p in precisions_ if p != "int4")
         record = export_run(models, tmp, engines, opset, simplify, opts, build, require_engines, quantize, rewrites_)
+        genai_records = {
+            stem: write_genai_folder(model, tmp / f"{stem}{GENAI_SUFFIX}", description, tmp / "pruned", opset)
+            for stem, (model, description) in (models.items() if decoder else ())
+        }
         if "int4" in precisions_:
             data, seed = calibration_source(prune_args["calib_dir"], prune_args["calib"]), prune_args["seed"]
             windows = _int4_windows(prune_args["model"], data, run.dense.config.vocab_size, int4, seed)
@@ -401,4 +447,7 @@ def prune_export(
     click.echo(format_summary(record, {k: v["params"] for k, v in record["size"].items()}))
     if "int4" in record:
         click.echo(format_int4(record["int4"]))
-    click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json)")
+    for stem, genai_record in genai_records.items():
+        click.echo(genai.summary(genai_record, f"{stem}{GENAI_SUFFIX}", Path(out, "pruned")))
+    folders = ", ".join(f"{stem}{GENAI_SUFFIX}/" for stem in genai_records)
+    click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json{', ' + folders if folders else ''})")

@@ -1,0 +1,112 @@
+"""A decoder's onnxruntime-genai folder from the command line: which sources make one, the checks made before any
+work (the ``genai`` extra, the source, the prompts' lengths), and the lines printed after it is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from corp_deploy.artifact import META_FILE, read_meta
+from corp_deploy.cli.options import ONNX_EXPORT, needs
+from corp_deploy.errors import CorpError
+from corp_deploy.exporters.genai import NEW_TOKENS
+from corp_deploy.exporters.kv_cache import POSITIONS
+from corp_deploy.hf import HUB_PREFIX, max_positions
+
+DECODER_FAMILIES = ("hf-opt", "hf-llama")
+"""Prune-artifact families whose models decode with a key/value cache (``exporters.kv_cache.POSITIONS``)."""
+PURPOSE = "a decoder's onnxruntime-genai folder"
+FOLDER_IS = "a folder is the genai export of an OPT or Llama-family decoder"
+
+
+def needs_genai() -> None:
+    """One line, before any work, when onnxruntime-genai (the ``genai`` extra) or the ONNX stack is missing."""
+    needs(PURPOSE, *ONNX_EXPORT, "onnxruntime_genai")
+
+
+def model_type(source: str) -> str | None:
+    """The ``model_type`` in a local folder's config.json (None when it has none or it is unreadable)."""
+    try:
+        return json.loads(Path(source, "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def is_decoder(source: str) -> bool:
+    """Whether a prune MODEL (a local transformers folder) is an OPT or Llama-family decoder."""
+    return model_type(source) in POSITIONS
+
+
+def decoder_folder(source: str) -> Path:
+    """The folder of a decoder SOURCE (a prune artifact or a transformers folder): its config.json and tokenizer
+    files are the genai folder's. Anything else is one line, before the model is loaded."""
+    path = Path(source)
+    if source.startswith(HUB_PREFIX):
+        raise CorpError(
+            f"{source}: a genai folder is made from a local folder; download it first "
+            f"(hf download {source.removeprefix(HUB_PREFIX)} --local-dir DIR) and export DIR"
+        )
+    if (path / META_FILE).is_file():
+        family = read_meta(path)["family"]  # another corp-deploy format or version: one line there
+        if family not in DECODER_FAMILIES:
+            raise CorpError(f"{source} is a {family} prune artifact: --out must be a .onnx file ({FOLDER_IS})")
+        return path
+    if (path / "config.json").is_file():
+        kind = model_type(source)
+        if kind not in POSITIONS:
+            raise CorpError(f"{source} is a {kind or 'transformers'} model: --out must be a .onnx file ({FOLDER_IS})")
+        return path
+    raise CorpError(
+        f"{source} is neither a prune artifact (no {META_FILE}) nor a transformers folder (no config.json); "
+        "a genai folder is made from one of those (an OPT or Llama-family decoder)"
+    )
+
+
+def prompt_ids(folder: Path, texts: tuple[str, ...]) -> list[list[int]] | None:
+    """``--prompt`` texts as token ids with the folder's tokenizer; one line for a prompt that, with the
+    ``NEW_TOKENS`` generated, passes the model's positions, or for prompts without tokenizer files."""
+    if not texts:
+        return None
+    import transformers
+
+    if not (folder / "tokenizer.json").is_file():
+        raise CorpError(f"--prompt needs the model's tokenizer files; {folder} has no tokenizer.json")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    limit = max_positions(transformers.AutoConfig.from_pretrained(str(folder)))
+    out = []
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        if len(ids) + NEW_TOKENS > limit:
+            raise CorpError(
+                f"--prompt {text[:40]!r}... is {len(ids)} tokens: with the {NEW_TOKENS} generated that passes the "
+                f"model's {limit} positions; shorten it to {limit - NEW_TOKENS} tokens or fewer"
+            )
+        out.append(ids)
+    return out
+
+
+def summary(record: dict[str, Any], name: str, folder: Path | None) -> str:
+    """What the terminal shows of a genai folder: the check, the cache layout and each prompt's continuation."""
+    pad, genai = record["kv_cache"]["padding"], record["genai"]
+    worst = max(record["verify"]["max_rel_error_per_step"])
+    lines = [
+        f"{name}: decode-step graph = torch within {worst:.1e} over prefill + {record['verify']['decode_steps']} "
+        f"steps; {genai['runtime']} greedy = transformers for {len(genai['prompts'])} prompts x "
+        f"{genai['new_tokens']} tokens",
+        f"{name}: cache widths {record['kv_cache']['width']} (K {record['kv_cache']['key']}, V "
+        f"{record['kv_cache']['value']}); zero-padding costs {100 * pad['overhead']:.1f}% more cache",
+    ]
+    tokenizer = _tokenizer(folder)
+    for check in genai["prompts"] if tokenizer is not None else ():
+        text = tokenizer.decode(check["prompt"]) + "|" + tokenizer.decode(check["tokens"])
+        lines.append(f"{name}: {text!r}")
+    return "\n".join(lines)
+
+
+def _tokenizer(folder: Path | None) -> Any:
+    if folder is None or not (folder / "tokenizer.json").is_file():
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(folder))

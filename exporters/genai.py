@@ -1,0 +1,220 @@
+"""A decoder (dense or pruned) as an onnxruntime-genai folder, verified by generating with it.
+
+Layout (``write_genai_folder``): ``model.onnx`` (the decode-step graph, ``exporters.kv_cache``), its
+``model.onnx.json`` record, ``genai_config.json`` and the tokenizer files of the model's folder, so that
+``onnxruntime_genai.Model(folder)`` loads it and generates. The folder is written only if onnxruntime runs the
+graph to the torch model's logits over a prefill and decode steps, and if genai's greedy generation from
+``PROMPTS`` equals ``transformers``' ``generate`` (greedy, key/value cache) token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from corp_deploy.deps import require
+from corp_deploy.errors import CorpError, first_line
+from corp_deploy.exporters.compare import FP32, Tolerance
+from corp_deploy.exporters.kv_cache import (
+    KINDS,
+    PAST,
+    PRESENT,
+    CacheLayout,
+    DecodeStep,
+    export_decoder_onnx,
+    verify_decoder_onnx,
+)
+from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, check_opset, onnx_bytes
+
+GRAPH = "model.onnx"
+GENAI_SUFFIX = "-genai"
+"""``prune-export`` writes a decoder's genai folders as ``dense-genai/`` and ``pruned-genai/``."""
+CONFIG = "genai_config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+"""What genai's tokenizer reads beside the graph (a ``tokenizers`` JSON and its config), copied when present."""
+GENAI_TYPES = {"llama": "llama", "opt": "decoder"}
+"""genai's ``model.type``: ``llama`` as its own builder writes it; genai 0.18 has no ``opt`` ("Unsupported
+model_type in config.json: opt"), and its generic ``decoder`` runs any graph with the standard names."""
+PROMPTS = 2
+NEW_TOKENS = 32
+PROMPT_LENGTHS = (5, 11)
+TOKENIZER_SAMPLE = "The market rallied on Tuesday as the bank cut its price forecast."
+
+
+def genai_config(step: DecodeStep, config: Any, layout: CacheLayout) -> dict[str, Any]:
+    """``genai_config.json`` for the graph: names, the cache's heads and (largest) width, greedy search.
+
+    genai takes each layer's cache width from the graph's past-key dims; ``head_size`` is the widest."""
+    inputs = {"input_ids": "input_ids", "attention_mask": "attention_mask"}
+    if step.positions:
+        inputs["position_ids"] = "position_ids"
+    names = {f"past_{kind}_names": PAST.format(i="%d", kind=kind) for kind in KINDS}
+    outputs = {"logits": "logits", **{f"present_{kind}_names": PRESENT.format(i="%d", kind=kind) for kind in KINDS}}
+    context = config.max_position_embeddings
+    eos = config.eos_token_id
+    return {
+        "model": {
+            "type": GENAI_TYPES[config.model_type],
+            "bos_token_id": config.bos_token_id,
+            "eos_token_id": eos,
+            "pad_token_id": config.pad_token_id if config.pad_token_id is not None else eos,
+            "context_length": context,
+            "vocab_size": config.vocab_size,
+            "decoder": {
+                "filename": GRAPH,
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "head_size": max(layout.width),
+                "hidden_size": config.hidden_size,
+                "num_attention_heads": config.num_attention_heads,
+                "num_key_value_heads": layout.kv_heads,
+                "num_hidden_layers": len(layout.width),
+                "inputs": {**inputs, **names},
+                "outputs": outputs,
+            },
+        },
+        "search": {
+            "do_sample": False,
+            "num_beams": 1,
+            "max_length": context,
+            "min_length": 0,
+            "past_present_share_buffer": False,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+            "num_return_sequences": 1,
+            "early_stopping": True,
+            "length_penalty": 1.0,
+            "diversity_penalty": 0.0,
+            "no_repeat_ngram_size": 0,
+        },
+    }
+
+
+def prompts(vocab: int, special: set[int], seed: int = 0) -> list[list[int]]:
+    """``PROMPTS`` token-id prompts of ``PROMPT_LENGTHS`` drawn from the vocabulary without special tokens (any
+    model, with or without a tokenizer, gets the same check)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([t for t in range(vocab) if t not in special])
+    return [pool[torch.randint(0, len(pool), (n,), generator=g)].tolist() for n in PROMPT_LENGTHS[:PROMPTS]]
+
+
+def _transformers_tokens(model: nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "num_beams": 1}
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), use_cache=True, **kw)
+    return out[0, len(prompt) :].tolist()
+
+
+def _genai_tokens(og: Any, genai_model: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    params = og.GeneratorParams(genai_model)
+    total = len(prompt) + new_tokens
+    params.set_search_options(max_length=total, min_length=total, do_sample=False)
+    generator = og.Generator(genai_model, params)
+    generator.append_tokens([prompt])
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)][len(prompt) :]
+
+
+def verify_genai(
+    folder: Path, model: nn.Module, prompt_ids: list[list[int]] | None = None, new_tokens: int = NEW_TOKENS
+) -> dict[str, Any]:
+    """Greedy generation in onnxruntime-genai from ``prompt_ids`` (default: ``prompts``) against ``generate``;
+    fails unless every token matches. Both suppress EOS until ``new_tokens`` are out (``min_length`` /
+    ``min_new_tokens``), so every prompt checks ``new_tokens`` tokens."""
+    og = require("onnxruntime_genai", "a decoder's genai folder")
+    config = model.config
+    special = {t for t in (config.bos_token_id, config.eos_token_id, config.pad_token_id) if t is not None}
+    try:
+        genai_model = og.Model(str(folder))
+        checks = []
+        for prompt in prompt_ids or prompts(config.vocab_size, special):
+            got, want = (
+                _genai_tokens(og, genai_model, prompt, new_tokens),
+                _transformers_tokens(model, prompt, new_tokens),
+            )
+            checks.append({"prompt": prompt, "tokens": want, "genai_equal": got == want})
+    except RuntimeError as e:
+        raise CorpError(f"onnxruntime-genai cannot run {folder.name}: {first_line(e)}") from None
+    bad = [c for c in checks if not c["genai_equal"]]
+    if bad:
+        raise CorpError(
+            f"onnxruntime-genai's greedy tokens differ from transformers' for {len(bad)} of {len(checks)} prompts "
+            f"({folder.name}); nothing was written"
+        )
+    return {"runtime": f"onnxruntime-genai {og.__version__}", "new_tokens": new_tokens, "prompts": checks}
+
+
+def check_tokenizer(folder: Path) -> dict[str, Any] | None:
+    """Whether genai tokenizes ``TOKENIZER_SAMPLE`` as ``transformers`` does; None without tokenizer files."""
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    og = require("onnxruntime_genai", "a decoder's genai folder")
+    transformers = require("transformers", "a decoder's genai folder")
+    want = transformers.AutoTokenizer.from_pretrained(str(folder))(TOKENIZER_SAMPLE)["input_ids"]
+    try:
+        got = [int(t) for t in og.Tokenizer(og.Model(str(folder))).encode(TOKENIZER_SAMPLE)]
+    except RuntimeError as e:
+        raise CorpError(f"onnxruntime-genai cannot read the tokenizer of {folder.name}: {first_line(e)}") from None
+    if got != want:
+        raise CorpError(f"onnxruntime-genai tokenizes differently from transformers ({got[:8]} vs {want[:8]}...)")
+    return {"sample": TOKENIZER_SAMPLE, "tokens": want}
+
+
+def write_genai_folder(
+    model: nn.Module,
+    folder: Path,
+    description: dict[str, Any],
+    tokenizer_dir: Path | None = None,
+    opset: int = DEFAULT_OPSET,
+    prompt_ids: list[list[int]] | None = None,
+    tol: Tolerance = FP32,
+    steps: int = 4,
+) -> dict[str, Any]:
+    """Write and verify the genai folder for ``model`` into ``folder`` (created; callers stage it); its record.
+
+    The graph must reproduce torch's logits within ``tol`` (its relative error) over a prefill and ``steps`` decode
+    steps, and genai must generate ``generate``'s tokens from ``prompt_ids`` (default ``prompts``);
+    ``model.onnx.json`` records both checks, the tokenizer check and the cache layout.
+    """
+    check_opset(opset)
+    require("onnxruntime_genai", "a decoder's genai folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    metadata = {**description, "precision": "fp32", "graph": "decode-step"}
+    step = export_decoder_onnx(model, folder / GRAPH, opset, metadata)
+    seconds = time.perf_counter() - start
+    check = verify_decoder_onnx(model, folder / GRAPH, steps)
+    worst = max(check["max_rel_error_per_step"])
+    if worst > tol.max_rel_error:
+        raise CorpError(
+            f"the decode-step graph differs from torch by {worst:.2e} (relative; FP32 gate {tol.max_rel_error})"
+        )
+    for name in TOKENIZER_FILES if tokenizer_dir else ():
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, folder / name)
+    (folder / CONFIG).write_text(json.dumps(genai_config(step, model.config, step.lay), indent=2) + "\n")
+    record = {
+        "file": GRAPH,
+        "precision": "fp32",
+        "graph": "decode-step",
+        "opset": opset,
+        "bytes": onnx_bytes(folder / GRAPH),
+        "seconds": round(seconds, 2),
+        "kv_cache": step.lay.record(),
+        "verify": {**check, "reference": "torch (its own key/value cache)", "tolerance": asdict(tol)},
+        "tokenizer": check_tokenizer(folder),
+        "genai": verify_genai(folder, model, prompt_ids),
+        **description,
+    }
+    (folder / f"{GRAPH}.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record

@@ -1,0 +1,273 @@
+"""Decoders (OPT, Llama family; dense or pruned) -> one decode-step ONNX graph with the key/value cache.
+
+The graph is what onnxruntime-genai runs token by token (``exporters.genai``): inputs ``input_ids``,
+``attention_mask`` (batch x past+new), ``position_ids`` (Llama only, see ``POSITIONS``) and per layer
+``past_key_values.{i}.key`` / ``.value`` (batch x K/V heads x past x width); outputs ``logits`` and
+``present.{i}.key`` / ``.value`` (past+new long). One graph serves prefill (past length 0, empty tensors)
+and decode; batch, sequence and past are dynamic, the widths are the layer's own, read from the model.
+
+A pruned layer's K width (its Q/K width) and V width (its V width) differ, and differ between layers.
+onnxruntime-genai 0.18 takes each layer's cache width from the graph's ``past_key_values.{i}.key`` dims and
+allocates the value cache at that same width (a narrower V input is refused: "Got invalid dimensions for input:
+past_key_values.0.value ... index: 3 Got: 8 Expected: 4"). ``CacheLayout`` therefore gives every layer one cache
+width, the larger of its two, and the graph zero-pads the narrower of K and V up to it: zero K columns add
+nothing to q.k, and the padding is sliced off before attention reads the cache, so the logits are exact; what it
+costs is cache memory and bandwidth (``CacheLayout.padding``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from corp_deploy.deps import require
+from corp_deploy.errors import CorpError
+from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, _quiet, add_metadata, check_onnx
+
+POSITIONS = {"llama": True, "opt": False}
+"""Model types with a decode graph -> whether it takes ``position_ids``. Llama's rotary positions come from the
+caller (``generate`` and genai count them over the mask); OPT's learned positions are counted over
+``attention_mask`` inside the model, exactly as ``generate`` does, so the graph needs no third input."""
+PAST, PRESENT = "past_key_values.{i}.{kind}", "present.{i}.{kind}"
+KINDS = ("key", "value")
+EXAMPLE = (2, 3, 4)
+"""Traced (batch, new tokens, past tokens): torch.export specialises sizes 0 and 1, which would pin an axis."""
+AXES = {"batch": "batch_size", "sequence": "sequence_length", "past": "past_sequence_length"}
+TOTAL = "total_sequence_length"
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Per layer: K/V heads, the model's K and V head widths, and the cache width the graph stores (>= both)."""
+
+    kv_heads: int
+    key: tuple[int, ...]
+    value: tuple[int, ...]
+    width: tuple[int, ...]
+
+    @property
+    def padding(self) -> dict[str, Any]:
+        """What zero-padding costs: cache floats per token, stored against needed (all layers, one sequence)."""
+        stored = 2 * self.kv_heads * sum(self.width)
+        needed = self.kv_heads * (sum(self.key) + sum(self.value))
+        layers = [
+            i for i, (k, v, w) in enumerate(zip(self.key, self.value, self.width, strict=True)) if (k, v) != (w, w)
+        ]
+        return {
+            "padded_layers": layers,
+            "cache_floats_per_token": stored,
+            "unpadded_floats_per_token": needed,
+            "overhead": round(stored / needed - 1, 4),
+        }
+
+    def record(self) -> dict[str, Any]:
+        return {**asdict(self), "padding": self.padding}
+
+
+def decoder_type(model: nn.Module) -> str:
+    """The model type a decode graph is made for (``POSITIONS``); one line for any other model."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind not in POSITIONS or not type(model).can_generate():
+        raise CorpError(
+            f"a key/value-cache decoder graph is made for OPT and Llama-family causal LMs, not {kind or type(model)}"
+        )
+    return kind
+
+
+def _layers(model: nn.Module) -> Sequence[nn.Module]:
+    base = model.base_model
+    return base.layers if hasattr(base, "layers") else base.decoder.layers
+
+
+def layout(model: nn.Module) -> CacheLayout:
+    """The cache layout read from the model: each layer's K width from its k_proj, V width from its v_proj."""
+    config = model.config
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    key = tuple(layer.self_attn.k_proj.out_features // kv for layer in _layers(model))
+    value = tuple(layer.self_attn.v_proj.out_features // kv for layer in _layers(model))
+    return CacheLayout(kv, key, value, tuple(max(k, v) for k, v in zip(key, value, strict=True)))
+
+
+def _cache(past: Sequence[Tensor], lay: CacheLayout) -> Any:
+    """A ``transformers`` ``DynamicCache`` over the graph's past inputs.
+
+    The model's own cache object, not a re-implemented attention: the pruned and dense attention modules call
+    ``cache.update`` as they do in ``generate``, so the graph computes what ``generate`` computes. Each layer's
+    ``update`` concatenates the new K/V (zero-padded to the layer's cache width) to the past and returns the
+    real widths to attention; ``present`` is the padded concatenation.
+    """
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class Layer(DynamicLayer):
+        def __init__(self, keys: Tensor, values: Tensor, key: int, value: int) -> None:
+            super().__init__()
+            self.keys, self.values, self.key, self.value = keys, values, key, value
+            self.device, self.is_initialized = keys.device, True
+
+        def update(self, keys: Tensor, values: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+            self.keys = torch.cat([self.keys, _pad(keys, self.keys.shape[-1])], dim=-2)
+            self.values = torch.cat([self.values, _pad(values, self.values.shape[-1])], dim=-2)
+            return self.keys[..., : self.key], self.values[..., : self.value]
+
+    cache = DynamicCache()
+    cache.layers = [
+        Layer(past[2 * i], past[2 * i + 1], k, v) for i, (k, v) in enumerate(zip(lay.key, lay.value, strict=True))
+    ]
+    return cache
+
+
+def _pad(x: Tensor, width: int) -> Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+class DecodeStep(nn.Module):
+    """``(input_ids, attention_mask[, position_ids], *past) -> (logits, *present)``: one forward of the model with
+    its key/value cache as flat tensors, in the order ``names`` gives."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model, self.lay, self.positions = model, layout(model), POSITIONS[decoder_type(model)]
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+        positions, past = (rest[0], rest[1:]) if self.positions else (None, rest)
+        cache = _cache(past, self.lay)
+        kw = {"position_ids": positions} if self.positions else {}
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True, **kw)
+        return (logits.logits, *(t for layer in cache.layers for t in (layer.keys, layer.values)))
+
+    def names(self) -> tuple[list[str], list[str]]:
+        """(input names, output names) of the graph."""
+        layers = range(len(self.lay.key))
+        cache = [(i, kind) for i in layers for kind in KINDS]
+        inputs = ["input_ids", "attention_mask", *(["position_ids"] if self.positions else [])]
+        return (
+            inputs + [PAST.format(i=i, kind=k) for i, k in cache],
+            ["logits"] + [PRESENT.format(i=i, kind=k) for i, k in cache],
+        )
+
+    def empty_past(self, batch: int, past: int = 0) -> list[Tensor]:
+        """Zero past K/V of ``past`` tokens at the layout's widths (``past`` 0: the prefill's empty tensors)."""
+        return [torch.zeros(batch, self.lay.kv_heads, past, w) for w in self.lay.width for _ in KINDS]
+
+
+def positions(mask: Tensor) -> Tensor:
+    """Position ids over a left-padded mask, as ``generate`` counts them (padding gets 1, never read)."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+def _example(step: DecodeStep, vocab: int) -> tuple[Tensor, ...]:
+    batch, new, past = EXAMPLE
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, new), generator=g)
+    mask = torch.ones(batch, past + new, dtype=torch.long)
+    pos = (positions(mask)[:, past:],) if step.positions else ()
+    return (ids, mask, *pos, *(torch.randn(t.shape, generator=g) for t in step.empty_past(batch, past)))
+
+
+def export_decoder_onnx(
+    model: nn.Module, path: str | Path, opset: int = DEFAULT_OPSET, metadata: dict[str, Any] | None = None
+) -> DecodeStep:
+    """Export ``model``'s decode step (moved to CPU, eval) to ``path`` (weights inside, < 2 GB), checked by
+    ``onnx.checker``; the graph's symbolic axes are renamed to what genai's own graphs call them."""
+    onnx = require("onnx", "ONNX export")
+    step = DecodeStep(model.to("cpu").eval()).eval()
+    inputs, outputs = step.names()
+    dyn = torch.export.Dim.DYNAMIC
+    past = [{0: dyn, 2: dyn}] * (2 * len(step.lay.key))
+    rest = ([{0: dyn, 1: dyn}] if step.positions else []) + past  # ``*rest``: positions and the past, one tuple
+    shapes = ({0: dyn, 1: dyn}, {0: dyn, 1: dyn}, tuple(rest))
+    try:
+        with _quiet(), torch.no_grad():
+            program = torch.onnx.export(
+                step,
+                _example(step, model.config.vocab_size),
+                input_names=inputs,
+                output_names=outputs,
+                opset_version=opset,
+                dynamic_shapes=shapes,
+                dynamo=True,
+                external_data=False,
+                verbose=False,
+            )
+    except Exception as e:
+        raise CorpError(
+            f"ONNX export of the decode step failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+        ) from None
+    proto = program.model_proto
+    _name_axes(proto)
+    add_metadata(proto, {**(metadata or {}), "kv_cache": step.lay.record()})
+    onnx.save(proto, str(path))
+    check_onnx(path)
+    return step
+
+
+def _name_axes(proto: Any) -> None:
+    """Symbolic dims as genai's builder names them (the exporter's are ``s10``, ``s43``...): readable in Netron."""
+    graph = proto.graph
+    for value in (*graph.input, *graph.output):
+        dims = value.type.tensor_type.shape.dim
+        if value.name in ("input_ids", "position_ids", "logits"):
+            names = [AXES["batch"], AXES["sequence"], None][: len(dims)]
+        elif value.name == "attention_mask":
+            names = [AXES["batch"], TOTAL]
+        else:
+            names = [AXES["batch"], None, AXES["past"] if value.name.startswith("past") else TOTAL, None]
+        for dim, name in zip(dims, names, strict=True):
+            if name is not None and dim.HasField("dim_param"):
+                dim.dim_param = name
+
+
+# ------------------------------------------------------------------------------------------- verification
+
+VERIFY_PROMPTS = (7, 4)
+"""Prompt lengths of the verification batch: the shorter one is left-padded, as genai pads a batch."""
+
+
+def _reference_steps(model: nn.Module, ids: Tensor, mask: Tensor, steps: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """``(input_ids, attention_mask, logits)`` of a greedy prefill + ``steps`` decode steps of the torch model
+    with its own key/value cache (what ``generate`` runs)."""
+    kind, out, cache, calls = decoder_type(model), None, None, []
+    for _ in range(steps + 1):
+        if out is not None:
+            ids = out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+        kw = {"position_ids": positions(mask)[:, -ids.shape[1] :]} if POSITIONS[kind] else {}
+        out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, **kw)
+        cache = out.cache
+        calls.append((ids, mask, out.logits))
+    return calls
+
+
+def verify_decoder_onnx(model: nn.Module, path: str | Path, steps: int = 4, seed: int = 0) -> dict[str, Any]:
+    """Prefill + ``steps`` decode steps in onnxruntime, each step's past fed from the last step's present, against
+    the torch model with its own cache: the largest |onnxruntime - torch| / max |torch| over real tokens, per step."""
+    ort = require("onnxruntime", "ONNX verification")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    step = DecodeStep(model)
+    inputs, _ = step.names()
+    longest = max(VERIFY_PROMPTS)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (len(VERIFY_PROMPTS), longest), generator=g)
+    mask = (torch.arange(longest)[None] >= torch.tensor([longest - n for n in VERIFY_PROMPTS])[:, None]).long()
+    with torch.inference_mode():
+        calls = _reference_steps(model, ids, mask, steps)
+    past = [t.numpy() for t in step.empty_past(len(VERIFY_PROMPTS))]
+    errors = []
+    for ids_, mask_, ref in calls:
+        feeds = [
+            ids_.numpy(),
+            mask_.numpy(),
+            *([positions(mask_)[:, -ids_.shape[1] :].numpy()] if step.positions else []),
+        ]
+        logits, *past = session.run(None, dict(zip(inputs, feeds + past, strict=True)))
+        real = mask_[:, -ids_.shape[1] :].numpy().astype(bool)
+        ref_ = ref.numpy()
+        errors.append(float(np.abs(logits - ref_)[real].max() / np.abs(ref_[real]).max()))
+    return {"prompt_lengths": list(VERIFY_PROMPTS), "decode_steps": steps, "max_rel_error_per_step": errors}

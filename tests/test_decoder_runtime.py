@@ -1,0 +1,278 @@
+"""Pruned decoders that generate in onnxruntime-genai (``exporters.kv_cache``, ``exporters.genai``, ``export``).
+
+Tiny random Llama (4 query heads over 2 K/V heads) and OPT decoders, pruned so that the widths differ per layer
+and between K and V, with a tiny byte-level BPE tokenizer (genai's tokenizer reads BPE, not word-level); no hub.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import run
+
+transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
+pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
+pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
+
+from corp_deploy.exporters.genai import write_genai_folder  # noqa: E402
+from corp_deploy.exporters.kv_cache import layout, positions  # noqa: E402
+from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
+
+WORDS = ["the", "a", "news", "market", "film", "game", "vote", "phone", "price", "team", "music", "court", "bank"]
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
+PROMPT = "the market news price team"
+
+
+def bpe_tokenizer():
+    """Byte-level BPE over a few words (the shape of GPT-2's and SmolLM2's tokenizers): 300 tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIAL, initial_alphabet=alphabet, show_progress=False
+    )
+    core.train_from_iterator([" ".join(WORDS)] * 5, trainer)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def tiny_decoder(kind: str, seed: int = 0):
+    """hidden 32, 2 layers, 4 heads of 8 (Llama: over 2 K/V heads), MLP 64, 64 positions, SDPA as ``hf.load``."""
+    torch.manual_seed(seed)
+    size = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}
+    ids = {"vocab_size": 300, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    if kind == "llama":
+        config = transformers.LlamaConfig(
+            num_key_value_heads=2, intermediate_size=64, initializer_range=0.2, **size, **ids
+        )
+        cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.OPTConfig(ffn_dim=64, word_embed_proj_dim=32, init_std=0.2, **size, **ids)
+        cls = transformers.OPTForCausalLM
+    config._attn_implementation = "sdpa"
+    return cls(config).eval()
+
+
+def _pruned(dense, target: str, sparsity: float):
+    model = copy.deepcopy(dense)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        ({"input_ids": (i := torch.randint(4, 300, (4, 24), generator=g)), "attention_mask": torch.ones_like(i)}, 0)
+    ]
+    config = PruneConfig(sparsity=sparsity, target=target, round_to=2, compensation="corp")
+    prune_model(model, calibrate(model, batches * 4, config, "cpu", progress=False), config)
+    return model
+
+
+def mixed(kind: str):
+    """A pruned decoder whose two layers were pruned differently: Llama V widths 6 and 4 under K width 8; OPT
+    layer 0 with Q/K 4 under V 8 (mlp,qk) and layer 1 at 4 and 4 (all)."""
+    dense = tiny_decoder(kind)
+    if kind == "llama":
+        first, second = _pruned(dense, "mlp,v", 0.25), _pruned(dense, "mlp,v", 0.5)
+        first.model.layers[1] = second.model.layers[1]
+    else:
+        first, second = _pruned(dense, "mlp,qk", 0.5), _pruned(dense, "all", 0.5)
+        first.model.decoder.layers[1] = second.model.decoder.layers[1]
+    return first
+
+
+EXPECTED = {"llama": ((8, 8), (6, 4), (8, 8)), "opt": ((4, 4), (8, 4), (8, 4))}
+"""Per layer (K widths, V widths, cache widths): each layer's cache is its wider of K and V."""
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    bpe_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["llama", "opt"])
+def exported(request, tokenizer_dir, tmp_path_factory):
+    """(model, genai folder, its record) for a mixed-width pruned decoder."""
+    pytest.importorskip("onnxruntime_genai", reason="genai folders need onnxruntime-genai (pip install '.[genai]')")
+    model = mixed(request.param)
+    folder = tmp_path_factory.mktemp(request.param) / "genai"
+    record = write_genai_folder(model, folder, {"modality": "text"}, tokenizer_dir)
+    return request.param, model, folder, record
+
+
+def test_the_kv_graph_equals_the_full_sequence_forward_over_prefill_and_decode_steps(exported) -> None:
+    """Independent of the export's own check: onnxruntime fed its own presents, against torch without a cache."""
+    import onnxruntime as ort
+
+    kind, model, folder, record = exported
+    assert max(record["verify"]["max_rel_error_per_step"]) < 1e-5 and record["verify"]["decode_steps"] == 4
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    lay = layout(model)
+    ids = torch.tensor([[0, 0, 5, 9, 40, 77], [3, 250, 17, 8, 99, 120]])  # the first left-padded
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    past = [np.zeros((2, lay.kv_heads, 0, w), np.float32) for w in lay.width for _ in "kv"]
+    chunks = [(0, 6), (6, 7), (7, 8), (8, 9)]  # prefill, then three single-token steps
+    for step in range(3):
+        ids = torch.cat([ids, torch.tensor([[60 + step], [200 - step]])], 1)
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.numpy()
+    for a, b in chunks:
+        feeds = {"input_ids": ids[:, a:b].numpy(), "attention_mask": mask[:, :b].numpy()}
+        if "position_ids" in names:
+            feeds["position_ids"] = positions(mask[:, :b])[:, a:b].numpy()
+        logits, *past = session.run(None, {**feeds, **dict(zip(names[len(feeds) :], past, strict=True))})
+        real = mask[:, a:b].numpy().astype(bool)
+        assert np.abs(logits - full[:, a:b])[real].max() < 1e-4 * np.abs(full).max(), (kind, a)
+    assert past[0].shape[2] == 9  # the cache grew to every token
+
+
+def test_per_layer_k_and_v_widths_are_read_from_the_model_and_appear_in_the_graph(exported) -> None:
+    import onnx
+
+    kind, model, folder, record = exported
+    keys, values, widths = EXPECTED[kind]
+    cache = record["kv_cache"]
+    assert (tuple(cache["key"]), tuple(cache["value"]), tuple(cache["width"])) == (keys, values, widths)
+    heads = cache["kv_heads"]
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    dims = {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in (*graph.input, *graph.output)
+    }
+    for i, width in enumerate(widths):
+        for kind_ in ("key", "value"):
+            assert dims[f"past_key_values.{i}.{kind_}"] == ["batch_size", heads, "past_sequence_length", width]
+            assert dims[f"present.{i}.{kind_}"] == ["batch_size", heads, "total_sequence_length", width]
+    assert dims["attention_mask"] == ["batch_size", "total_sequence_length"]
+    assert ("position_ids" in dims) == (kind == "llama")  # OPT counts its learned positions over the mask
+    padded = [i for i, (k, v) in enumerate(zip(keys, values, strict=True)) if k != v]
+    assert cache["padding"]["padded_layers"] == padded
+    assert cache["padding"]["cache_floats_per_token"] == 2 * heads * sum(widths)
+
+
+def test_genai_loads_the_folder_and_greedy_generates_transformers_tokens(exported, tokenizer_dir) -> None:
+    import onnxruntime_genai as og
+
+    kind, model, folder, record = exported
+    config = json.loads((folder / "genai_config.json").read_text())["model"]
+    assert config["type"] == {"llama": "llama", "opt": "decoder"}[kind]
+    assert config["decoder"]["num_key_value_heads"] == {"llama": 2, "opt": 4}[kind]
+    assert all(p["genai_equal"] and len(p["tokens"]) == 32 for p in record["genai"]["prompts"])
+    assert len(record["genai"]["prompts"]) == 2 and record["tokenizer"]["tokens"]
+    genai_model = og.Model(str(folder))
+    prompt = [int(t) for t in og.Tokenizer(genai_model).encode(PROMPT)]
+    assert prompt == bpe_tokenizer()(PROMPT)["input_ids"]
+    params = og.GeneratorParams(genai_model)
+    params.set_search_options(max_length=len(prompt) + 32, min_length=len(prompt) + 32, do_sample=False)
+    generator = og.Generator(genai_model, params)
+    generator.append_tokens([prompt])
+    while not generator.is_done():
+        generator.generate_next_token()
+    got = [int(t) for t in generator.get_sequence(0)]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32)
+    assert got == want[0].tolist() and len(got) == len(prompt) + 32
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory, tokenizer_dir) -> Path:
+    """A dense tiny Llama saved as a transformers folder with its tokenizer."""
+    folder = tmp_path_factory.mktemp("src") / "tiny-llama"
+    tiny_decoder("llama").save_pretrained(folder)
+    bpe_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.e2e
+def test_export_writes_a_dense_decoders_genai_folder_that_continues_the_prompts(llama_folder, tmp_path, capsys):
+    pytest.importorskip("onnxruntime_genai", reason="genai folders need onnxruntime-genai (pip install '.[genai]')")
+    out = tmp_path / "genai"
+    argv = ["export", str(llama_folder), "--seq-len", "32", "--prompt", PROMPT, "--prompt", "a film game", "--out"]
+    code, stdout, stderr = run([*argv, str(out)], capsys)
+    assert code == 0, stderr
+    files = {"model.onnx", "model.onnx.json", "genai_config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert files <= {p.name for p in out.iterdir()}
+    record = json.loads((out / "model.onnx.json").read_text())
+    prompts = [p["prompt"] for p in record["genai"]["prompts"]]
+    assert prompts == [bpe_tokenizer()(t)["input_ids"] for t in (PROMPT, "a film game")]
+    assert record["kv_cache"]["padding"]["overhead"] == 0 and record["weights"] == "pretrained"
+    assert f"{out.name}: '{PROMPT}|" in stdout and "greedy = transformers for 2 prompts x 32 tokens" in stdout
+
+
+def _corp_json(root: Path, record: dict) -> Path:
+    root.mkdir()
+    (root / "corp.json").write_text(json.dumps(record))
+    return root
+
+
+BAD = {
+    "no genai extra": ("{llama}", [], "needs onnxruntime-genai (pip install 'corp-deploy[genai]')"),
+    "another corp-deploy format": (
+        "{other_format}",
+        [],
+        "is not a prune artifact this corp-deploy version reads",
+    ),
+    "a vit artifact": ("{vit}", [], "is a timm-vit prune artifact: --out must be a .onnx file"),
+    "an encoder folder": ("{bert}", [], "is a bert model: --out must be a .onnx file"),
+    "a foreign folder": ("{foreign}", [], "is neither a prune artifact (no corp.json) nor a transformers folder"),
+    "a prompt longer than the positions": (
+        "{llama}",
+        ["--prompt", " ".join(["market"] * 40)],
+        "passes the model's 64 positions; shorten it to 32 tokens or fewer",
+    ),
+    "fp16": ("{llama}", ["--fp16"], "are not for a genai folder"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_decoder_export_input_is_one_line_and_writes_nothing(case, llama_folder, tmp_path, capsys, monkeypatch):
+    from helpers import tiny_text_folder
+
+    source, extra, expected = BAD[case]
+    if case == "no genai extra":
+        monkeypatch.setitem(__import__("sys").modules, "onnxruntime_genai", None)  # as when it is not installed
+    monkeypatch.setattr("corp_deploy.api.load_source", _never)  # every refusal comes before the model loads
+    places = {
+        "llama": llama_folder,
+        "other_format": _corp_json(tmp_path / "other", {"format": "corp-deploy/bench", "format_version": 1}),
+        "vit": _corp_json(
+            tmp_path / "vit",
+            {"format": "corp-deploy/pruned-vit", "format_version": 3, "model": {"name": "deit_tiny"}, "structure": []},
+        ),
+        "bert": tiny_text_folder(tmp_path) if case == "an encoder folder" else None,
+        "foreign": (tmp_path / "foreign").mkdir() or tmp_path / "foreign",
+    }
+    out = tmp_path / "out"
+    capsys.readouterr()  # what building the folders printed
+    code, stdout, stderr = run(["export", source.format(**places), *extra, "--out", str(out)], capsys)
+    lines = stderr.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], stderr
+    assert "Traceback" not in stderr and not out.exists()
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the model was loaded before the input was checked")
+
+
+def test_prune_export_on_a_decoder_needs_genai_before_pruning(llama_folder, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "onnxruntime_genai", None)
+    monkeypatch.setattr("corp_deploy.cli.prune.create_model", _never)
+    monkeypatch.setattr("corp_deploy.hf.load", _never)
+    argv = ["prune-export", str(llama_folder), "--calib", "synthetic", "--seq-len", "16", "--precision", "fp32"]
+    code, _, stderr = run([*argv, "--out", str(tmp_path / "run")], capsys)
+    assert code == 1 and stderr.strip().splitlines() == [
+        "error: a decoder's onnxruntime-genai folder needs onnxruntime-genai (pip install 'corp-deploy[genai]')"
+    ]
+    assert not (tmp_path / "run").exists()
