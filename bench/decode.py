@@ -10,12 +10,14 @@ the context stays between ``prompt_len`` and ``prompt_len + new_tokens`` tokens 
 Dense and pruned alternate in rounds (``measure.interleaved``), as every bench does.
 
 The runtimes are backends of their own (``DECODE_BACKENDS``): the model in torch (``transformers``' own cache, as
-``generate`` runs it). Token ids are random (values do not change a decoder's latency).
+``generate`` runs it) and onnxruntime-genai on the CPU from ``prune-export``'s genai folders (FP32, and INT4 weights
+where ``--precision int4`` wrote them). Token ids are random (values do not change a decoder's latency).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -28,6 +30,8 @@ from torch import nn
 from corp_deploy.bench.backends import MODELS, RunFolder
 from corp_deploy.bench.measure import Method, Stats, Step, interleaved, median_of_repeats, summarize
 from corp_deploy.bench.run import SCHEMA, SCHEMA_VERSION, environment
+from corp_deploy.deps import missing as uninstalled
+from corp_deploy.deps import require
 from corp_deploy.errors import CorpError, first_line
 
 PHASES = ("prefill", "decode")
@@ -94,6 +98,29 @@ class TorchSession(Session):
         return out.logits[:, -1:].argmax(-1).numpy()
 
 
+class GenaiSession(Session):
+    """An onnxruntime-genai ``Model`` generating greedily: ``append_tokens`` runs the prompt (prefill), each
+    ``generate_next_token`` picks a token and runs it through the graph with genai's own cache (decode). genai picks
+    the first new token in the first step, so ``start`` returns the prompt's last token and ``step`` ignores its
+    argument. ``min_length`` equals ``max_length``: end-of-sequence never stops a session early."""
+
+    def __init__(self, og: Any, model: Any, vocab: int, batch: int, prompt: int, new_tokens: int = NEW_TOKENS) -> None:
+        super().__init__(batch, prompt, vocab, new_tokens)
+        self.og, self.model = og, model
+
+    def start(self) -> np.ndarray:
+        params = self.og.GeneratorParams(self.model)
+        total = self.ids.shape[1] + self.new_tokens + 1
+        params.set_search_options(batch_size=self.ids.shape[0], max_length=total, min_length=total, do_sample=False)
+        self.generator = self.og.Generator(self.model, params)
+        self.generator.append_tokens(self.ids.astype(np.int32))
+        return self.generator.get_next_tokens()
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        self.generator.generate_next_token()
+        return self.generator.get_next_tokens()
+
+
 @dataclass(frozen=True)
 class DecodeBackend:
     name: str
@@ -109,7 +136,42 @@ def _torch_cpu(run: RunFolder, which: str, threads: int | None) -> Callable[[int
     return lambda batch, prompt, new_tokens: TorchSession(model, batch, prompt, new_tokens)
 
 
-DECODE_BACKENDS = {b.name: b for b in (DecodeBackend("torch-cpu-fp32", "cpu", "fp32", _torch_cpu, lambda run: None),)}
+GENAI_FOLDERS = {"fp32": "-genai", "int4": "-genai-int4"}
+"""Precision -> the suffix of ``prune-export``'s genai folders (``dense-genai/``, ``pruned-genai-int4/``)."""
+
+
+def _genai(precision: str) -> Callable[[RunFolder, str, int | None], Callable[[int, int, int], Session]]:
+    def load(run: RunFolder, which: str, threads: int | None) -> Callable[[int, int, int], Session]:
+        og = require("onnxruntime_genai", "the genai decoder backends")
+        config = og.Config(str(run.root / f"{which}{GENAI_FOLDERS[precision]}"))
+        if threads:
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        model, vocab = og.Model(config), run.graph["vocab_size"]
+        return lambda batch, prompt, new_tokens: GenaiSession(og, model, vocab, batch, prompt, new_tokens)
+
+    return load
+
+
+def _genai_missing(precision: str) -> Callable[[RunFolder], str | None]:
+    def missing(run: RunFolder) -> str | None:
+        if absent := uninstalled("onnxruntime_genai"):
+            return f"not installed: {absent}"
+        folders = [f"{m}{GENAI_FOLDERS[precision]}" for m in MODELS]
+        if absent := [f for f in folders if not (run.root / f / "genai_config.json").is_file()]:
+            flag = " --precision int4" if precision == "int4" else ""
+            return f"no {', '.join(absent)} in {run.root} (corp-deploy prune-export{flag} on a decoder writes them)"
+        return None
+
+    return missing
+
+
+DECODE_BACKENDS = {
+    b.name: b
+    for b in (
+        DecodeBackend("torch-cpu-fp32", "cpu", "fp32", _torch_cpu, lambda run: None),
+        *(DecodeBackend(f"genai-cpu-{p}", "cpu", p, _genai(p), _genai_missing(p)) for p in GENAI_FOLDERS),
+    )
+}
 """Every decoder backend; ``auto`` keeps those that can run here."""
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -50,6 +51,8 @@ BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4
 """MatMulNBits computes with INT8-quantized activations (per block): the fast CPU path for decoding."""
 QUANTIZED_OP = "MatMulNBits"
+INT4_SUFFIX = "-int4"
+"""A genai folder's INT4 copy: ``pruned-genai/`` -> ``pruned-genai-int4/``."""
 LOGITS = "logits"
 
 
@@ -248,6 +251,21 @@ def quantize_int4_verified(
     return record
 
 
+def int4_genai_folder(
+    src: Path, out: Path, windows: np.ndarray, tol: DecoderTolerance, scheme: Scheme, info: dict | None = None
+) -> dict[str, Any]:
+    """``out`` (created; callers stage it): the onnxruntime-genai folder ``src`` with its decode-step graph's weights
+    in INT4, verified against ``src``'s FP32 graph (``quantize_int4_verified``: prefill logits on ``windows``); its
+    genai_config.json and tokenizer files copied unchanged (the graph keeps its names and cache layout)."""
+    from corp_deploy.exporters.genai import GRAPH
+
+    out.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in (GRAPH, f"{GRAPH}.json"):
+            shutil.copy2(f, out / f.name)
+    return quantize_int4_verified(src / GRAPH, out / GRAPH, windows, tol, scheme, info) | {"folder": out.name}
+
+
 def int4_graphs(
     pairs: Sequence[tuple[Path, Path]],
     windows: np.ndarray,
@@ -257,14 +275,18 @@ def int4_graphs(
     overwrite: bool = False,
 ) -> list[dict[str, Any]]:
     """Quantize each (FP32 graph, INT4 file) pair, verified; every graph and destination is checked before any
-    work. Each INT4 file and its ``.json`` record appear only when verified."""
+    work. Each INT4 file and its ``.json`` record appear only when verified. A pair of folders is an
+    onnxruntime-genai folder and its INT4 copy (``int4_genai_folder``)."""
+    from corp_deploy.exporters.genai import GRAPH
+
     for src, out in pairs:
-        decoder_graph(src)
+        decoder_graph(src / GRAPH if src.is_dir() else src)
         check_writable(out, overwrite)
     records = []
     for src, out in pairs:
         with staged(out, overwrite) as stage:
-            records.append(quantize_int4_verified(src, stage / out.name, windows, tol, scheme, info))
+            write = int4_genai_folder if src.is_dir() else quantize_int4_verified
+            records.append(write(src, stage / out.name, windows, tol, scheme, info))
     return records
 
 

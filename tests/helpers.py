@@ -225,29 +225,43 @@ def tiny_text_folder(root, family: str = "bert", positions: int = 40):
 
 
 DECODER_WORDS = ["the", "a", "news", "market", "film", "game", "vote", "phone", "price", "team", "music", "court"]
-DECODER_VOCAB = ["<pad>", "<s>", "</s>", "<unk>", *DECODER_WORDS]
+DECODER_VOCAB = 300
+
+
+def decoder_tokenizer():
+    """Byte-level BPE over ``DECODER_WORDS`` (the shape of GPT-2's and SmolLM2's tokenizers, which onnxruntime-genai
+    reads; it does not read word-level ones), ``DECODER_VOCAB`` tokens, BOS 1 / EOS 2 / pad 0."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    special = ["<pad>", "<s>", "</s>", "<unk>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=DECODER_VOCAB, special_tokens=special, initial_alphabet=alphabet, show_progress=False
+    )
+    core.train_from_iterator([" ".join(DECODER_WORDS)] * 5, trainer)
+    tokens = dict(zip(("pad_token", "bos_token", "eos_token", "unk_token"), special, strict=True))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=core, **tokens)
 
 
 def tiny_llama_folder(root, layers: int = 2, documents: int = 40):
-    """A tiny random Llama (hidden 64, 4 query heads of 16 over 2 K/V heads, MLP 128, vocab 16, 64 positions) with a
-    word-level tokenizer, saved as a ``transformers`` folder, and a text folder of ``documents`` random-word documents
-    in 4 class subfolders: (model folder, text folder). Documents follow a word chain with noise, so a model has
-    something to predict."""
+    """A tiny random Llama (hidden 64, 4 query heads of 16 over 2 K/V heads, MLP 128, ``DECODER_VOCAB`` tokens, 64
+    positions) with a byte-level BPE tokenizer, saved as a ``transformers`` folder, and a text folder of
+    ``documents`` documents in 4 class subfolders: (model folder, text folder). Documents follow a word chain with
+    noise, so a model has something to predict."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(0)
     size = {"hidden_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2}
     config = transformers.LlamaConfig(
-        vocab_size=len(DECODER_VOCAB), max_position_embeddings=64, intermediate_size=128, **size
+        vocab_size=DECODER_VOCAB, max_position_embeddings=64, intermediate_size=128, **size
     )
     config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 2
     model = root / "tiny-llama"
     transformers.LlamaForCausalLM(config).eval().save_pretrained(model)
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(DECODER_VOCAB)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokens = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
-    transformers.PreTrainedTokenizerFast(tokenizer_object=core, **tokens).save_pretrained(model)
+    decoder_tokenizer().save_pretrained(model)
     rng = np.random.default_rng(0)
     text = root / "text"
     for i in range(documents):

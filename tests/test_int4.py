@@ -24,6 +24,7 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 from corp_deploy import hf  # noqa: E402
+from corp_deploy.artifact import load_pruned  # noqa: E402
 from corp_deploy.exporters.int4 import DecoderTolerance, Scheme, int4_graphs  # noqa: E402
 from corp_deploy.exporters.text_onnx import export_text_onnx  # noqa: E402
 
@@ -36,12 +37,12 @@ def decoder(tmp_path_factory) -> tuple[Path, Path, Path]:
     root = tmp_path_factory.mktemp("int4")
     folder, text = tiny_llama_folder(root)
     model, _ = hf.load(str(folder))
-    graph = export_text_onnx(model, root / "dense.onnx", metadata={"modality": "text", "vocab_size": 16})
+    graph = export_text_onnx(model, root / "dense.onnx", metadata={"modality": "text", "vocab_size": 300})
     return folder, text, graph
 
 
 def _windows(n: int = 4, seed: int = 3) -> np.ndarray:
-    return np.random.default_rng(seed).integers(4, 16, (n, SEQ))
+    return np.random.default_rng(seed).integers(4, 300, (n, SEQ))
 
 
 def _scores(path: Path, windows: np.ndarray) -> tuple[float, np.ndarray]:
@@ -107,7 +108,9 @@ def test_refusals_before_any_work(decoder, tmp_path) -> None:
 
 
 @pytest.mark.e2e
-def test_prune_export_and_quantize_write_verified_int4_decoders_from_held_out_text(decoder, tmp_path, capsys) -> None:
+def test_prune_export_writes_int4_genai_folders_that_generate_and_bench_and_quantize_redoes_them(
+    decoder, tmp_path, capsys
+) -> None:
     folder, text, _ = decoder
     out = tmp_path / "run"
     common = ["--calib-dir", str(text), "--seq-len", str(SEQ), "--round-to", "4", "--quiet", "--num-calib", "8"]
@@ -115,22 +118,48 @@ def test_prune_export_and_quantize_write_verified_int4_decoders_from_held_out_te
     argv = ["prune-export", str(folder), *common, "--target", "mlp,v", "--precision", "int4", *int4]
     code, stdout, stderr = run([*argv, "--verify-batches", "1,2", "--out", str(out)], capsys)
     assert code == 0, stderr
-    assert "pruned.int4.onnx" in stdout and "top-1 agree" in stdout
+    assert "top-1 agree" in stdout
     records = json.loads((out / "export.json").read_text())["int4"]
-    assert [r["file"] for r in records] == ["dense.int4.onnx", "pruned.int4.onnx"]
+    assert [r["folder"] for r in records] == ["dense-genai-int4", "pruned-genai-int4"]
     assert all(r["verify"]["text"] == str(text) and r["verify"]["windows"] == 4 for r in records)
-    assert (out / "pruned.int4.onnx").stat().st_size < (out / "dense.int4.onnx").stat().st_size
-    before = (out / "pruned.int4.onnx.json").read_text()
+    int4_folder = out / "pruned-genai-int4"
+    files = {"model.onnx", "model.onnx.json", "genai_config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert files <= {f.name for f in int4_folder.iterdir()}
+    assert (int4_folder / "genai_config.json").read_text() == (out / "pruned-genai" / "genai_config.json").read_text()
+    assert "MatMulNBits" in {n.op_type for n in onnx.load(str(int4_folder / "model.onnx")).graph.node}
 
+    og = pytest.importorskip("onnxruntime_genai")
+    from corp_deploy.bench.decode import GenaiSession
+
+    session = GenaiSession(og, og.Model(str(out / "pruned-genai")), 300, batch=2, prompt=6, new_tokens=4)
+    session.start()
+    tokens = np.stack([session.step(None) for _ in range(4)], 1)
+    pruned = load_pruned(out / "pruned")
+    pruned.generation_config.eos_token_id = None  # the session never stops at EOS either
+    ids = torch.from_numpy(session.ids)
+    expected = pruned.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)[:, 6:]
+    assert (torch.from_numpy(tokens.astype(np.int64)) == expected).all()  # the timed session decodes greedily
+    session = GenaiSession(og, og.Model(str(int4_folder)), 300, batch=2, prompt=6, new_tokens=4)
+    session.start()
+    tokens = np.stack([session.step(None) for _ in range(4)], 1)
+    assert tokens.shape == (2, 4) and (tokens >= 0).all() and (tokens < 300).all()  # genai runs the INT4 graph
+    fast = ["--warmup-iters", "1", "--warmup-seconds", "0", "--min-iters", "2", "--min-seconds", "0"]
+    backends = "genai-cpu-fp32,genai-cpu-int4"
+    bench = ["bench", str(out), "--backends", backends, "--batch-sizes", "2", "--prompt-lens", "8", "--new-tokens", "2"]
+    code, stdout, stderr = run([*bench, *fast], capsys)
+    assert code == 0, stderr
+    assert stdout.count("genai-cpu-int4  cpu     int4") == 2  # prefill and decode rows
+
+    before = (int4_folder / "model.onnx.json").read_text()
     again = ["quantize", str(out), "--precision", "int4", "--calib-dir", str(text), *int4]
     code, stdout, stderr = run(again, capsys)
     assert code == 1 and "exists" in stderr and stderr.count("\n") == 1  # no --overwrite
     code, stdout, stderr = run([*again, "--tol-ppl-ratio", "0.5", "--overwrite"], capsys)
     assert code == 1 and "fails its gate" in stderr and stderr.count("\n") == 1
-    assert (out / "pruned.int4.onnx.json").read_text() == before  # a refused graph replaces nothing
+    assert (int4_folder / "model.onnx.json").read_text() == before  # a refused graph replaces nothing
     code, stdout, stderr = run([*again, "--overwrite"], capsys)
     assert code == 0, stderr
-    assert json.loads((out / "pruned.int4.onnx.json").read_text())["verify"] == records[1]["verify"]
+    assert json.loads((int4_folder / "model.onnx.json").read_text())["verify"] == records[1]["verify"]
 
 
 @pytest.mark.e2e

@@ -40,7 +40,7 @@ from corp_deploy.env import versions
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.genai import CONFIG, GENAI_SUFFIX, GRAPH, NEW_TOKENS, write_genai_folder
-from corp_deploy.exporters.int4 import decoder_graph, format_int4, int4_graphs
+from corp_deploy.exporters.int4 import INT4_SUFFIX, decoder_graph, format_int4, int4_graphs
 from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import (
     VerifyOptions,
@@ -295,13 +295,13 @@ def quantize(
 def _quantize_int4(source: Path, data: str, int4: dict[str, Any], seed: int, overwrite: bool) -> None:
     """``quantize --precision int4``: every graph and destination checked, then the windows, then the graphs."""
     scheme, tol = int4_setup(int4)
-    pairs = [(g, g.with_name(f"{g.stem}.int4.onnx")) for g in _fp32_graphs(source)]
-    protos = [decoder_graph(g) for g, _ in pairs]
+    pairs = _int4_pairs(source)
+    protos = [decoder_graph(g / GRAPH if g.is_dir() else g) for g, _ in pairs]
     for _, out in pairs:
         check_writable(out, overwrite)
     needs("INT4 quantization", "onnx", "onnxruntime")
-    run = source if source.is_dir() else source.parent
-    tokenizer = run / "pruned" if (run / "pruned").is_dir() else None
+    folder = source if source.is_dir() else source.parent  # a run folder's artifact, or a genai folder's own files
+    tokenizer = next((d for d in (folder, folder / "pruned") if (d / "tokenizer_config.json").is_file()), None)
     vocab = read_metadata(protos[0]).get("vocab_size")
     if vocab is None:
         raise CorpError(f"{pairs[0][0]} records no vocab_size; export it with `corp-deploy export` or `prune-export`")
@@ -309,6 +309,15 @@ def _quantize_int4(source: Path, data: str, int4: dict[str, Any], seed: int, ove
     records = int4_graphs(pairs, windows, tol, scheme, {"text": data, "seed": seed}, overwrite)
     click.echo(format_int4(records))
     click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
+
+
+def _int4_pairs(source: Path) -> list[tuple[Path, Path]]:
+    """(FP32, INT4) for a decoder's genai folders (a run folder's ``*-genai/``, or one such folder), else for its
+    dense/pruned.onnx or one .onnx file (``<name>.int4.onnx``)."""
+    genai_folders = [source] if (source / CONFIG).is_file() else sorted(source.glob(f"*{GENAI_SUFFIX}"))
+    if source.is_dir() and genai_folders:
+        return [(f, f.with_name(f"{f.name}{INT4_SUFFIX}")) for f in genai_folders]
+    return [(g, g.with_name(f"{g.stem}.int4.onnx")) for g in _fp32_graphs(source)]
 
 
 def _fp32_graphs(source: Path) -> list[Path]:
@@ -440,7 +449,7 @@ def prune_export(
         if "int4" in precisions_:
             data, seed = calibration_source(prune_args["calib_dir"], prune_args["calib"]), prune_args["seed"]
             windows = _int4_windows(prune_args["model"], data, run.dense.config.vocab_size, int4, seed)
-            pairs = [(tmp / f"{stem}.onnx", tmp / f"{stem}.int4.onnx") for stem in models]
+            pairs = [(tmp / f"{stem}{GENAI_SUFFIX}", tmp / f"{stem}{GENAI_SUFFIX}{INT4_SUFFIX}") for stem in models]
             scheme, tol = int4_setup(int4)
             record["int4"] = int4_graphs(pairs, windows, tol, scheme, {"text": data, "seed": seed})
         record = write_export_record(tmp, run.name, run.result.report, record, versions())
