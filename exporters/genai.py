@@ -37,7 +37,13 @@ GRAPH = "model.onnx"
 GENAI_SUFFIX = "-genai"
 """``prune-export`` writes a decoder's genai folders as ``dense-genai/`` and ``pruned-genai/``."""
 CONFIG = "genai_config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 """What genai's tokenizer reads beside the graph (a ``tokenizers`` JSON and its config), copied when present."""
 GENAI_TYPES = {"llama": "llama", "opt": "decoder"}
 """genai's ``model.type``: ``llama`` as its own builder writes it; genai 0.18 has no ``opt`` ("Unsupported
@@ -70,11 +76,11 @@ def genai_config(step: DecodeStep, config: Any, layout: CacheLayout) -> dict[str
             "decoder": {
                 "filename": GRAPH,
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
-                "head_size": max(layout.width),
+                "head_size": max(layout.stored("key")),
                 "hidden_size": config.hidden_size,
                 "num_attention_heads": config.num_attention_heads,
                 "num_key_value_heads": layout.kv_heads,
-                "num_hidden_layers": len(layout.width),
+                "num_hidden_layers": len(layout.key),
                 "inputs": {**inputs, **names},
                 "outputs": outputs,
             },

@@ -45,30 +45,39 @@ TOTAL = "total_sequence_length"
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """Per layer: K/V heads, the model's K and V head widths, and the cache width the graph stores (>= both)."""
+    """Per layer: K/V heads, the model's K and V head widths, and whether the cache pads them to a common width.
+
+    genai needs ``padded`` (each layer's cache the wider of its K and V); unpadded graphs run in onnxruntime
+    itself, which is how the padding's cost is measured (studies/kv_padding.py)."""
 
     kv_heads: int
     key: tuple[int, ...]
     value: tuple[int, ...]
-    width: tuple[int, ...]
+    padded: bool = True
+
+    def stored(self, kind: str) -> tuple[int, ...]:
+        """The cache widths of ``kind`` (``key`` or ``value``) per layer, as the graph stores them."""
+        if self.padded:
+            return tuple(max(k, v) for k, v in zip(self.key, self.value, strict=True))
+        return self.key if kind == "key" else self.value
 
     @property
     def padding(self) -> dict[str, Any]:
         """What zero-padding costs: cache floats per token, stored against needed (all layers, one sequence)."""
-        stored = 2 * self.kv_heads * sum(self.width)
+        stored = self.kv_heads * sum(sum(self.stored(kind)) for kind in KINDS)
         needed = self.kv_heads * (sum(self.key) + sum(self.value))
-        layers = [
-            i for i, (k, v, w) in enumerate(zip(self.key, self.value, self.width, strict=True)) if (k, v) != (w, w)
-        ]
         return {
-            "padded_layers": layers,
+            "padded_layers": [
+                i for i, (k, v) in enumerate(zip(self.key, self.value, strict=True)) if self.padded and k != v
+            ],
             "cache_floats_per_token": stored,
             "unpadded_floats_per_token": needed,
             "overhead": round(stored / needed - 1, 4),
         }
 
     def record(self) -> dict[str, Any]:
-        return {**asdict(self), "padding": self.padding}
+        caches = {f"{kind}_cache": self.stored(kind) for kind in KINDS}
+        return {**asdict(self), **caches, "padding": self.padding}
 
 
 def decoder_type(model: nn.Module) -> str:
@@ -86,13 +95,13 @@ def _layers(model: nn.Module) -> Sequence[nn.Module]:
     return base.layers if hasattr(base, "layers") else base.decoder.layers
 
 
-def layout(model: nn.Module) -> CacheLayout:
+def layout(model: nn.Module, padded: bool = True) -> CacheLayout:
     """The cache layout read from the model: each layer's K width from its k_proj, V width from its v_proj."""
     config = model.config
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     key = tuple(layer.self_attn.k_proj.out_features // kv for layer in _layers(model))
     value = tuple(layer.self_attn.v_proj.out_features // kv for layer in _layers(model))
-    return CacheLayout(kv, key, value, tuple(max(k, v) for k, v in zip(key, value, strict=True)))
+    return CacheLayout(kv, key, value, padded)
 
 
 def _cache(past: Sequence[Tensor], lay: CacheLayout) -> Any:
@@ -131,9 +140,9 @@ class DecodeStep(nn.Module):
     """``(input_ids, attention_mask[, position_ids], *past) -> (logits, *present)``: one forward of the model with
     its key/value cache as flat tensors, in the order ``names`` gives."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, padded: bool = True) -> None:
         super().__init__()
-        self.model, self.lay, self.positions = model, layout(model), POSITIONS[decoder_type(model)]
+        self.model, self.lay, self.positions = model, layout(model, padded), POSITIONS[decoder_type(model)]
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
         positions, past = (rest[0], rest[1:]) if self.positions else (None, rest)
@@ -154,7 +163,8 @@ class DecodeStep(nn.Module):
 
     def empty_past(self, batch: int, past: int = 0) -> list[Tensor]:
         """Zero past K/V of ``past`` tokens at the layout's widths (``past`` 0: the prefill's empty tensors)."""
-        return [torch.zeros(batch, self.lay.kv_heads, past, w) for w in self.lay.width for _ in KINDS]
+        widths = zip(*(self.lay.stored(kind) for kind in KINDS), strict=True)
+        return [torch.zeros(batch, self.lay.kv_heads, past, w) for layer in widths for w in layer]
 
 
 def positions(mask: Tensor) -> Tensor:
@@ -172,12 +182,16 @@ def _example(step: DecodeStep, vocab: int) -> tuple[Tensor, ...]:
 
 
 def export_decoder_onnx(
-    model: nn.Module, path: str | Path, opset: int = DEFAULT_OPSET, metadata: dict[str, Any] | None = None
+    model: nn.Module,
+    path: str | Path,
+    opset: int = DEFAULT_OPSET,
+    metadata: dict[str, Any] | None = None,
+    padded: bool = True,
 ) -> DecodeStep:
     """Export ``model``'s decode step (moved to CPU, eval) to ``path`` (weights inside, < 2 GB), checked by
     ``onnx.checker``; the graph's symbolic axes are renamed to what genai's own graphs call them."""
     onnx = require("onnx", "ONNX export")
-    step = DecodeStep(model.to("cpu").eval()).eval()
+    step = DecodeStep(model.to("cpu").eval(), padded).eval()
     inputs, outputs = step.names()
     dyn = torch.export.Dim.DYNAMIC
     past = [{0: dyn, 2: dyn}] * (2 * len(step.lay.key))
@@ -245,12 +259,14 @@ def _reference_steps(model: nn.Module, ids: Tensor, mask: Tensor, steps: int) ->
     return calls
 
 
-def verify_decoder_onnx(model: nn.Module, path: str | Path, steps: int = 4, seed: int = 0) -> dict[str, Any]:
+def verify_decoder_onnx(
+    model: nn.Module, path: str | Path, steps: int = 4, seed: int = 0, padded: bool = True
+) -> dict[str, Any]:
     """Prefill + ``steps`` decode steps in onnxruntime, each step's past fed from the last step's present, against
     the torch model with its own cache: the largest |onnxruntime - torch| / max |torch| over real tokens, per step."""
     ort = require("onnxruntime", "ONNX verification")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    step = DecodeStep(model)
+    step = DecodeStep(model, padded)
     inputs, _ = step.names()
     longest = max(VERIFY_PROMPTS)
     g = torch.Generator().manual_seed(seed)

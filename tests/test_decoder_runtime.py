@@ -117,7 +117,7 @@ def test_the_kv_graph_equals_the_full_sequence_forward_over_prefill_and_decode_s
     lay = layout(model)
     ids = torch.tensor([[0, 0, 5, 9, 40, 77], [3, 250, 17, 8, 99, 120]])  # the first left-padded
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
-    past = [np.zeros((2, lay.kv_heads, 0, w), np.float32) for w in lay.width for _ in "kv"]
+    past = [np.zeros((2, lay.kv_heads, 0, w), np.float32) for w in lay.stored("key") for _ in "kv"]
     chunks = [(0, 6), (6, 7), (7, 8), (8, 9)]  # prefill, then three single-token steps
     for step in range(3):
         ids = torch.cat([ids, torch.tensor([[60 + step], [200 - step]])], 1)
@@ -140,7 +140,8 @@ def test_per_layer_k_and_v_widths_are_read_from_the_model_and_appear_in_the_grap
     kind, model, folder, record = exported
     keys, values, widths = EXPECTED[kind]
     cache = record["kv_cache"]
-    assert (tuple(cache["key"]), tuple(cache["value"]), tuple(cache["width"])) == (keys, values, widths)
+    assert (tuple(cache["key"]), tuple(cache["value"])) == (keys, values)
+    assert tuple(cache["key_cache"]) == tuple(cache["value_cache"]) == widths
     heads = cache["kv_heads"]
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     dims = {

@@ -243,7 +243,8 @@ def test_two_gloo_processes_calibrate_text_to_the_single_process_model(folder, t
 
 @pytest.mark.e2e
 def test_a_decoder_exports_its_logits_and_benches_like_an_encoder(tmp_path, capsys) -> None:
-    """OPT through prune-export (the full-sequence forward, no key/value cache) and bench, with the same records."""
+    """OPT through prune-export (the full-sequence forward for bench, with the same records; the genai folders
+    beside it) and bench."""
     import onnx
     import torch
     import transformers
@@ -258,5 +259,9 @@ def test_a_decoder_exports_its_logits_and_benches_like_an_encoder(tmp_path, caps
     assert code == 0, stderr
     assert [o.name for o in onnx.load(str(out / "pruned.onnx")).graph.output] == ["logits"]
     assert json.loads((out / "pruned.onnx.json").read_text())["seq_len"] == 32
+    for stem in ("dense", "pruned"):  # and the key/value-cache graphs onnxruntime-genai generates with
+        record = json.loads((out / f"{stem}-genai" / "model.onnx.json").read_text())
+        assert all(p["genai_equal"] for p in record["genai"]["prompts"]) and record["tokenizer"] is None
+    assert json.loads((out / "export.json").read_text())["genai"]["pruned-genai"]["genai"]["tokens_equal"]
     code, stdout, stderr = run(["bench", str(out), "--backends", "ort-cpu-fp32", "--batch-sizes", "2", *FAST], capsys)
     assert code == 0 and "batch    2 x 32 tokens" in stdout and "dense tok/s" in stdout, stderr

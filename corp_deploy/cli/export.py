@@ -194,6 +194,14 @@ def _genai_export(
     click.echo(f"wrote {out}/ ({GRAPH}, {GRAPH}.json, {CONFIG}, tokenizer files): onnxruntime_genai.Model('{out}')")
 
 
+def _genai_brief(record: dict[str, Any]) -> dict[str, Any]:
+    """A genai folder's checks and cache layout, for ``export.json``."""
+    genai_ = record["genai"]
+    equal = all(p["genai_equal"] for p in genai_["prompts"])
+    checks = {"runtime": genai_["runtime"], "prompts": len(genai_["prompts"]), "new_tokens": genai_["new_tokens"]}
+    return {"verify": record["verify"], "genai": {**checks, "tokens_equal": equal}, "kv_cache": record["kv_cache"]}
+
+
 @click.command("build-engine")
 @click.argument("onnx_file", type=click.Path())
 @click.option(
@@ -443,9 +451,13 @@ def prune_export(
         engines = tuple(p for p in precisions_ if p != "int4")
         record = export_run(models, tmp, engines, opset, simplify, opts, build, require_engines, quantize, rewrites_)
         genai_records = {
-            stem: write_genai_folder(model, tmp / f"{stem}{GENAI_SUFFIX}", description, tmp / "pruned", opset)
+            stem: write_genai_folder(
+                model, tmp / f"{stem}{GENAI_SUFFIX}", description, tmp / "pruned", opset, None, opts.fp32
+            )
             for stem, (model, description) in (models.items() if decoder else ())
         }
+        if genai_records:  # each folder's model.onnx.json has it all; export.json names the folders and their checks
+            record["genai"] = {f"{stem}{GENAI_SUFFIX}": _genai_brief(r) for stem, r in genai_records.items()}
         if "int4" in precisions_:
             data, seed = calibration_source(prune_args["calib_dir"], prune_args["calib"]), prune_args["seed"]
             windows = _int4_windows(prune_args["model"], data, run.dense.config.vocab_size, int4, seed)

@@ -94,14 +94,21 @@ def summary(record: dict[str, Any], name: str, folder: Path | None) -> str:
         f"{name}: decode-step graph = torch within {worst:.1e} over prefill + {record['verify']['decode_steps']} "
         f"steps; {genai['runtime']} greedy = transformers for {len(genai['prompts'])} prompts x "
         f"{genai['new_tokens']} tokens",
-        f"{name}: cache widths {record['kv_cache']['width']} (K {record['kv_cache']['key']}, V "
-        f"{record['kv_cache']['value']}); zero-padding costs {100 * pad['overhead']:.1f}% more cache",
+        f"{name}: cache widths per layer {_widths(record['kv_cache']['key_cache'])} (K "
+        f"{_widths(record['kv_cache']['key'])}, V {_widths(record['kv_cache']['value'])}); zero-padding costs "
+        f"{100 * pad['overhead']:.1f}% more cache",
     ]
     tokenizer = _tokenizer(folder)
     for check in genai["prompts"] if tokenizer is not None else ():
         text = tokenizer.decode(check["prompt"]) + "|" + tokenizer.decode(check["tokens"])
         lines.append(f"{name}: {text!r}")
     return "\n".join(lines)
+
+
+def _widths(widths: list[int]) -> str:
+    """``64 x30`` for equal widths, ``32..64 over 30 layers`` otherwise: a line, not a list of 30."""
+    low, high = min(widths), max(widths)
+    return f"{low} x{len(widths)}" if low == high else f"{low}..{high} over {len(widths)} layers"
 
 
 def _tokenizer(folder: Path | None) -> Any:
