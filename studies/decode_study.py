@@ -24,6 +24,7 @@ import copy
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,8 @@ import torch
 from corp_deploy.api import describe
 from corp_deploy.artifact import save_pruned
 from corp_deploy.bench.backends import RunFolder
-from corp_deploy.bench.decode import DECODE_BACKENDS, decode_benchmark
-from corp_deploy.bench.measure import Method
+from corp_deploy.bench.decode import DECODE_BACKENDS, PHASES, TorchSession, decode_benchmark, rows
+from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.exporters.genai import write_genai_folder
 from corp_deploy.exporters.int4 import INT4, INT4_SUFFIX, Scheme, int4_genai_folder
 from corp_deploy.hf import load
@@ -101,6 +102,34 @@ def table(rows: list[dict[str, Any]], batches: list[int]) -> str:
     return "\n".join(lines)
 
 
+def torch_shapes(
+    config_folder: Path, keep: float, batches: list[int], prompt: int, method: Method, save: Callable[[list], None]
+) -> list[dict]:
+    """Decode speed of the dense shape against the uniform MLP shape keeping ``keep`` of the channels, in torch
+    (``bench.decode.TorchSession``, interleaved), random weights: values do not change a decoder's latency, and no
+    export is needed (the genai export of SmolLM2 takes ~30 min wall on the shared machine)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(config_folder)
+    narrow = copy.deepcopy(config)
+    narrow.intermediate_size = round(config.intermediate_size * keep)
+    models = {
+        m: transformers.AutoModelForCausalLM.from_config(c).eval() for m, c in (("dense", config), ("pruned", narrow))
+    }
+    found = []
+    for batch in batches:
+        sessions = {m: TorchSession(model, batch, prompt) for m, model in models.items()}
+        for phase in PHASES:
+            times = interleaved({m: getattr(s, phase) for m, s in sessions.items()}, method)
+            stats = {m: summarize(times[m], batch) for m in models}
+            found += rows(stats, DECODE_BACKENDS["torch-cpu-fp32"], batch, prompt, phase)
+            save(found)  # after every phase: a run cut short keeps what it measured
+            print(
+                found[-2]["p50_tokens_per_s"], found[-1]["p50_tokens_per_s"], phase, batch, os.getloadavg(), flush=True
+            )
+    return found
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="docs/decode-study")
@@ -115,10 +144,21 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--min-seconds", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torch-shapes", type=float, help="only: torch decode speed, dense vs this MLP keep fraction")
     a = p.parse_args()
     start = time.perf_counter()
     torch.set_grad_enabled(False)
     work, batches = Path(a.work), [int(b) for b in a.batches.split(",")]
+    if a.torch_shapes:
+        method = Method(warmup_iters=3, warmup_seconds=0.5, min_iters=20, min_seconds=a.min_seconds)
+        out = Path(a.out).with_suffix(".json")
+
+        def save(found: list) -> None:
+            record = {"args": vars(a), "load": os.getloadavg(), "results": found}
+            out.write_text(json.dumps(record, indent=2) + "\n")
+
+        torch_shapes(convert_gguf(smollm2_gguf()), a.torch_shapes, batches, a.prompt, method, save)
+        return
 
     source = convert_gguf(smollm2_gguf())
     dense, tokenizer = load(str(source))

@@ -164,11 +164,12 @@ def test_prune_export_writes_int4_genai_folders_that_generate_and_bench_and_quan
 
 @pytest.mark.e2e
 def test_int4_on_a_vision_model_or_an_encoder_is_one_line_and_writes_nothing(tmp_path, capsys) -> None:
+    bert = tiny_text_folder(tmp_path)
+    capsys.readouterr()  # its writing progress
     out = tmp_path / "vit"
     argv = ["prune-export", "deit_tiny", "--weights", "random", "--calib", "synthetic", "--precision", "int4"]
     code, _, stderr = run([*argv, "--out", str(out)], capsys)
     assert code == 1 and "int4 is for decoders" in stderr and stderr.count("\n") == 1 and not out.exists()
-    bert = tiny_text_folder(tmp_path)
     code, _, stderr = run([*argv[:1], str(bert), *argv[4:], "--out", str(out)], capsys)
     assert code == 1 and "int4 is for decoders" in stderr and stderr.count("\n") == 1 and not out.exists()
     model, _ = hf.load(str(bert))
