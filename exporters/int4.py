@@ -67,7 +67,8 @@ class DecoderTolerance:
 
 
 INT4 = DecoderTolerance(max_ppl_ratio=1.25, min_agreement=0.80)
-"""INT4 weights (block 32, symmetric) on held-out text; measured on SmolLM2-135M in docs/BENCHMARKS.md."""
+"""INT4 weights (block 32, symmetric) on held-out text. Not yet calibrated on a real model: the SmolLM2 study that
+measures it did not finish (docs/BENCHMARKS.md, decoders: INT4 weights and tokens/s); tighten it from that."""
 
 
 @dataclass(frozen=True)
