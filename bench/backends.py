@@ -106,6 +106,23 @@ class RunFolder:
             return timm.create_model(model["name"], pretrained=False, **model.get("args", {})).eval()
         return graph(model)[0] if self.text is not None else model
 
+    @cached_property
+    def decoder(self) -> bool:
+        """Whether the run holds a causal LM (its artifact's config.json names one): ``bench`` times it by phase
+        (``bench.decode``)."""
+        try:
+            config = json.loads((self.root / "pruned" / "config.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return any(a.endswith("ForCausalLM") for a in config.get("architectures") or [])
+
+    def causal_lm(self, which: str) -> nn.Module:
+        """The ``transformers`` causal LM itself (dense rebuilt with random weights, as ``torch_model``), for a
+        decoder's own step loop with its key/value cache."""
+        if not self.decoder:
+            raise CorpError(f"{self.root} holds no causal LM (its pruned/config.json names none)")
+        return self.torch_model(which).model
+
     def onnx(self, which: str, precision: str = "fp32") -> Path:
         return self.root / (f"{which}.onnx" if precision == "fp32" else f"{which}.{precision}.onnx")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corp_deploy.bench.run import SCHEMA, SCHEMA_VERSION, pairs
+from corp_deploy.bench.run import SCHEMA, SCHEMA_VERSION, label, measurement, pairs
 from corp_deploy.errors import CorpError
 
 MODES = ("absolute", "ratio")
@@ -86,15 +86,13 @@ def compare(current: dict[str, Any], baseline: dict[str, Any], max_regression: f
     """One check per baseline measurement; this run must hold every one of them."""
     if mode not in MODES:
         raise CorpError(f"--gate must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "absolute":
-        base = {(r["backend"], r["model"], r["batch"]): r["p50_ms"] for r in baseline["results"]}
-        now = {(r["backend"], r["model"], r["batch"]): r["p50_ms"] for r in current["results"]}
-        label = "{} {} batch {} p50 ms"
+    if mode == "absolute":  # keyed (model, backend, batch[, phase, prompt length]): a decoder's phases apart
+        base = {(r["model"], *measurement(r)): r["p50_ms"] for r in baseline["results"]}
+        now = {(r["model"], *measurement(r)): r["p50_ms"] for r in current["results"]}
     else:
-        base = {(p["backend"], p["batch"]): p["p50_speedup"] for p in pairs(baseline)}
-        now = {(p["backend"], p["batch"]): p["p50_speedup"] for p in pairs(current)}
-        label = "{} batch {} pruned/dense p50 speedup"
-    missing = [label.format(*key) for key in base if key not in now]
+        base = {measurement(p): p["p50_speedup"] for p in pairs(baseline)}
+        now = {measurement(p): p["p50_speedup"] for p in pairs(current)}
+    missing = [_label(key, mode) for key in base if key not in now]
     if missing:
         raise CorpError(
             f"this run lacks {len(missing)} of the baseline's {len(base)} measurements "
@@ -105,8 +103,16 @@ def compare(current: dict[str, Any], baseline: dict[str, Any], max_regression: f
     for key, reference in base.items():
         # p50 latency: higher is worse; speedup: lower is worse.
         change = now[key] / reference - 1 if mode == "absolute" else reference / now[key] - 1
-        checks.append(Check(label.format(*key), reference, now[key], change, regressed(change, max_regression)))
+        checks.append(Check(_label(key, mode), reference, now[key], change, regressed(change, max_regression)))
     return checks
+
+
+def _label(key: tuple, mode: str) -> str:
+    """``ort pruned batch 1 p50 ms`` (absolute) or ``ort batch 1 pruned/dense p50 speedup`` (ratio)."""
+    if mode == "absolute":
+        model, backend, *rest = key
+        return label((f"{backend} {model}", *rest)) + " p50 ms"
+    return label(key) + " pruned/dense p50 speedup"
 
 
 def format_checks(checks: list[Check], max_regression: float, mode: str) -> str:

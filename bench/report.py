@@ -36,7 +36,23 @@ TEXT_COLUMNS = (
 """A text run's: tokens per sequence beside the batch; sentences/s and tokens/s instead of images/s."""
 
 
+DECODE_COLUMNS = (
+    *COLUMNS[:4],
+    ("prompt_len", "prompt", "{}"),
+    ("phase", "phase", "{}"),
+    ("dense_p50_ms", "dense p50 ms", "{:.2f}"),
+    ("pruned_p50_ms", "pruned p50 ms", "{:.2f}"),
+    ("p50_speedup", "p50 speedup", "{:.2f}x"),
+    ("dense_tokens_per_s", "dense tok/s", "{:.1f}"),
+    ("pruned_tokens_per_s", "pruned tok/s", "{:.1f}"),
+)
+"""A decoder's: prompt length and phase beside the batch; a decode row's p50 is ms per token, its tokens/s the
+p50's (batch / p50), a prefill row's batch x prompt / p50."""
+
+
 def _columns(record: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    if any("phase" in r for r in record["results"]):
+        return DECODE_COLUMNS
     return TEXT_COLUMNS if any("seq_len" in r for r in record["results"]) else COLUMNS
 
 

@@ -16,7 +16,8 @@ from corp_deploy.errors import CorpError, first_line
 from corp_deploy.exporters.tensorrt_engine import FLAVOURS
 
 SCHEMA = "corp-deploy/bench"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: a decoder's results also hold ``phase`` (prefill, decode), ``prompt_len`` and ``tokens_per_s``."""
 WIDTH = max(map(len, BACKENDS))
 """Backend names padded to this in progress lines, so their numbers line up."""
 
@@ -114,20 +115,35 @@ def benchmark(
     return record
 
 
+def measurement(r: dict[str, Any]) -> tuple:
+    """What one measurement is of, models aside: (backend, batch), and a decoder's (phase, prompt length)."""
+    return (r["backend"], r["batch"], *((r["phase"], r["prompt_len"]) if "phase" in r else ()))
+
+
+def label(key: tuple) -> str:
+    """``measurement``'s key in words: ``ort batch 8`` or ``torch-cpu-fp32 batch 1 decode at prompt 128``."""
+    backend, batch, *decode = key
+    return f"{backend} batch {batch}" + (f" {decode[0]} at prompt {decode[1]}" if decode else "")
+
+
 def pairs(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """Dense and pruned side by side per (backend, batch), with the pruned/dense ratios; a text run's rows
-    also hold ``seq_len`` and tokens/s (sentences/s x tokens per sequence)."""
-    by_key: dict[tuple[str, int], dict[str, dict]] = {}
+    """Dense and pruned side by side per ``measurement``, with the pruned/dense ratios; a text run's rows
+    also hold ``seq_len`` and tokens/s (sentences/s x tokens per sequence), a decoder's its phase, prompt length and
+    tokens/s (``bench.decode``)."""
+    by_key: dict[tuple, dict[str, dict]] = {}
     for r in record["results"]:
-        by_key.setdefault((r["backend"], r["batch"]), {})[r["model"]] = r
+        by_key.setdefault(measurement(r), {})[r["model"]] = r
     out = []
-    for (backend, batch), models in by_key.items():
+    for (backend, batch, *_), models in by_key.items():
         if set(models) != set(MODELS):
             continue
         d, p = models["dense"], models["pruned"]
         tokens = d.get("seq_len")
         text = {} if tokens is None else {"seq_len": tokens}
         text |= {f"{m}_tokens_per_s": models[m]["throughput"] * tokens for m in MODELS} if tokens else {}
+        if "phase" in d:
+            text |= {"phase": d["phase"], "prompt_len": d["prompt_len"]}
+            text |= {f"{m}_tokens_per_s": models[m]["p50_tokens_per_s"] for m in MODELS}
         out.append(
             {
                 "backend": backend,

@@ -689,3 +689,18 @@ def text_perplexity(
         "part": part,
         "text": str(text),
     }
+
+
+def heldout_windows(tokenizer: Any, source: str | Path, vocab: int, seq_len: int, num: int, seed: int = 0) -> Tensor:
+    """(``num``, ``seq_len``) token ids that verify a quantized decoder: packed windows of a text folder's held-out
+    documents (``text.split_documents``: never calibration or evaluation text), or random tokens below ``vocab``
+    for ``source == "synthetic"`` (structure only: a random stream says nothing about quantization error)."""
+    if num < 1 or seq_len < 2:
+        raise CorpError(f"verification needs >= 1 window of >= 2 tokens, got {num} x {seq_len}")
+    if str(source) == SYNTHETIC:
+        g = torch.Generator().manual_seed(seed + HELDOUT_SEED_OFFSET)
+        return torch.randint(0, vocab, (num, seq_len), generator=g)
+    if tokenizer is None:
+        raise CorpError(f"{source}: decoder verification needs the model's tokenizer, and its folder has none")
+    parts = split_documents(read_documents(source))
+    return packed_sequences(tokenizer, shuffled(parts.heldout, seed), seq_len, num, "held-out")

@@ -222,3 +222,50 @@ def tiny_text_folder(root, family: str = "bert", positions: int = 40):
     transformers.AutoModel.from_config(config).save_pretrained(folder)
     transformers.BertTokenizerFast(vocab={w: i for i, w in enumerate(TEXT_VOCAB)}).save_pretrained(folder)
     return folder
+
+
+DECODER_WORDS = ["the", "a", "news", "market", "film", "game", "vote", "phone", "price", "team", "music", "court"]
+DECODER_VOCAB = 300
+
+
+def decoder_tokenizer():
+    """Byte-level BPE over ``DECODER_WORDS`` (the shape of GPT-2's and SmolLM2's tokenizers, which onnxruntime-genai
+    reads; it does not read word-level ones), ``DECODER_VOCAB`` tokens, BOS 1 / EOS 2 / pad 0."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    special = ["<pad>", "<s>", "</s>", "<unk>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=DECODER_VOCAB, special_tokens=special, initial_alphabet=alphabet, show_progress=False
+    )
+    core.train_from_iterator([" ".join(DECODER_WORDS)] * 5, trainer)
+    tokens = dict(zip(("pad_token", "bos_token", "eos_token", "unk_token"), special, strict=True))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=core, **tokens)
+
+
+def tiny_llama_folder(root, layers: int = 2, documents: int = 40):
+    """A tiny random Llama (hidden 64, 4 query heads of 16 over 2 K/V heads, MLP 128, ``DECODER_VOCAB`` tokens, 64
+    positions) with a byte-level BPE tokenizer, saved as a ``transformers`` folder, and a text folder of
+    ``documents`` documents in 4 class subfolders: (model folder, text folder). Documents follow a word chain with
+    noise, so a model has something to predict."""
+    import transformers
+
+    torch.manual_seed(0)
+    size = {"hidden_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config = transformers.LlamaConfig(
+        vocab_size=DECODER_VOCAB, max_position_embeddings=64, intermediate_size=128, **size
+    )
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 2
+    model = root / "tiny-llama"
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(model)
+    decoder_tokenizer().save_pretrained(model)
+    rng = np.random.default_rng(0)
+    text = root / "text"
+    for i in range(documents):
+        words = np.cumsum(rng.integers(1, 3, 60)) % len(DECODER_WORDS)
+        (text / f"class{i % 4}").mkdir(parents=True, exist_ok=True)
+        (text / f"class{i % 4}" / f"{i:02d}.txt").write_text(" ".join(DECODER_WORDS[w] for w in words))
+    return model, text

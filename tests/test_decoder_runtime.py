@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import run
+from helpers import decoder_tokenizer, run
 
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
@@ -24,25 +24,7 @@ from corp_deploy.exporters.genai import write_genai_folder  # noqa: E402
 from corp_deploy.exporters.kv_cache import layout, positions  # noqa: E402
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
 
-WORDS = ["the", "a", "news", "market", "film", "game", "vote", "phone", "price", "team", "music", "court", "bank"]
-SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 PROMPT = "the market news price team"
-
-
-def bpe_tokenizer():
-    """Byte-level BPE over a few words (the shape of GPT-2's and SmolLM2's tokenizers): 300 tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIAL, initial_alphabet=alphabet, show_progress=False
-    )
-    core.train_from_iterator([" ".join(WORDS)] * 5, trainer)
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
 
 
 def tiny_decoder(kind: str, seed: int = 0):
@@ -93,7 +75,7 @@ EXPECTED = {"llama": ((8, 8), (6, 4), (8, 8)), "opt": ((4, 4), (8, 4), (8, 4))}
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tokenizer")
-    bpe_tokenizer().save_pretrained(folder)
+    decoder_tokenizer().save_pretrained(folder)
     return folder
 
 
@@ -171,7 +153,7 @@ def test_genai_loads_the_folder_and_greedy_generates_transformers_tokens(exporte
     assert len(record["genai"]["prompts"]) == 2 and record["tokenizer"]["tokens"]
     genai_model = og.Model(str(folder))
     prompt = [int(t) for t in og.Tokenizer(genai_model).encode(PROMPT)]
-    assert prompt == bpe_tokenizer()(PROMPT)["input_ids"]
+    assert prompt == decoder_tokenizer()(PROMPT)["input_ids"]
     params = og.GeneratorParams(genai_model)
     params.set_search_options(max_length=len(prompt) + 32, min_length=len(prompt) + 32, do_sample=False)
     generator = og.Generator(genai_model, params)
@@ -193,7 +175,7 @@ def llama_folder(tmp_path_factory, tokenizer_dir) -> Path:
     """A dense tiny Llama saved as a transformers folder with its tokenizer."""
     folder = tmp_path_factory.mktemp("src") / "tiny-llama"
     tiny_decoder("llama").save_pretrained(folder)
-    bpe_tokenizer().save_pretrained(folder)
+    decoder_tokenizer().save_pretrained(folder)
     return folder
 
 
@@ -208,7 +190,7 @@ def test_export_writes_a_dense_decoders_genai_folder_that_continues_the_prompts(
     assert files <= {p.name for p in out.iterdir()}
     record = json.loads((out / "model.onnx.json").read_text())
     prompts = [p["prompt"] for p in record["genai"]["prompts"]]
-    assert prompts == [bpe_tokenizer()(t)["input_ids"] for t in (PROMPT, "a film game")]
+    assert prompts == [decoder_tokenizer()(t)["input_ids"] for t in (PROMPT, "a film game")]
     assert record["kv_cache"]["padding"]["overhead"] == 0 and record["weights"] == "pretrained"
     assert f"{out.name}: '{PROMPT}|" in stdout and "greedy = transformers for 2 prompts x 32 tokens" in stdout
 

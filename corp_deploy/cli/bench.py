@@ -17,6 +17,8 @@ from corp_deploy.bench import gate
 from corp_deploy.bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
 from corp_deploy.bench.backends import RunFolder
 from corp_deploy.bench.backends import select as select_backends
+from corp_deploy.bench.decode import NEW_TOKENS, PROMPTS, decode_benchmark, parse_prompts
+from corp_deploy.bench.decode import select as select_decoders
 from corp_deploy.bench.measure import Method
 from corp_deploy.bench.report import format_markdown, format_table, skipped_lines, to_csv
 from corp_deploy.bench.report import plot as draw
@@ -49,7 +51,7 @@ from corp_deploy.text import read_documents
 
 @click.command()
 @click.argument("run_dir", type=click.Path())
-@click.option("--batch-sizes", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--batch-sizes", help="Comma-separated batch sizes [1,8,32; a decoder's 1,8].")
 @click.option(
     "--backends",
     default="auto",
@@ -60,6 +62,18 @@ from corp_deploy.text import read_documents
 )
 @click.option(
     "--seq-len", type=int, help="Text encoders: tokens per sequence [the --seq-len the run was exported for]."
+)
+@click.option(
+    "--prompt-lens",
+    default=PROMPTS,
+    show_default=True,
+    help="Decoders: prompt lengths (tokens); each is timed as prefill, then decode one token at a time.",
+)
+@click.option(
+    "--new-tokens",
+    default=NEW_TOKENS,
+    show_default=True,
+    help="Decoders: decode steps per prompt before a fresh prefill (the context stays within prompt + this).",
 )
 @click.option("--repeats", default=1, show_default=True, help="Repeat the measurement; report medians.")
 @click.option("--threads", type=int, help="CPU threads for PyTorch and onnxruntime [default: theirs].")
@@ -81,9 +95,11 @@ from corp_deploy.text import read_documents
 )
 def bench(
     run_dir: str,
-    batch_sizes: str,
+    batch_sizes: str | None,
     backends: str,
     seq_len: int | None,
+    prompt_lens: str,
+    new_tokens: int,
     repeats: int,
     threads: int | None,
     include_copies: bool,
@@ -98,10 +114,17 @@ def bench(
 ) -> None:
     """Time dense against pruned from a prune-export RUN_DIR on every backend this machine has.
 
-    A text encoder's run is timed on full sequences of --seq-len tokens: sentences/s and tokens/s.
+    A text encoder's run is timed on full sequences of --seq-len tokens: sentences/s and tokens/s. A decoder's
+    (OPT, Llama-family) is timed by phase at each --prompt-lens: prefill tokens/s, and decode ms/token and tokens/s
+    with the key/value cache (corp_deploy.bench.decode); the gate compares each phase.
     """
     run = RunFolder.open(run_dir, seq_len)
-    sizes = parse_batch_sizes(batch_sizes)
+    if run.decoder and (seq_len is not None or plot or include_copies):
+        raise CorpError(
+            "--seq-len, --plot and --include-copies are for encoders and images; a decoder takes --prompt-lens"
+        )
+    sizes = parse_batch_sizes(batch_sizes or ("1,8" if run.decoder else "1,8,32"))
+    prompts = parse_prompts(prompt_lens, run.graph.get("max_positions", 0), new_tokens) if run.decoder else []
     method = bench_method(timing)
     limit = gate.parse_fraction(max_regression)
     reference = gate.load_baseline(baseline) if baseline else None
@@ -110,12 +133,19 @@ def bench(
             check_writable(path, overwrite=True)
     if plot:
         needs("--plot", "matplotlib")
-    chosen, skipped = select_backends(backends, run)
-    click.echo(
-        f"method: {method.describe()}; {repeats} repeat(s); inputs on the device"
-        + (" (host copies timed)" if include_copies else " (copies not timed)")
-    )
-    record = benchmark(run, chosen, sizes, method, repeats, include_copies, threads, skipped, click.echo)
+    if run.decoder:
+        chosen, skipped = select_decoders(backends, run)
+        click.echo(f"method: {method.describe()}; {repeats} repeat(s); decode: {new_tokens} tokens per prefill")
+        record = decode_benchmark(
+            run, chosen, sizes, prompts, method, repeats, new_tokens, threads, skipped, click.echo
+        )
+    else:
+        chosen, skipped = select_backends(backends, run)
+        click.echo(
+            f"method: {method.describe()}; {repeats} repeat(s); inputs on the device"
+            + (" (host copies timed)" if include_copies else " (copies not timed)")
+        )
+        record = benchmark(run, chosen, sizes, method, repeats, include_copies, threads, skipped, click.echo)
     env = record["environment"]
     click.echo(
         f"{record['model']} | cpu {env['cpu']} ({env['torch_threads']} threads)"

@@ -17,6 +17,8 @@ from corp_deploy.cli.options import (
     calibration_source,
     engine_group,
     for_graph,
+    int4_options,
+    int4_setup,
     int8_options,
     model_options,
     needs,
@@ -33,10 +35,12 @@ from corp_deploy.cli.options import (
     with_latency,
 )
 from corp_deploy.cli.prune import pruned, say_folder
+from corp_deploy.data import SYNTHETIC
 from corp_deploy.env import versions
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.genai import CONFIG, GENAI_SUFFIX, GRAPH, NEW_TOKENS, write_genai_folder
+from corp_deploy.exporters.int4 import INT4_SUFFIX, decoder_graph, format_int4, int4_graphs
 from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import (
     VerifyOptions,
@@ -60,6 +64,24 @@ from corp_deploy.report import format_report
 def _pad_qk(model: nn.Module, description: dict, enabled: bool) -> dict:
     """Switch ``--pad-qk`` on in ``model``; the exported graph's description says how many blocks it padded."""
     return description | {"pad_qk_blocks": surgery.pad_qk(model)} if enabled else description
+
+
+def _int4_refused(precisions_: tuple[str, ...], decoder: bool) -> None:
+    """INT4 weights are for decoders (their gate is perplexity): one line for a vision model or an encoder."""
+    if "int4" in precisions_ and not decoder:
+        raise CorpError(
+            "--precision int4 is for decoders (OPT, Llama-family: weight-only MatMulNBits gated on perplexity); "
+            "use fp32, fp16 or int8 here"
+        )
+
+
+def _int4_windows(tokenizer_source: str | Path | None, data: str, vocab: int, int4: dict[str, Any], seed: int):
+    """The held-out windows (numpy) that verify INT4 graphs: ``data``'s held-out documents, or random tokens."""
+    tokenizer = None
+    if data != SYNTHETIC and tokenizer_source is not None:
+        tokenizer = hf.load_tokenizer(tokenizer_source, vocab)
+    windows = api.heldout_windows(tokenizer, data, vocab, int4["int4_seq_len"], int4["int4_windows"], seed)
+    return windows.numpy()
 
 
 def _text_export(precisions_: tuple[str, ...], int8: bool, pad_qk: bool, simplify: bool) -> None:
@@ -224,22 +246,34 @@ def build_engine(
 
 @click.command()
 @click.argument("source", type=click.Path())
-@click.option("--calib-dir", type=click.Path(), help="The images CORP calibrated on (same --seed).")
+@click.option(
+    "--precision",
+    type=click.Choice(("int8", "int4")),
+    default="int8",
+    show_default=True,
+    help="int8: static Q/DQ (image models); int4: weight-only MatMulNBits (decoders).",
+)
+@click.option(
+    "--calib-dir", type=click.Path(), help="The images CORP calibrated on (same --seed); int4: the text folder."
+)
 @click.option("--calib", type=str, help="'synthetic': noise images, for smoke tests only.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the calibration sample (CORP's).")
 @int8_options
+@int4_options
 @click.option("--tol-cosine", type=float, help=f"Minimum cosine vs the FP32 graph [int8 {INT8.min_cosine}].")
 @click.option("--tol-rel", type=float, help=f"Maximum max-abs error / max |FP32| [int8 {INT8.max_rel_error}].")
 @click.option("--workers", default=0, show_default=True, help="Image decoding worker processes.")
-@click.option("--overwrite", is_flag=True, help="Replace existing INT8 files.")
+@click.option("--overwrite", is_flag=True, help="Replace existing INT8 / INT4 files.")
 def quantize(
     source: str,
+    precision: str,
     calib_dir: str | None,
     calib: str | None,
     seed: int,
     int8_calib: int,
     int8_verify: int,
     calib_method: str,
+    int4: dict[str, Any],
     tol_cosine: float | None,
     tol_rel: float | None,
     workers: int,
@@ -248,8 +282,13 @@ def quantize(
     """Static INT8 (Q/DQ) of SOURCE (a prune-export folder's dense/pruned.onnx, or one .onnx): <name>.int8.onnx.
 
     Calibrated on the first --int8-calib images of CORP's seeded sample, verified against the FP32
-    graph on the next --int8-verify; written only if it passes the INT8 gate.
+    graph on the next --int8-verify; written only if it passes the INT8 gate. With --precision int4, a decoder's
+    weight-only INT4 graph <name>.int4.onnx, verified on --int4-windows held-out windows of the --calib-dir text
+    (perplexity ratio and top-1 agreement against the FP32 graph).
     """
+    if precision == "int4":
+        _quantize_int4(Path(source), calibration_source(calib_dir, calib), int4, seed, overwrite)
+        return
     images = calibration_source(calib_dir, calib)
     pairs = _int8_pairs(Path(source))
     for _, out in pairs:
@@ -261,8 +300,36 @@ def quantize(
     click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
 
 
-def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
-    """(FP32 graph, INT8 file) for a run folder's dense and pruned graphs, or for one .onnx file."""
+def _quantize_int4(source: Path, data: str, int4: dict[str, Any], seed: int, overwrite: bool) -> None:
+    """``quantize --precision int4``: every graph and destination checked, then the windows, then the graphs."""
+    scheme, tol = int4_setup(int4)
+    pairs = _int4_pairs(source)
+    protos = [decoder_graph(g / GRAPH if g.is_dir() else g) for g, _ in pairs]
+    for _, out in pairs:
+        check_writable(out, overwrite)
+    needs("INT4 quantization", "onnx", "onnxruntime")
+    folder = source if source.is_dir() else source.parent  # a run folder's artifact, or a genai folder's own files
+    tokenizer = next((d for d in (folder, folder / "pruned") if (d / "tokenizer_config.json").is_file()), None)
+    vocab = read_metadata(protos[0]).get("vocab_size")
+    if vocab is None:
+        raise CorpError(f"{pairs[0][0]} records no vocab_size; export it with `corp-deploy export` or `prune-export`")
+    windows = _int4_windows(tokenizer, data, vocab, int4, seed)
+    records = int4_graphs(pairs, windows, tol, scheme, {"text": data, "seed": seed}, overwrite)
+    click.echo(format_int4(records))
+    click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
+
+
+def _int4_pairs(source: Path) -> list[tuple[Path, Path]]:
+    """(FP32, INT4) for a decoder's genai folders (a run folder's ``*-genai/``, or one such folder), else for its
+    dense/pruned.onnx or one .onnx file (``<name>.int4.onnx``)."""
+    genai_folders = [source] if (source / CONFIG).is_file() else sorted(source.glob(f"*{GENAI_SUFFIX}"))
+    if source.is_dir() and genai_folders:
+        return [(f, f.with_name(f"{f.name}{INT4_SUFFIX}")) for f in genai_folders]
+    return [(g, g.with_name(f"{g.stem}.int4.onnx")) for g in _fp32_graphs(source)]
+
+
+def _fp32_graphs(source: Path) -> list[Path]:
+    """A run folder's dense and pruned FP32 graphs, or one .onnx file."""
     if source.is_dir():
         graphs = [source / f"{m}.onnx" for m in ("dense", "pruned") if (source / f"{m}.onnx").is_file()]
         if not graphs:
@@ -273,6 +340,12 @@ def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
         graphs = [source]
     else:
         raise CorpError(f"{source} is neither a prune-export folder nor a .onnx file")
+    return graphs
+
+
+def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
+    """(FP32 graph, INT8 file) for a run folder's dense and pruned graphs, or for one .onnx file."""
+    graphs = _fp32_graphs(source)
     for g in graphs:
         if is_text(read_metadata(load_onnx(g, weights=False))):
             raise CorpError(f"{g} is a text encoder; INT8 is for image models so far (its calibration feeds images)")
@@ -297,6 +370,7 @@ def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
 )
 @click.option("--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (static INT8, Q/DQ), verified.")
 @int8_options
+@int4_options
 @out_options("Run folder")
 def prune_export(
     opset: int,
@@ -312,6 +386,7 @@ def prune_export(
     int8_calib: int,
     int8_verify: int,
     calib_method: str,
+    int4: dict[str, Any],
     out: str | None,
     overwrite: bool,
     **prune_args: Any,
@@ -322,10 +397,14 @@ def prune_export(
     built ahead of time by TensorRT-RTX without a supported GPU are marked built, not executed.
     With --speedup S (or --budget latency=F) the pruned model is timed against the dense one on --latency-on
     before anything is written, and re-allocated from the same statistics while it misses (--latency-rounds).
+    A decoder with --precision int4 also gets dense/pruned.int4.onnx (weight-only MatMulNBits), verified on
+    --int4-windows held-out windows of the --calib-dir text.
     """
     precisions_ = precisions(precision)
     text = hf.is_source(prune_args["model"])
     decoder = text and genai.is_decoder(prune_args["model"])
+    _int4_refused(precisions_, decoder)
+    int4_setup(int4)  # a bad INT4 flag fails here
     if text:
         _text_export(precisions_, int8, pad_qk, simplify)
     prune_args["pruning"] = with_latency(prune_args["pruning"], prune_args["latency"])
@@ -369,9 +448,8 @@ def prune_export(
     }
     with atomic_dir(out, overwrite) as tmp:
         api.save(run.result, tmp / "pruned", run.name, run.args, weights=run.weights)
-        record = export_run(
-            models, tmp, precisions_, opset, simplify, opts, build, require_engines, quantize, rewrites_
-        )
+        engines = tuple(p for p in precisions_ if p != "int4")
+        record = export_run(models, tmp, engines, opset, simplify, opts, build, require_engines, quantize, rewrites_)
         genai_records = {
             stem: write_genai_folder(
                 model, tmp / f"{stem}{GENAI_SUFFIX}", description, tmp / "pruned", opset, None, opts.fp32
@@ -380,8 +458,16 @@ def prune_export(
         }
         if genai_records:  # each folder's model.onnx.json has it all; export.json names the folders and their checks
             record["genai"] = {f"{stem}{GENAI_SUFFIX}": _genai_brief(r) for stem, r in genai_records.items()}
+        if "int4" in precisions_:
+            data, seed = calibration_source(prune_args["calib_dir"], prune_args["calib"]), prune_args["seed"]
+            windows = _int4_windows(prune_args["model"], data, run.dense.config.vocab_size, int4, seed)
+            pairs = [(tmp / f"{stem}{GENAI_SUFFIX}", tmp / f"{stem}{GENAI_SUFFIX}{INT4_SUFFIX}") for stem in models]
+            scheme, tol = int4_setup(int4)
+            record["int4"] = int4_graphs(pairs, windows, tol, scheme, {"text": data, "seed": seed})
         record = write_export_record(tmp, run.name, run.result.report, record, versions())
     click.echo(format_summary(record, {k: v["params"] for k, v in record["size"].items()}))
+    if "int4" in record:
+        click.echo(format_int4(record["int4"]))
     for stem, genai_record in genai_records.items():
         click.echo(genai.summary(genai_record, f"{stem}{GENAI_SUFFIX}", Path(out, "pruned")))
     folders = ", ".join(f"{stem}{GENAI_SUFFIX}/" for stem in genai_records)

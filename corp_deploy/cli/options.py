@@ -24,6 +24,7 @@ from corp_deploy.data import SYNTHETIC
 from corp_deploy.deps import missing
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance
+from corp_deploy.exporters.int4 import ACCURACY_LEVEL, BLOCK_SIZE, INT4, DecoderTolerance, Scheme
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET
 from corp_deploy.exporters.pipeline import VerifyOptions
 from corp_deploy.exporters.quantize import CALIB_METHODS
@@ -316,6 +317,37 @@ int8_options = group(
     ),
 )
 
+int4_options = group(
+    click.option(
+        "--int4-windows", default=8, show_default=True, help="INT4: held-out text windows verifying it (--calib-dir)."
+    ),
+    click.option("--int4-seq-len", default=128, show_default=True, help="INT4: tokens per verification window."),
+    click.option("--int4-block-size", default=BLOCK_SIZE, show_default=True, help="INT4: input channels per scale."),
+    click.option("--int4-asymmetric", is_flag=True, help="INT4: a 4-bit zero point per block (default symmetric)."),
+    click.option(
+        "--int4-accuracy-level",
+        default=ACCURACY_LEVEL,
+        show_default=True,
+        help="INT4: MatMulNBits compute (4: int8 activations inside the kernel, 0: float).",
+    ),
+    click.option("--tol-ppl-ratio", type=float, help=f"INT4 gate: perplexity / FP32's at most [{INT4.max_ppl_ratio}]."),
+    click.option(
+        "--tol-agreement", type=float, help=f"INT4 gate: top-1 agreement with FP32 at least [{INT4.min_agreement}]."
+    ),
+    into="int4",
+)
+
+
+def int4_setup(int4: dict[str, Any]) -> tuple[Scheme, DecoderTolerance]:
+    """The INT4 group as the quantizer's scheme and the gate (the user's gates in place of the defaults)."""
+    scheme = Scheme(int4["int4_block_size"], not int4["int4_asymmetric"], int4["int4_accuracy_level"])
+    ratio, agreement = int4["tol_ppl_ratio"], int4["tol_agreement"]
+    tol = DecoderTolerance(
+        INT4.max_ppl_ratio if ratio is None else ratio, INT4.min_agreement if agreement is None else agreement
+    )
+    return scheme, tol
+
+
 timing_group = group(
     click.option("--warmup-iters", default=Method.warmup_iters, show_default=True),
     click.option("--warmup-seconds", default=Method.warmup_seconds, show_default=True),
@@ -455,11 +487,16 @@ def bench_method(timing: dict[str, Any]) -> Method:
     return Method(**timing)
 
 
+ONNX_ONLY = ("int4",)
+"""Precisions written as ONNX graphs only (no engine): INT4 weights (MatMulNBits) for decoders."""
+
+
 def precisions(text: str) -> tuple[str, ...]:
     values = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [p for p in values if p not in PRECISIONS]
+    bad = [p for p in values if p not in PRECISIONS + ONNX_ONLY]
     if bad or not values:
-        raise CorpError(f"--precision takes a comma-separated list of {', '.join(PRECISIONS)}, got {text!r}")
+        choices = ", ".join(PRECISIONS + ONNX_ONLY)
+        raise CorpError(f"--precision takes a comma-separated list of {choices}, got {text!r}")
     return values
 
 

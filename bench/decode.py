@@ -1,0 +1,290 @@
+"""Decoder speed: prefill tokens/s and decode ms/token, dense and pruned interleaved in the same run.
+
+A decoder is not timed as one forward. Two phases are: **prefill** (the prompt of ``prompt_len`` tokens through
+the model from an empty key/value cache, one timed call: tokens/s = batch x prompt / latency) and **decode** (one
+new token per sequence through the model with the cache holding the prompt and the tokens so far: ms/token, and
+tokens/s = batch / latency). A decode step is what generation repeats, so its p50 is the number that says how fast a
+model generates. Each model keeps its own session: the prompt is prefilled once, untimed, then every timed call
+decodes one greedy token; after ``new_tokens`` steps the session starts again from a fresh prefill (untimed), so
+the context stays between ``prompt_len`` and ``prompt_len + new_tokens`` tokens whatever the iteration count.
+Dense and pruned alternate in rounds (``measure.interleaved``), as every bench does.
+
+The runtimes are backends of their own (``DECODE_BACKENDS``): the model in torch (``transformers``' own cache, as
+``generate`` runs it) and onnxruntime-genai on the CPU from ``prune-export``'s genai folders (FP32, and INT4 weights
+where ``--precision int4`` wrote them). Token ids are random (values do not change a decoder's latency).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from corp_deploy.bench.backends import MODELS, RunFolder
+from corp_deploy.bench.measure import Method, Stats, Step, interleaved, median_of_repeats, summarize
+from corp_deploy.bench.run import SCHEMA, SCHEMA_VERSION, environment
+from corp_deploy.deps import missing as uninstalled
+from corp_deploy.deps import require
+from corp_deploy.errors import CorpError, first_line
+
+PHASES = ("prefill", "decode")
+PROMPTS = "128,512"
+NEW_TOKENS = 32
+"""Decode steps per session before a fresh prefill: the context grows by at most this much while timed."""
+
+
+class Session:
+    """One model generating greedily at (batch, prompt): ``prefill`` and ``decode`` return their own seconds.
+
+    Subclasses run a runtime; this class keeps the cache bookkeeping: ``decode`` prefills afresh (untimed) when
+    ``new_tokens`` steps have been taken, so every timed step sees a context in the same band."""
+
+    def __init__(self, batch: int, prompt: int, vocab: int, new_tokens: int = NEW_TOKENS) -> None:
+        if new_tokens < 1:
+            raise CorpError(f"--new-tokens must be >= 1, got {new_tokens}")
+        self.ids = np.random.default_rng(batch * 100003 + prompt).integers(0, vocab, (batch, prompt))
+        self.new_tokens, self.steps = new_tokens, new_tokens
+
+    def start(self) -> np.ndarray:
+        """Run the prompt from an empty cache; return the next token per sequence (batch, 1)."""
+        raise NotImplementedError
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed one token per sequence through the cache; return the next ones."""
+        raise NotImplementedError
+
+    def prefill(self) -> float:
+        begin = time.perf_counter()
+        self.start()
+        return time.perf_counter() - begin
+
+    def decode(self) -> float:
+        if self.steps >= self.new_tokens:
+            self.tokens, self.steps = self.start(), 0
+        begin = time.perf_counter()
+        self.tokens = self.step(self.tokens)
+        self.steps += 1
+        return time.perf_counter() - begin
+
+
+class TorchSession(Session):
+    """``model`` (a ``transformers`` causal LM) with its own ``DynamicCache``, under ``inference_mode``."""
+
+    def __init__(self, model: nn.Module, batch: int, prompt: int, new_tokens: int = NEW_TOKENS) -> None:
+        super().__init__(batch, prompt, model.config.vocab_size, new_tokens)
+        self.model = model
+
+    @torch.inference_mode()
+    def start(self) -> np.ndarray:
+        ids = torch.from_numpy(self.ids)
+        self.mask = torch.ones_like(ids)
+        out = self.model(input_ids=ids, attention_mask=self.mask, use_cache=True)
+        self.cache = out.cache
+        return out.logits[:, -1:].argmax(-1).numpy()
+
+    @torch.inference_mode()
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        ids = torch.from_numpy(tokens)
+        out = self.model(input_ids=ids, attention_mask=self.mask, cache=self.cache, use_cache=True)
+        self.cache = out.cache
+        return out.logits[:, -1:].argmax(-1).numpy()
+
+
+class GenaiSession(Session):
+    """An onnxruntime-genai ``Model`` generating greedily: ``append_tokens`` runs the prompt (prefill), each
+    ``generate_next_token`` picks a token and runs it through the graph with genai's own cache (decode). genai picks
+    the first new token in the first step, so ``start`` returns the prompt's last token and ``step`` ignores its
+    argument. ``min_length`` equals ``max_length``: end-of-sequence never stops a session early."""
+
+    def __init__(self, og: Any, model: Any, vocab: int, batch: int, prompt: int, new_tokens: int = NEW_TOKENS) -> None:
+        super().__init__(batch, prompt, vocab, new_tokens)
+        self.og, self.model = og, model
+
+    def start(self) -> np.ndarray:
+        params = self.og.GeneratorParams(self.model)
+        total = self.ids.shape[1] + self.new_tokens + 1
+        params.set_search_options(batch_size=self.ids.shape[0], max_length=total, min_length=total, do_sample=False)
+        self.generator = self.og.Generator(self.model, params)
+        self.generator.append_tokens(self.ids.astype(np.int32))
+        return self.generator.get_next_tokens()
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        self.generator.generate_next_token()
+        return self.generator.get_next_tokens()
+
+
+@dataclass(frozen=True)
+class DecodeBackend:
+    name: str
+    device: str
+    precision: str
+    load: Callable[[RunFolder, str, int | None], Callable[[int, int, int], Session]]
+    """(run, model, CPU threads) -> ((batch, prompt, new_tokens) -> a session)."""
+    missing: Callable[[RunFolder], str | None]
+
+
+def _torch_cpu(run: RunFolder, which: str, threads: int | None) -> Callable[[int, int, int], Session]:
+    model = run.causal_lm(which)
+    return lambda batch, prompt, new_tokens: TorchSession(model, batch, prompt, new_tokens)
+
+
+GENAI_FOLDERS = {"fp32": "-genai", "int4": "-genai-int4"}
+"""Precision -> the suffix of ``prune-export``'s genai folders (``dense-genai/``, ``pruned-genai-int4/``)."""
+
+
+def _genai(precision: str) -> Callable[[RunFolder, str, int | None], Callable[[int, int, int], Session]]:
+    def load(run: RunFolder, which: str, threads: int | None) -> Callable[[int, int, int], Session]:
+        og = require("onnxruntime_genai", "the genai decoder backends")
+        config = og.Config(str(run.root / f"{which}{GENAI_FOLDERS[precision]}"))
+        if threads:
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        model, vocab = og.Model(config), run.graph["vocab_size"]
+        return lambda batch, prompt, new_tokens: GenaiSession(og, model, vocab, batch, prompt, new_tokens)
+
+    return load
+
+
+def _genai_missing(precision: str) -> Callable[[RunFolder], str | None]:
+    def missing(run: RunFolder) -> str | None:
+        if absent := uninstalled("onnxruntime_genai"):
+            return f"not installed: {absent}"
+        folders = [f"{m}{GENAI_FOLDERS[precision]}" for m in MODELS]
+        if absent := [f for f in folders if not (run.root / f / "genai_config.json").is_file()]:
+            flag = " --precision int4" if precision == "int4" else ""
+            return f"no {', '.join(absent)} in {run.root} (corp-deploy prune-export{flag} on a decoder writes them)"
+        return None
+
+    return missing
+
+
+DECODE_BACKENDS = {
+    b.name: b
+    for b in (
+        DecodeBackend("torch-cpu-fp32", "cpu", "fp32", _torch_cpu, lambda run: None),
+        *(DecodeBackend(f"genai-cpu-{p}", "cpu", p, _genai(p), _genai_missing(p)) for p in GENAI_FOLDERS),
+    )
+}
+"""Every decoder backend; ``auto`` keeps those that can run here."""
+
+
+def select(names: str, run: RunFolder) -> tuple[list[DecodeBackend], dict[str, str]]:
+    """``auto`` or a comma list of decoder backends -> (to run, {skipped: why})."""
+    wanted = list(DECODE_BACKENDS) if names == "auto" else [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in DECODE_BACKENDS]
+    if unknown or not wanted:
+        raise CorpError(
+            f"unknown decoder backend {', '.join(unknown) or names!r}; choose auto or from {', '.join(DECODE_BACKENDS)}"
+        )
+    chosen, skipped = [], {}
+    for name in wanted:
+        reason = DECODE_BACKENDS[name].missing(run)
+        if reason is None:
+            chosen.append(DECODE_BACKENDS[name])
+        elif names == "auto":
+            skipped[name] = reason
+        else:
+            raise CorpError(f"backend {name} cannot run here: {reason}")
+    return chosen, skipped
+
+
+def parse_prompts(text: str, limit: int, new_tokens: int) -> list[int]:
+    """``--prompt-lens``: sizes >= 1 whose prompt plus the decoded tokens fit the model's positions."""
+    try:
+        sizes = sorted({int(p) for p in text.split(",") if p.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise CorpError(f"--prompt-lens takes a comma-separated list of token counts >= 1 (e.g. 128,512), got {text!r}")
+    if sizes[-1] + new_tokens > limit:
+        raise CorpError(
+            f"--prompt-lens {sizes[-1]} + --new-tokens {new_tokens} exceeds the model's {limit} positions; "
+            "pass shorter prompts"
+        )
+    return sizes
+
+
+def rows(stats: dict[str, Stats], backend: DecodeBackend, batch: int, prompt: int, phase: str) -> list[dict]:
+    """One result per model: the latency statistics and tokens/s (prefill: batch x prompt tokens per call;
+    decode: batch tokens per call, and its p50 is ms per token)."""
+    tokens = batch * (prompt if phase == "prefill" else 1)
+    out = []
+    for m in MODELS:
+        s = asdict(stats[m])
+        r = {"backend": backend.name, "device": backend.device, "precision": backend.precision, "model": m}
+        r |= {"batch": batch, "phase": phase, "prompt_len": prompt, **s}
+        out.append(r | {"tokens_per_s": tokens * 1e3 / s["mean_ms"], "p50_tokens_per_s": tokens * 1e3 / s["p50_ms"]})
+    return out
+
+
+def decode_benchmark(
+    run: RunFolder,
+    backends: Sequence[DecodeBackend],
+    batch_sizes: Sequence[int],
+    prompts: Sequence[int],
+    method: Method | None = None,
+    repeats: int = 1,
+    new_tokens: int = NEW_TOKENS,
+    threads: int | None = None,
+    skipped: dict[str, str] | None = None,
+    progress: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    """Measure every backend x batch x prompt length x phase, dense and pruned interleaved; the bench record
+    (``run.benchmark``'s schema; each result also holds ``phase``, ``prompt_len`` and ``tokens_per_s``)."""
+    method = method or Method()
+    if repeats < 1:
+        raise CorpError(f"--repeats must be >= 1, got {repeats}")
+    if threads:
+        torch.set_num_threads(threads)
+    record: dict[str, Any] = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "run": str(run.root),
+        "model": run.meta["model"]["name"],
+        "environment": environment(torch.get_num_threads()) | {"onnxruntime_threads": threads or "default"},
+        "method": {
+            **method.as_dict(),
+            "repeats": repeats,
+            "new_tokens": new_tokens,
+            "statistic": "median over repeats of each statistic" if repeats > 1 else "single measurement",
+            "phases": "prefill: one call from an empty cache; decode: one token per sequence with the cache",
+        },
+        "skipped": dict(skipped or {}),
+        "results": [],
+    }
+    for backend in backends:
+        try:
+            loaders = {m: backend.load(run, m, threads) for m in MODELS}
+        except CorpError as e:
+            record["skipped"][backend.name] = first_line(e)
+            progress(f"{backend.name} skipped ({first_line(e)})")
+            continue
+        for batch in batch_sizes:
+            for prompt in prompts:
+                sessions = {m: loaders[m](batch, prompt, new_tokens) for m in MODELS}
+                for phase in PHASES:
+                    steps: dict[str, Step] = {m: getattr(s, phase) for m, s in sessions.items()}
+                    repeats_ = [interleaved(steps, method, warm_up=i == 0) for i in range(repeats)]
+                    stats = {m: median_of_repeats([summarize(r[m], batch) for r in repeats_]) for m in MODELS}
+                    found = rows(stats, backend, batch, prompt, phase)
+                    record["results"] += found
+                    progress(_line(found))
+    return record
+
+
+def _line(found: list[dict]) -> str:
+    d, p = found
+    unit = "ms/token" if d["phase"] == "decode" else "ms"
+    return (
+        f"{d['backend']} batch {d['batch']:3d} prompt {d['prompt_len']:4d} {d['phase']:7s}: p50 dense "
+        f"{d['p50_ms']:8.2f} {unit}, pruned {p['p50_ms']:8.2f} {unit} ({d['p50_ms'] / p['p50_ms']:.2f}x); "
+        f"tokens/s {d['p50_tokens_per_s']:.0f} -> {p['p50_tokens_per_s']:.0f}"
+    )
