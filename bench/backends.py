@@ -142,9 +142,9 @@ class RunFolder:
 
 def inputs_for(run: RunFolder, batch: int) -> Feed:
     """A batch as ``run``'s models take it: full-length random token ids (mask all ones) for a text run,
-    else random images. Anything else with an ``input_size`` (``speed``'s models) gets images."""
+    else random images. Anything else with an ``input_size`` and a ``text`` (``speed``'s models) reads alike."""
     rng = np.random.default_rng(batch)
-    text = run.text if isinstance(run, RunFolder) else None
+    text = run.text
     if text is None:
         return rng.standard_normal((batch, *run.input_size), dtype=np.float32)
     ids = rng.integers(0, text.vocab, (batch, text.seq_len))

@@ -391,6 +391,7 @@ def plan_budget(
             "latency": {
                 "backend": table.key["backend"],
                 "batch": table.key["batch"],
+                **({"seq_len": table.key["seq_len"]} if "seq_len" in table.key else {}),
                 "equal_qk_v": table.tied,
                 "rewrites": table.key.get("rewrites", {}).get("applied", []),
                 "dense_s": table.dense_s,

@@ -392,12 +392,12 @@ def close_loop(
         if met or len(history) == loop.rounds:
             break
         planned = [widths_of(dense, w) for w in widths]
-        try:
+        try:  # a pair no correction follows, or a corrected table that puts the target out of reach: keep this one
             table = table.corrected(measured.dense_s, measured.pruned_s, planned)
+            widths, record = replan(table)
         except CorpError as e:
             history[-1]["stopped"] = str(e)
             break
-        widths, record = replan(table)
         model = copy.deepcopy(dense)
         blocks = prune_model(model, stats, config, timer, widths)
     last = history[-1]
@@ -408,6 +408,7 @@ def close_loop(
         {
             "backend": table.key["backend"],
             "batch": table.key["batch"],
+            **({"seq_len": table.key["seq_len"]} if "seq_len" in table.key else {}),
             "target_speedup": target,
             "predicted_speedup": last["predicted_speedup"],
             "measured_speedup": last["measured_speedup"],

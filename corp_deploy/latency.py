@@ -342,12 +342,20 @@ def write(table: LatencyTable, path: str | Path) -> Path:
     return Path(path)
 
 
+def workload(record: Mapping[str, Any]) -> str:
+    """What a table key or a latency record was timed on: ``batch 32``, or ``batch 32 x 128 tokens`` for a text
+    encoder (its ``seq_len``)."""
+    seq_len = record.get("seq_len")
+    return f"batch {record['batch']}" + ("" if seq_len is None else f" x {seq_len} tokens")
+
+
 def format_table(table: LatencyTable) -> str:
     """The table as a person reads it: fixed cost, then per-block milliseconds over the measured widths."""
     k = table.key
+    fixed = "patch embedding, final norm, head" if k.get("seq_len") is None else "embeddings, pooler"
     lines = [
-        f"latency table: {k['model']} on {k['backend']} ({k['device']}), batch {k['batch']}, {k['threads']} threads",
-        f"  fixed (patch embedding, final norm, head): {table.fixed_s * 1e3:8.2f} ms",
+        f"latency table: {k['model']} on {k['backend']} ({k['device']}), {workload(k)}, {k['threads']} threads",
+        f"  fixed ({fixed}): {table.fixed_s * 1e3:8.2f} ms",
         f"  dense: {table.dense_s * 1e3:8.2f} ms = fixed + {table.shape.depth} blocks x "
         f"{table.dense_block_s * 1e3:.2f} ms",
         "  one block, MLP width at dense attention: "

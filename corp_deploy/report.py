@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from corp_deploy.family import adapter_for
+from corp_deploy.latency import workload
 
 
 def model_size(model: nn.Module) -> dict[str, Any]:
@@ -70,8 +71,8 @@ def _spent(alloc: dict[str, Any]) -> str:
         return f"{alloc['planned_macs'] / alloc['dense_macs']:.3f} of the dense MACs"
     t = alloc["latency"]
     return (
-        f"predicted {t['planned_s'] * 1e3:.1f} ms vs dense {t['dense_s'] * 1e3:.1f} ms on {t['backend']} at batch "
-        f"{t['batch']} ({t['predicted_speedup']:.2f}x)"
+        f"predicted {t['planned_s'] * 1e3:.1f} ms vs dense {t['dense_s'] * 1e3:.1f} ms on {t['backend']} at "
+        f"{workload(t)} ({t['predicted_speedup']:.2f}x)"
     )
 
 
@@ -79,7 +80,7 @@ def _checked(check: dict[str, Any]) -> str:
     """The closed loop's verdict: target, predicted and measured speedup, noise band, rounds."""
     verdict = "met" if check["met"] else "MISSED"
     return (
-        f"speedup on {check['backend']} at batch {check['batch']}: target {check['target_speedup']:.2f}x, "
+        f"speedup on {check['backend']} at {workload(check)}: target {check['target_speedup']:.2f}x, "
         f"predicted {check['predicted_speedup']:.2f}x, measured {check['measured_speedup']:.2f}x "
         f"(noise band +-{100 * check['spread']:.1f}%, dense and pruned interleaved in one run): {verdict} "
         f"after {check['rounds']} round{'s' if check['rounds'] > 1 else ''}"

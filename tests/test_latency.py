@@ -15,9 +15,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 from conftest import TINY_CLI_ARGS, tiny_batches, tiny_vit
-from helpers import run
+from helpers import run, tiny_text_folder
 
-from corp_deploy import api, latency, speed
+from corp_deploy import api, hf, latency, speed
 from corp_deploy.allocation import allocate, plan_budget, widths_of
 from corp_deploy.bench.backends import BACKENDS
 from corp_deploy.errors import CorpError
@@ -25,6 +25,7 @@ from corp_deploy.family import structure as block_widths
 from corp_deploy.latency import LatencyTable, Shape, Timing
 from corp_deploy.pruner import PruneConfig, calibrate
 from corp_deploy.report import format_report
+from corp_deploy.text import synthetic_text_batches
 
 FIXED_S = 0.01
 
@@ -282,6 +283,17 @@ def test_closed_loop_corrects_the_table_and_replans_from_the_same_statistics() -
     assert "target 2.00x" in format_report(result.report) and ": met after 2 rounds" in format_report(result.report)
 
 
+def test_closed_loop_keeps_the_last_model_when_the_corrected_table_puts_the_target_out_of_reach() -> None:
+    """A pair measured at 1.05x for a 2x target (a machine far noisier than the table): the corrected table's fixed
+    cost leaves no widths that reach 2x; the loop stops with the model it timed and says why, instead of failing
+    after the calibration."""
+    table = speed.build_table(tiny_vit(), table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    loop = api.LatencyLoop(lambda d, p: Timing(1.05, 1.0, 0.03), 3)
+    config = PruneConfig(budget="latency=0.5", target="all", allocation="local")
+    check = api.prune(tiny_vit(), tiny_batches(), config, progress=False, table=table, loop=loop).report["latency"]
+    assert check["rounds"] == 1 and not check["met"] and "below the smallest model" in check["history"][0]["stopped"]
+
+
 def test_closed_loop_refuses_what_it_cannot_replan() -> None:
     loop = api.LatencyLoop(lambda d, p: Timing(1, 1, 0.03))
     table = tied_table(tiny_vit())
@@ -442,3 +454,125 @@ def test_cuda_backends_are_allowed_where_cuda_is_available(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(CorpError, match="no CUDA GPU visible"):
         speed.check_backend("torch-cuda-fp16-graph")
+
+
+# ------------------------------------------------------------------------------------- text encoders
+
+SEQ = 16
+
+
+def tiny_encoder(tmp_path):
+    """A tiny random BERT (2 layers, 4 heads of 16, FFN 128, 40 positions) loaded as the CLI loads a folder."""
+    return hf.load(str(tiny_text_folder(tmp_path)))[0]
+
+
+def text_key(batch: int = 8, seq_len: int = SEQ, backend: str = "ort-cpu-fp32") -> dict:
+    return speed.key("tiny-bert", {}, BACKENDS[backend], batch, 2, seq_len=seq_len)
+
+
+def test_a_text_table_times_bert_layers_at_a_sequence_length_in_its_key(tmp_path, cache) -> None:
+    """The same table code on BERT layers: embeddings + pooler are the fixed cost (the block-free model), the key
+    names the sequence length (another length is another table), and mixed widths are predicted exactly."""
+    model, backend = tiny_encoder(tmp_path), BACKENDS["ort-cpu-fp32"]
+    assert speed.shape_of(model) == Shape(depth=2, mlp=128, head_dim=16)
+    assert len(speed.with_widths(model, None).encoder.layer) == 0
+    table = speed.table_for(model, text_key(), backend, timer=fake_timer)
+    assert table.key["seq_len"] == SEQ and {"transformers", "onnxruntime"} <= set(table.key["versions"])
+    assert table.fixed_s == pytest.approx(FIXED_S) and table.dense_s == pytest.approx(fake_time(model))
+    widths = [(40, 12, 4), (128, 8, 16)]
+    assert table.predict(widths) == pytest.approx(fake_time(speed.with_widths(model, widths)))
+    printed = latency.format_table(table)
+    assert "batch 8 x 16 tokens" in printed and "fixed (embeddings, pooler)" in printed
+    longer = speed.table_for(model, text_key(seq_len=32), backend, timer=fake_timer)
+    assert longer.key["seq_len"] == 32 and len(list(cache.iterdir())) == 2
+    path = latency.write(table, tmp_path / "table.json")
+    with pytest.raises(CorpError, match="measured for another setup: seq_len 16 \\(here 32\\)"):
+        speed.table_for(model, text_key(seq_len=32), backend, path=path)
+
+
+def test_a_text_table_refuses_a_sequence_past_the_positions_a_missing_one_and_decoders(tmp_path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model, backend = tiny_encoder(tmp_path), BACKENDS["ort-cpu-fp32"]
+    for key, message in (
+        (text_key(seq_len=41), "--seq-len must be between 1 and 40"),
+        (table_key(), "timed at a sequence length"),
+    ):
+        with pytest.raises(CorpError, match=message) as e:
+            speed.table_for(model, key, backend, timer=fake_timer)
+        assert "\n" not in str(e.value)
+    with pytest.raises(CorpError, match="a sequence length is for text encoders"):
+        speed.table_for(tiny_vit(), text_key(), backend, timer=fake_timer)
+    size = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+    decoder = LlamaForCausalLM(LlamaConfig(vocab_size=32, num_key_value_heads=2, **size))
+    with pytest.raises(CorpError, match="a decoder's time is its generation"):
+        speed.shape_of(decoder)
+
+
+@pytest.mark.parametrize("backend", ["ort-cpu-fp32", "torch-cpu-fp32"])
+def test_text_models_are_timed_as_exported_at_batch_and_sequence(tmp_path, backend) -> None:
+    """The timing path itself (no speed asserted): the encoder graph (ONNX with dynamic axes, or the torch module
+    taking input_ids and attention_mask) runs at (batch, seq_len) for the dense and the block-free model."""
+    model = tiny_encoder(tmp_path)
+    method = dataclasses.replace(speed.TABLE_METHOD, min_iters=2)
+    models = {"dense": model, "fixed": speed.with_widths(model, None)}
+    times = speed.time_models(models, BACKENDS[backend], 3, 1, method, None, SEQ)
+    assert set(times) == {"dense", "fixed"} and all(len(t) >= 2 and min(t) > 0 for t in times.values())
+
+
+def test_the_closed_loop_runs_on_a_text_encoder_and_records_its_sequence(tmp_path) -> None:
+    """A backend twice as slow per layer as the table: round 1 overshoots, the corrected table meets the target;
+    corp.json's record names the backend, batch and sequence, the target, prediction, measurement, band, rounds."""
+    model = tiny_encoder(tmp_path)
+    table = speed.build_table(model, text_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+
+    def timing(dense, pruned) -> Timing:
+        real = [FIXED_S + 2 * (fake_time(m) - FIXED_S) for m in (dense, pruned)]
+        return Timing(real[0], real[1], 0.05)
+
+    config = PruneConfig(budget="latency=0.5", target="all", allocation="local", round_to=4)
+    batches = synthetic_text_batches(model.config.vocab_size, 16, SEQ, 8, 0)
+    result = api.prune(model, batches, config, progress=False, table=table, loop=api.LatencyLoop(timing, 3))
+    check = result.report["latency"]
+    assert check["rounds"] == 2 and check["met"] and check["seq_len"] == SEQ and check["batch"] == 8
+    assert check["history"][0]["measured_speedup"] > 2 * 1.05
+    assert check["measured_speedup"] == pytest.approx(2, rel=0.05) and check["spread"] == 0.05
+    assert result.report["allocation"]["latency"]["seq_len"] == SEQ
+    assert "at batch 8 x 16 tokens: target 2.00x" in format_report(result.report)
+
+
+TEXT_FLAGS = ["--calib", "synthetic", "--num-calib", "8", "--calib-batch-size", "4", "--round-to", "4", "--quiet"]
+
+
+@pytest.mark.e2e
+def test_prune_export_of_a_text_encoder_with_a_speedup_records_the_check(tmp_path, capsys, cache, monkeypatch) -> None:
+    monkeypatch.setattr(speed, "time_models", lambda models, *_: {n: [fake_time(m)] * 6 for n, m in models.items()})
+    monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))
+    folder, out = tiny_text_folder(tmp_path), tmp_path / "run"
+    flags = ["--speedup", "1.3", "--latency-on", "ort-cpu-fp32", "--latency-batch", "2", "--latency-rounds", "2"]
+    argv = ["prune-export", str(folder), *TEXT_FLAGS, "--seq-len", str(SEQ), "--allocation", "local", *flags]
+    code, stdout, err = run([*argv, "--precision", "fp32", "--out", str(out)], capsys)
+    assert code == 0, err
+    check = json.loads((out / "pruned" / "corp.json").read_text())["report"]["latency"]
+    assert check["target_speedup"] == pytest.approx(1.3) and check["met"] and check["rounds"] == 1
+    assert check["seq_len"] == SEQ and check["measured_speedup"] == pytest.approx(check["predicted_speedup"])
+    assert "at batch 2 x 16 tokens: target 1.30x" in stdout
+    (table,) = cache.iterdir()
+    assert json.loads(table.read_text())["key"]["seq_len"] == SEQ
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--seq-len", "41"], "--seq-len must be between 1 and 40"),
+        (["--latency-on", "ort-cpu-int8"], "not supported yet"),
+        (["--latency-batch", "0"], "--latency-batch must be >= 1"),
+    ],
+)
+def test_bad_text_speed_flags_fail_in_one_line(tmp_path, capsys, cache, flags, message) -> None:
+    folder, out = tiny_text_folder(tmp_path), tmp_path / "run"
+    capsys.readouterr()  # the folder's writing
+    speedup = ["--speedup", "2", "--latency-on", "ort-cpu-fp32"]
+    code, _, err = run(["prune", str(folder), *TEXT_FLAGS, *speedup, *flags, "--out", str(out)], capsys)
+    assert code == 1 and err.count("\n") == 1 and re.search(message, err), err
+    assert not out.exists() and not cache.exists()

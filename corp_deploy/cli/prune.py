@@ -29,7 +29,7 @@ from corp_deploy.cli.options import (
 from corp_deploy.data import SYNTHETIC
 from corp_deploy.errors import CorpError
 from corp_deploy.family import adapter_for
-from corp_deploy.latency import LatencyTable, Timing, format_table
+from corp_deploy.latency import LatencyTable, Timing, format_table, workload
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.report import format_report
 from corp_deploy.text import read_documents
@@ -164,13 +164,17 @@ def _text_inputs(
     return Inputs(net, data.batches, data.total, data.heldout, device_, model, {}, "pretrained", source, world)
 
 
-def latency_loop(backend: Backend, batch: int, rounds: int, say: Callable[[str], None]) -> api.LatencyLoop:
-    """The closed loop on ``backend`` at ``batch``: dense and pruned timed interleaved, each timing reported."""
+def latency_loop(
+    backend: Backend, batch: int, rounds: int, say: Callable[[str], None], seq_len: int | None = None
+) -> api.LatencyLoop:
+    """The closed loop on ``backend`` at ``batch`` (x ``seq_len`` tokens for a text encoder): dense and pruned timed
+    interleaved, each timing reported."""
     threads = torch.get_num_threads()
+    at = workload({"batch": batch, "seq_len": seq_len})
 
     def timing(dense: nn.Module, pruned: nn.Module) -> Timing:
-        say(f"latency check: timing dense and pruned on {backend.name} at batch {batch}, interleaved")
-        t = speed.measure_pair(dense, pruned, backend, batch, threads)
+        say(f"latency check: timing dense and pruned on {backend.name} at {at}, interleaved")
+        t = speed.measure_pair(dense, pruned, backend, batch, threads, speed.LOOP_METHOD, seq_len)
         say(f"  dense {t.dense_s * 1e3:.1f} ms, pruned {t.pruned_s * 1e3:.1f} ms: {t.speedup:.2f}x +-{t.band:.1%}")
         return t
 
@@ -184,10 +188,13 @@ def latency_table(
     say: Callable[[str], None],
     depth: tuple[str, ...] = (),
     depth_fit: str = "affine-mean",
+    seq_len: int | None = None,
 ) -> LatencyTable:
-    """The latency table of the built model on ``backend`` at --latency-batch: given, cached or measured now
-    (with ``depth``, also each block's time with those modules replaced by their ``depth_fit`` stand-in)."""
-    key = speed.key(got.name, got.args, backend, latency["latency_batch"], torch.get_num_threads(), depth, depth_fit)
+    """The latency table of the built model on ``backend`` at --latency-batch (x ``seq_len`` tokens for a text
+    encoder): given, cached or measured now (with ``depth``, also each block's time with those modules replaced by
+    their ``depth_fit`` stand-in)."""
+    batch, threads = latency["latency_batch"], torch.get_num_threads()
+    key = speed.key(got.name, got.args, backend, batch, threads, depth, depth_fit, seq_len)
     table = speed.table_for(got.net, key, backend, latency["latency_table"], say)
     say(format_table(table))
     return table
@@ -213,23 +220,22 @@ def pruned(
     """
     config = prune_config(pruning)
     api.calibration_mode(config, max_stats_gib, distributed.SINGLE_PROCESS)  # combinations refused before any data
-    if latency["latency_on"] is not None and hf.is_source(flags["model"]):
-        raise CorpError(
-            "a latency budget (--speedup, --budget latency=F) is timed on timm ViTs only so far; "
-            "use --budget macs=F or --sparsity for a transformers model"
-        )
     backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"], rewrites)
+    seq_len = flags["seq_len"] if hf.is_source(flags["model"]) else None  # a text encoder is timed at --seq-len
     say = (lambda line: None) if quiet else click.echo
     loop = None
     if backend is not None and latency_rounds is not None:
-        loop = latency_loop(backend, latency["latency_batch"], latency_rounds, say)
+        loop = latency_loop(backend, latency["latency_batch"], latency_rounds, say, seq_len)
         api.check_loop(config, max_stats_gib, 2 if distributed.launched() else 1)
     got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, text=text)
     if not typed("target"):  # the default target names only what the family can prune (in the layout asked for)
         adapter = adapter_for(got.net)
         parts = adapter.standard_parts if config.layout == "standard" and adapter.standard_parts else adapter.parts
         config = replace(config, target=[p for p in config.target if p in parts])
-    table = None if backend is None else latency_table(got, backend, latency, say, config.depth, config.depth_fit)
+    table = None
+    if backend is not None:
+        speed.text_inputs(got.net, seq_len)  # a decoder, or --seq-len past the positions: one line, before timing
+        table = latency_table(got, backend, latency, say, config.depth, config.depth_fit, seq_len)
     dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
     progress = not quiet and got.world.is_main
     result = api.prune(
