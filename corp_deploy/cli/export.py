@@ -4,6 +4,7 @@ pruning (``prune-export``). The files and their records are written by ``exporte
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import click
 from torch import nn
 
 from corp_deploy import api, hf, surgery
+from corp_deploy.artifact import META_FILE
 from corp_deploy.cli.options import (
     build_options,
     calibration_source,
@@ -32,6 +34,7 @@ from corp_deploy.cli.options import (
     with_latency,
 )
 from corp_deploy.cli.prune import pruned
+from corp_deploy.data import SYNTHETIC
 from corp_deploy.env import versions
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import INT8
@@ -46,12 +49,13 @@ from corp_deploy.exporters.pipeline import (
     is_text,
     write_export_record,
 )
-from corp_deploy.exporters.quantize import quantize_graphs
+from corp_deploy.exporters.quantize import Data, quantize_graphs
 from corp_deploy.exporters.rewrites import parse_rewrites
 from corp_deploy.exporters.tensorrt_engine import PRECISIONS, build_missing, require_precision, select_flavour
 from corp_deploy.fsio import atomic_dir, check_writable, staged
 from corp_deploy.models import parse_model_args
 from corp_deploy.report import format_report
+from corp_deploy.text import int8_feeds
 
 
 def _pad_qk(model: nn.Module, description: dict, enabled: bool) -> dict:
@@ -59,15 +63,26 @@ def _pad_qk(model: nn.Module, description: dict, enabled: bool) -> dict:
     return description | {"pad_qk_blocks": surgery.pad_qk(model)} if enabled else description
 
 
-def _text_export(precisions_: tuple[str, ...], int8: bool, pad_qk: bool, simplify: bool) -> None:
-    """Refuse, before any work, what a text encoder's export does not do (INT8: its calibration feeds images)."""
-    if int8 or "int8" in precisions_:
-        raise CorpError(
-            "INT8 is for image models so far (its static calibration feeds images); export text encoders "
-            "with --precision fp32,fp16"
-        )
+def _text_export(pad_qk: bool, simplify: bool) -> None:
+    """Refuse, before any work, what a text encoder's export does not do."""
     if pad_qk or simplify:
         raise CorpError("--pad-qk and --simplify are for timm ViTs; export text encoders without them")
+
+
+def _text_int8(
+    tokenizer_from: str | Path, source: str, num_calib: int, num_verify: int, seed: int
+) -> Callable[[Any], Data]:
+    """Graph -> a text encoder's INT8 data (``text.int8_feeds``): vocabulary and sequence length from the graph's
+    metadata, documents from ``source`` tokenized by the tokenizer of ``tokenizer_from`` (the model's)."""
+
+    def feeds(proto) -> Data:
+        meta = read_metadata(proto)
+        tokenizer = None if source == SYNTHETIC else hf.load_tokenizer(tokenizer_from, meta["vocab_size"])
+        if source != SYNTHETIC and tokenizer is None:
+            raise CorpError(f"{tokenizer_from} has no tokenizer; text INT8 calibrates on documents tokenized by it")
+        return int8_feeds(tokenizer, source, meta["vocab_size"], num_calib, num_verify, meta["seq_len"], seed)
+
+    return feeds
 
 
 @click.command()
@@ -112,7 +127,7 @@ def export(
     needs("ONNX export", *onnx_needs(("fp16",) if fp16 else (), simplify))
     model, description = api.load_source(source, weights, checkpoint, parse_model_args(model_arg), seq_len)
     if is_text(description):
-        _text_export((), False, pad_qk, simplify)
+        _text_export(pad_qk, simplify)
     description = _pad_qk(model, description, pad_qk)
     with staged(out_, overwrite) as stage:
         records = [export_verified(model, stage / out_.name, description, opset, simplify, opts, rewrites_)]
@@ -191,15 +206,25 @@ def quantize(
     """Static INT8 (Q/DQ) of SOURCE (a prune-export folder's dense/pruned.onnx, or one .onnx): <name>.int8.onnx.
 
     Calibrated on the first --int8-calib images of CORP's seeded sample, verified against the FP32
-    graph on the next --int8-verify; written only if it passes the INT8 gate.
+    graph on the next --int8-verify; written only if it passes the INT8 gate. A text encoder's graph calibrates
+    on documents of --calib-dir (CORP's sample of them) and verifies on its held-out documents. GEMMs that
+    quantize worst stay float, one at a time, while the graph misses the gate (recorded and printed).
     """
-    images = calibration_source(calib_dir, calib)
     pairs = _int8_pairs(Path(source))
+    metas = [read_metadata(load_onnx(g, weights=False)) for g, _ in pairs]
+    data = calibration_source(calib_dir, calib, any(is_text(m) for m in metas))
     for _, out in pairs:
         check_writable(out, overwrite)
     needs("INT8 quantization", "onnx", "onnxruntime")
     tol = tolerance(INT8, tol_cosine, tol_rel)
-    records = quantize_graphs(pairs, images, tol, int8_calib, int8_verify, seed, calib_method, workers, overwrite)
+    text = None
+    if is_text(metas[0]):  # a run folder's graphs are one model's: the tokenizer is its artifact's, or its source's
+        artifact = pairs[0][0].parent / "pruned"
+        tokenizer_from = artifact if (artifact / META_FILE).is_file() else metas[0]["model"]
+        text = _text_int8(tokenizer_from, data, int8_calib, int8_verify, seed)
+    records = quantize_graphs(
+        pairs, data, tol, int8_calib, int8_verify, seed, calib_method, workers, overwrite, text, click.echo
+    )
     click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}))
     click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
 
@@ -216,9 +241,6 @@ def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
         graphs = [source]
     else:
         raise CorpError(f"{source} is neither a prune-export folder nor a .onnx file")
-    for g in graphs:
-        if is_text(read_metadata(load_onnx(g, weights=False))):
-            raise CorpError(f"{g} is a text encoder; INT8 is for image models so far (its calibration feeds images)")
     return [(g, g.with_name(f"{g.stem}.int8.onnx")) for g in graphs]
 
 
@@ -269,7 +291,7 @@ def prune_export(
     precisions_ = precisions(precision)
     text = hf.is_source(prune_args["model"])
     if text:
-        _text_export(precisions_, int8, pad_qk, simplify)
+        _text_export(pad_qk, simplify)
     prune_args["pruning"] = with_latency(prune_args["pruning"], prune_args["latency"])
     rewrites_ = parse_rewrites(rewrites, prune_args["latency"]["latency_on"])
     opts = verify_options(verify)
@@ -281,7 +303,8 @@ def prune_export(
     needs("prune-export", *onnx_needs(precisions_, simplify))
     quantize = None
     if int8 or "int8" in precisions_:  # INT8 engines are built from the INT8 graphs
-        source = calibration_source(prune_args["calib_dir"], prune_args["calib"])
+        source = calibration_source(prune_args["calib_dir"], prune_args["calib"], text)
+        feeds = _text_int8(prune_args["model"], source, int8_calib, int8_verify, prune_args["seed"]) if text else None
         quantize = functools.partial(
             quantize_graphs,
             source=source,
@@ -291,6 +314,8 @@ def prune_export(
             seed=prune_args["seed"],
             method=calib_method,
             workers=prune_args["workers"] or 0,
+            text=feeds,
+            say=click.echo,
         )
     rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
     run = pruned(**prune_args, keep_dense=True, text=text, latency_rounds=rounds, rewrites=rewrites_)
