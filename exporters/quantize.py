@@ -390,7 +390,7 @@ def quantize_verified(
 
     While the INT8 graph is outside ``tol``, the worst-quantized GEMM left (``gemm_errors``) stays float too
     and it is quantized again from the same calibrated ranges; each step is said. Raises (one line, measured
-    cosine and gate) when no GEMM is left to keep float; callers stage ``out`` so that nothing is left.
+    cosine and gate) when only one GEMM would be left in INT8; callers stage ``out`` so that nothing is left.
     """
     from corp_deploy.exporters.pipeline import write_sidecar
     from corp_deploy.exporters.runners import OrtRunner
@@ -408,8 +408,8 @@ def quantize_verified(
                 break
             if ranked is None:
                 ranked = gemm_errors(src, out, [head(batches[0], RANK_SAMPLES)])
-            if not ranked:
-                break  # every weight GEMM is float already: the check below names the miss
+            if len(ranked) <= 1:
+                break  # one GEMM left in INT8 (or none ranked): not an INT8 graph; the check below names the miss
             gemm, db = ranked.pop(0)
             why = f"its output quantizes at {db:.1f} dB SQNR, the worst left; INT8 missed the gate at "
             why += f"cosine {worst.cosine:.4f}, relative error {worst.rel_error:.3f}"
