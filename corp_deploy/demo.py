@@ -91,7 +91,7 @@ def run_demo(
         step("exported dense and CORP-pruned ONNX, verified against PyTorch in onnxruntime")
         graphs = [(tmp / "corp" / f"{m}.onnx", tmp / "corp" / f"{m}.int8.onnx") for m in ("dense", "pruned")]
         try:
-            quantize_graphs(graphs, train_dir, INT8, config.num_calib, seed=config.seed)
+            quantize_graphs(graphs, train_dir, INT8, config.num_calib, seed=config.seed, say=step)
             step("quantized both to static INT8 (Q/DQ) on CORP's calibration images, verified on held-out ones")
         except CorpError as e:  # a verification the graphs fail is a finding to show, not a reason to stop the demo
             step(f"INT8 left out: {first_line(e)}")

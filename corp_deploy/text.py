@@ -15,14 +15,17 @@ are disjoint draws of one seeded permutation (``split_documents``), fixed by ``S
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from corp_deploy.data import SYNTHETIC, sample
 from corp_deploy.errors import CorpError
 from corp_deploy.hf import max_positions
 
@@ -163,6 +166,47 @@ def synthetic_text_batches(
     for start in range(0, num, batch_size):
         ids = torch.randint(0, vocab, (min(batch_size, num - start), seq_len), generator=g)
         yield {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 0
+
+
+def int8_feeds(
+    tokenizer: Any,
+    source: str | Path,
+    vocab_size: int,
+    num_calib: int,
+    num_verify: int,
+    seq_len: int,
+    seed: int = 0,
+    batch_size: int = 32,
+) -> tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray], dict[str, dict[str, int]]]:
+    """INT8 data for an encoder: (calibration batches, ONE held-out batch, documents per folder of each).
+
+    Calibration takes the first ``num_calib`` documents of the seeded sample CORP calibrated on (the same
+    ``sample`` of the split's calibration part, so a subset of it); verification ``num_verify`` held-out
+    documents, which neither calibration nor evaluation reads, padded to their longest as the gate runs them.
+    ``synthetic``: random tokens, structure only."""
+    if num_calib < 1 or num_verify < 1:
+        raise CorpError("--int8-calib and --int8-verify must be >= 1")
+    if str(source) == SYNTHETIC:
+        calib = [b for b, _ in synthetic_text_batches(vocab_size, num_calib, seq_len, batch_size, seed)]
+        held = next(synthetic_text_batches(vocab_size, num_verify, seq_len, num_verify, seed + 1))[0]
+        folders = {"calibration": {SYNTHETIC: num_calib}, "verification": {SYNTHETIC: num_verify}}
+    else:
+        parts = split_documents(read_documents(source))
+        if not parts.heldout:
+            raise CorpError(
+                f"{source} has too few documents to hold any out for INT8 verification (a tenth of them is kept "
+                "for it); pass 10 or more documents"
+            )
+        docs, held_docs = sample(parts.calibration, num_calib, seed), sample(parts.heldout, num_verify, seed)
+        calib = [b for b, _ in text_batches(tokenizer, docs, seq_len, batch_size)]
+        held = tokenize(tokenizer, [d.text for d in held_docs], seq_len)
+        folders = {"calibration": _per_folder(docs), "verification": _per_folder(held_docs)}
+    as_numpy = lambda feed: {k: v.numpy() for k, v in feed.items()}  # noqa: E731
+    return [as_numpy(b) for b in calib], as_numpy(held), folders
+
+
+def _per_folder(docs: Sequence[Document]) -> dict[str, int]:
+    return dict(Counter(d.folder for d in docs))
 
 
 def check_seq_len(seq_len: int, config: Any) -> None:

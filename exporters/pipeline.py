@@ -220,8 +220,10 @@ def export_run(
     require_engines: bool = False,
     quantize: Callable[[list[tuple[Path, Path]]], list[dict[str, Any]]] | None = None,
     rewrites: Sequence[str] = (),
+    no_engines: str | None = None,
 ) -> dict[str, Any]:
-    """ONNX for every model (FP16 and INT8 too when asked), then an engine per model and precision.
+    """ONNX for every model (FP16 and INT8 too when asked), then an engine per model and precision, unless
+    ``no_engines`` says why not (recorded as the skip reason).
 
     ``rewrites`` go into every model's graph alike (``export_verified``), so dense and pruned stay comparable.
 
@@ -241,7 +243,7 @@ def export_run(
     if quantize is not None:
         record["onnx"] += quantize([(out / f"{stem}.onnx", out / f"{stem}.int8.onnx") for stem in models])
     build = build or BuildOptions()
-    reason = build_missing(build)
+    reason = no_engines or build_missing(build)
     if reason:
         if require_engines:
             raise CorpError(f"--require-engines: cannot build TensorRT engines here: {reason}")

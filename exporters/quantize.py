@@ -11,9 +11,19 @@ held-out feature cosine from 0.990 to 0.939 (docs/BENCHMARKS.md, INT8). Calibrat
 percentile clipping (99.999) did worse (0.929) on DINOv2's outlier channels and held 10 GB. What
 stayed float is written into the graph's ``metadata_props`` (``int8_float_ops``).
 
+Outliers (DINOv2 under calibration shift, BERT-family encoders): when the all-GEMM graph misses the gate, the
+worst-quantized GEMMs stay float, one at a time, until it passes (``quantize_verified``). Each GEMM's local
+error is measured once on calibration data, as the signal-to-quantization-noise ratio of its output under Q/DQ
+of its input and weight (``gemm_errors``, from onnxruntime's ``qdq_loss_debug``), and ranked worst first;
+the ranges are calibrated once (``calibration_cache_path``), so each step is a re-quantization and a check.
+The GEMMs kept float and why are in the graph's metadata (``int8_float_gemms``) and its record.
+
 Calibration uses the same seeded sample CORP reads (``corp_deploy.data.sample``): the first
 ``num_calib`` images of the seeded permutation calibrate, the next ``num_verify`` (never seen by the
 calibrator) verify, so ``--num-calib 256`` calibrates on a subset of a 4000-image CORP calibration.
+Text encoders take feeds of ``input_ids`` and ``attention_mask`` instead (built by the caller from the text
+folder's calibration and held-out documents, ``corp_deploy.text.int8_feeds``); their gate compares the last
+hidden state at real tokens only.
 """
 
 from __future__ import annotations
@@ -21,9 +31,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import tempfile
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -33,7 +44,7 @@ import numpy as np
 from corp_deploy.data import SYNTHETIC, folder_batches, folder_counts, list_images, sample, synthetic_batches
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
-from corp_deploy.exporters.compare import Comparison, Runner, Tolerance, check, compare_runners, summary
+from corp_deploy.exporters.compare import Comparison, Feed, Runner, Tolerance, check, compare_runners, summary
 from corp_deploy.exporters.onnx_export import (
     add_metadata,
     check_onnx,
@@ -74,6 +85,14 @@ SCHEME = {
 }
 CALIB_METHODS = ("minmax", "percentile", "entropy")
 ImageBatches = Iterable[np.ndarray]
+Batches = Iterable[Feed]
+"""Calibration batches: image arrays, or a text encoder's feeds by input name."""
+HeldOut = ImageBatches | dict[str, np.ndarray]
+"""Held-out data: image batches (run as one), or one text feed."""
+Data = tuple[list[Feed], HeldOut, dict[str, dict[str, int]]]
+"""(calibration batches, held-out data, how many of each came from every folder)."""
+RANK_SAMPLES = 8
+"""Calibration samples whose activations rank the GEMMs by quantization error (all activations are held)."""
 
 
 def is_quantized(proto) -> bool:
@@ -135,14 +154,30 @@ def folder_split(
 
 
 class _Reader:
-    """onnxruntime's ``CalibrationDataReader`` protocol over in-memory batches."""
+    """onnxruntime's ``CalibrationDataReader`` protocol over in-memory batches (an image array goes to the
+    graph's one input, a text feed is already by name)."""
 
-    def __init__(self, name: str, batches: ImageBatches) -> None:
+    def __init__(self, name: str, batches: Batches) -> None:
         self.name, self.batches = name, iter(batches)
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         x = next(self.batches, None)
-        return None if x is None else {self.name: x}
+        if x is None:
+            return None
+        return x if isinstance(x, dict) else {self.name: x}
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return iter(self.get_next, None)
+
+
+def samples(x: Feed) -> int:
+    """Images or sequences in a batch."""
+    return len(x["input_ids"] if isinstance(x, dict) else x)
+
+
+def head(x: Feed, n: int) -> Feed:
+    """The first ``n`` samples of a batch."""
+    return {k: v[:n] for k, v in x.items()} if isinstance(x, dict) else x[:n]
 
 
 def activation_gemms(proto) -> list[str]:
@@ -169,15 +204,22 @@ def float_graph(src: str | Path):
 
 
 def quantize_int8(
-    src: str | Path, out: str | Path, calibration: ImageBatches, method: str = "minmax", info: dict | None = None
+    src: str | Path,
+    out: str | Path,
+    calibration: Batches,
+    method: str = "minmax",
+    info: dict | None = None,
+    float_gemms: dict[str, str] | None = None,
+    cache: Path | None = None,
 ) -> Path:
     """Write the static INT8 Q/DQ graph of ``src`` to ``out``, checked; callers stage ``out``.
 
     A graph whose weights live in external data (models over protobuf's 2 GB: deit3_huge, ViT-H)
     is quantized to external data too, ``out`` + ``<out>.data``: a single protobuf cannot hold them.
     A single-file FP32 graph is under 2 GB, and its INT8 graph (weights at a quarter) is smaller
-    still, so it stays one file. ``info`` (calibration source, seed) is recorded with the image
-    count in ``int8_calibration``.
+    still, so it stays one file. ``info`` (calibration source, seed) is recorded with the sample
+    count in ``int8_calibration``. ``float_gemms`` (node name -> why) stay float besides attention's
+    matmuls. ``cache``: a file of calibrated ranges, written by the first call and read by later ones.
     """
     q = require("onnxruntime.quantization", "INT8 quantization")
     methods = {"minmax": q.CalibrationMethod.MinMax, "percentile": q.CalibrationMethod.Percentile}
@@ -186,23 +228,25 @@ def quantize_int8(
         raise CorpError(f"--calib-method must be one of {', '.join(CALIB_METHODS)}, got {method!r}")
     proto = float_graph(src)
     external = len(onnx_files(src, proto)) > 1
-    images = list(calibration)
+    batches = list(calibration)
+    float_gemms = float_gemms or {}
     try:
         with warnings.catch_warnings(), _quiet_logging(), _inferred_copy_removed(Path(src)):
             warnings.simplefilter("ignore")
             q.quantize_static(
                 str(src),
                 str(out),
-                _Reader(proto.graph.input[0].name, images),
+                _Reader(proto.graph.input[0].name, batches),
                 quant_format=q.QuantFormat.QDQ,
                 op_types_to_quantize=list(INT8_OPS),
-                nodes_to_exclude=activation_gemms(proto),
+                nodes_to_exclude=activation_gemms(proto) + list(float_gemms),
                 per_channel=True,
                 activation_type=q.QuantType.QInt8,
                 weight_type=q.QuantType.QInt8,
                 calibrate_method=methods[method],
                 use_external_data_format=external,
                 extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
+                calibration_cache_path=cache,
             )
     except CorpError:
         raise
@@ -211,6 +255,7 @@ def quantize_int8(
     import onnx
 
     quantized = load_onnx(out, weights=False)  # weights in external data stay where the quantizer wrote them
+    calibrated = {"samples" if isinstance(batches[0], dict) else "images": sum(samples(x) for x in batches)}
     add_metadata(
         quantized,
         {
@@ -218,12 +263,66 @@ def quantize_int8(
             "int8_scheme": SCHEME,
             "int8_ops": list(INT8_OPS),
             "int8_float_ops": float_ops(proto),
-            "int8_calibration": {"images": sum(len(x) for x in images), "method": method, **(info or {})},
+            "int8_float_gemms": float_gemms,
+            "int8_gemms": f"{len(weight_gemms(proto)) - len(float_gemms)} of {len(weight_gemms(proto))}",
+            "int8_calibration": {**calibrated, "method": method, **(info or {})},
         },
     )
     onnx.save(quantized, str(out))
     check_onnx(out)
     return Path(out)
+
+
+def weight_gemms(proto) -> list[str]:
+    """The ``INT8_OPS`` nodes with a constant input: the GEMMs INT8 may quantize."""
+    attention = set(activation_gemms(proto))
+    return [n.name for n in proto.graph.node if n.op_type in INT8_OPS and n.name not in attention]
+
+
+def gemm_errors(src: Path, qdq: Path, batches: Sequence[Feed]) -> list[tuple[str, float]]:
+    """(weight GEMM, SQNR of its output in dB), worst quantized first.
+
+    Each GEMM's error is local: its output from the activation before its Q/DQ and the float weight, against
+    its output from the dequantized activation and weight, both taken inside the INT8 graph (onnxruntime's
+    ``qdq_loss_debug`` collects them). It ranks where precision is lost, not where lost precision arrives.
+    The output, not the input, is measured: an outlier channel holds most of its activation's energy, so the
+    activation's own SQNR looks fine while every other channel rounds to a few levels; the weights that read
+    those channels show it. A Conv (the patch embedding) is ranked by its input's SQNR.
+    """
+    debug = require("onnxruntime.quantization.qdq_loss_debug", "INT8 outlier ranking")
+    proto = float_graph(src)
+    gemms = [n for n in proto.graph.node if n.name in set(weight_gemms(proto))]
+    with tempfile.TemporaryDirectory(prefix="corp-int8-rank-") as tmp, warnings.catch_warnings(), _quiet_logging():
+        warnings.simplefilter("ignore")
+        augmented = Path(tmp) / "augmented.onnx"
+        debug.modify_model_output_intermediate_tensors(str(qdq), str(augmented), ["QuantizeLinear", "DequantizeLinear"])
+        activations = debug.create_activation_matching(
+            debug.collect_activations(str(augmented), _Reader(proto.graph.input[0].name, batches))
+        )
+        weights = debug.create_weight_matching(str(src), str(qdq))
+    errors = []
+    for n in gemms:
+        x, w = n.input[0], n.input[1]
+        if x not in activations:
+            continue  # an input left float by the quantizer
+        pre, post = (np.concatenate(activations[x][k]) for k in ("pre_qdq", "post_qdq"))
+        if n.op_type == "Conv" or w not in weights:
+            errors.append((n.name, _sqnr(pre, post)))
+            continue
+        w_float, w_int8 = weights[w]["float"], weights[w]["dequantized"]
+        if n.op_type == "Gemm" and any(a.name == "transB" and a.i for a in n.attribute):
+            w_float, w_int8 = w_float.T, w_int8.T
+        k = w_float.shape[0]
+        errors.append((n.name, _sqnr(pre.reshape(-1, k) @ w_float, post.reshape(-1, k) @ w_int8)))
+    return sorted(errors, key=lambda e: e[1])
+
+
+def _sqnr(signal: np.ndarray, quantized: np.ndarray) -> float:
+    """Signal-to-quantization-noise ratio in dB; infinite without a signal (a GEMM fed zeros by an upstream one
+    that broke has no error of its own to rank)."""
+    power = float(np.square(signal, dtype=np.float64).sum())
+    noise = float(np.square(signal - quantized, dtype=np.float64).sum())
+    return float("inf") if power == 0 else 10 * np.log10(power / max(noise, 1e-30))
 
 
 @contextlib.contextmanager
@@ -253,48 +352,87 @@ def _quiet_logging() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def compare_on(reference: Runner, candidate: Runner, batches: ImageBatches) -> list[Comparison]:
-    """Both graphs on one batch of 1 and on all held-out images in ONE batch: the dynamic axis at its
+def compare_on(reference: Runner, candidate: Runner, held_out: HeldOut) -> list[Comparison]:
+    """Both graphs on one sample and on all held-out samples in ONE batch: the dynamic axis at its
     minimum and at the largest size verification asks of it (``--int8-verify``, 64 by default).
 
     The images arrive in decoding batches (32); running those and concatenating the outputs would
-    never exercise a batch larger than the decoder's, whatever the README promises.
+    never exercise a batch larger than the decoder's, whatever the README promises. Held-out text is one
+    feed, padded to its longest document; its outputs are compared at real tokens only (``real_tokens``).
     """
-    images = np.concatenate(list(batches))
+    if isinstance(held_out, dict):
+        reference, candidate = real_tokens(reference), real_tokens(candidate)
+        return compare_runners(reference, candidate, (head(held_out, 1), held_out))
+    images = np.concatenate(list(held_out))
     return compare_runners(reference, candidate, (images[:1], images))
+
+
+def real_tokens(runner: Runner) -> Runner:
+    """A text encoder's last hidden state at its real tokens, (tokens, hidden): each token is a sample.
+
+    The gate reads every real token rather than a pooled embedding: the graph's output is per token (pooling
+    stays with the caller), and a mean over a document would hide the tokens INT8 breaks. Padding positions
+    are excluded, since nothing downstream reads them (a model's padded outputs are arbitrary)."""
+    return lambda feed: runner(feed)[feed["attention_mask"].astype(bool)]
 
 
 def quantize_verified(
     src: Path,
     out: Path,
-    calibration: ImageBatches,
-    held_out: ImageBatches,
+    calibration: Batches,
+    held_out: HeldOut,
     tol: Tolerance,
     method: str = "minmax",
     info: dict | None = None,
+    say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Quantize ``src`` to ``out`` and check it against ``src`` on held-out images; return its record.
+    """Quantize ``src`` to ``out`` and check it against ``src`` on held-out samples; return its record.
 
-    Raises (one line, measured cosine and gate) when the INT8 graph is outside ``tol``; callers
-    stage ``out`` so that nothing is left.
+    While the INT8 graph is outside ``tol``, the worst-quantized GEMM left (``gemm_errors``) stays float too
+    and it is quantized again from the same calibrated ranges; each step is said. Raises (one line, measured
+    cosine and gate) when only one GEMM would be left in INT8; callers stage ``out`` so that nothing is left.
     """
     from corp_deploy.exporters.pipeline import write_sidecar
     from corp_deploy.exporters.runners import OrtRunner
 
     start = time.perf_counter()
-    quantize_int8(src, out, calibration, method, info)
+    batches, kept, ranked = list(calibration), {}, None
+    reference = OrtRunner(src, "cpu")
+    with tempfile.TemporaryDirectory(prefix="corp-int8-ranges-") as tmp:
+        while True:
+            quantize_int8(src, out, batches, method, info, kept, Path(tmp) / "ranges.json")
+            candidate = OrtRunner(out, "cpu")
+            comparisons = compare_on(reference, candidate, held_out)
+            worst = min(comparisons, key=lambda c: (c.within(tol), c.cosine))
+            if worst.within(tol):
+                break
+            if ranked is None:
+                ranked = gemm_errors(src, out, [head(batches[0], RANK_SAMPLES)])
+            if len(ranked) <= 1:
+                break  # one GEMM left in INT8 (or none ranked): not an INT8 graph; the check below names the miss
+            gemm, db = ranked.pop(0)
+            why = f"its output quantizes at {db:.1f} dB SQNR, the worst left; INT8 missed the gate at "
+            why += f"cosine {worst.cosine:.4f}, relative error {worst.rel_error:.3f}"
+            kept[gemm] = why
+            say(f"{out.name}: keeping {gemm} float ({why})")
     seconds = time.perf_counter() - start
-    reference, candidate = OrtRunner(src, "cpu"), OrtRunner(out, "cpu")
-    comparisons = compare_on(reference, candidate, held_out)
-    check(comparisons, tol, f"INT8 ONNX {out.name} against {src.name} on held-out images")
+    check(comparisons, tol, f"INT8 ONNX {out.name} against {src.name} on held-out {_unit(held_out)}")
     proto = load_onnx(out, weights=False)
     meta = read_metadata(proto)
     verify = {"reference": f"{src.name} ({reference.name})", "runtime": candidate.name, **summary(comparisons)}
-    verify |= {"images": comparisons[-1].batch, "tolerance": asdict(tol)}
+    if isinstance(held_out, dict):
+        verify |= {"sequences": samples(held_out), "tokens": comparisons[-1].batch}
+    else:
+        verify |= {"images": comparisons[-1].batch}
+    verify |= {"tolerance": asdict(tol)}
     record = {**meta, "file": out.name, "bytes": onnx_bytes(out), "seconds": round(seconds, 2)}
     record |= {"verify": verify, "quantized_from": src.name, "source_sha256": onnx_sha256(src)}
     write_sidecar(out, record)
     return record
+
+
+def _unit(held_out: HeldOut) -> str:
+    return "documents" if isinstance(held_out, dict) else "images"
 
 
 def calibration_data(
@@ -319,25 +457,31 @@ def quantize_graphs(
     method: str = "minmax",
     workers: int = 0,
     overwrite: bool = False,
+    text: Callable[[Any], Data] | None = None,
+    say: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Quantize each (FP32 graph, INT8 file) pair, verified; every graph is checked before any image is read.
+    """Quantize each (FP32 graph, INT8 file) pair, verified; every graph is checked before any data is read.
 
-    Images are decoded once for graphs with the same preprocessing (dense and pruned of one model).
-    Each INT8 file and its ``.json`` record appear only when verified.
+    Images are decoded once for graphs with the same preprocessing (dense and pruned of one model). A text
+    encoder's graph needs ``text``: graph -> its ``Data`` (tokenized by the caller: the tokenizer is the model's,
+    which this library does not load). Each INT8 file and its ``.json`` record appear only when verified.
     """
     protos = [float_graph(src) for src, _ in pairs]
+    for (src, _), proto in zip(pairs, protos, strict=True):
+        if text is None and read_metadata(proto).get("modality") == "text":
+            raise CorpError(f"{src} is a text encoder: its INT8 calibrates on text documents, which were not given")
     for _, out in pairs:
         check_writable(out, overwrite)
     info = {"source": str(source), "seed": seed}
-    data: dict[str, tuple[list[np.ndarray], list[np.ndarray], dict[str, dict[str, int]]]] = {}
+    data: dict[str, Data] = {}
     records = []
     for (src, out), proto in zip(pairs, protos, strict=True):
-        key = json.dumps([input_shape(proto), read_metadata(proto).get("preprocessing")], sort_keys=True)
+        key = json.dumps([str(proto.graph.input), read_metadata(proto).get("preprocessing")])
         if key not in data:
-            data[key] = calibration_data(source, proto, num_calib, num_verify, seed, workers)
+            load = text or (lambda p: calibration_data(source, p, num_calib, num_verify, seed, workers))
+            data[key] = load(proto)
         with staged(out, overwrite) as stage:
             calib, held, folders = data[key]
-            records.append(
-                quantize_verified(src, stage / out.name, calib, held, tol, method, info | {"folders": folders})
-            )
+            info_ = info | {"folders": folders}
+            records.append(quantize_verified(src, stage / out.name, calib, held, tol, method, info_, say))
     return records

@@ -133,10 +133,10 @@ def test_build_engine_takes_the_sequence_range(folder, tmp_path, capsys) -> None
 
 
 BAD = {
-    "prune-export int8": (["prune-export", "{folder}", "--int8", "--calib", "synthetic"], "INT8 is for image models"),
-    "prune-export int8 engines": (
-        ["prune-export", "{folder}", "--precision", "fp32,int8", "--calib", "synthetic"],
-        "INT8 is for image models",
+    "prune-export int8 without text": (["prune-export", "{folder}", "--int8"], "no calibration text"),
+    "prune-export int8 engines without text": (
+        ["prune-export", "{folder}", "--precision", "fp32,int8"],
+        "no calibration text",
     ),
     "prune-export pad-qk": (
         ["prune-export", "{folder}", "--pad-qk", "--calib", "synthetic"],
@@ -149,10 +149,6 @@ BAD = {
     "prune-export seq range": (
         ["prune-export", "{folder}", "--calib", "synthetic", "--seq-range", "8:4:2"],
         "1 <= min <= opt <= max",
-    ),
-    "prune-export speedup": (
-        ["prune-export", "{folder}", "--calib", "synthetic", "--speedup", "1.5", "--latency-on", "ort-cpu-fp32"],
-        "a latency budget (--speedup, --budget latency=F) is timed on timm ViTs only",
     ),
     "export seq-len": (["export", "{folder}", "--seq-len", "41"], "--seq-len must be between 1 and 40"),
     "export simplify": (["export", "{folder}", "--simplify"], "--pad-qk and --simplify"),
@@ -175,12 +171,12 @@ def test_bad_text_export_input_is_one_line_and_writes_nothing(case, folder, tmp_
     assert "Traceback" not in stderr and list(tmp_path.iterdir()) == []
 
 
-def test_text_graphs_refuse_int8_and_image_graphs_refuse_a_sequence_range(folder, tmp_path, capsys) -> None:
+def test_text_int8_without_text_and_an_image_graph_with_a_sequence_range_are_refused(folder, tmp_path, capsys) -> None:
     onnx = tmp_path / "m.onnx"
     assert run(["export", str(folder), "--seq-len", "16", "--out", str(onnx)], capsys)[0] == 0
     before = sorted(p.name for p in tmp_path.iterdir())
-    code, _, stderr = run(["quantize", str(onnx), "--calib", "synthetic"], capsys)
-    assert code == 1 and "is a text encoder; INT8 is for image models" in stderr and "Traceback" not in stderr
+    code, _, stderr = run(["quantize", str(onnx)], capsys)
+    assert code == 1 and "no calibration text" in stderr and "Traceback" not in stderr
     from corp_deploy.cli.options import for_graph
     from corp_deploy.errors import CorpError
     from corp_deploy.exporters.tensorrt_engine import BuildOptions, Profile
@@ -242,9 +238,9 @@ def test_two_gloo_processes_calibrate_text_to_the_single_process_model(folder, t
 
 
 @pytest.mark.e2e
-def test_a_decoder_exports_its_logits_and_benches_like_an_encoder(tmp_path, capsys) -> None:
-    """OPT through prune-export (the full-sequence forward for bench, with the same records; the genai folders
-    beside it) and bench."""
+def test_a_decoder_exports_logits_and_genai_folders_no_engines_and_benches_by_phase(tmp_path, capsys) -> None:
+    """OPT through prune-export (the full-sequence forward, with the same records; the genai folders beside it)
+    and bench (prefill and decode in onnxruntime-genai)."""
     import onnx
     import torch
     import transformers
@@ -262,6 +258,12 @@ def test_a_decoder_exports_its_logits_and_benches_like_an_encoder(tmp_path, caps
     for stem in ("dense", "pruned"):  # and the key/value-cache graphs onnxruntime-genai generates with
         record = json.loads((out / f"{stem}-genai" / "model.onnx.json").read_text())
         assert all(p["genai_equal"] for p in record["genai"]["prompts"]) and record["tokenizer"] is None
-    assert json.loads((out / "export.json").read_text())["genai"]["pruned-genai"]["genai"]["tokens_equal"]
-    code, stdout, stderr = run(["bench", str(out), "--backends", "ort-cpu-fp32", "--batch-sizes", "2", *FAST], capsys)
-    assert code == 0 and "batch    2 x 32 tokens" in stdout and "dense tok/s" in stdout, stderr
+    exported = json.loads((out / "export.json").read_text())
+    assert exported["genai"]["pruned-genai"]["genai"]["tokens_equal"]
+    assert exported["engines"] == [] and exported["engines_skipped"].startswith("decoders get none")  # no 1 GB plans
+    assert not list(out.glob("*.plan"))
+    code, _, stderr = run([*argv, "--require-engines", "--out", str(tmp_path / "required")], capsys)
+    assert code == 1 and "decoders get none" in stderr and not (tmp_path / "required").exists(), stderr
+    argv = ["bench", str(out), "--backends", "genai-cpu-fp32", "--batch-sizes", "2", "--prompt-lens", "8"]
+    code, stdout, stderr = run([*argv, "--new-tokens", "4", *FAST], capsys)  # a decoder is timed by phase
+    assert code == 0 and stdout.count("genai-cpu-fp32  cpu     fp32") == 2, stderr  # prefill and decode rows

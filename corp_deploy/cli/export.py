@@ -4,6 +4,7 @@ pruning (``prune-export``). The files and their records are written by ``exporte
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import click
 from torch import nn
 
 from corp_deploy import api, hf, surgery
+from corp_deploy.artifact import META_FILE
 from corp_deploy.cli import genai
 from corp_deploy.cli.options import (
     build_options,
@@ -53,17 +55,24 @@ from corp_deploy.exporters.pipeline import (
     is_text,
     write_export_record,
 )
-from corp_deploy.exporters.quantize import quantize_graphs
+from corp_deploy.exporters.quantize import Data, quantize_graphs
 from corp_deploy.exporters.rewrites import parse_rewrites
 from corp_deploy.exporters.tensorrt_engine import PRECISIONS, build_missing, require_precision, select_flavour
 from corp_deploy.fsio import atomic_dir, check_writable, staged
 from corp_deploy.models import parse_model_args
 from corp_deploy.report import format_report
+from corp_deploy.text import int8_feeds
 
 
 def _pad_qk(model: nn.Module, description: dict, enabled: bool) -> dict:
     """Switch ``--pad-qk`` on in ``model``; the exported graph's description says how many blocks it padded."""
     return description | {"pad_qk_blocks": surgery.pad_qk(model)} if enabled else description
+
+
+DECODER_ENGINES = (
+    "decoders get none: an engine of the full-sequence logits graph cannot generate token by token (the genai "
+    "folders are a decoder's runtime), and engines of the key/value-cache graph are not built yet"
+)
 
 
 def _int4_refused(precisions_: tuple[str, ...], decoder: bool) -> None:
@@ -84,15 +93,26 @@ def _int4_windows(tokenizer_source: str | Path | None, data: str, vocab: int, in
     return windows.numpy()
 
 
-def _text_export(precisions_: tuple[str, ...], int8: bool, pad_qk: bool, simplify: bool) -> None:
-    """Refuse, before any work, what a text encoder's export does not do (INT8: its calibration feeds images)."""
-    if int8 or "int8" in precisions_:
-        raise CorpError(
-            "INT8 is for image models so far (its static calibration feeds images); export text encoders "
-            "with --precision fp32,fp16"
-        )
+def _text_export(pad_qk: bool, simplify: bool) -> None:
+    """Refuse, before any work, what a text encoder's export does not do."""
     if pad_qk or simplify:
         raise CorpError("--pad-qk and --simplify are for timm ViTs; export text encoders without them")
+
+
+def _text_int8(
+    tokenizer_from: str | Path, source: str, num_calib: int, num_verify: int, seed: int
+) -> Callable[[Any], Data]:
+    """Graph -> a text encoder's INT8 data (``text.int8_feeds``): vocabulary and sequence length from the graph's
+    metadata, documents from ``source`` tokenized by the tokenizer of ``tokenizer_from`` (the model's)."""
+
+    def feeds(proto) -> Data:
+        meta = read_metadata(proto)
+        tokenizer = None if source == SYNTHETIC else hf.load_tokenizer(tokenizer_from, meta["vocab_size"])
+        if source != SYNTHETIC and tokenizer is None:
+            raise CorpError(f"{tokenizer_from} has no tokenizer; text INT8 calibrates on documents tokenized by it")
+        return int8_feeds(tokenizer, source, meta["vocab_size"], num_calib, num_verify, meta["seq_len"], seed)
+
+    return feeds
 
 
 @click.command()
@@ -159,7 +179,7 @@ def export(
     needs("ONNX export", *onnx_needs(("fp16",) if fp16 else (), simplify))
     model, description = api.load_source(source, weights, checkpoint, parse_model_args(model_arg), seq_len)
     if is_text(description):
-        _text_export((), False, pad_qk, simplify)
+        _text_export(pad_qk, simplify)
     description = _pad_qk(model, description, pad_qk)
     with staged(out_, overwrite) as stage:
         records = [export_verified(model, stage / out_.name, description, opset, simplify, opts, rewrites_)]
@@ -282,20 +302,30 @@ def quantize(
     """Static INT8 (Q/DQ) of SOURCE (a prune-export folder's dense/pruned.onnx, or one .onnx): <name>.int8.onnx.
 
     Calibrated on the first --int8-calib images of CORP's seeded sample, verified against the FP32
-    graph on the next --int8-verify; written only if it passes the INT8 gate. With --precision int4, a decoder's
-    weight-only INT4 graph <name>.int4.onnx, verified on --int4-windows held-out windows of the --calib-dir text
-    (perplexity ratio and top-1 agreement against the FP32 graph).
+    graph on the next --int8-verify; written only if it passes the INT8 gate. A text encoder's graph calibrates
+    on documents of --calib-dir (CORP's sample of them) and verifies on its held-out documents. GEMMs that
+    quantize worst stay float, one at a time, while the graph misses the gate (recorded and printed). With
+    --precision int4, a decoder's weight-only INT4 graph <name>.int4.onnx, verified on --int4-windows held-out
+    windows of the --calib-dir text (perplexity ratio and top-1 agreement against the FP32 graph).
     """
     if precision == "int4":
-        _quantize_int4(Path(source), calibration_source(calib_dir, calib), int4, seed, overwrite)
+        _quantize_int4(Path(source), calibration_source(calib_dir, calib, True), int4, seed, overwrite)
         return
-    images = calibration_source(calib_dir, calib)
     pairs = _int8_pairs(Path(source))
+    metas = [read_metadata(load_onnx(g, weights=False)) for g, _ in pairs]
+    data = calibration_source(calib_dir, calib, any(is_text(m) for m in metas))
     for _, out in pairs:
         check_writable(out, overwrite)
     needs("INT8 quantization", "onnx", "onnxruntime")
     tol = tolerance(INT8, tol_cosine, tol_rel)
-    records = quantize_graphs(pairs, images, tol, int8_calib, int8_verify, seed, calib_method, workers, overwrite)
+    text = None
+    if is_text(metas[0]):  # a run folder's graphs are one model's: the tokenizer is its artifact's, or its source's
+        artifact = pairs[0][0].parent / "pruned"
+        tokenizer_from = artifact if (artifact / META_FILE).is_file() else metas[0]["model"]
+        text = _text_int8(tokenizer_from, data, int8_calib, int8_verify, seed)
+    records = quantize_graphs(
+        pairs, data, tol, int8_calib, int8_verify, seed, calib_method, workers, overwrite, text, click.echo
+    )
     click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}))
     click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
 
@@ -346,9 +376,6 @@ def _fp32_graphs(source: Path) -> list[Path]:
 def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
     """(FP32 graph, INT8 file) for a run folder's dense and pruned graphs, or for one .onnx file."""
     graphs = _fp32_graphs(source)
-    for g in graphs:
-        if is_text(read_metadata(load_onnx(g, weights=False))):
-            raise CorpError(f"{g} is a text encoder; INT8 is for image models so far (its calibration feeds images)")
     return [(g, g.with_name(f"{g.stem}.int8.onnx")) for g in graphs]
 
 
@@ -406,13 +433,14 @@ def prune_export(
     _int4_refused(precisions_, decoder)
     int4_setup(int4)  # a bad INT4 flag fails here
     if text:
-        _text_export(precisions_, int8, pad_qk, simplify)
+        _text_export(pad_qk, simplify)
     prune_args["pruning"] = with_latency(prune_args["pruning"], prune_args["latency"])
     rewrites_ = parse_rewrites(rewrites, prune_args["latency"]["latency_on"])
     opts = verify_options(verify)
     build = for_graph(build_options(engine, "fp32", opts), prune_args["seq_len"] if text else None)
-    if require_engines and build_missing(build):
-        raise CorpError(f"--require-engines: cannot build TensorRT engines here: {build_missing(build)}")
+    no_engines = DECODER_ENGINES if decoder else None  # engines of logits graphs nobody can generate with
+    if require_engines and (no_engines or build_missing(build)):
+        raise CorpError(f"--require-engines: cannot build TensorRT engines here: {no_engines or build_missing(build)}")
     out = out_path(out, prune_args["model"], prune_args["pruning"], overwrite)
     prune_config(prune_args["pruning"])  # a bad pruning flag fails here, before the package check
     needs("prune-export", *onnx_needs(precisions_, simplify))
@@ -420,7 +448,8 @@ def prune_export(
         genai.needs_genai()
     quantize = None
     if int8 or "int8" in precisions_:  # INT8 engines are built from the INT8 graphs
-        source = calibration_source(prune_args["calib_dir"], prune_args["calib"])
+        source = calibration_source(prune_args["calib_dir"], prune_args["calib"], text)
+        feeds = _text_int8(prune_args["model"], source, int8_calib, int8_verify, prune_args["seed"]) if text else None
         quantize = functools.partial(
             quantize_graphs,
             source=source,
@@ -430,6 +459,8 @@ def prune_export(
             seed=prune_args["seed"],
             method=calib_method,
             workers=prune_args["workers"] or 0,
+            text=feeds,
+            say=click.echo,
         )
     rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
     run = pruned(**prune_args, keep_dense=True, text=text, latency_rounds=rounds, rewrites=rewrites_)
@@ -449,7 +480,9 @@ def prune_export(
     with atomic_dir(out, overwrite) as tmp:
         api.save(run.result, tmp / "pruned", run.name, run.args, weights=run.weights)
         engines = tuple(p for p in precisions_ if p != "int4")
-        record = export_run(models, tmp, engines, opset, simplify, opts, build, require_engines, quantize, rewrites_)
+        record = export_run(
+            models, tmp, engines, opset, simplify, opts, build, require_engines, quantize, rewrites_, no_engines
+        )
         genai_records = {
             stem: write_genai_folder(
                 model, tmp / f"{stem}{GENAI_SUFFIX}", description, tmp / "pruned", opset, None, opts.fp32

@@ -306,8 +306,18 @@ engine_group = group(
 )
 
 int8_options = group(
-    click.option("--int8-calib", default=256, show_default=True, help="INT8 calibration images: CORP's first N."),
-    click.option("--int8-verify", default=64, show_default=True, help="Held-out images (the next N) verifying INT8."),
+    click.option(
+        "--int8-calib",
+        default=256,
+        show_default=True,
+        help="INT8 calibration images (text: documents): CORP's first N.",
+    ),
+    click.option(
+        "--int8-verify",
+        default=64,
+        show_default=True,
+        help="Held-out images (the next N; text: held-out documents) verifying INT8.",
+    ),
     click.option(
         "--calib-method",
         type=click.Choice(CALIB_METHODS),
@@ -500,7 +510,13 @@ def precisions(text: str) -> tuple[str, ...]:
     return values
 
 
-def calibration_source(calib_dir: str | None, calib: str | None) -> str:
+def calibration_source(calib_dir: str | None, calib: str | None, text: bool = False) -> str:
+    """``--calib-dir`` or ``synthetic``; neither is one line saying what to pass (documents for a ``text`` model)."""
+    if calib_dir is None and calib is None and text:
+        raise CorpError(
+            "no calibration text: pass --calib-dir DIR (.txt/.jsonl documents of your domain), or --calib synthetic "
+            "for a smoke run on random tokens (structure and speed only)"
+        )
     if calib is not None and calib != SYNTHETIC:
         raise CorpError(f"--calib accepts only 'synthetic', got {calib!r}; real images (or text) go in --calib-dir")
     if calib_dir is not None and calib is not None:

@@ -107,12 +107,7 @@ def inputs(
     """``dist_timeout`` marks a command that may run data-parallel under torchrun (prune, prune-export);
     ``hold_out`` calibration images are drawn across the sample for the width planning (``api.calibration_data``).
     ``text``: the command takes ``transformers`` models too (MODEL a folder with a config.json, or ``hf:NAME``)."""
-    if calib_dir is None and calib is None and hf.is_source(model):
-        raise CorpError(
-            "no calibration text: pass --calib-dir DIR (.txt/.jsonl documents of your domain), or --calib synthetic "
-            "for a smoke run on random tokens (structure and speed only)"
-        )
-    source = calibration_source(calib_dir, calib)
+    source = calibration_source(calib_dir, calib, hf.is_source(model))
     if num_calib is None:
         num_calib = SMOKE_IMAGES if source == SYNTHETIC else TEXT_SEQUENCES if hf.is_source(model) else CALIB_IMAGES
     if hf.is_source(model):
