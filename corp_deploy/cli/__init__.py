@@ -24,7 +24,7 @@ __all__ = ["SMOKE_IMAGES", "cli", "main"]
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="corp-deploy")
 def cli() -> None:
-    """Prune transformers with CORP (timm ViTs; BERT-family encoders, OPT and Llama decoders) and export them for deployment."""
+    """Prune transformers with CORP (timm ViTs; BERT-family, OPT, Llama via transformers) and export them."""
 
 
 for command in (
