@@ -16,7 +16,6 @@ where ``--precision int4`` wrote them). Token ids are random (values do not chan
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +28,7 @@ from torch import nn
 
 from corp_deploy.bench.backends import MODELS, RunFolder
 from corp_deploy.bench.measure import Method, Stats, Step, interleaved, median_of_repeats, summarize
-from corp_deploy.bench.run import SCHEMA, SCHEMA_VERSION, environment
+from corp_deploy.bench.run import new_record
 from corp_deploy.deps import missing as uninstalled
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError, first_line
@@ -239,27 +238,15 @@ def decode_benchmark(
     """Measure every backend x batch x prompt length x phase, dense and pruned interleaved; the bench record
     (``run.benchmark``'s schema; each result also holds ``phase``, ``prompt_len`` and ``tokens_per_s``)."""
     method = method or Method()
-    if repeats < 1:
-        raise CorpError(f"--repeats must be >= 1, got {repeats}")
-    if threads:
-        torch.set_num_threads(threads)
-    record: dict[str, Any] = {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "run": str(run.root),
-        "model": run.meta["model"]["name"],
-        "environment": environment(torch.get_num_threads()) | {"onnxruntime_threads": threads or "default"},
-        "method": {
-            **method.as_dict(),
-            "repeats": repeats,
-            "new_tokens": new_tokens,
-            "statistic": "median over repeats of each statistic" if repeats > 1 else "single measurement",
-            "phases": "prefill: one call from an empty cache; decode: one token per sequence with the cache",
-        },
-        "skipped": dict(skipped or {}),
-        "results": [],
-    }
+    record = new_record(
+        run,
+        method,
+        repeats,
+        threads,
+        skipped,
+        new_tokens=new_tokens,
+        phases="prefill: one call from an empty cache; decode: one token per sequence with the cache",
+    )
     for backend in backends:
         try:
             loaders = {m: backend.load(run, m, threads) for m in MODELS}

@@ -37,6 +37,38 @@ def environment(threads: int) -> dict[str, Any]:
     return env.environment(threads, {flavour.name: flavour.module for flavour in FLAVOURS.values()})
 
 
+def new_record(
+    run: RunFolder,
+    method: Method,
+    repeats: int,
+    threads: int | None,
+    skipped: dict[str, str] | None,
+    **how: Any,
+) -> dict[str, Any]:
+    """A bench record with no results yet: schema, date, run, model, environment and ``method`` (plus ``how``).
+    Checks ``repeats`` and sets torch's ``threads`` first, since the environment records them."""
+    if repeats < 1:
+        raise CorpError(f"--repeats must be >= 1, got {repeats}")
+    if threads:
+        torch.set_num_threads(threads)
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "run": str(run.root),
+        "model": run.meta["model"]["name"],
+        "environment": environment(torch.get_num_threads()) | {"onnxruntime_threads": threads or "default"},
+        "method": {
+            **method.as_dict(),
+            "repeats": repeats,
+            **how,
+            "statistic": "median over repeats of each statistic" if repeats > 1 else "single measurement",
+        },
+        "skipped": dict(skipped or {}),
+        "results": [],
+    }
+
+
 def benchmark(
     run: RunFolder,
     backends: Sequence[Backend],
@@ -53,26 +85,7 @@ def benchmark(
     A text run's results also hold ``seq_len`` (tokens per sequence); their throughput is sentences/s.
     """
     method = method or Method()
-    if repeats < 1:
-        raise CorpError(f"--repeats must be >= 1, got {repeats}")
-    if threads:
-        torch.set_num_threads(threads)
-    record: dict[str, Any] = {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "run": str(run.root),
-        "model": run.meta["model"]["name"],
-        "environment": environment(torch.get_num_threads()) | {"onnxruntime_threads": threads or "default"},
-        "method": {
-            **method.as_dict(),
-            "repeats": repeats,
-            "include_copies": include_copies,
-            "statistic": ("median over repeats of each statistic" if repeats > 1 else "single measurement"),
-        },
-        "skipped": dict(skipped or {}),
-        "results": [],
-    }
+    record = new_record(run, method, repeats, threads, skipped, include_copies=include_copies)
     tokens = {} if run.text is None else {"seq_len": run.text.seq_len}
     shape = "" if run.text is None else f" x {run.text.seq_len} tokens"
     for backend in backends:

@@ -67,3 +67,12 @@ def tf32_on():
     yield tf32_state()
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
     torch.set_float32_matmul_precision(saved[2])
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """A test that sets torch's thread count (``bench --threads``) leaves it as it found it: a later test that keys a
+    latency table by the thread count and then runs the CLI in a fresh process would otherwise see two counts."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
