@@ -37,7 +37,7 @@ from corp_deploy.bench.backends import RunFolder
 from corp_deploy.bench.decode import DECODE_BACKENDS, PHASES, TorchSession, decode_benchmark, rows
 from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.exporters.genai import write_genai_folder
-from corp_deploy.exporters.int4 import INT4, INT4_SUFFIX, Scheme, int4_genai_folder
+from corp_deploy.exporters.int4 import INT4, INT4_SUFFIX, Scheme, int4_graphs
 from corp_deploy.hf import load
 from corp_deploy.offline.gguf_folder import convert_gguf, smollm2_gguf
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
@@ -58,7 +58,7 @@ def genai_pair(model: torch.nn.Module, folder: Path, tokenizer_dir: Path, window
         write_genai_folder(model, folder, description, tokenizer_dir)
     int4 = folder.with_name(folder.name + INT4_SUFFIX)
     if not (int4 / "model.onnx.json").is_file():
-        return int4_genai_folder(folder, int4, windows, INT4, Scheme(), {"text": "BBC News evaluation documents"})
+        return int4_graphs([(folder, int4)], windows, INT4, Scheme(), {"text": "BBC News evaluation documents"})[0]
     return json.loads((int4 / "model.onnx.json").read_text())
 
 
