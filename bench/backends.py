@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -414,17 +414,21 @@ BACKENDS: dict[str, Backend] = {
 """Every backend, CPU first; ``auto`` keeps those that can run here, but not the opt-in ones (torch.compile)."""
 
 
-def select(names: str, run: RunFolder) -> tuple[list[Backend], dict[str, str]]:
-    """``auto`` or a comma list -> (backends to run, {skipped backend: why})."""
-    wanted = list(BACKENDS) if names == "auto" else [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in BACKENDS]
+def select(
+    names: str, run: RunFolder, registry: Mapping[str, Any] = BACKENDS, kind: str = "backend"
+) -> tuple[list, dict[str, str]]:
+    """``auto`` or a comma list of ``registry``'s names (image/encoder backends, or the decoder ones) -> (backends
+    to run, {skipped backend: why}); ``auto`` leaves out what cannot run here and what is opt-in."""
+    wanted = list(registry) if names == "auto" else [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in registry]
     if unknown or not wanted:
-        raise CorpError(f"unknown backend {', '.join(unknown) or names!r}; choose auto or from {', '.join(BACKENDS)}")
+        raise CorpError(f"unknown {kind} {', '.join(unknown) or names!r}; choose auto or from {', '.join(registry)}")
     chosen, skipped = [], {}
     for name in wanted:
-        reason = BACKENDS[name].missing(run) or (BACKENDS[name].opt_in if names == "auto" else None)
+        opt_in = getattr(registry[name], "opt_in", None)
+        reason = registry[name].missing(run) or (opt_in if names == "auto" else None)
         if reason is None:
-            chosen.append(BACKENDS[name])
+            chosen.append(registry[name])
         elif names == "auto":
             skipped[name] = reason
         else:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from corp_deploy.bench.backends import MODELS, RunFolder
+from corp_deploy.bench.backends import select as select_backends
 from corp_deploy.bench.measure import Method, Stats, Step, interleaved, median_of_repeats, summarize
 from corp_deploy.bench.run import new_record
 from corp_deploy.deps import missing as uninstalled
@@ -176,22 +177,7 @@ DECODE_BACKENDS = {
 
 def select(names: str, run: RunFolder) -> tuple[list[DecodeBackend], dict[str, str]]:
     """``auto`` or a comma list of decoder backends -> (to run, {skipped: why})."""
-    wanted = list(DECODE_BACKENDS) if names == "auto" else [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in DECODE_BACKENDS]
-    if unknown or not wanted:
-        raise CorpError(
-            f"unknown decoder backend {', '.join(unknown) or names!r}; choose auto or from {', '.join(DECODE_BACKENDS)}"
-        )
-    chosen, skipped = [], {}
-    for name in wanted:
-        reason = DECODE_BACKENDS[name].missing(run)
-        if reason is None:
-            chosen.append(DECODE_BACKENDS[name])
-        elif names == "auto":
-            skipped[name] = reason
-        else:
-            raise CorpError(f"backend {name} cannot run here: {reason}")
-    return chosen, skipped
+    return select_backends(names, run, DECODE_BACKENDS, "decoder backend")
 
 
 def parse_prompts(text: str, limit: int, new_tokens: int) -> list[int]:
