@@ -21,13 +21,13 @@ import timm
 import torch
 from torch import nn
 
-from corp_deploy.artifact import FAMILIES, META_FILE, load_pruned, read_meta
+from corp_deploy.artifact import META_FILE, build, load_pruned, read_meta
 from corp_deploy.bench.measure import Step
 from corp_deploy.deps import missing as uninstalled
 from corp_deploy.deps import optional
 from corp_deploy.errors import CorpError, first_line
 from corp_deploy.exporters.compare import Feed
-from corp_deploy.exporters.rewrites import default_rewrites, rewritten
+from corp_deploy.exporters.rewrites import PATCH_LINEAR, rewritten
 from corp_deploy.exporters.tensorrt_engine import TEXT_ENGINES, run_missing
 from corp_deploy.exporters.text_onnx import graph
 
@@ -100,7 +100,7 @@ class RunFolder:
         if which == "pruned":
             model = load_pruned(self.root / "pruned")
         elif self.text is not None:
-            model = FAMILIES[self.meta["family"]].build(self.meta["model"], self.root / "pruned").eval()
+            model = build(self.meta, self.root / "pruned").eval()
         else:
             model = self.meta["model"]
             return timm.create_model(model["name"], pretrained=False, **model.get("args", {})).eval()
@@ -182,12 +182,27 @@ def cuda_step(call: Callable[[], object]) -> Step:
 
 @dataclass(frozen=True)
 class Backend:
+    """One runtime on one device at one precision, and what the rest of the tool needs to know about it (so that
+    nothing takes its name apart)."""
+
     name: str
+    runtime: str
+    """``torch``, ``onnxruntime`` or ``tensorrt``."""
     device: str
     precision: str
     load: Callable[[RunFolder, str, bool, int | None], Callable[[int], Step]]
     """(run, model, include_copies, CPU threads) -> (batch -> timed step)."""
     missing: Callable[[RunFolder], str | None]
+    compiler: str | None = None
+    """torch.compile's backend when the model is compiled (``inductor``); None: eager or not torch."""
+    graphed: bool = False
+    """Replayed as a CUDA graph."""
+    equal_heads: bool = False
+    """Its fast attention kernels need one head width for Q, K and V (SDPA flash, TensorRT MHA): a latency table
+    measured here allocates equal Q/K and V widths (``latency.LatencyTable.tied``)."""
+    default_rewrites: tuple[str, ...] = ()
+    """The exact rewrites measured to pay here (``exporters.rewrites``; docs/BENCHMARKS.md "Exact fixed-cost
+    rewrites": the patch embedding as one GEMM on CUDA; none paid on the CPU backends)."""
     opt_in: str | None = None
     """Why ``auto`` leaves this backend out (it runs only when named); None: ``auto`` includes it."""
     chosen_rewrites: tuple[str, ...] | None = None
@@ -198,7 +213,7 @@ class Backend:
         """The exact rewrites applied here (``exporters.rewrites``): those chosen, else those that pay. Its torch
         loader applies them to dense and pruned alike; the ONNX and engine backends run the graphs as exported (their
         sidecars say which)."""
-        return default_rewrites(self.name) if self.chosen_rewrites is None else self.chosen_rewrites
+        return self.default_rewrites if self.chosen_rewrites is None else self.chosen_rewrites
 
 
 def compile_model(model: nn.Module, backend: str | Callable[..., Any] = "inductor") -> nn.Module:
@@ -260,12 +275,17 @@ def torch_forward(
     return replay
 
 
-def _torch(name: str, dtype: torch.dtype, compile_backend: str | None = None, graph: bool = False) -> Callable:
-    """The loader of backend ``name`` (``torch-<device>-...``): the model with the rewrites that pay there."""
-    device = name.split("-")[1]
+def _torch(
+    device: str,
+    dtype: torch.dtype,
+    defaults: tuple[str, ...] = (),
+    compile_backend: str | None = None,
+    graph: bool = False,
+) -> Callable:
+    """The loader of a torch backend on ``device``: the model with the rewrites that pay there (``defaults``)."""
 
     def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
-        names = default_rewrites(name) if run.rewrites is None else run.rewrites
+        names = defaults if run.rewrites is None else run.rewrites
         model = rewritten(run.torch_model(which), names)[0].to(device, dtype).eval()
         if compile_backend:
             model = compile_model(model, compile_backend)
@@ -386,32 +406,48 @@ TORCH_CUDA_MODES = {
     "-compile-graph": ("inductor", True, _compile_missing, COMPILE_OPT_IN),
 }
 """Name suffix -> (torch.compile backend, CUDA graph, why it cannot run here, why ``auto`` leaves it out)."""
+CUDA_REWRITES = (PATCH_LINEAR,)
+"""What pays on the torch CUDA backends: 0.55 ms as a cuDNN conv vs 0.08 ms as reshape+GEMM for deit_base's patch
+embedding at batch 64 in fp16 on an H200 (issue 23)."""
 
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("torch-cpu-fp32", "cpu", "fp32", _torch("torch-cpu-fp32", torch.float32), lambda run: None),
-        Backend("ort-cpu-fp32", "cpu", "fp32", _ort("cpu"), _ort_missing("cpu")),
-        Backend("ort-cpu-int8", "cpu", "int8", _ort("cpu", "int8"), _ort_missing("cpu", "int8")),
+        Backend(
+            "torch-cpu-fp32", "torch", "cpu", "fp32", _torch("cpu", torch.float32), lambda run: None, equal_heads=True
+        ),
+        Backend("ort-cpu-fp32", "onnxruntime", "cpu", "fp32", _ort("cpu"), _ort_missing("cpu")),
+        Backend("ort-cpu-int8", "onnxruntime", "cpu", "int8", _ort("cpu", "int8"), _ort_missing("cpu", "int8")),
         *(
             Backend(
                 f"torch-cuda-{p}{suffix}",
+                "torch",
                 "cuda",
                 p,
-                _torch(f"torch-cuda-{p}{suffix}", dtype, compiler, graph),
+                _torch("cuda", dtype, CUDA_REWRITES, compiler, graph),
                 missing,
-                opt_in,
+                compiler=compiler,
+                graphed=graph,
+                equal_heads=True,
+                default_rewrites=CUDA_REWRITES,
+                opt_in=opt_in,
             )
             for suffix, (compiler, graph, missing, opt_in) in TORCH_CUDA_MODES.items()
             for p, dtype in CUDA_DTYPES.items()
         ),
-        Backend("ort-cuda-fp32", "cuda", "fp32", _ort("gpu"), _ort_missing("gpu")),
-        Backend("tensorrt-fp32", "cuda", "fp32", _tensorrt("fp32"), _engine_missing("fp32")),
-        Backend("tensorrt-fp16", "cuda", "fp16", _tensorrt("fp16"), _engine_missing("fp16")),
-        Backend("tensorrt-int8", "cuda", "int8", _tensorrt("int8"), _engine_missing("int8")),
+        Backend("ort-cuda-fp32", "onnxruntime", "cuda", "fp32", _ort("gpu"), _ort_missing("gpu")),
+        *(
+            Backend(f"tensorrt-{p}", "tensorrt", "cuda", p, _tensorrt(p), _engine_missing(p), equal_heads=True)
+            for p in ("fp32", "fp16", "int8")
+        ),
     )
 }
 """Every backend, CPU first; ``auto`` keeps those that can run here, but not the opt-in ones (torch.compile)."""
+
+
+def rewrites_on(name: str | None) -> tuple[str, ...]:
+    """The rewrites that pay on backend ``name``; none for an unknown or absent one (refused where it is used)."""
+    return BACKENDS[name].default_rewrites if name in BACKENDS else ()
 
 
 def select(

@@ -17,19 +17,20 @@ _EXPORTS = {
     "PruneConfig": "corp_deploy.pruner",
     "PruneResult": "corp_deploy.api",
     "calibrate": "corp_deploy.pruner",
-    "calibration_batches": "corp_deploy.api",
+    "calibration_batches": "corp_deploy.calibration",
     "create_model": "corp_deploy.models",
     "load_pruned": "corp_deploy.artifact",
     "prune": "corp_deploy.api",
     "prune_model": "corp_deploy.pruner",
-    "resolve_device": "corp_deploy.api",
+    "resolve_device": "corp_deploy.calibration",
     "save": "corp_deploy.api",
 }
 __all__ = ["__version__", *sorted(_EXPORTS)]
 
 if TYPE_CHECKING:  # static checkers and IDEs see the names eagerly
-    from corp_deploy.api import PruneResult, calibration_batches, prune, resolve_device, save  # noqa: F401
+    from corp_deploy.api import PruneResult, prune, save  # noqa: F401
     from corp_deploy.artifact import load_pruned  # noqa: F401
+    from corp_deploy.calibration import calibration_batches, resolve_device  # noqa: F401
     from corp_deploy.errors import CorpError  # noqa: F401
     from corp_deploy.models import create_model  # noqa: F401
     from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: F401

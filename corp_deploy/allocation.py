@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from corp_deploy import compensation as C
 from corp_deploy.errors import CorpError
-from corp_deploy.family import adapter_for
+from corp_deploy.families import adapter_for
 from corp_deploy.latency import REMOVED, LatencyTable
 from corp_deploy.pruner import MODULES, PARTS, PruneConfig, Widths, fit_branch
 from corp_deploy.ranking import channel_scores, qk_scores

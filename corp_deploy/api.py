@@ -1,4 +1,6 @@
-"""The Python API: everything the CLI does, callable directly.
+"""Pruning, end to end: the checks made before any data is read, the calibration mode, the width plan (a budget,
+a global threshold, a measured latency through the closed loop), ``pruner.prune_model`` and the report, and
+``save``. What calibration reads is ``calibration``; what a command was pointed at, ``sources``.
 
 model = corp_deploy.create_model("deit_small", weights="random")
 batches, total = corp_deploy.calibration_batches(model, "photos/", num=256)
@@ -9,67 +11,28 @@ corp_deploy.save(result, "runs/deit_small-s50")
 from __future__ import annotations
 
 import copy
-import os
 import time
-import warnings
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from corp_deploy import blockwise, hf
+from corp_deploy import blockwise
 from corp_deploy.allocation import check_budget, error_curves, plan_budget, widths_of
-from corp_deploy.artifact import META_FILE, load_pruned, read_meta, save_pruned
-from corp_deploy.data import (
-    HELDOUT_SEED_OFFSET,
-    SYNTHETIC,
-    data_config,
-    folder_batches,
-    folder_counts,
-    input_size,
-    list_images,
-    sample,
-    split,
-    synthetic_batches,
-)
-from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, shard
+from corp_deploy.artifact import save_pruned
+from corp_deploy.calibration import Heldout, resolve_device
+from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats
 from corp_deploy.env import device_name, exact_fp32, versions
 from corp_deploy.errors import CorpError
-from corp_deploy.family import adapter_for, structure
+from corp_deploy.families import adapter_for
 from corp_deploy.latency import LatencyTable, Timing
-from corp_deploy.models import create_model, resolve_name
-from corp_deploy.perplexity import perplexity
-from corp_deploy.pruner import (
-    Budget,
-    PruneConfig,
-    Timer,
-    Widths,
-    calibrate,
-    check_parts,
-    plan_widths,
-    prune_model,
-)
+from corp_deploy.pruner import Budget, PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
 from corp_deploy.report import model_size, peak_memory
 from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.stats import CalibrationStats
-from corp_deploy.text import (
-    check_seq_len,
-    packed_batches,
-    packed_sequences,
-    read_documents,
-    shuffled,
-    split_documents,
-    synthetic_text_batches,
-    text_batches,
-    tokenize,
-)
-from corp_deploy.version import __version__
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -78,170 +41,6 @@ class PruneResult:
 
     model: nn.Module
     report: dict[str, Any]
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    """``auto`` is the GPU when there is one; asking for ``cuda`` without one is an error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise CorpError("--device cuda asked for, but no CUDA GPU is visible; use --device cpu or auto")
-    if name not in ("cpu",) and not name.startswith("cuda"):
-        raise CorpError(f"--device must be auto, cpu or cuda[:N], got {name!r}")
-    return torch.device(name)
-
-
-class Heldout(NamedTuple):
-    """Calibration inputs kept out of the statistics for the width planning (the sensitivity pass)."""
-
-    images: Any
-    """One batch: images, or a text model's token ids with their attention mask (``{"input_ids", ...}``)."""
-    folders: dict[str, int]
-    """Where they came from: count per folder (class) of the source, or ``{"synthetic": n}``."""
-
-
-class Calibration(NamedTuple):
-    batches: Iterable[tuple[Tensor, int]]
-    total: int
-    """Images the batches cover (this rank's shard)."""
-    heldout: Heldout | None
-
-
-def calibration_data(
-    model: nn.Module,
-    source: str | Path,
-    num: int = 4000,
-    batch_size: int = 64,
-    seed: int = 0,
-    workers: int | None = None,
-    world: World = SINGLE_PROCESS,
-    hold_out: int = 0,
-) -> Calibration:
-    """Batches of (images, skipped) from a folder, or noise when ``source == "synthetic"``, and ``hold_out`` of the
-    ``num`` images kept apart (``data.split``: a seeded draw across the whole sample, the batches keep their order).
-
-    Under torch.distributed each rank gets its own disjoint shard of the same seeded sample (``distributed.shard``);
-    every rank makes the same split, and the held-out images are read on rank 0 only (the planning runs there).
-    """
-    if num < 1 or batch_size < 1:
-        raise CorpError("--num-calib and --calib-batch-size must be >= 1")
-    if hold_out >= num:
-        raise CorpError(
-            f"{hold_out} of the {num} calibration images are held out for --allocation sensitivity "
-            "(--sensitivity-images); pass more images or lower --sensitivity-images"
-        )
-    if str(source) == SYNTHETIC:
-        warnings.warn(
-            "--calib synthetic: calibrating on NOISE images. Use only for smoke tests; the pruned "
-            "model's accuracy is meaningless. Pass --calib-dir with real images for real use.",
-            stacklevel=2,
-        )
-        num -= hold_out
-        batches, total = _own_batches(
-            synthetic_batches(num, batch_size, input_size(model), seed), num, batch_size, world
-        )
-        heldout = None
-        if hold_out and world.is_main:
-            images = next(synthetic_batches(hold_out, hold_out, input_size(model), seed + HELDOUT_SEED_OFFSET))[0]
-            heldout = Heldout(images, {SYNTHETIC: hold_out})
-        return Calibration(batches, total, heldout)
-    root = Path(source)
-    files, held = split(sample(list_images(root), num, seed), hold_out, seed)
-    files = shard(files, world)
-    workers = min(8, os.cpu_count() or 1) if workers is None else workers
-    heldout = None
-    if held and world.is_main:
-        loaded = [images for images, _ in folder_batches(held, data_config(model), len(held), 0)]
-        if not loaded or sum(x.shape[0] for x in loaded) == 0:
-            raise CorpError(f"none of the {len(held)} held-out calibration images could be read; check the files")
-        heldout = Heldout(torch.cat(loaded), folder_counts(held, root))
-    return Calibration(folder_batches(files, data_config(model), batch_size, workers), len(files), heldout)
-
-
-def _own_batches(batches: Iterable[T], num: int, batch_size: int, world: World) -> tuple[Iterable[T], int]:
-    """This rank's whole batches of a seeded synthetic stream of ``num`` items (every rank draws the same
-    stream), and how many items they hold."""
-    sizes = [min(batch_size, num - start) for start in range(0, num, batch_size)]
-    return (b for i, b in enumerate(batches) if i % world.size == world.rank), sum(shard(sizes, world))
-
-
-def text_calibration_data(
-    model: nn.Module,
-    tokenizer: Any,
-    source: str | Path,
-    num: int = 256,
-    batch_size: int = 16,
-    seed: int = 0,
-    seq_len: int = 128,
-    hold_out: int = 0,
-    world: World = SINGLE_PROCESS,
-) -> Calibration:
-    """``calibration_data`` for a text model: ``num`` sequences of the calibration documents of a folder of
-    .txt/.jsonl files (``text.split_documents``), or random token ids when ``source == "synthetic"``.
-
-    The model decides the form: a decoder (``Adapter.causal``) gets the seeded documents packed into ``num``
-    full ``seq_len`` windows (every token counts); an encoder a seeded sample of ``num`` documents, one per
-    sequence, padded and masked. ``hold_out`` sequences for the sensitivity pass come, in the same form, from the
-    split's held-out documents (disjoint from calibration and evaluation), as one batch. Under torch.distributed
-    each rank gets its own disjoint shard of the same seeded sample (documents, packed windows, or whole batches
-    of random tokens), as ``calibration_data`` shards images."""
-    if num < 1 or batch_size < 1:
-        raise CorpError("--num-calib and --calib-batch-size must be >= 1")
-    check_seq_len(seq_len, model.config)
-    heldout = None
-    if str(source) == SYNTHETIC:
-        warnings.warn(
-            "--calib synthetic: calibrating on RANDOM TOKENS. Use only for smoke tests; pass --calib-dir with text.",
-            stacklevel=2,
-        )
-        vocab = model.config.vocab_size
-        if hold_out and world.is_main:
-            held = next(synthetic_text_batches(vocab, hold_out, seq_len, hold_out, seed + HELDOUT_SEED_OFFSET))[0]
-            heldout = Heldout(held, {SYNTHETIC: hold_out})
-        tokens = synthetic_text_batches(vocab, num, seq_len, batch_size, seed)
-        return Calibration(*_own_batches(tokens, num, batch_size, world), heldout)
-    if tokenizer is None:
-        raise CorpError(f"{source}: text calibration needs the model's tokenizer, and its folder has none")
-    parts = split_documents(read_documents(source))
-    if hold_out and not parts.heldout:
-        raise CorpError(
-            f"{source} has too few documents to hold any out for --allocation sensitivity (a tenth of them is "
-            "kept for it); pass more documents or use --allocation local"
-        )
-    causal = adapter_for(model).causal
-    if hold_out and world.is_main:
-        if causal:
-            held_ids = packed_sequences(tokenizer, shuffled(parts.heldout, seed), seq_len, hold_out, "held-out")
-            heldout = Heldout(next(packed_batches(held_ids, hold_out))[0], {"held-out documents": held_ids.shape[0]})
-        else:
-            held_docs = sample(parts.heldout, hold_out, seed)
-            heldout = Heldout(
-                tokenize(tokenizer, [d.text for d in held_docs], seq_len), dict(Counter(d.folder for d in held_docs))
-            )
-    if causal:
-        ids = packed_sequences(tokenizer, shuffled(parts.calibration, seed), seq_len, num)
-        if ids.shape[0] < num:
-            warnings.warn(
-                f"{source} holds {ids.shape[0]} calibration sequences of {seq_len} tokens, not {num}", stacklevel=2
-            )
-        mine = ids[world.rank :: world.size]  # this rank's shard of the packed windows (``distributed.shard``)
-        return Calibration(packed_batches(mine, batch_size), mine.shape[0], heldout)
-    docs = shard(sample(parts.calibration, num, seed), world)
-    return Calibration(text_batches(tokenizer, docs, seq_len, batch_size), len(docs), heldout)
-
-
-def calibration_batches(
-    model: nn.Module,
-    source: str | Path,
-    num: int = 4000,
-    batch_size: int = 64,
-    seed: int = 0,
-    workers: int | None = None,
-    world: World = SINGLE_PROCESS,
-) -> tuple[Iterable[tuple[Tensor, int]], int]:
-    """``calibration_data`` without a held-out set: (batches, images they cover)."""
-    data = calibration_data(model, source, num, batch_size, seed, workers, world)
-    return data.batches, data.total
 
 
 ONE_PASS, GROUPED, SEQUENTIAL = "one-pass", "grouped", "sequential"
@@ -560,148 +359,3 @@ def save(
         "report": result.report,
     }
     return save_pruned(result.model, out, meta, overwrite=overwrite)
-
-
-def load_source(
-    source: str | Path,
-    weights: str = "pretrained",
-    checkpoint: str | Path | None = None,
-    model_args: dict | None = None,
-    seq_len: int = hf.MACS_SEQ_LEN,
-) -> tuple[nn.Module, dict[str, Any]]:
-    """A prune artifact folder, a ``transformers`` encoder (a folder with a config.json, or ``hf:NAME``) or a
-    timm model name -> (model in eval mode, ``describe(model)``); text descriptions are for ``seq_len`` tokens."""
-    if Path(source, META_FILE).is_file():
-        meta = read_meta(source)
-        model = load_pruned(source)
-        return model, describe(model, meta["model"]["name"], meta["model"].get("args", {}), "corp-pruned", seq_len)
-    if hf.is_source(str(source)):
-        if checkpoint is not None or model_args:
-            raise CorpError("--checkpoint and --model-arg are for timm models; a transformers folder holds its weights")
-        model, _ = hf.load(str(source))
-        return model, describe(model, str(source), {}, "pretrained", seq_len)
-    model = create_model(str(source), weights=weights, checkpoint=checkpoint, model_args=model_args)
-    origin = f"checkpoint:{Path(checkpoint).name}" if checkpoint else weights
-    return model, describe(model, resolve_name(str(source)), model_args or {}, origin)
-
-
-def dense_original(meta: dict[str, Any], checkpoint: str | Path | None = None) -> tuple[nn.Module | None, str]:
-    """The dense original of a prune artifact (its ``corp.json``) with real weights: (model, "") or (None, why).
-
-    From ``checkpoint`` if given (then its errors are the caller's), else from what the artifact
-    records: the checkpoint it was pruned from (if that file is still there) or timm's pretrained
-    weights. Random weights cannot be had again.
-    """
-    model, weights = meta["model"], meta["model"].get("weights", "")
-    recorded = weights.removeprefix("checkpoint:") if weights.startswith("checkpoint:") else None
-    path = checkpoint or (recorded if recorded and Path(recorded).is_file() else None)
-    try:
-        if path:
-            return create_model(model["name"], checkpoint=path, model_args=model.get("args", {})), ""
-        if weights == "pretrained":
-            return create_model(model["name"], weights="pretrained", model_args=model.get("args", {})), ""
-    except CorpError as e:
-        if checkpoint:
-            raise
-        return None, str(e)
-    return None, "dense weights were random or their checkpoint moved (pass --checkpoint)"
-
-
-def describe(
-    model: nn.Module, name: str, model_args: dict, weights: str, seq_len: int = hf.MACS_SEQ_LEN
-) -> dict[str, Any]:
-    """What an exported file needs to say about its model: name, weights, widths, input, preprocessing.
-
-    A text model's inputs are token ids and a mask of dynamic batch and sequence: it records their names,
-    the sequence length it is meant for (``seq_len``: engine profiles, bench) and the range the positions allow.
-    """
-    if isinstance(adapter_for(model), hf.HfText):
-        check_seq_len(seq_len, model.config)
-        return {
-            "modality": "text",
-            "model": name,
-            "model_args": model_args,
-            "weights": weights,
-            "structure": structure(model),
-            "inputs": ["input_ids", "attention_mask"],
-            "seq_len": seq_len,
-            "max_positions": hf.max_positions(model.config),
-            "vocab_size": model.config.vocab_size,
-            "corp_deploy": __version__,
-        }
-    cfg = data_config(model)
-    return {
-        "model": name,
-        "model_args": model_args,
-        "weights": weights,
-        "structure": structure(model),
-        "input_size": list(cfg["input_size"]),
-        "preprocessing": {k: cfg[k] for k in ("mean", "std", "interpolation", "crop_pct") if k in cfg},
-        "corp_deploy": __version__,
-    }
-
-
-def text_model(source: str | Path) -> tuple[nn.Module, Any]:
-    """A ``transformers`` model (eval mode) and its tokenizer from a prune artifact, a local folder or ``hf:NAME``."""
-    if Path(source, META_FILE).is_file():
-        model = load_pruned(source)
-        return model, hf.load_tokenizer(source, model.config.vocab_size)
-    return hf.load(str(source))
-
-
-def text_perplexity(
-    model: nn.Module,
-    tokenizer: Any,
-    text: str | Path,
-    seq_len: int,
-    batch_size: int = 1,
-    device: torch.device | str = "cpu",
-    all_text: bool = False,
-    max_windows: int | None = None,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """A decoder's perplexity (``perplexity``: SparseGPT's protocol) on the evaluation documents of a text folder
-    (``text.split_documents``: never a calibration document of the same folder), or on all of it (``all_text``,
-    for a test set that calibration never saw), over the first ``max_windows`` windows when given.
-    Returns the number and what it was measured on."""
-    if not adapter_for(model).causal:
-        raise CorpError(f"perplexity needs a decoder (a causal LM); {type(model).__name__} is an encoder")
-    if tokenizer is None:
-        raise CorpError("perplexity needs the model's tokenizer, and its folder has none")
-    check_seq_len(seq_len, model.config)
-    docs = read_documents(text)
-    chosen = docs if all_text else split_documents(docs).evaluation
-    if not chosen:
-        raise CorpError(
-            f"{text} holds {len(docs)} documents, too few to keep an evaluation part apart from calibration; "
-            "pass --all-text if calibration never read this folder"
-        )
-    part = "all" if all_text else "evaluation"
-    windows = packed_sequences(tokenizer, chosen, seq_len, part=part)
-    of_windows, windows = windows.shape[0], windows[:max_windows]
-    value = perplexity(model.to(device), windows, batch_size, device, progress)
-    return {
-        "perplexity": value,
-        "windows": windows.shape[0],
-        "of_windows": of_windows,
-        "seq_len": seq_len,
-        "documents": len(chosen),
-        "of_documents": len(docs),
-        "part": part,
-        "text": str(text),
-    }
-
-
-def heldout_windows(tokenizer: Any, source: str | Path, vocab: int, seq_len: int, num: int, seed: int = 0) -> Tensor:
-    """(``num``, ``seq_len``) token ids that verify a quantized decoder: packed windows of a text folder's held-out
-    documents (``text.split_documents``: never calibration or evaluation text), or random tokens below ``vocab``
-    for ``source == "synthetic"`` (structure only: a random stream says nothing about quantization error)."""
-    if num < 1 or seq_len < 2:
-        raise CorpError(f"verification needs >= 1 window of >= 2 tokens, got {num} x {seq_len}")
-    if str(source) == SYNTHETIC:
-        g = torch.Generator().manual_seed(seed + HELDOUT_SEED_OFFSET)
-        return torch.randint(0, vocab, (num, seq_len), generator=g)
-    if tokenizer is None:
-        raise CorpError(f"{source}: decoder verification needs the model's tokenizer, and its folder has none")
-    parts = split_documents(read_documents(source))
-    return packed_sequences(tokenizer, shuffled(parts.heldout, seed), seq_len, num, "held-out")

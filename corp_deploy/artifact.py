@@ -4,8 +4,8 @@
 everything needed to rebuild the module tree; the weights then load strictly. No calibration data, no
 surgery replay.
 
-Extending the format without a version bump: a family is a name in ``FAMILIES`` (how to build the dense
-tree and apply the structure), and each block's entry is a dict whose keys the family declares. A reader
+Extending the format without a version bump: a family is a name in the registry (``families.get``: how to build
+the dense tree and apply the structure), and each block's entry is a dict whose keys the family declares. A reader
 refuses a family or a block key it does not know ("upgrade corp-deploy") instead of silently building
 another model, so a new kind of entry (a removed module, another family's widths) needs no new version.
 """
@@ -13,20 +13,16 @@ another model, so a new kind of entry (a removed module, another family's widths
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from corp_deploy import hf
+from corp_deploy import families
 from corp_deploy.errors import CorpError, first_line
-from corp_deploy.family import TIMM_VIT, adapter_for, structure
 from corp_deploy.fsio import atomic_dir
 
 FORMAT = "corp-deploy/pruned"
@@ -34,30 +30,8 @@ READS = frozenset({FORMAT, "corp-deploy/pruned-vit"})
 """Format names this version reads: artifacts of every family were written as ``pruned-vit`` before text models."""
 FORMAT_VERSION = 3
 """3: a ``family`` and unknown block keys refused; 2: each block's ``v_dim``; 1 (V never pruned). All load."""
-DEFAULT_FAMILY = TIMM_VIT.name
+DEFAULT_FAMILY = "timm-vit"
 """The family of artifacts written before families were recorded (every one of them is a timm ViT)."""
-
-
-@dataclass(frozen=True)
-class Family:
-    """How to rebuild one family's pruned module tree: the dense tree, then the recorded structure on it."""
-
-    build: Callable[[dict[str, Any], Path], nn.Module]
-    """(corp.json's ``model`` record, the artifact folder) -> the dense module tree, weights unfilled."""
-    apply: Callable[[nn.Module, list[dict[str, Any]]], None]
-    """Give every block its recorded structure."""
-    block_keys: frozenset[str]
-    """What a block entry may hold."""
-
-
-FAMILIES = {
-    DEFAULT_FAMILY: Family(
-        lambda model, _folder: timm.create_model(model["name"], pretrained=False, **model.get("args", {})),
-        TIMM_VIT.apply_structure,
-        TIMM_VIT.block_keys,
-    ),
-    **{name: Family(hf.build, hf.apply_structure, hf.BLOCK_KEYS) for name in hf.FAMILY_NAMES},
-}
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "corp.json"
 
@@ -67,14 +41,14 @@ def save_pruned(model: nn.Module, out: str | Path, meta: dict[str, Any], overwri
 
     ``meta`` must hold ``model: {name, args}``; the per-block widths are taken from the model itself.
     """
-    adapter = adapter_for(model)
+    adapter = families.adapter_for(model)
     model = adapter.stored(model)
     record = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "family": adapter.name,
         **meta,
-        "structure": structure(model),
+        "structure": families.structure(model),
     }
     try:
         with atomic_dir(out, overwrite) as tmp:
@@ -105,7 +79,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         and isinstance(meta.get("structure"), list)
     ):
         raise CorpError(f"{meta_path} lacks the model name, arguments or structure; re-run `corp-deploy prune`")
-    family = FAMILIES.get(meta.setdefault("family", DEFAULT_FAMILY))
+    family = families.get(meta.setdefault("family", DEFAULT_FAMILY))
     if family is None:
         raise CorpError(f"{meta_path} is a {meta['family']!r} model, which this corp-deploy cannot build; upgrade it")
     unknown = sorted({k for b in meta["structure"] if isinstance(b, dict) for k in b} - family.block_keys)
@@ -116,13 +90,17 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def build(meta: dict[str, Any], folder: Path) -> nn.Module:
+    """The DENSE module tree an artifact's ``corp.json`` (``read_meta``) describes, weights unfilled."""
+    return families.get(meta["family"]).build(meta["model"], folder)
+
+
 def load_pruned(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     """Rebuild a pruned model (eval mode) from an artifact folder, without calibration data."""
     meta = read_meta(path)
     try:
-        family = FAMILIES[meta["family"]]
-        model = family.build(meta["model"], Path(path))
-        family.apply(model, meta["structure"])
+        model = build(meta, Path(path))
+        families.get(meta["family"]).apply_structure(model, meta["structure"])
     except (RuntimeError, TypeError, ValueError, KeyError, AttributeError) as e:
         raise CorpError(
             f"{Path(path) / META_FILE} describes a model this corp-deploy cannot build ({first_line(e)}); "

@@ -45,7 +45,8 @@ from tqdm import tqdm
 
 from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats, all_reduce_tensors
 from corp_deploy.errors import CorpError
-from corp_deploy.family import Adapter, BlockCall, StopForward, adapter_for, map_tensors, run_until_stopped
+from corp_deploy.families import adapter_for
+from corp_deploy.families.base import Adapter, BlockCall, StopForward, map_tensors, run_until_stopped
 from corp_deploy.pruner import PruneConfig, Timer, Widths, plan_widths, prune_block
 from corp_deploy.stats import CalibrationStats, empty_stats, recording
 

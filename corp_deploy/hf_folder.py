@@ -4,11 +4,12 @@ The artifact folder IS the model folder: config.json, model.safetensors and the 
 ``corp.json`` (which ``load_pruned`` reads, as before). Two forms:
 
 - **standard**: every layer has the same widths and attention is as the family's config describes it (uniform
-  MLP pruning): config.json is the family's own with the new MLP width (Llama: ``mlp_bias``/``attention_bias``
-  when CORP folded a constant into down_proj/o_proj; the Linears transformers then expects a bias on get a zero
-  one), so ``AutoModel[ForCausalLM].from_pretrained(folder)`` loads it.
-- **remote-code**: otherwise. config.json adds ``corp_layers`` (the per-layer widths) and an ``auto_map`` to
-  ``modeling_corp.py``, a copy of ``corp_deploy/hf_modeling.py`` (torch and transformers only), so
+  MLP pruning): config.json is the family's own with the new MLP width (the family's ``bias_flags``, Llama's
+  ``mlp_bias``/``attention_bias``, when CORP folded a constant into a bias-free reader; the Linears transformers
+  then expects a bias on get a zero one), so ``AutoModel[ForCausalLM].from_pretrained(folder)`` loads it.
+- **remote-code**: otherwise. config.json adds ``corp_layers`` (the per-layer widths), ``corp_names`` (where the
+  family keeps its layers) and an ``auto_map`` to ``modeling_corp.py``, a copy of ``corp_deploy/hf_modeling.py``
+  (torch and transformers only), so
   ``from_pretrained(folder, trust_remote_code=True)`` loads it. Why it is not the family's own format is one
   line, printed and recorded in ``corp.json``.
 
@@ -31,7 +32,7 @@ from torch import nn
 
 from corp_deploy import hf_modeling
 from corp_deploy.errors import CorpError
-from corp_deploy.family import structure
+from corp_deploy.families import adapter_for, structure
 from corp_deploy.hf import TOKENIZER_FILES
 
 MODELING_FILE = "modeling_corp.py"
@@ -39,13 +40,6 @@ MODELING_FILE = "modeling_corp.py"
 STANDARD, REMOTE = "standard", "remote-code"
 SENTENCE_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 """A sentence-transformers model's files at its root, copied beside the pruned Transformer module."""
-MLP_FIELD = {"bert": "intermediate_size", "roberta": "intermediate_size", "opt": "ffn_dim"}
-MLP_FIELD["llama"] = MLP_FIELD["bert"]
-"""``config.model_type`` -> the config field holding the MLP width."""
-BIAS_FLAGS = {"mlp_bias": ("gate_proj", "up_proj", "down_proj"), "proj_bias": ("q_proj", "k_proj", "v_proj", "o_proj")}
-"""Llama: a layer's record of a folded bias -> the Linears its config flag gives a bias (``mlp_bias`` and
-``attention_bias``: all of them or none)."""
-LLAMA_FLAG = {"mlp_bias": "mlp_bias", "proj_bias": "attention_bias"}
 
 
 @dataclass(frozen=True)
@@ -65,8 +59,8 @@ def dense_head(config: Any) -> int:
 
 def layout(model: nn.Module) -> Layout:
     """Standard when the family's config can describe every layer, else remote-code with the reason."""
-    config, entries = model.config, structure(model)
-    name, mlp_field = type(config).__name__, MLP_FIELD[config.model_type]
+    config, entries, family = model.config, structure(model), adapter_for(model)
+    name, mlp_field = type(config).__name__, family.names.mlp_field
     widths = sorted({e["mlp_hidden"] for e in entries}, reverse=True)
     if len(widths) > 1:
         many = f"{len(widths)} widths, {widths[-1]} to {widths[0]}"
@@ -81,35 +75,41 @@ def layout(model: nn.Module) -> Layout:
                 f"{name} has one head width ({head}) for Q, K and V",
             )
     new = {mlp_field: widths[0]}
-    if config.model_type == "llama":
-        new |= {flag: getattr(config, flag) or any(e[key] for e in entries) for key, flag in LLAMA_FLAG.items()}
+    for key in ("mlp_bias", "proj_bias"):
+        folded = [i for i, e in enumerate(entries) if e.get(key)]
+        if folded and key not in family.bias_flags:
+            reader = (family.names.mlp_out if key == "mlp_bias" else family.names.proj).rpartition(".")[2]
+            return Layout(
+                REMOTE, why=f"layer {folded[0]}'s {reader} carries the compensation's bias: {name} has no flag for it"
+            )
+    for key, (flag, _) in family.bias_flags.items():
+        new[flag] = getattr(config, flag) or any(e[key] for e in entries)
     return Layout(STANDARD, new)
 
 
 @torch.no_grad()
 def stored(model: nn.Module) -> nn.Module:
-    """The model as its folder stores it: itself, or (a standard Llama with a folded bias) a copy whose Linears
+    """The model as its folder stores it: itself, or (a standard folder with a folded bias) a copy whose Linears
     that the config flags give a bias have one, zero where the pruned model has none: transformers' Llama has
     one ``mlp_bias`` for gate, up and down and one ``attention_bias`` for q, k, v and o."""
-    plan = layout(model)
-    if plan.form != STANDARD or model.config.model_type != "llama":
+    plan, family = layout(model), adapter_for(model)
+    if plan.form != STANDARD:
         return model
-    flagged = [key for key, flag in LLAMA_FLAG.items() if plan.config[flag] and not getattr(model.config, flag)]
-    if not flagged:
+    flags = [flag for flag, _ in family.bias_flags.values() if plan.config[flag] and not getattr(model.config, flag)]
+    if not flags:
         return model
     model = copy.deepcopy(model)
-    for block in hf_modeling.layers_of(model):
-        for key in flagged:
-            for name in BIAS_FLAGS[key]:
-                owner = block.mlp if key == "mlp_bias" else block.self_attn
-                old = getattr(owner, name)
+    for block in family.blocks(model):
+        for flag, paths in family.bias_flags.values():
+            for path in paths if flag in flags else ():
+                old = hf_modeling.get(block, path)
                 if old.bias is None:
                     new = hf_modeling.linear_like(old, old.in_features, old.out_features, True)
                     new.weight.copy_(old.weight)
                     new.bias.zero_()
-                    setattr(owner, name, new)
-    for key in flagged:
-        setattr(model.config, LLAMA_FLAG[key], True)
+                    hf_modeling.put(block, path, new)
+    for flag in flags:
+        setattr(model.config, flag, True)
     return model
 
 
@@ -119,7 +119,7 @@ def write(model: nn.Module, folder: Path) -> dict[str, Any]:
     plan = layout(model)
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
-    for stale in ("auto_map", hf_modeling.WIDTHS_KEY):  # a model loaded from a remote-code artifact has them
+    for stale in ("auto_map", hf_modeling.WIDTHS_KEY, hf_modeling.NAMES_KEY):  # a remote-code artifact's
         if hasattr(config, stale):
             delattr(config, stale)
     auto = "AutoModelForCausalLM" if type(model).__name__.endswith("ForCausalLM") else "AutoModel"
@@ -128,11 +128,12 @@ def write(model: nn.Module, folder: Path) -> dict[str, Any]:
             setattr(config, key, value)
         loads_with = f"{auto}.from_pretrained(folder)"
     else:
-        classes = hf_modeling.AUTO_MAP[config.model_type]
+        base = type(model.base_model).__name__
+        classes = {"AutoModel": base} | ({auto: type(model).__name__} if auto != "AutoModel" else {})
         setattr(config, hf_modeling.WIDTHS_KEY, structure(model))
-        config.auto_map = {name: f"{Path(MODELING_FILE).stem}.{cls.__name__}" for name, cls in classes.items()}
+        setattr(config, hf_modeling.NAMES_KEY, adapter_for(model).names.record())
+        config.auto_map = {name: f"{Path(MODELING_FILE).stem}.Corp{cls}" for name, cls in classes.items()}
         shutil.copy2(hf_modeling.__file__, folder / MODELING_FILE)
-        auto = auto if auto in classes else "AutoModel"
         loads_with = f"{auto}.from_pretrained(folder, trust_remote_code=True)"
     config.save_pretrained(folder)
     source = Path(getattr(model.config, "_name_or_path", "") or "")

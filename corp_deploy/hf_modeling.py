@@ -5,30 +5,50 @@ corp-deploy.
 
 Such a folder's config.json is the family's own config (same ``model_type``: the dense layers are described as
 they were) plus ``corp_layers``, one entry per layer as ``corp.json`` records it (``mlp_hidden``, ``qk_dim``,
-``v_dim``; Llama's ``mlp_bias``/``proj_bias``), and an ``auto_map`` naming the ``Corp*`` classes below: each is
-the family's ``transformers`` class whose layers are rebuilt at the recorded widths (``apply_widths``, the same
-function ``load_pruned`` uses) before the weights load.
+``v_dim``; ``mlp_bias``/``proj_bias`` for bias-free readers), ``corp_names``, where the family keeps its layers,
+and an ``auto_map`` naming ``Corp<Class>``: the family's ``transformers`` class whose layers are
+rebuilt at the recorded widths (``apply_widths``, the same function ``load_pruned`` uses) before the weights load.
+Those classes are made on request (``__getattr__``), so a family this file never names loads the same way.
 
 The pruned attentions keep the dense layers' parameter names, call and key/value cache use, and the DENSE
-softmax scale (CORP's Q/K fold reproduces the dense logits at the narrower width).
+softmax scale (CORP's Q/K fold reproduces the dense logits at the narrower width). Three kinds cover the layouts:
+``bert`` (the output projection outside the attention module), ``opt`` (q scaled before the product) and
+``rope`` (rotary positions, grouped-query attention: Llama, Mistral, Qwen2).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
+import transformers
 from torch import Tensor, nn
-from transformers import BertModel, LlamaForCausalLM, LlamaModel, OPTForCausalLM, OPTModel, RobertaModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import eager_attention_forward as bert_attention
-from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_attention
 from transformers.models.opt.modeling_opt import OPTAttention
 from transformers.models.opt.modeling_opt import eager_attention_forward as opt_attention
 
 WIDTHS_KEY = "corp_layers"
 """The config attribute holding the per-layer widths in a remote-code folder."""
+NAMES_KEY = "corp_names"
+"""The config attribute holding where the family keeps its layers in a remote-code folder (corp-deploy's
+``families.hf_text.Names``: ``layers``, ``attention``, ``kind``, ``q``/``k``/``v``, ``proj``, ``mlp_in``,
+``mlp_out`` as attribute paths)."""
+
+
+def get(module: nn.Module, path: str) -> Any:
+    """``module``'s submodule at a dotted path."""
+    return functools.reduce(getattr, path.split("."), module)
+
+
+def put(module: nn.Module, path: str, value: nn.Module) -> None:
+    """Replace ``module``'s submodule at a dotted path."""
+    owner, _, name = path.rpartition(".")
+    setattr(get(module, owner) if owner else module, name, value)
 
 
 def linear_like(old: nn.Linear, in_features: int, out_features: int, bias: bool | None = None) -> nn.Linear:
@@ -125,26 +145,33 @@ class PrunedOptAttention(OPTAttention):
         return self.out_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
 
 
-class PrunedLlamaAttention(LlamaAttention):
-    """Llama attention whose heads carry ``v_dim`` V channels (Q/K keep the dense ``head_dim`` and scale) and
-    whose o_proj may have a bias (the compensation's constant).
+class PrunedRopeAttention(nn.Module):
+    """A rotary-position, grouped-query attention (Llama, Mistral, Qwen2) whose heads carry ``v_dim`` V channels
+    (Q/K keep the dense ``head_dim`` and scale) and whose o_proj may have a bias (the compensation's constant).
 
-    Built without ``LlamaAttention.__init__`` (which makes dense-size Linears); it stays a ``LlamaAttention``
-    so that ``transformers``' output capture still finds it, with the same parameter names, call and
-    key/value cache use (the V cache is ``kv_heads * v_dim`` wide)."""
+    Never used alone: ``rope_class`` makes it a subclass of the dense attention's own class (so ``transformers``'
+    output capture still finds it), built without that class's ``__init__`` (which makes dense-size Linears), with
+    the same parameter names, call, key/value cache use (the V cache is ``kv_heads * v_dim`` wide), Linear biases
+    and sliding window as the layer it replaces."""
 
-    def __init__(self, config: Any, layer_idx: int | None, v_dim: int, proj_bias: bool) -> None:
+    def __init__(self, attn: nn.Module, v_dim: int, proj_bias: bool) -> None:
         nn.Module.__init__(self)
-        dim, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-        self.config, self.layer_idx, self.v_dim = config, layer_idx, v_dim
-        self.head_dim = getattr(config, "head_dim", None) or dim // heads
-        self.num_key_value_groups, self.scaling = heads // kv, self.head_dim**-0.5
-        self.attention_dropout, self.is_causal = config.attention_dropout, True
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(dim, heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, kv * v_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * v_dim, dim, bias=bias or proj_bias)
+        self.config, self.layer_idx, self.v_dim, self.head_dim = attn.config, attn.layer_idx, v_dim, attn.head_dim
+        self.num_key_value_groups, self.scaling = attn.num_key_value_groups, attn.scaling
+        self.attention_dropout, self.is_causal = attn.attention_dropout, True
+        self.sliding_window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+        dim, kv = attn.q_proj.in_features, attn.k_proj.out_features // attn.head_dim
+        self.q_proj, self.k_proj = (
+            linear_like(attn.q_proj, dim, attn.q_proj.out_features),
+            linear_like(attn.k_proj, dim, kv * attn.head_dim),
+        )
+        self.v_proj = linear_like(attn.v_proj, dim, kv * v_dim)
+        self.o_proj = linear_like(
+            attn.o_proj,
+            attn.q_proj.out_features // attn.head_dim * v_dim,
+            dim,
+            attn.o_proj.bias is not None or proj_bias,
+        )
 
     def forward(
         self,
@@ -154,7 +181,7 @@ class PrunedLlamaAttention(LlamaAttention):
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> tuple[Tensor, Tensor | None]:
-        """``LlamaAttention.forward`` with the V heads reshaped at their own width (-1: no size baked in)."""
+        """The dense forward with the V heads reshaped at their own width (-1: no size baked in)."""
         shape = (*hidden_states.shape[:-1], -1)
         q = self.q_proj(hidden_states).view(*shape, self.head_dim).transpose(1, 2)
         k = self.k_proj(hidden_states).view(*shape, self.head_dim).transpose(1, 2)
@@ -165,151 +192,101 @@ class PrunedLlamaAttention(LlamaAttention):
             k, v = cache.update(k, v, self.layer_idx)
         dropout = self.attention_dropout if self.training else 0.0
         out, weights = _attend(self, llama_attention)(
-            self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=dropout,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            **kwargs,
         )
         return self.o_proj(out.reshape(*shape).contiguous()), weights
+
+
+@functools.cache
+def rope_class(dense: type) -> type:
+    """``PrunedRopeAttention`` as a subclass of the dense attention class ``dense``."""
+    return type(f"Pruned{dense.__name__}", (PrunedRopeAttention, dense), {"__module__": __name__, "dense": dense})
 
 
 # ------------------------------------------------------------------------ the recorded widths on a dense tree
 
 
-def bert_head_widths(attn: nn.Module) -> tuple[int, int]:
-    """(Q/K, V) head width of a BERT ``attention.self``, pruned or dense."""
-    if isinstance(attn, PrunedSelfAttention):
+def head_widths(attn: nn.Module, kind: str) -> tuple[int, int]:
+    """(Q/K, V) head width of an attention of ``kind``, pruned or dense."""
+    if isinstance(attn, (PrunedSelfAttention, PrunedOptAttention)):
         return attn.qk_dim, attn.v_dim
-    return attn.attention_head_size, attn.attention_head_size
+    if isinstance(attn, PrunedRopeAttention):
+        return attn.head_dim, attn.v_dim
+    dense = attn.attention_head_size if kind == "bert" else attn.head_dim
+    return dense, dense
 
 
-def bert_attention_at(attn: nn.Module, qk_dim: int, v_dim: int) -> PrunedSelfAttention:
-    """An unfilled ``PrunedSelfAttention`` with ``attn``'s heads, dense scale, device, dtype and mode."""
-    new = PrunedSelfAttention(attn.config, attn.num_attention_heads, qk_dim, v_dim, float(attn.scaling))
-    return new.train(attn.training).to(attn.query.weight.device, attn.query.weight.dtype)
+def heads(attn: nn.Module, kind: str) -> int:
+    """Query heads of an attention of ``kind``."""
+    if kind == "bert":
+        return attn.num_attention_heads
+    return attn.num_heads if kind == "opt" else attn.q_proj.out_features // attn.head_dim
 
 
-def bert_widths(layers: Sequence[nn.Module], entries: Sequence[dict[str, Any]]) -> None:
-    """BERT-family layers (``encoder.layer``) at the recorded widths, unfilled."""
-    for block, widths in zip(layers, entries, strict=True):
-        up, down = block.intermediate.dense, block.output.dense
-        if widths["mlp_hidden"] != up.out_features:
-            block.intermediate.dense = linear_like(up, up.in_features, widths["mlp_hidden"])
-            block.output.dense = linear_like(down, widths["mlp_hidden"], down.out_features)
-        attn, qk, v = block.attention.self, widths["qk_dim"], widths["v_dim"]
-        if (qk, v) != bert_head_widths(attn):
-            proj = block.attention.output.dense
-            block.attention.self = bert_attention_at(attn, qk, v)
-            block.attention.output.dense = linear_like(proj, attn.num_attention_heads * v, proj.out_features)
+def attention_at(attn: nn.Module, kind: str, qk_dim: int, v_dim: int, proj_bias: bool = False) -> nn.Module:
+    """An unfilled pruned attention of ``kind`` at the given head widths with ``attn``'s heads, layer, dense scale,
+    device, dtype and mode; ``proj_bias``: a rope o_proj gains a bias (the compensation's constant)."""
+    if kind == "bert":
+        new = PrunedSelfAttention(attn.config, attn.num_attention_heads, qk_dim, v_dim, float(attn.scaling))
+    elif kind == "opt":
+        new = PrunedOptAttention(attn.config, attn.layer_idx, attn.num_heads, qk_dim, v_dim, float(attn.scaling))
+    else:
+        if qk_dim != attn.head_dim:
+            raise ValueError(f"a rotary attention keeps its Q/K head width {attn.head_dim}, not {qk_dim}")
+        new = rope_class(getattr(type(attn), "dense", type(attn)))(attn, v_dim, proj_bias)
+    weight = (attn.query if kind == "bert" else attn.q_proj).weight
+    return new.train(attn.training).to(weight.device, weight.dtype)
 
 
-def opt_head_widths(attn: nn.Module) -> tuple[int, int]:
-    """(Q/K, V) head width of an OPT ``self_attn``, pruned or dense."""
-    return (attn.qk_dim, attn.v_dim) if isinstance(attn, PrunedOptAttention) else (attn.head_dim, attn.head_dim)
+def layers_of(model: nn.Module, names: Any) -> Sequence[nn.Module]:
+    """The transformer layers of a model (a base model or one with a head)."""
+    return get(model.base_model, names.layers)
 
 
-def opt_attention_at(attn: nn.Module, qk_dim: int, v_dim: int) -> PrunedOptAttention:
-    """An unfilled ``PrunedOptAttention`` with ``attn``'s heads, layer index, dense scale, device, dtype and mode."""
-    new = PrunedOptAttention(attn.config, attn.layer_idx, attn.num_heads, qk_dim, v_dim, float(attn.scaling))
-    return new.train(attn.training).to(attn.q_proj.weight.device, attn.q_proj.weight.dtype)
-
-
-def opt_widths(layers: Sequence[nn.Module], entries: Sequence[dict[str, Any]]) -> None:
-    """OPT layers (``decoder.layers``) at the recorded widths, unfilled."""
-    for block, widths in zip(layers, entries, strict=True):
-        if widths["mlp_hidden"] != block.fc1.out_features:
-            block.fc1 = linear_like(block.fc1, block.fc1.in_features, widths["mlp_hidden"])
-            block.fc2 = linear_like(block.fc2, widths["mlp_hidden"], block.fc2.out_features)
-        if (widths["qk_dim"], widths["v_dim"]) != opt_head_widths(block.self_attn):
-            block.self_attn = opt_attention_at(block.self_attn, widths["qk_dim"], widths["v_dim"])
-
-
-def llama_v_dim(attn: nn.Module) -> int:
-    """V channels per head of a Llama ``self_attn``, pruned or dense."""
-    return attn.v_dim if isinstance(attn, PrunedLlamaAttention) else attn.head_dim
-
-
-def llama_attention_at(attn: nn.Module, v_dim: int, proj_bias: bool) -> PrunedLlamaAttention:
-    """An unfilled ``PrunedLlamaAttention`` with ``attn``'s config, layer index, device, dtype and mode."""
-    new = PrunedLlamaAttention(attn.config, attn.layer_idx, v_dim, proj_bias)
-    return new.train(attn.training).to(attn.q_proj.weight.device, attn.q_proj.weight.dtype)
-
-
-def llama_widths(layers: Sequence[nn.Module], entries: Sequence[dict[str, Any]]) -> None:
-    """Llama layers (``model.layers``) at the recorded widths and folded biases, unfilled."""
-    for block, widths in zip(layers, entries, strict=True):
-        mlp, hidden, mlp_bias = block.mlp, widths["mlp_hidden"], bool(widths.get("mlp_bias"))
-        if hidden != mlp.down_proj.in_features or mlp_bias != (mlp.down_proj.bias is not None):
-            mlp.gate_proj = linear_like(mlp.gate_proj, mlp.gate_proj.in_features, hidden)
-            mlp.up_proj = linear_like(mlp.up_proj, mlp.up_proj.in_features, hidden)
-            mlp.down_proj = linear_like(mlp.down_proj, hidden, mlp.down_proj.out_features, mlp_bias)
-        attn, proj_bias = block.self_attn, bool(widths.get("proj_bias"))
-        if widths["v_dim"] != llama_v_dim(attn) or proj_bias != (attn.o_proj.bias is not None):
-            block.self_attn = llama_attention_at(attn, widths["v_dim"], proj_bias)
-
-
-def layers_of(model: nn.Module) -> Sequence[nn.Module]:
-    """The transformer layers of a BERT-family, OPT or Llama model (a base model or one with a head)."""
-    base = model.base_model
-    if hasattr(base, "encoder"):
-        return base.encoder.layer
-    return base.decoder.layers if hasattr(base, "decoder") else base.layers
-
-
-WIDTHS = {"bert": bert_widths, "roberta": bert_widths, "opt": opt_widths, "llama": llama_widths}
-"""``config.model_type`` -> what rebuilds its layers at recorded widths."""
-
-
-def apply_widths(model: nn.Module, entries: Sequence[dict[str, Any]]) -> None:
-    """``model``'s layers at the recorded widths (``corp.json``'s ``structure``, config.json's ``corp_layers``)."""
-    WIDTHS[model.config.model_type](layers_of(model), entries)
+def apply_widths(model: nn.Module, names: Any, entries: Sequence[dict[str, Any]]) -> None:
+    """``model``'s layers at the recorded widths and folded biases, unfilled (``corp.json``'s ``structure``,
+    config.json's ``corp_layers``): a layer whose widths are the dense ones keeps its modules."""
+    for block, e in zip(layers_of(model, names), entries, strict=True):
+        down, hidden = get(block, names.mlp_out), e["mlp_hidden"]
+        mlp_bias = down.bias is not None if "mlp_bias" not in e else bool(e["mlp_bias"])
+        if hidden != down.in_features or mlp_bias != (down.bias is not None):
+            for path in names.mlp_in:
+                put(block, path, linear_like(get(block, path), get(block, path).in_features, hidden))
+            put(block, names.mlp_out, linear_like(down, hidden, down.out_features, mlp_bias))
+        attn, proj = get(block, names.attention), get(block, names.proj)
+        proj_bias = proj.bias is not None if "proj_bias" not in e else bool(e["proj_bias"])
+        widths = (e["qk_dim"], e["v_dim"])
+        if widths != head_widths(attn, names.kind) or proj_bias != (proj.bias is not None):
+            put(block, names.attention, attention_at(attn, names.kind, *widths, proj_bias))
+            if not names.proj.startswith(names.attention + "."):  # the projection lives beside the attention
+                put(block, names.proj, linear_like(proj, heads(attn, names.kind) * e["v_dim"], proj.out_features))
 
 
 # ------------------------------------------------------------------------ the classes a remote-code folder names
 
 
-def _rebuild(model: nn.Module) -> None:
-    """The layers of a freshly built remote-code model at its config's widths (the weights load next)."""
-    apply_widths(model, getattr(model.config, WIDTHS_KEY))
+@functools.cache
+def corp_class(name: str) -> type:
+    """``Corp<Class>``: ``transformers``' ``<Class>`` whose layers take the config's recorded widths on creation."""
+    dense = getattr(transformers, name.removeprefix("Corp"))
+
+    def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
+        dense.__init__(self, config, *args, **kwargs)
+        apply_widths(self, SimpleNamespace(**getattr(config, NAMES_KEY)), getattr(config, WIDTHS_KEY))
+
+    return type(name, (dense,), {"__init__": __init__, "__module__": __name__})
 
 
-class CorpBertModel(BertModel):
-    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(config, *args, **kwargs)
-        _rebuild(self)
-
-
-class CorpRobertaModel(RobertaModel):
-    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(config, *args, **kwargs)
-        _rebuild(self)
-
-
-class CorpOPTModel(OPTModel):
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        _rebuild(self)
-
-
-class CorpOPTForCausalLM(OPTForCausalLM):
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        _rebuild(self)
-
-
-class CorpLlamaModel(LlamaModel):
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        _rebuild(self)
-
-
-class CorpLlamaForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        _rebuild(self)
-
-
-AUTO_MAP = {
-    "bert": {"AutoModel": CorpBertModel},
-    "roberta": {"AutoModel": CorpRobertaModel},
-    "opt": {"AutoModel": CorpOPTModel, "AutoModelForCausalLM": CorpOPTForCausalLM},
-    "llama": {"AutoModel": CorpLlamaModel, "AutoModelForCausalLM": CorpLlamaForCausalLM},
-}
-"""``config.model_type`` -> the ``auto_map`` of its remote-code folder (Auto class -> the class in this file)."""
+def __getattr__(name: str) -> type:
+    """The ``auto_map``'s classes (``from_pretrained(folder, trust_remote_code=True)`` asks for them by name)."""
+    if name.startswith("Corp") and hasattr(transformers, name.removeprefix("Corp")):
+        return corp_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,8 +16,8 @@ interpolated bilinearly over (MLP width, mean head width) with zero on the axes;
 With ``--depth`` the grid adds a model with every block's attention (``no-attn``) or MLP (``no-mlp``) replaced by
 its fitted stand-in (``surgery.AffineBranch``): a removed module's time replaces that part's, and a width of 0 in
 a (mlp, qk, v) triple means the module is replaced (``REMOVED``).
-Backends whose fused attention needs one head size (torch SDPA's flash kernels, TensorRT's MHA) measure
-and allocate equal Q/K and V widths only (``tied``).
+Backends whose fused attention needs one head size (torch SDPA's flash kernels, TensorRT's MHA:
+``bench.backends.Backend.equal_heads``) measure and allocate equal Q/K and V widths only (``tied``).
 
 Everything here is pure (times in, table out); ``corp_deploy.speed`` measures. A table is tied to what it
 was measured on (``key``: model and its arguments, backend, device, precision, batch, threads, library
@@ -46,17 +46,10 @@ ATTN_GRID = (1.0, 0.5, 0.25)
 JOINT_GRID = ((0.5, 0.5), (0.5, 0.25), (0.125, 0.5), (0.125, 0.25))
 """(MLP, Q/K = V) fractions of the models narrowed in both parts at once: where a block saves more than its two
 parts' savings measured one at a time (deit_small on ort-cpu: 1.04-1.29x), the ``joint`` interaction term."""
-EQUAL_HEAD_WIDTHS = ("torch-", "tensorrt-")
-"""Backend name prefixes whose fused attention needs Q/K width == V width (SDPA flash, TensorRT MHA)."""
 FIXED = "fixed"
 """Name of the block-free model among the measured ones."""
 REMOVED = 0
 """The width that stands for a replaced module in (mlp, qk, v): ``(m, 0, 0)`` has no attention, ``(0, q, v)`` no MLP."""
-
-
-def tied(backend: str) -> bool:
-    """Whether ``backend``'s fast attention kernels need one head size for Q, K and V."""
-    return backend.startswith(EQUAL_HEAD_WIDTHS)
 
 
 def grid_width(full: int, fraction: float) -> int:

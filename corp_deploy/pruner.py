@@ -18,7 +18,7 @@ from corp_deploy import compensation as C
 from corp_deploy import surgery
 from corp_deploy.env import exact_fp32
 from corp_deploy.errors import CorpError
-from corp_deploy.family import Adapter, adapter_for
+from corp_deploy.families import Adapter, adapter_for
 from corp_deploy.ranking import RANKERS, channel_scores, global_widths, kept_width, qk_scores, split_top
 from corp_deploy.stats import BranchStats, CalibrationStats, MlpStats, PairStats, QKStats, collect, empty_stats
 from corp_deploy.surgery import AffineBranch, linear_float64

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from corp_deploy import api
 from corp_deploy.bench.accuracy import ProbeTask, load_labelled
+from corp_deploy.calibration import calibration_batches
 from corp_deploy.data import data_config
 from corp_deploy.exporters.runners import TorchRunner
 from corp_deploy.models import create_model
@@ -67,7 +67,7 @@ class RealSetup(RealTask):
 
 def calibration(dense: torch.nn.Module, folder: Path, num: int, seed: int = 0) -> CalibrationStats:
     """Statistics for every target from ``num`` images of ``folder`` (CPU: studies run anywhere)."""
-    batches, total = api.calibration_batches(dense, folder, num, seed=seed, workers=0)
+    batches, total = calibration_batches(dense, folder, num, seed=seed, workers=0)
     return calibrate(dense, batches, PruneConfig(target="all"), "cpu", total=total, progress=False)
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from corp_deploy.family import adapter_for
+from corp_deploy.families import adapter_for
 from corp_deploy.latency import workload
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from corp_deploy.allocation import MODULE_KEYS, Key, candidate_widths
-from corp_deploy.family import adapter_for
+from corp_deploy.families import adapter_for
 from corp_deploy.pruner import PruneConfig, Timer, Widths, prune_block, replace_module
 from corp_deploy.stats import CalibrationStats
 

@@ -5,7 +5,7 @@ An app beside the core: it builds models by surgery, exports them with ``exporte
 values do not change a dense GEMM's time.
 
 One code path for every family the table can time, through the family adapter (``family.adapter_for``): timm
-ViTs (images of the model's input size) and BERT-family encoders (``hf.HfBert``: full-length random token ids of
+ViTs (images of the model's input size) and BERT-family encoders (``families.bert``: full-length random token ids of
 ``seq_len`` tokens, the key's sequence length, exported by ``exporters.text_onnx``; its blocks are the BERT
 layers and its fixed cost the embeddings and pooler). Decoders are refused (``timed_adapter``).
 """
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from corp_deploy import hf, latency
+from corp_deploy import latency
 from corp_deploy.bench.backends import BACKENDS, Backend, Text
 from corp_deploy.bench.measure import Method, Step, interleaved
 from corp_deploy.data import input_size
@@ -35,7 +35,7 @@ from corp_deploy.errors import CorpError
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, export_onnx
 from corp_deploy.exporters.rewrites import rewritten
 from corp_deploy.exporters.text_onnx import export_text_onnx, graph
-from corp_deploy.family import Adapter, adapter_for
+from corp_deploy.families import Adapter, adapter_for
 from corp_deploy.latency import LatencyTable, Shape, Timing
 from corp_deploy.text import check_seq_len
 from corp_deploy.version import __version__
@@ -61,15 +61,15 @@ def check_backend(name: str, rewrites: tuple[str, ...] | None = None) -> Backend
     backend = BACKENDS[name]
     if backend.device == "cuda" and not torch.cuda.is_available():
         raise CorpError(f"--latency-on {name} cannot run here: no CUDA GPU visible; use ort-cpu-fp32 or torch-cpu-fp32")
-    converted = name.startswith("ort-") and backend.precision != "fp32"  # an ONNX graph made from the FP32 one
-    if name.startswith("tensorrt-") or (converted and backend.precision not in CONVERTERS):
+    converted = backend.runtime == "onnxruntime" and backend.precision != "fp32"  # a graph made from the FP32 one
+    if backend.runtime == "tensorrt" or (converted and backend.precision not in CONVERTERS):
         raise CorpError(
             f"--latency-on {name} is not supported yet: every model of the latency grid would need its own "
             "engine or INT8 calibration; use ort-cpu-fp32, torch-cpu-fp32 or a torch-cuda backend"
         )
-    if name.startswith("ort-") and (absent := missing("onnx", "onnxscript", "onnxruntime")):
+    if backend.runtime == "onnxruntime" and (absent := missing("onnx", "onnxscript", "onnxruntime")):
         raise CorpError(f"--latency-on {name} needs {absent}")
-    if "compile" in name and (reason := backend.missing(None)):
+    if backend.compiler and (reason := backend.missing(None)):
         raise CorpError(f"--latency-on {name} cannot run here: {reason}")
     return backend if rewrites is None else dataclasses.replace(backend, chosen_rewrites=tuple(rewrites))
 
@@ -90,7 +90,7 @@ def key(
     text encoder's tokens per sequence (attention grows with its square, the GEMMs with it); None for an image model.
     """
     device = torch.cuda.get_device_name() if backend.device == "cuda" else cpu_model()
-    ort = backend.name.startswith("ort-")
+    ort = backend.runtime == "onnxruntime"
     applied = {"applied": list(backend.rewrites)} if backend.rewrites else {}  # none: the keys cached before them
     models = "timm" if seq_len is None else "transformers"
     libs = module_versions(["torch", models, *(["onnx", "onnxruntime"] if ort else [])])
@@ -129,7 +129,7 @@ def timed_adapter(model: nn.Module) -> Adapter:
 def text_inputs(model: nn.Module, seq_len: int | None) -> Text | None:
     """What a text encoder is timed on (``seq_len`` tokens, within its positions), None for an image model;
     one line when a text model comes without a sequence length or an image model with one."""
-    if not isinstance(timed_adapter(model), hf.HfText):
+    if timed_adapter(model).modality != "text":
         if seq_len is not None:
             raise CorpError("a sequence length is for text encoders; this latency table times an image model")
         return None
@@ -224,7 +224,7 @@ def loaded(
     models = {name: rewritten(model, names)[0] for name, model in models.items()}
     with tempfile.TemporaryDirectory(prefix="corp-latency-") as tmp:
         run = _Models(Path(tmp), models, shape, text)
-        if backend.name.startswith("ort-"):
+        if backend.runtime == "onnxruntime":
             for name in models:
                 run.export(name, backend.precision)
         yield {name: backend.load(run, name, False, threads)(batch) for name in models}
@@ -280,7 +280,7 @@ def build_table(
     """Measure the grid's uniform-width models (p50 of each) and fit the table. ``timer``: seconds per model."""
     shape = shape_of(dense)
     modules, fit = removals(table_key)
-    grid = latency.grid(shape, latency.tied(backend.name), modules)
+    grid = latency.grid(shape, backend.equal_heads, modules)
     models = {name: with_widths(dense, None if w is None else [w] * shape.depth, fit) for name, w in grid.items()}
     if timer is None:
         dense_name = next(name for name, w in grid.items() if w == (shape.mlp, shape.head_dim, shape.head_dim))
@@ -288,7 +288,7 @@ def build_table(
         seconds = time_against(dense_name, models, backend, batch, threads, method, seq_len)
     else:
         seconds = timer(models)
-    return latency.fit(table_key, shape, latency.tied(backend.name), seconds, modules)
+    return latency.fit(table_key, shape, backend.equal_heads, seconds, modules)
 
 
 def table_for(
@@ -308,7 +308,7 @@ def table_for(
     if (table := latency.cached(table_key)) is not None:
         say(f"latency table: cached {latency.cache_path(table_key)}")
         return table
-    n = len(latency.grid(shape_of(dense), latency.tied(backend.name), removals(table_key)[0]))
+    n = len(latency.grid(shape_of(dense), backend.equal_heads, removals(table_key)[0]))
     say(f"latency table: measuring {n} uniform-width models on {backend.name} at {latency.workload(table_key)}")
     table = build_table(dense, table_key, backend, timer=timer)
     latency.write(table, latency.cache_path(table_key))

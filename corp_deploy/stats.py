@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from corp_deploy.compensation import packed_index
-from corp_deploy.family import adapter_for
+from corp_deploy.families import adapter_for
 
 ACTIVE_EPS = 1e-3
 """Threshold of the ``active`` ranker: a hidden channel is active on a token when ``|x| > eps``."""

@@ -24,10 +24,11 @@ import torch
 from torch import Tensor, nn
 
 from corp_deploy import api
-from corp_deploy.api import Heldout, LatencyLoop, check_loop, check_widths, close_loop, planner
+from corp_deploy.api import LatencyLoop, check_loop, check_widths, close_loop, planner
 from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.bench.measure import Method
 from corp_deploy.bench.run import benchmark, pairs
+from corp_deploy.calibration import Heldout
 from corp_deploy.env import exact_fp32
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.pipeline import export_verified

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from corp_deploy.data import SYNTHETIC, sample
 from corp_deploy.errors import CorpError
-from corp_deploy.hf import max_positions
+from corp_deploy.families.hf_text import max_positions
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 SPLIT_SEED = 0

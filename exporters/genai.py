@@ -45,9 +45,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 """What genai's tokenizer reads beside the graph (a ``tokenizers`` JSON and its config), copied when present."""
-GENAI_TYPES = {"llama": "llama", "opt": "decoder"}
-"""genai's ``model.type``: ``llama`` as its own builder writes it; genai 0.18 has no ``opt`` ("Unsupported
-model_type in config.json: opt"), and its generic ``decoder`` runs any graph with the standard names."""
 PROMPTS = 2
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (5, 11)
@@ -67,7 +64,7 @@ def genai_config(step: DecodeStep, config: Any, layout: CacheLayout) -> dict[str
     eos = config.eos_token_id
     return {
         "model": {
-            "type": GENAI_TYPES[config.model_type],
+            "type": step.family.genai_type,
             "bos_token_id": config.bos_token_id,
             "eos_token_id": eos,
             "pad_token_id": config.pad_token_id if config.pad_token_id is not None else eos,

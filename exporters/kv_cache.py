@@ -1,7 +1,7 @@
-"""Decoders (OPT, Llama family; dense or pruned) -> one decode-step ONNX graph with the key/value cache.
+"""Decoders (every family with a ``genai_type``; dense or pruned) -> one decode-step ONNX graph with the KV cache.
 
 The graph is what onnxruntime-genai runs token by token (``exporters.genai``): inputs ``input_ids``,
-``attention_mask`` (batch x past+new), ``position_ids`` (Llama only, see ``POSITIONS``) and per layer
+``attention_mask`` (batch x past+new), ``position_ids`` (rotary families: ``Adapter.positions``) and per layer
 ``past_key_values.{i}.key`` / ``.value`` (batch x K/V heads x past x width); outputs ``logits`` and
 ``present.{i}.key`` / ``.value`` (past+new long). One graph serves prefill (past length 0, empty tensors)
 and decode; batch, sequence and past are dynamic, the widths are the layer's own, read from the model.
@@ -30,11 +30,8 @@ from torch.nn import functional as F
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, _quiet, add_metadata, check_onnx
+from corp_deploy.families import Adapter, adapter_for, decoders
 
-POSITIONS = {"llama": True, "opt": False}
-"""Model types with a decode graph -> whether it takes ``position_ids``. Llama's rotary positions come from the
-caller (``generate`` and genai count them over the mask); OPT's learned positions are counted over
-``attention_mask`` inside the model, exactly as ``generate`` does, so the graph needs no third input."""
 PAST, PRESENT = "past_key_values.{i}.{kind}", "present.{i}.{kind}"
 KINDS = ("key", "value")
 EXAMPLE = (2, 3, 4)
@@ -80,28 +77,30 @@ class CacheLayout:
         return {**asdict(self), **caches, "padding": self.padding}
 
 
-def decoder_type(model: nn.Module) -> str:
-    """The model type a decode graph is made for (``POSITIONS``); one line for any other model."""
+def decoder(model: nn.Module) -> Adapter:
+    """The family of a causal LM a decode graph is made for (one with a ``genai_type``); one line for any other.
+
+    Whether the graph takes ``position_ids`` is the family's ``positions``: rotary positions come from the caller
+    (``generate`` and genai count them over the mask); OPT's learned positions are counted over ``attention_mask``
+    inside the model, exactly as ``generate`` does, so its graph needs no third input."""
     kind = getattr(getattr(model, "config", None), "model_type", None)
-    if kind not in POSITIONS or not type(model).can_generate():
+    try:
+        family = adapter_for(model)
+    except CorpError:
+        family = None
+    if family is None or family.genai_type is None or not type(model).can_generate():
         raise CorpError(
-            f"a key/value-cache decoder graph is made for OPT and Llama-family causal LMs, not {kind or type(model)}"
+            f"a key/value-cache decoder graph is made for causal LMs of {decoders()}, not {kind or type(model)}"
         )
-    return kind
-
-
-def _layers(model: nn.Module) -> Sequence[nn.Module]:
-    base = model.base_model
-    return base.layers if hasattr(base, "layers") else base.decoder.layers
+    return family
 
 
 def layout(model: nn.Module, padded: bool = True) -> CacheLayout:
-    """The cache layout read from the model: each layer's K width from its k_proj, V width from its v_proj."""
-    config = model.config
+    """The cache layout read from the model: each layer's K and V widths are its Q/K and V head widths."""
+    family, config = decoder(model), model.config
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    key = tuple(layer.self_attn.k_proj.out_features // kv for layer in _layers(model))
-    value = tuple(layer.self_attn.v_proj.out_features // kv for layer in _layers(model))
-    return CacheLayout(kv, key, value, padded)
+    widths = [family.head_widths(block) for block in family.blocks(model)]
+    return CacheLayout(kv, tuple(k for k, _ in widths), tuple(v for _, v in widths), padded)
 
 
 def _cache(past: Sequence[Tensor], lay: CacheLayout) -> Any:
@@ -142,7 +141,8 @@ class DecodeStep(nn.Module):
 
     def __init__(self, model: nn.Module, padded: bool = True) -> None:
         super().__init__()
-        self.model, self.lay, self.positions = model, layout(model, padded), POSITIONS[decoder_type(model)]
+        self.model, self.lay, self.family = model, layout(model, padded), decoder(model)
+        self.positions = self.family.positions
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
         positions, past = (rest[0], rest[1:]) if self.positions else (None, rest)
@@ -247,12 +247,12 @@ VERIFY_PROMPTS = (7, 4)
 def _reference_steps(model: nn.Module, ids: Tensor, mask: Tensor, steps: int) -> list[tuple[Tensor, Tensor, Tensor]]:
     """``(input_ids, attention_mask, logits)`` of a greedy prefill + ``steps`` decode steps of the torch model
     with its own key/value cache (what ``generate`` runs)."""
-    kind, out, cache, calls = decoder_type(model), None, None, []
+    family, out, cache, calls = decoder(model), None, None, []
     for _ in range(steps + 1):
         if out is not None:
             ids = out.logits[:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
-        kw = {"position_ids": positions(mask)[:, -ids.shape[1] :]} if POSITIONS[kind] else {}
+        kw = {"position_ids": positions(mask)[:, -ids.shape[1] :]} if family.positions else {}
         out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, **kw)
         cache = out.cache
         calls.append((ids, mask, out.logits))

@@ -118,7 +118,7 @@ def export_verified(
 
     ``rewrites`` (``exporters.rewrites``) are applied to the exported copy where exact; the check compares it
     with ``model`` as given, so a rewrite that changed the function would fail here, and the record lists them.
-    A text model (``description`` from ``api.describe``) takes ``input_ids`` and ``attention_mask`` with
+    A text model (``description`` from ``sources.describe``) takes ``input_ids`` and ``attention_mask`` with
     dynamic batch and sequence (``text_onnx``: an encoder's last hidden state, a decoder's logits) and is
     checked at untraced shapes with padding.
     """

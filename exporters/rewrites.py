@@ -25,12 +25,6 @@ from corp_deploy.errors import CorpError
 PATCH_LINEAR = "patch-linear"
 REWRITES = (PATCH_LINEAR,)
 
-DEFAULTS: dict[str, tuple[str, ...]] = {
-    "torch-cuda": (PATCH_LINEAR,),
-}
-"""Backend name prefix -> the rewrites that pay there. CPU backends (onnxruntime, torch) get none: measured on
-deit_small the rewrite did not pay there (docs/BENCHMARKS.md "Exact fixed-cost rewrites")."""
-
 
 class LinearPatchEmbed(nn.Module):
     """timm's ``PatchEmbed`` (flattened NLC output) with its patch convolution computed as reshape + Linear.
@@ -73,15 +67,11 @@ def _patch_linear_applies(model: nn.Module) -> bool:
     )
 
 
-def default_rewrites(backend: str | None) -> tuple[str, ...]:
-    """The rewrites that pay on ``backend`` (a bench backend name); none for an unknown or absent one."""
-    return next((names for prefix, names in DEFAULTS.items() if backend and backend.startswith(prefix)), ())
-
-
-def parse_rewrites(text: str, backend: str | None) -> tuple[str, ...]:
-    """``auto`` (the backend's defaults), ``none`` or a comma list of rewrite names."""
+def parse_rewrites(text: str, defaults: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``auto`` (``defaults``: what pays on the backend, ``bench.backends.Backend.default_rewrites``), ``none`` or a
+    comma list of rewrite names."""
     if text == "auto":
-        return default_rewrites(backend)
+        return defaults
     names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     if names == ("none",):
         return ()

@@ -7,7 +7,7 @@
         --out docs/alloc-study        # the allocation criteria: plain local vs sensitivity-weighted errors
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (MLP + Q/K, joint) on ``--num-calib`` train images; the
-``--heldout`` more images of the same seeded sample, drawn across it (``api.calibration_data``, as the CLI draws
+``--heldout`` more images of the same seeded sample, drawn across it (``calibration.calibration_data``, as the CLI draws
 them), are the sensitivity pass's. For every uniform sparsity the budget is the MACs uniform CORP reaches
 there; uniform CORP and the ``--methods`` at that budget are scored by the dense model's linear probe on the
 test images:
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from corp_deploy import api, blockwise
+from corp_deploy import blockwise, calibration
 from corp_deploy import compensation as C
 from corp_deploy.allocation import error_curves, plan_budget
 from corp_deploy.bench.measure import Method, interleaved, summarize
@@ -61,7 +61,7 @@ THROUGHPUT_BATCH = 16
 
 def build_models(dense: torch.nn.Module, train_dir: Path, a: argparse.Namespace) -> tuple[dict, dict]:
     """Every model of the study, keyed (method, sparsity), and what each lever cost (seconds) and rests on."""
-    data = api.calibration_data(dense, train_dir, a.num_calib + a.heldout, workers=0, hold_out=a.heldout)
+    data = calibration.calibration_data(dense, train_dir, a.num_calib + a.heldout, workers=0, hold_out=a.heldout)
     heldout = data.heldout.images  # drawn across the whole sample (data.split), not its first class folders
     calib = list(data.batches)  # the sequential walks pass over the same images again
     cost: dict[str, Any] = {}

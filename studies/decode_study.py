@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from corp_deploy.api import describe
 from corp_deploy.artifact import save_pruned
 from corp_deploy.bench.backends import RunFolder
 from corp_deploy.bench.decode import DECODE_BACKENDS, PHASES, TorchSession, decode_benchmark, rows
@@ -43,6 +42,7 @@ from corp_deploy.offline.gguf_folder import convert_gguf, smollm2_gguf
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.real import write_study
 from corp_deploy.report import model_size
+from corp_deploy.sources import describe
 from corp_deploy.text import packed_batches, packed_sequences, read_documents, shuffled, split_documents
 from studies.smollm_study import allocate
 from studies.text_study import package_folder

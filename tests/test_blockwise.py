@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from corp_deploy import api, blockwise
 from corp_deploy import compensation as C
 from corp_deploy.errors import CorpError
-from corp_deploy.family import BlockCall, structure
+from corp_deploy.families import BlockCall, structure
 from corp_deploy.pruner import PruneConfig, Widths
 from corp_deploy.stats import MlpStats, PairStats
 

@@ -20,7 +20,7 @@ from helpers import run
 pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 import transformers  # noqa: E402
 
-from corp_deploy import api  # noqa: E402
+from corp_deploy import api, sources  # noqa: E402
 from corp_deploy.bench import gate  # noqa: E402
 from corp_deploy.bench.backends import RunFolder  # noqa: E402
 from corp_deploy.bench.decode import DECODE_BACKENDS, TorchSession, decode_benchmark, rows  # noqa: E402
@@ -54,7 +54,7 @@ def _run_folder(root: Path, dense: torch.nn.Module) -> RunFolder:
     batches = [({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 0)]
     pruned = api.prune(copy.deepcopy(dense), batches, config, "cpu", progress=False)
     api.save(pruned, root / "pruned", "tiny", {})
-    description = api.describe(pruned.model, "tiny", {}, "corp-pruned", 16)
+    description = sources.describe(pruned.model, "tiny", {}, "corp-pruned", 16)
     (root / "pruned.onnx.json").write_text(json.dumps(description))
     return RunFolder.open(root)
 

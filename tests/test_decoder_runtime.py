@@ -227,7 +227,7 @@ def test_bad_decoder_export_input_is_one_line_and_writes_nothing(case, llama_fol
     source, extra, expected = BAD[case]
     if case == "no genai extra":
         monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # as when it is not installed
-    monkeypatch.setattr("corp_deploy.api.load_source", _never)  # every refusal comes before the model loads
+    monkeypatch.setattr("corp_deploy.sources.load_source", _never)  # every refusal comes before the model loads
     places = {
         "llama": llama_folder,
         "other_format": _corp_json(tmp_path / "other", {"format": "corp-deploy/bench", "format_version": 1}),

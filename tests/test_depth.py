@@ -18,7 +18,7 @@ from corp_deploy.artifact import load_pruned, save_pruned
 from corp_deploy.bench.backends import BACKENDS
 from corp_deploy.distributed import World
 from corp_deploy.errors import CorpError
-from corp_deploy.family import structure
+from corp_deploy.families import structure
 from corp_deploy.latency import LatencyTable
 from corp_deploy.pruner import MODULES, PruneConfig, Timer, Widths, calibrate, check_parts, fit_branch, prune_model
 from corp_deploy.sensitivity import measure

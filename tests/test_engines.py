@@ -18,7 +18,6 @@ import pytest
 import torch
 from conftest import pruned_copy, tiny_vit
 
-from corp_deploy.api import describe
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters import tensorrt_engine
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
@@ -42,6 +41,7 @@ from corp_deploy.exporters.tensorrt_engine import (
 )
 from corp_deploy.fsio import sha256
 from corp_deploy.pruner import PruneConfig
+from corp_deploy.sources import describe
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")

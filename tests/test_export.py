@@ -10,7 +10,6 @@ import pytest
 import torch
 from conftest import pruned_copy, tf32_state, tiny_vit
 
-from corp_deploy.api import describe
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import FP16, FP32, Tolerance, check, compare, image_inputs, random_inputs, verify
 from corp_deploy.exporters.fp16 import KEEP_FP32, convert_fp16
@@ -29,6 +28,7 @@ from corp_deploy.exporters.tensorrt_engine import (
     source_record,
 )
 from corp_deploy.pruner import PruneConfig
+from corp_deploy.sources import describe
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")

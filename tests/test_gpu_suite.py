@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from corp_deploy import speed
-from corp_deploy.family import structure
+from corp_deploy.families import structure
 from tools.gpu_suite.core import Context, Plan
 from tools.gpu_suite.record import BEGIN, END, ingest
 from tools.gpu_suite.registry import SECTIONS

@@ -41,7 +41,7 @@ from transformers import (  # noqa: E402
 from corp_deploy import hf  # noqa: E402
 from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
 from corp_deploy.errors import CorpError  # noqa: E402
-from corp_deploy.family import TIMM_VIT  # noqa: E402
+from corp_deploy.families import get  # noqa: E402
 from corp_deploy.hf_folder import MODELING_FILE, REMOTE, STANDARD  # noqa: E402
 from corp_deploy.pruner import PruneConfig, calibrate, check_standard, prune_model  # noqa: E402
 
@@ -270,4 +270,4 @@ def test_cli_layout_standard_writes_the_familys_own_folder_and_refuses_what_it_c
 
 def test_layout_standard_is_refused_for_a_family_without_one() -> None:
     with pytest.raises(CorpError, match="timm-vit artifacts have one layout"):
-        check_standard(TIMM_VIT, PruneConfig(layout="standard", target="mlp"))
+        check_standard(get("timm-vit"), PruneConfig(layout="standard", target="mlp"))

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from helpers import TEXT_VOCAB, run, tiny_text_folder
 
-from corp_deploy.api import load_source
 from corp_deploy.exporters.compare import INT8, compare
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import export_verified
@@ -24,6 +23,7 @@ from corp_deploy.exporters.quantize import (
     quantize_verified,
 )
 from corp_deploy.exporters.runners import OrtRunner
+from corp_deploy.sources import load_source
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")

@@ -21,7 +21,7 @@ from corp_deploy import api, hf, latency, speed
 from corp_deploy.allocation import allocate, plan_budget, widths_of
 from corp_deploy.bench.backends import BACKENDS
 from corp_deploy.errors import CorpError
-from corp_deploy.family import structure as block_widths
+from corp_deploy.families import structure as block_widths
 from corp_deploy.latency import LatencyTable, Shape, Timing
 from corp_deploy.pruner import PruneConfig, calibrate
 from corp_deploy.report import format_report
@@ -62,7 +62,8 @@ def test_grid_measures_uniform_models_and_only_equal_heads_when_tied() -> None:
         (q, v) for q in (16, 8, 4) for v in (16, 8, 4)
     } - {(16, 16)}
     assert {w[1:] for n, w in tied.items() if n.startswith("qk")} == {(8, 8), (4, 4)}
-    assert latency.tied("torch-cpu-fp32") and latency.tied("tensorrt-fp16") and not latency.tied("ort-cpu-fp32")
+    assert BACKENDS["torch-cpu-fp32"].equal_heads and BACKENDS["tensorrt-fp16"].equal_heads
+    assert not BACKENDS["ort-cpu-fp32"].equal_heads
 
 
 def test_fitted_table_predicts_mixed_widths_of_an_additive_cost_exactly() -> None:

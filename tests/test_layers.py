@@ -34,8 +34,9 @@ SCRIPTS = ("studies", "tools")
 
 ROOMS = frozenset({"corp_deploy.errors", "corp_deploy.fsio", "corp_deploy.tables", "corp_deploy.version"})
 ROOMS |= {"corp_deploy.deps", "corp_deploy.env"}
-FORMATS = frozenset({"corp_deploy.artifact", "corp_deploy.data"})
-"""The pruning core's two faces that the libraries may read: prune artifacts, and images as a model takes them."""
+FORMATS = frozenset({"corp_deploy.artifact", "corp_deploy.data", "corp_deploy.families"})
+"""The pruning core's faces that the libraries may read: prune artifacts, images as a model takes them, and the
+family registry (what a model is: a decode graph asks its family for its cache widths and positions)."""
 APPS = (
     "corp_deploy.cli",
     "corp_deploy.__main__",
@@ -188,3 +189,12 @@ def test_documents_cited_in_the_code_are_in_the_repository() -> None:
         f"{path} cites {name}" for path, name in cited if not any((d / name).is_file() for d in (ROOT, ROOT / "docs"))
     )
     assert not missing, missing
+
+
+def test_every_public_name_resolves_to_the_module_that_defines_it() -> None:
+    """``corp_deploy``'s lazy exports name modules by string: a name moved to another module must move here too."""
+    import corp_deploy
+
+    for name in corp_deploy.__all__:
+        value = getattr(corp_deploy, name)
+        assert name == "__version__" or value.__module__ == corp_deploy._EXPORTS[name], name

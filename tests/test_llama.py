@@ -1,4 +1,4 @@
-"""Llama decoders (``corp_deploy.llama``): SwiGLU MLP and grouped-query V pruning, the compensation's constant
+"""Llama decoders (``corp_deploy.families.llama``): SwiGLU MLP and grouped-query V pruning, the compensation's constant
 as a bias of its own, the artifact, ``generate``, the Q/K refusal, and the GGUF conversion.
 
 Tiny random ``LlamaConfig`` models (hidden 32, 2 layers, 4 query heads over 2 K/V heads, intermediate 64,
@@ -24,7 +24,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from corp_deploy import compensation as C  # noqa: E402
 from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.llama import HF_LLAMA, PrunedLlamaAttention  # noqa: E402
+from corp_deploy.families import get  # noqa: E402
+from corp_deploy.hf_modeling import PrunedRopeAttention  # noqa: E402
 from corp_deploy.pruner import PruneConfig, calibrate, check_parts, prune_model  # noqa: E402
 
 
@@ -62,7 +63,7 @@ def test_pruned_llama_is_smaller_the_same_class_and_compensation_helps(target: s
     model, removed = _pruned(dense, target, "corp"), _pruned(dense, target, "none")
     layer = model.model.layers[0]
     assert type(model) is LlamaForCausalLM and not any(m.training for m in model.modules())
-    assert HF_LLAMA.structure(layer) == {
+    assert get("hf-llama").structure(layer) == {
         "mlp_hidden": 32 if "mlp" in target else 64,
         "qk_dim": 8,
         "v_dim": 4 if "v" in target else 8,
@@ -84,7 +85,7 @@ def test_v_pruning_keeps_the_same_channels_for_every_query_head_of_a_kv_group() 
     zeroed = copy.deepcopy(dense)
     for pruned, layer in zip(model.model.layers, zeroed.model.layers, strict=True):
         attn = pruned.self_attn
-        assert isinstance(attn, PrunedLlamaAttention) and attn.v_proj.out_features == 2 * 4
+        assert isinstance(attn, PrunedRopeAttention) and attn.v_proj.out_features == 2 * 4
         assert attn.o_proj.in_features == 4 * 4 and attn.k_proj.out_features == 2 * 8
         v = layer.self_attn.v_proj.weight
         kept = [next(r for r in range(16) if torch.equal(v[r], row)) for row in attn.v_proj.weight]
@@ -183,9 +184,9 @@ def test_a_missing_gguf_file_is_refused_in_one_line(tmp_path: Path) -> None:
 )
 def test_smollm2_gguf_converts_to_a_folder_that_loads_as_an_hf_llama_model(tmp_path: Path) -> None:
     from corp_deploy import hf
-    from corp_deploy.family import adapter_for
+    from corp_deploy.families import adapter_for
     from corp_deploy.offline.gguf_folder import convert_gguf, smollm2_gguf
 
     model, tok = hf.load(str(convert_gguf(smollm2_gguf())))
-    assert adapter_for(model) is HF_LLAMA and tok is not None
+    assert adapter_for(model) is get("hf-llama") and tok is not None
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # SmolLM2 uses GQA (9 over 3)

@@ -24,10 +24,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from corp_deploy import hf  # noqa: E402
-from corp_deploy.api import text_calibration_data  # noqa: E402
+from corp_deploy.calibration import text_calibration_data  # noqa: E402
 from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.family import adapter_for  # noqa: E402
-from corp_deploy.opt import HF_OPT, PrunedOptAttention  # noqa: E402
+from corp_deploy.families import adapter_for, get  # noqa: E402
+from corp_deploy.hf_modeling import PrunedOptAttention  # noqa: E402
 from corp_deploy.perplexity import perplexity  # noqa: E402
 from corp_deploy.pruner import PruneConfig, calibrate, check_parts, prune_model  # noqa: E402
 from corp_deploy.stats import QKStats  # noqa: E402
@@ -123,7 +123,7 @@ def test_an_opt_model_calibrates_causal_moments_from_its_own_q_and_k() -> None:
     for h in hooks:
         h.remove()
     expected = sum(_brute_moment(q, k, causal=True) for q, k in zip(seen["q"], seen["k"], strict=True))
-    assert adapter_for(model) is HF_OPT and stats.qk[1].causal
+    assert adapter_for(model) is get("hf-opt") and stats.qk[1].causal
     torch.testing.assert_close(stats.qk[1].moment, expected, rtol=1e-4, atol=1e-3)
 
 
@@ -240,7 +240,7 @@ def test_pruned_opt_is_smaller_the_same_class_and_compensation_helps(target: str
     model = _pruned(dense, target, "corp")
     layer = model.model.decoder.layers[0]
     assert type(model) is OPTForCausalLM and not any(m.training for m in model.modules())
-    assert HF_OPT.structure(layer) == {
+    assert get("hf-opt").structure(layer) == {
         "mlp_hidden": 32 if "mlp" in target or target == "all" else 64,
         "qk_dim": 4 if "qk" in target or target == "all" else 8,
         "v_dim": 4 if target in ("v", "all") else 8,

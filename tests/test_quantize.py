@@ -11,7 +11,6 @@ from conftest import TINY_CLI_ARGS, pruned_copy, tiny_vit
 from helpers import run
 from PIL import Image
 
-from corp_deploy.api import describe
 from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.data import folder_counts, list_images, sample
 from corp_deploy.exporters.compare import INT8, compare
@@ -29,6 +28,7 @@ from corp_deploy.exporters.quantize import (
 from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.exporters.tensorrt_engine import FLAVOURS, VERIFIED, flavour_missing
 from corp_deploy.pruner import PruneConfig
+from corp_deploy.sources import describe
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")

@@ -11,13 +11,13 @@ from conftest import TINY_CLI_ARGS, pruned_copy, tiny_vit
 from helpers import run
 
 from corp_deploy import speed
-from corp_deploy.api import describe
-from corp_deploy.bench.backends import BACKENDS
+from corp_deploy.bench.backends import BACKENDS, rewrites_on
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import export_verified
-from corp_deploy.exporters.rewrites import PATCH_LINEAR, LinearPatchEmbed, default_rewrites, parse_rewrites, rewritten
+from corp_deploy.exporters.rewrites import PATCH_LINEAR, LinearPatchEmbed, parse_rewrites, rewritten
 from corp_deploy.pruner import PruneConfig
+from corp_deploy.sources import describe
 
 
 @pytest.mark.parametrize("patch", [4, 8])
@@ -71,14 +71,14 @@ def test_the_exported_graph_is_verified_and_records_the_rewrite(tmp_path) -> Non
 
 def test_defaults_per_backend_and_parsing() -> None:
     """``auto`` is the backend's measured choice: the GPU's torch backends get the rewrite, the CPU ones do not."""
-    assert default_rewrites("torch-cuda-fp16-graph") == (PATCH_LINEAR,)
-    assert default_rewrites("ort-cpu-fp32") == default_rewrites("torch-cpu-fp32") == default_rewrites(None) == ()
-    assert parse_rewrites("auto", "torch-cuda-fp16") == (PATCH_LINEAR,)
-    assert parse_rewrites("none", "torch-cuda-fp16") == ()
-    assert parse_rewrites(f"{PATCH_LINEAR}, {PATCH_LINEAR}", None) == (PATCH_LINEAR,)
+    assert BACKENDS["torch-cuda-fp16-graph"].default_rewrites == rewrites_on("torch-cuda-fp16") == (PATCH_LINEAR,)
+    assert rewrites_on("ort-cpu-fp32") == rewrites_on("torch-cpu-fp32") == rewrites_on(None) == rewrites_on("x") == ()
+    assert parse_rewrites("auto", rewrites_on("torch-cuda-fp16")) == (PATCH_LINEAR,)
+    assert parse_rewrites("none", rewrites_on("torch-cuda-fp16")) == ()
+    assert parse_rewrites(f"{PATCH_LINEAR}, {PATCH_LINEAR}") == (PATCH_LINEAR,)
     for bad in ("", "conv-gemm", f"none,{PATCH_LINEAR}"):
         with pytest.raises(CorpError, match="--rewrites takes auto, none or"):
-            parse_rewrites(bad, None)
+            parse_rewrites(bad)
 
 
 def test_the_latency_key_holds_the_rewrites(monkeypatch) -> None:

@@ -15,9 +15,9 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 
 from transformers import RobertaConfig, RobertaModel  # noqa: E402
 
-from corp_deploy import api  # noqa: E402
+from corp_deploy import sources  # noqa: E402
 from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.hf import max_positions  # noqa: E402
+from corp_deploy.families.hf_text import max_positions  # noqa: E402
 from corp_deploy.hf_modeling import PrunedSelfAttention  # noqa: E402
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
 
@@ -65,6 +65,6 @@ def test_roberta_prunes_reloads_and_exports_verified(tmp_path: Path) -> None:
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).last_hidden_state, model(**inputs).last_hidden_state)
 
-    description = api.describe(loaded, "tiny-roberta", {}, "corp-pruned", seq_len=32)
+    description = sources.describe(loaded, "tiny-roberta", {}, "corp-pruned", seq_len=32)
     record = export_verified(loaded, tmp_path / "pruned.onnx", description)
     assert record["modality"] == "text" and record["max_positions"] == 38 and record["verify"]["cosine"] > 0.99999

@@ -1,7 +1,7 @@
 """Prune's steps as separate functions, and the defects the review found in them (each test fails before its fix).
 
-The steps: ``api.check_widths`` (data-free), ``api.calibration_mode``, ``api.calibration_data`` (held-out images),
-``pruner.calibrate`` (exact float32), ``api.plan`` / ``pruner.plan_widths`` (uniform, VBP's global threshold, a
+The steps: ``api.check_widths`` (data-free), ``api.calibration_mode``, ``calibration.calibration_data`` (held-out
+images), ``pruner.calibrate`` (exact float32), ``api.plan`` / ``pruner.plan_widths`` (uniform, VBP's global threshold, a
 budget), ``pruner.prune_model``.
 """
 

@@ -193,7 +193,8 @@ def test_text_int8_without_text_and_an_image_graph_with_a_sequence_range_are_ref
 def test_macs_are_counted_at_the_runs_seq_len_and_recorded(folder, tmp_path, capsys) -> None:
     from corp_deploy import load_pruned
     from corp_deploy.artifact import read_meta
-    from corp_deploy.hf import count_macs_at, load
+    from corp_deploy.families.hf_text import count_macs_at
+    from corp_deploy.hf import load
     from corp_deploy.report import model_size
 
     reports = {}

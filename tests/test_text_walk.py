@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import launch, run
 
-from corp_deploy import api, blockwise
+from corp_deploy import api, blockwise, calibration
 from corp_deploy.pruner import PruneConfig, calibrate
 from corp_deploy.sensitivity import measure
 from corp_deploy.stats import MlpStats, PairStats
@@ -28,7 +28,7 @@ from test_opt import _folders, tiny_opt, token_batches, tokenizer  # noqa: E402
 from test_text import padded_batches, tiny_bert  # noqa: E402
 
 from corp_deploy.artifact import read_meta  # noqa: E402
-from corp_deploy.family import adapter_for  # noqa: E402
+from corp_deploy.families import adapter_for  # noqa: E402
 from corp_deploy.text import packed_sequences, read_documents, shuffled, split_documents  # noqa: E402
 
 FAMILIES = {
@@ -184,7 +184,8 @@ def test_sensitivity_allocation_beats_local_allocation_at_the_same_macs(name: st
     for allocation in ("local", "sensitivity"):
         config = PruneConfig(target=TARGET[name], budget="macs=0.6", allocation=allocation, round_to=2)
         config = PruneConfig(**{**config.__dict__, "sensitivity_images": 8})
-        data = api.text_calibration_data(make(), None, "synthetic", 32, 8, seq_len=24, hold_out=config.heldout_images)
+        held = config.heldout_images
+        data = calibration.text_calibration_data(make(), None, "synthetic", 32, 8, seq_len=24, hold_out=held)
         result = api.prune(make(), data.batches, config, "cpu", total=data.total, progress=False, heldout=data.heldout)
         report = result.report  # the closed-form MACs the allocator spends are the counted ones (SwiGLU, GQA)
         assert report["allocation"]["planned_macs"] == report["pruned"]["macs"] <= 0.6 * report["dense"]["macs"]
@@ -208,8 +209,8 @@ def test_held_out_sequences_come_from_the_held_out_documents(tmp_path: Path) -> 
     """A decoder's held-out batch packs the split's held-out documents: calibration is the same with or without it."""
     model_dir, text = _folders(tmp_path)
     model, tok = tiny_opt(), tokenizer()
-    plain = api.text_calibration_data(model, tok, text, 6, 4, seq_len=8)
-    held = api.text_calibration_data(model, tok, text, 6, 4, seq_len=8, hold_out=2)
+    plain = calibration.text_calibration_data(model, tok, text, 6, 4, seq_len=8)
+    held = calibration.text_calibration_data(model, tok, text, 6, 4, seq_len=8, hold_out=2)
     assert plain.heldout is None and held.total == plain.total == 6
     for (a, _), (b, _) in zip(plain.batches, held.batches, strict=True):
         assert torch.equal(a["input_ids"], b["input_ids"])

@@ -298,10 +298,10 @@ def test_sdpa_backend_on_cpu_follows_the_head_widths(variants) -> None:
 
 def test_onnx_of_equal_width_and_padded_models_matches_pytorch(variants, tmp_path) -> None:
     pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
-    from corp_deploy.api import describe
     from corp_deploy.exporters.compare import FP32, image_inputs, verify
     from corp_deploy.exporters.pipeline import export_verified
     from corp_deploy.exporters.runners import OrtRunner, TorchRunner
+    from corp_deploy.sources import describe
 
     sizes = {}
     for name in ("qk_pruned", "equal_width", "qk_padded"):

@@ -11,11 +11,11 @@ from typing import Any
 import click
 import torch
 
-from corp_deploy import api, hf, latency, speed
+from corp_deploy import calibration, evaluation, hf, latency, sources, speed
 from corp_deploy.artifact import META_FILE, read_meta
 from corp_deploy.bench import gate
 from corp_deploy.bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
-from corp_deploy.bench.backends import RunFolder
+from corp_deploy.bench.backends import RunFolder, rewrites_on
 from corp_deploy.bench.backends import select as select_backends
 from corp_deploy.bench.decode import NEW_TOKENS, PROMPTS, decode_benchmark, parse_prompts
 from corp_deploy.bench.decode import select as select_decoders
@@ -40,9 +40,8 @@ from corp_deploy.cli.options import (
 from corp_deploy.cli.prune import inputs, latency_loop, latency_table
 from corp_deploy.env import device_name
 from corp_deploy.errors import CorpError
-from corp_deploy.exporters.rewrites import default_rewrites
+from corp_deploy.families.hf_text import max_positions
 from corp_deploy.fsio import atomic_file, check_writable
-from corp_deploy.hf import max_positions
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.sweep import DEFAULT_SPARSITIES, Speedups, format_sweep, parse_sparsities, parse_speedups, plot_sweep
 from corp_deploy.sweep import sweep as run_sweep
@@ -115,8 +114,8 @@ def bench(
     """Time dense against pruned from a prune-export RUN_DIR on every backend this machine has.
 
     A text encoder's run is timed on full sequences of --seq-len tokens: sentences/s and tokens/s. A decoder's
-    (OPT, Llama-family) is timed by phase at each --prompt-lens: prefill tokens/s, and decode ms/token and tokens/s
-    with the key/value cache (corp_deploy.bench.decode); the gate compares each phase.
+    (OPT, Llama, Mistral, Qwen2) is timed by phase at each --prompt-lens: prefill tokens/s, and decode ms/token and
+    tokens/s with the key/value cache (corp_deploy.bench.decode); the gate compares each phase.
     """
     run = RunFolder.open(run_dir, seq_len)
     if run.decoder and (seq_len is not None or plot or include_copies):
@@ -189,12 +188,12 @@ def _text_eval(
     if not (artifact or hf.is_source(source)):
         raise CorpError(f"{source} is neither a prune artifact nor a transformers folder (config.json) or hf:NAME")
     read_documents(text)  # a folder without text fails before any model loads
-    device = api.resolve_device("auto")
+    device = calibration.resolve_device("auto")
 
     def line(label: str, where: str) -> str:
-        model, tokenizer = api.text_model(where)
+        model, tokenizer = sources.text_model(where)
         length = seq_len or min(2048, max_positions(model.config))
-        r = api.text_perplexity(model, tokenizer, text, length, batch_size, device, all_text, num, not quiet)
+        r = evaluation.text_perplexity(model, tokenizer, text, length, batch_size, device, all_text, num, not quiet)
         return (
             f"{label}: perplexity {r['perplexity']:.3f} on {r['windows']} of {r['of_windows']} windows of "
             f"{r['seq_len']} tokens ({r['part']}: {r['documents']} of {r['of_documents']} documents of {text}) "
@@ -270,7 +269,7 @@ def sweep(
     say = (lambda line: None) if quiet else click.echo
     loop = None if backend is None else latency_loop(backend, latency["latency_batch"], latency_rounds, say)
     got = inputs(**flags, hold_out=config.heldout_images)
-    description = api.describe(got.net, got.name, got.args, got.weights)
+    description = sources.describe(got.net, got.name, got.args, got.weights)
     plan = None
     if backend is not None:
         plan = Speedups(targets, latency_table(got, backend, latency, say), got.heldout, loop)
@@ -290,7 +289,7 @@ def sweep(
         click.echo,
         overwrite,
         plan,
-        default_rewrites(latency["latency_on"]),
+        rewrites_on(latency["latency_on"]),
     )
     click.echo(format_sweep(result))
     try:
@@ -342,7 +341,7 @@ def eval_command(
         return
     kwargs["batch_size"] = kwargs["batch_size"] or 32
     check_writable(Path(run_dir) / "eval.json", overwrite=True)
-    dense = functools.partial(api.dense_original, checkpoint=kwargs.pop("checkpoint"))
+    dense = functools.partial(sources.dense_original, checkpoint=kwargs.pop("checkpoint"))
     record = evaluate_run(run_dir, dense=dense, progress=not quiet, **kwargs)
     record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": device_name(torch.device("cpu"))}
     for line in skipped_lines(record["skipped_backends"]):

@@ -11,8 +11,9 @@ from typing import Any
 import click
 from torch import nn
 
-from corp_deploy import api, hf, surgery
+from corp_deploy import api, evaluation, hf, sources, surgery
 from corp_deploy.artifact import META_FILE
+from corp_deploy.bench.backends import rewrites_on
 from corp_deploy.cli import genai
 from corp_deploy.cli.options import (
     build_options,
@@ -79,8 +80,8 @@ def _int4_refused(precisions_: tuple[str, ...], decoder: bool) -> None:
     """INT4 weights are for decoders (their gate is perplexity): one line for a vision model or an encoder."""
     if "int4" in precisions_ and not decoder:
         raise CorpError(
-            "--precision int4 is for decoders (OPT, Llama-family: weight-only MatMulNBits gated on perplexity); "
-            "use fp32, fp16 or int8 here"
+            "--precision int4 is for decoders (OPT, Llama, Mistral, Qwen2: weight-only MatMulNBits gated on "
+            "perplexity); use fp32, fp16 or int8 here"
         )
 
 
@@ -89,7 +90,7 @@ def _int4_windows(tokenizer_source: str | Path | None, data: str, vocab: int, in
     tokenizer = None
     if data != SYNTHETIC and tokenizer_source is not None:
         tokenizer = hf.load_tokenizer(tokenizer_source, vocab)
-    windows = api.heldout_windows(tokenizer, data, vocab, int4["int4_seq_len"], int4["int4_windows"], seed)
+    windows = evaluation.heldout_windows(tokenizer, data, vocab, int4["int4_seq_len"], int4["int4_windows"], seed)
     return windows.numpy()
 
 
@@ -138,7 +139,7 @@ def _text_int8(
     "--out",
     required=True,
     type=click.Path(),
-    help="ONNX file to write (*.onnx); for an OPT or Llama-family decoder, a folder: the onnxruntime-genai folder.",
+    help="ONNX file to write (*.onnx); for a decoder (OPT, Llama, Mistral, Qwen2), its onnxruntime-genai folder.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace existing files.")
 def export(
@@ -160,14 +161,15 @@ def export(
     """Export SOURCE (a prune artifact folder, a timm model name, or a transformers encoder: a folder with a
     config.json or hf:NAME) to ONNX, verified with onnxruntime; text graphs have dynamic batch and sequence.
 
-    A decoder (OPT, Llama family; dense folder or prune artifact) with a folder as --out gets an onnxruntime-genai
-    folder: the key/value-cache graph, genai_config.json and the tokenizer files, verified by generating."""
+    A decoder (OPT, Llama, Mistral, Qwen2; dense folder or prune artifact) with a folder as --out gets an
+    onnxruntime-genai folder: the key/value-cache graph, genai_config.json and the tokenizer files, verified by
+    generating."""
     opts = verify_options(verify)
-    rewrites_ = parse_rewrites(rewrites, None)
+    rewrites_ = parse_rewrites(rewrites)
     out_ = Path(out)
     if out_.suffix != ".onnx":
         if not (hf.is_source(source) or Path(source).is_dir()):
-            raise CorpError(f"--out must be a .onnx file ({genai.FOLDER_IS}), got {out}")
+            raise CorpError(f"--out must be a .onnx file ({genai.folder_is()}), got {out}")
         flags = (fp16, pad_qk, simplify, bool(rewrites_))
         _genai_export(source, out_, overwrite, opset, flags, opts, prompts, seq_len)
         return
@@ -177,7 +179,7 @@ def export(
     for path in (out_, half) if fp16 else (out_,):
         check_writable(path, overwrite)
     needs("ONNX export", *onnx_needs(("fp16",) if fp16 else (), simplify))
-    model, description = api.load_source(source, weights, checkpoint, parse_model_args(model_arg), seq_len)
+    model, description = sources.load_source(source, weights, checkpoint, parse_model_args(model_arg), seq_len)
     if is_text(description):
         _text_export(pad_qk, simplify)
     description = _pad_qk(model, description, pad_qk)
@@ -207,7 +209,7 @@ def _genai_export(
     check_writable(out, overwrite)
     genai.needs_genai()
     ids = genai.prompt_ids(folder, prompts)
-    model, description = api.load_source(source, "pretrained", None, {}, seq_len)
+    model, description = sources.load_source(source, "pretrained", None, {}, seq_len)
     with atomic_dir(out, overwrite) as tmp:
         record = write_genai_folder(model, tmp, description, folder, opset, ids, opts.fp32)
     click.echo(genai.summary(record, out.name, folder))
@@ -435,7 +437,7 @@ def prune_export(
     if text:
         _text_export(pad_qk, simplify)
     prune_args["pruning"] = with_latency(prune_args["pruning"], prune_args["latency"])
-    rewrites_ = parse_rewrites(rewrites, prune_args["latency"]["latency_on"])
+    rewrites_ = parse_rewrites(rewrites, rewrites_on(prune_args["latency"]["latency_on"]))
     opts = verify_options(verify)
     build = for_graph(build_options(engine, "fp32", opts), prune_args["seq_len"] if text else None)
     no_engines = DECODER_ENGINES if decoder else None  # engines of logits graphs nobody can generate with
@@ -469,11 +471,11 @@ def prune_export(
     click.echo(format_report(run.result.report))
     seq_len = prune_args["seq_len"]
     models = {
-        "dense": (run.dense, api.describe(run.dense, run.name, run.args, run.weights, seq_len)),
+        "dense": (run.dense, sources.describe(run.dense, run.name, run.args, run.weights, seq_len)),
         "pruned": (
             run.result.model,
             _pad_qk(
-                run.result.model, api.describe(run.result.model, run.name, run.args, "corp-pruned", seq_len), pad_qk
+                run.result.model, sources.describe(run.result.model, run.name, run.args, "corp-pruned", seq_len), pad_qk
             ),
         ),
     }

@@ -11,13 +11,15 @@ from corp_deploy.artifact import META_FILE, read_meta
 from corp_deploy.cli.options import ONNX_EXPORT, needs
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.genai import NEW_TOKENS
-from corp_deploy.exporters.kv_cache import POSITIONS
-from corp_deploy.hf import HUB_PREFIX, max_positions
+from corp_deploy.families import decoders, for_model_type, get
+from corp_deploy.families.hf_text import max_positions
+from corp_deploy.hf import HUB_PREFIX
 
-DECODER_FAMILIES = ("hf-opt", "hf-llama")
-"""Prune-artifact families whose models decode with a key/value cache (``exporters.kv_cache.POSITIONS``)."""
 PURPOSE = "a decoder's onnxruntime-genai folder"
-FOLDER_IS = "a folder is the genai export of an OPT or Llama-family decoder"
+
+
+def folder_is() -> str:
+    return f"a folder is the genai export of a decoder ({decoders()})"
 
 
 def needs_genai() -> None:
@@ -34,8 +36,9 @@ def model_type(source: str) -> str | None:
 
 
 def is_decoder(source: str) -> bool:
-    """Whether a prune MODEL (a local transformers folder) is an OPT or Llama-family decoder."""
-    return model_type(source) in POSITIONS
+    """Whether a prune MODEL (a local transformers folder) is a decoder with a genai decode graph."""
+    family = for_model_type(model_type(source))
+    return family is not None and family.genai_type is not None
 
 
 def decoder_folder(source: str) -> Path:
@@ -49,17 +52,17 @@ def decoder_folder(source: str) -> Path:
         )
     if (path / META_FILE).is_file():
         family = read_meta(path)["family"]  # another corp-deploy format or version: one line there
-        if family not in DECODER_FAMILIES:
-            raise CorpError(f"{source} is a {family} prune artifact: --out must be a .onnx file ({FOLDER_IS})")
+        if get(family).genai_type is None:
+            raise CorpError(f"{source} is a {family} prune artifact: --out must be a .onnx file ({folder_is()})")
         return path
     if (path / "config.json").is_file():
-        kind = model_type(source)
-        if kind not in POSITIONS:
-            raise CorpError(f"{source} is a {kind or 'transformers'} model: --out must be a .onnx file ({FOLDER_IS})")
+        if not is_decoder(source):
+            kind = model_type(source) or "transformers"
+            raise CorpError(f"{source} is a {kind} model: --out must be a .onnx file ({folder_is()})")
         return path
     raise CorpError(
         f"{source} is neither a prune artifact (no {META_FILE}) nor a transformers folder (no config.json); "
-        "a genai folder is made from one of those (an OPT or Llama-family decoder)"
+        f"a genai folder is made from one of those ({decoders()})"
     )
 
 

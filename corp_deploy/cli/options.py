@@ -38,7 +38,16 @@ from corp_deploy.exporters.tensorrt_engine import (
 )
 from corp_deploy.fsio import check_writable
 from corp_deploy.models import WEIGHTS
-from corp_deploy.pruner import COMPENSATIONS, CRITERIA, DEFAULT_RIDGE, LAYOUTS, SELECTIONS, PruneConfig
+from corp_deploy.pruner import (
+    COMPENSATIONS,
+    CRITERIA,
+    DEFAULT_RIDGE,
+    LAYOUTS,
+    SELECTIONS,
+    Budget,
+    PruneConfig,
+    parse_budget,
+)
 from corp_deploy.ranking import RANKERS
 
 CALIB_IMAGES = 4000
@@ -124,7 +133,7 @@ method_options = group(
         show_default=True,
         help="What to prune: a comma list of mlp (MLP channels), qk (attention Q/K dims), v (attention V "
         "channels); all = mlp,qk,v; both = joint = mlp,qk; attn = qk. Left out, the parts the model's family "
-        "cannot prune are dropped from the default (Llama-family: no qk under RoPE).",
+        "cannot prune are dropped from the default (Llama, Mistral, Qwen2: no qk under RoPE).",
     ),
     click.option(
         "--ranker",
@@ -421,20 +430,23 @@ def prune_config(pruning: dict[str, Any], **override: Any) -> PruneConfig:
 
 
 def with_latency(pruning: dict[str, Any], latency: dict[str, Any]) -> dict[str, Any]:
-    """The pruning group with ``--speedup`` turned into its latency budget, checked against the latency flags.
+    """The pruning group with ``--budget`` parsed (once) and ``--speedup`` turned into its latency ``Budget``,
+    checked against the latency flags.
 
     A latency budget prunes mlp,qk,v unless ``--target`` was typed (V channels are time too).
     """
-    speedup, backend = latency["speedup"], latency["latency_on"]
+    speedup, backend, budget = latency["speedup"], latency["latency_on"], pruning.get("budget")
+    budget = parse_budget(budget) if isinstance(budget, str) else budget
     if speedup is not None:
         if typed("sparsity"):
             raise CorpError("--speedup chooses every block's widths; drop --sparsity or drop --speedup")
         if not speedup >= 1:
             raise CorpError(f"--speedup must be >= 1 (dense / pruned time), got {speedup:g}")
-        if pruning.get("budget") is not None:
+        if budget is not None:
             raise CorpError("--speedup S is --budget latency=1/S; pass one of the two")
-        pruning = pruning | {"budget": f"latency={1 / speedup!r}"}
-    latency_budget = (pruning.get("budget") or "").strip().startswith("latency")
+        budget = Budget("latency", 1 / speedup)
+    pruning = pruning | {"budget": budget}
+    latency_budget = budget is not None and budget.kind == "latency"
     if latency_budget and backend is None:
         raise CorpError("a latency budget is measured on a backend: add --latency-on BACKEND (e.g. ort-cpu-fp32)")
     if not latency_budget and (backend is not None or latency["latency_table"] is not None):

@@ -12,7 +12,8 @@ import click
 import torch
 from torch import nn
 
-from corp_deploy import api, distributed, hf, speed
+from corp_deploy import api, calibration, distributed, hf, speed
+from corp_deploy.artifact import read_meta
 from corp_deploy.bench.backends import Backend
 from corp_deploy.cli.options import (
     CALIB_IMAGES,
@@ -28,7 +29,8 @@ from corp_deploy.cli.options import (
 )
 from corp_deploy.data import SYNTHETIC
 from corp_deploy.errors import CorpError
-from corp_deploy.family import adapter_for
+from corp_deploy.families import adapter_for
+from corp_deploy.families.hf_text import count_macs_at
 from corp_deploy.latency import LatencyTable, Timing, format_table, workload
 from corp_deploy.models import create_model, parse_model_args, resolve_name
 from corp_deploy.report import format_report
@@ -65,7 +67,7 @@ def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
 
 def say_folder(path: str | Path) -> None:
     """A text artifact's one line on how it loads without corp-deploy (and why it needs remote code, if it does)."""
-    folder = api.read_meta(path).get("folder")
+    folder = read_meta(path).get("folder")
     if folder:
         from corp_deploy.hf_folder import describe
 
@@ -78,7 +80,7 @@ class Inputs(NamedTuple):
     net: nn.Module
     batches: Iterable
     total: int
-    heldout: api.Heldout | None
+    heldout: calibration.Heldout | None
     device: torch.device
     name: str
     args: dict
@@ -105,7 +107,8 @@ def inputs(
     text: bool = False,
 ) -> Inputs:
     """``dist_timeout`` marks a command that may run data-parallel under torchrun (prune, prune-export);
-    ``hold_out`` calibration images are drawn across the sample for the width planning (``api.calibration_data``).
+    ``hold_out`` calibration images are drawn across the sample for the width planning
+    (``calibration.calibration_data``).
     ``text``: the command takes ``transformers`` models too (MODEL a folder with a config.json, or ``hf:NAME``)."""
     source = calibration_source(calib_dir, calib, hf.is_source(model))
     if num_calib is None:
@@ -115,10 +118,10 @@ def inputs(
             raise CorpError(f"{model} is a transformers model; this command takes timm ViTs only (use prune)")
         return _text_inputs(model, source, num_calib, calib_batch_size, seed, seq_len, device, hold_out, dist_timeout)
     args = parse_model_args(model_arg)
-    world, device_ = _world(api.resolve_device(device), dist_timeout)
+    world, device_ = _world(calibration.resolve_device(device), dist_timeout)
     torch.manual_seed(seed)  # --weights random: the same model on every run and every rank
     net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=args)
-    data = api.calibration_data(net, source, num_calib, calib_batch_size, seed, workers, world, hold_out)
+    data = calibration.calibration_data(net, source, num_calib, calib_batch_size, seed, workers, world, hold_out)
     provenance = f"checkpoint:{checkpoint}" if checkpoint else weights
     return Inputs(
         net, data.batches, data.total, data.heldout, device_, resolve_name(model), args, provenance, str(source), world
@@ -147,15 +150,15 @@ def _text_inputs(
     dist_timeout: float | None,
 ) -> Inputs:
     """``inputs`` for a transformers model: the model and its tokenizer, text calibration (packed for a decoder,
-    ``api.text_calibration_data``; under torchrun, this rank's shard of an encoder's documents)."""
-    device_ = api.resolve_device(device)
+    ``calibration.text_calibration_data``; under torchrun, this rank's shard of an encoder's documents)."""
+    device_ = calibration.resolve_device(device)
     hf.transformers_module("pruning a transformers model")  # the install line before any work
     if source != SYNTHETIC:
         read_documents(source)  # a folder without text fails before the model loads
     world, device_ = _world(device_, dist_timeout)
     net, tokenizer = hf.load(model)
-    hf.count_macs_at(net, seq_len)
-    data = api.text_calibration_data(net, tokenizer, source, num, batch_size, seed, seq_len, hold_out, world)
+    count_macs_at(net, seq_len)
+    data = calibration.text_calibration_data(net, tokenizer, source, num, batch_size, seed, seq_len, hold_out, world)
     return Inputs(net, data.batches, data.total, data.heldout, device_, model, {}, "pretrained", source, world)
 
 

@@ -104,6 +104,7 @@ def _pipeline(ctx: Context, flavour: str) -> list[dict[str, Any]]:
     from corp_deploy.errors import CorpError
     from corp_deploy.exporters import BuildOptions, Profile, VerifyOptions, convert_fp16, engine_verified, export_onnx
     from corp_deploy.exporters.tensorrt_engine import run_missing
+    from corp_deploy.sources import describe
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # random weights and noise calibration, on purpose
@@ -117,9 +118,7 @@ def _pipeline(ctx: Context, flavour: str) -> list[dict[str, Any]]:
             fp32, fp16, plan = (Path(tmp) / f"{which}{ext}" for ext in (".onnx", ".fp16.onnx", ".fp16.plan"))
             row: dict[str, Any] = {"flavour": flavour, "model": which}
             try:
-                export_onnx(
-                    model, fp32, (3, 32, 32), metadata=corp_deploy.api.describe(model, "deit_tiny", TINY, "random")
-                )
+                export_onnx(model, fp32, (3, 32, 32), metadata=describe(model, "deit_tiny", TINY, "random"))
                 convert_fp16(fp32, fp16)
                 options = BuildOptions("fp16", Profile(1, 4, 8), workspace_gib=1.0, runtime=flavour)
                 record = engine_verified(fp16, plan, options, VerifyOptions(batches=(1, 4)))

@@ -80,7 +80,7 @@ def _budgeted(
     """One latency-budgeted prune of ``model`` (dense, timm ``name``) to ``goal`` at ``batch``, closed loop on
     ``backend``: its record. The latency table is the cached one for its key, else measured now."""
     import corp_deploy
-    from corp_deploy import api, speed
+    from corp_deploy import api, calibration, speed
 
     threads = torch.get_num_threads()
     config = corp_deploy.PruneConfig(budget=f"latency={1 / goal!r}", **fields)
@@ -90,7 +90,7 @@ def _budgeted(
     held = config.sensitivity_images if config.allocation == "sensitivity" else 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # noise images, on purpose
-        data = api.calibration_data(
+        data = calibration.calibration_data(
             model, "synthetic", ctx.plan.latency_images + held, ctx.plan.calib_batch, hold_out=held
         )
         result = api.prune(

@@ -1,8 +1,8 @@
-"""The family adapter: the one place that knows where a model keeps its blocks, layers and tokens.
+"""The family interface: the one place that knows where a model keeps its blocks, layers and tokens.
 
 The CORP core (statistics, per-part pruning, allocation, sensitivity, the artifact) works on three
 structures of every block and never reads a model's attribute names itself; it asks the model's
-``Adapter`` (``adapter_for(model)``). The contract, per block:
+``Adapter`` (``families.adapter_for(model)``). The contract, per block:
 
 - MLP: ``mlp_out(block)`` is the Linear that READS the hidden channels (timm ``fc2``, BERT
   ``output.dense``): its input is what the MLP statistics sum, its columns are what the compensation
@@ -25,9 +25,10 @@ And per model: ``blocks``; ``run`` (one calibration forward), ``count`` (sequenc
 the rest of its call, which every block takes: the block-by-block walk and the sensitivity pass run blocks
 themselves) and ``features`` (what the sensitivity pass compares).
 
-Families: ``TimmViT`` here; ``corp_deploy.hf.HfBert``, ``corp_deploy.opt.HfOpt`` and ``corp_deploy.llama.HfLlama``
-(``transformers``, imported only when a model is one). ``value_groups`` (grouped-query attention) and
-``adds_bias`` (bias-free readers) are the decoders' answers.
+And as a registry entry (``families.registry``): ``matches`` (is a model this family's), ``build`` (the dense tree
+of an artifact, weights unfilled), ``modality`` (``image`` or ``text``: the one answer to "what does it read"),
+``summary`` (what users know it as, for messages). ``value_groups`` (grouped-query attention) and ``adds_bias``
+(bias-free readers) are the decoders' answers; ``genai_type`` and ``positions`` what a decode graph needs.
 """
 
 from __future__ import annotations
@@ -39,11 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from corp_deploy import surgery
 from corp_deploy.errors import CorpError
 
 QKHook = Callable[[Tensor, Tensor], None]
@@ -99,16 +98,38 @@ class Adapter(ABC):
     """A model family's answers to the core's questions (see the module docstring)."""
 
     name: str
+    """The artifact's ``family`` and the registry's key."""
+    summary: str
+    """What users know the family as, in the one line that lists the supported ones."""
     block_keys: frozenset[str]
+    modality = "image"
+    """What the model reads: ``image`` (a batch of images) or ``text`` (token ids and a mask)."""
     causal = False
     """A decoder: a query sees only the keys at or before it, so the Q/K moments count those pairs only."""
-    unit = "images"
-    """What one input is, in reports ("sequences" for text)."""
+    genai_type: str | None = None
+    """onnxruntime-genai's ``model.type`` for the family's decode graph; None: no decode graph."""
+    positions = False
+    """The decode graph takes ``position_ids`` (rotary positions: the caller counts them)."""
     parts: tuple[str, ...] = ("mlp", "qk", "v")
     """What the family can prune; a ``--target`` left at its default keeps to these (Llama: no Q/K under RoPE)."""
     adds_bias = False
     """A folded reader without a bias gets one for the compensation's constant (Llama's bias-free down_proj and
     o_proj); otherwise a compensated fold into a bias-free reader is refused (``check_parts``)."""
+
+    @property
+    def unit(self) -> str:
+        """What one input is, in reports."""
+        return "images" if self.modality == "image" else "sequences"
+
+    @abstractmethod
+    def matches(self, model: nn.Module) -> bool:
+        """Whether ``model`` is one of this family's (checked without importing anything new)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def build(self, record: dict[str, Any], folder: Path) -> nn.Module:
+        """The dense module tree of an artifact (corp.json's ``model`` record, its folder), weights unfilled."""
+        raise NotImplementedError
 
     @abstractmethod
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
@@ -273,132 +294,3 @@ class Adapter(ABC):
     def features(self, model: nn.Module, x: Tensor, inputs: Any) -> Tensor:
         """What the sensitivity pass compares: the final features from the last block's output ``x``."""
         raise NotImplementedError
-
-
-class TimmViT(Adapter):
-    """timm VisionTransformers (``models.check_supported``): fused qkv, ``fc1 -> act -> fc2``, every token counts."""
-
-    name = "timm-vit"
-    block_keys = frozenset({"heads", "mlp_hidden", "qk_dim", "v_dim", "attn", "mlp"})
-    """``attn`` / ``mlp``: the module was replaced by an ``AffineBranch`` of that fit (then its widths are absent)."""
-
-    def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
-        return model.blocks
-
-    def mlp_out(self, block: nn.Module) -> nn.Linear:
-        return block.mlp.fc2
-
-    def set_mlp(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor | None) -> None:
-        surgery.fill_mlp(block.mlp, keep, w, b)
-
-    def heads(self, block: nn.Module) -> int:
-        return block.attn.num_heads
-
-    def head_widths(self, block: nn.Module) -> tuple[int, int]:
-        return surgery.head_widths(block.attn)
-
-    def qk_weights(self, block: nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-        qkv, heads, (qk, _) = block.attn.qkv, self.heads(block), self.head_widths(block)
-        rows = 2 * heads * qk
-        w = qkv.weight[:rows].unflatten(0, (2, heads, qk))
-        b = None if qkv.bias is None else qkv.bias[:rows].unflatten(0, (2, heads, qk))
-        return w[0], None if b is None else b[0], w[1], None if b is None else b[1]
-
-    def on_qk(self, block: nn.Module, fn: QKHook) -> list[RemovableHandle]:
-        heads, (qk, _) = self.heads(block), self.head_widths(block)
-
-        def hook(_m: nn.Module, _args: tuple, out: Tensor) -> None:
-            q, k = out[..., : 2 * heads * qk].unflatten(-1, (2, heads, qk)).unbind(-3)
-            fn(q, k)
-
-        return [block.attn.qkv.register_forward_hook(hook)]
-
-    def set_qk(self, block: nn.Module, q_w: Tensor, q_b: Tensor | None, k_w: Tensor, k_b: Tensor | None) -> None:
-        block.attn = surgery.fill_attention(block.attn, q_w, q_b, k_w, k_b)
-
-    def proj(self, block: nn.Module) -> nn.Linear:
-        return block.attn.proj
-
-    def set_values(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor) -> None:
-        block.attn = surgery.fill_values(block.attn, keep, w, b)
-
-    def check_parts(self, block: nn.Module, i: int, parts: Sequence[str], compensation: str) -> None:
-        super().check_parts(block, i, parts, compensation)
-        if "v" in parts:
-            surgery.check_v_prunable(block.attn, i)
-
-    def check_depth(self, block: nn.Module, i: int) -> None:
-        """The branch must be timm's ``x + ls(module(norm(x)))`` (``Block``), which ``surgery.replace_branch`` keeps."""
-        if type(block) is not Block:
-            raise CorpError(
-                f"--depth replaces modules of timm's plain Block only; block {i} is a {type(block).__name__}"
-            )
-
-    def on_branch(self, block: nn.Module, module: str, fn: BranchHook) -> list[RemovableHandle]:
-        """x is the input of the branch's norm, y the output of its LayerScale (``surgery.BRANCHES``)."""
-        norm, _, scale = (getattr(block, name) for name in surgery.BRANCHES[module])
-        seen: list[Tensor] = []
-        return [
-            norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0])),
-            scale.register_forward_hook(lambda _m, _args, out: fn(seen.pop(), out)),
-        ]
-
-    def structure(self, block: nn.Module) -> dict[str, int | str]:
-        """A replaced module is recorded as its fit (``attn``/``mlp``) instead of its widths."""
-        entry: dict[str, int | str] = {}
-        if (fit := surgery.removed(block, "mlp")) is not None:
-            entry["mlp"] = fit
-        else:
-            entry["mlp_hidden"] = self.mlp_out(block).in_features
-        if (fit := surgery.removed(block, "attn")) is not None:
-            entry["attn"] = fit
-        else:
-            qk, v = self.head_widths(block)
-            entry |= {"qk_dim": qk, "v_dim": v, "heads": self.heads(block)}
-        return entry
-
-    def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
-        surgery.apply_widths(model, entries)
-
-    def run(self, model: nn.Module, inputs: Tensor, device: torch.device | str) -> None:
-        model(inputs.to(device, non_blocking=True))
-
-    def count(self, inputs: Tensor) -> int:
-        return inputs.shape[0]
-
-    def tokens(self, model: nn.Module) -> int:
-        """Patches plus class/distillation/register tokens."""
-        return model.patch_embed.num_patches + model.num_prefix_tokens
-
-    def example(self, model: nn.Module) -> Tensor:
-        param = next(model.parameters())
-        h, w = model.patch_embed.img_size
-        return torch.zeros(1, model.patch_embed.proj.in_channels, h, w, device=param.device, dtype=param.dtype)
-
-    def features(self, model: nn.Module, x: Tensor, inputs: Tensor) -> Tensor:
-        """Pre-logit features: the final norm, the pooled head input."""
-        return model.forward_head(model.norm(x), pre_logits=True)
-
-
-TIMM_VIT = TimmViT()
-
-
-def structure(model: nn.Module) -> list[dict[str, int | str]]:
-    """Per-block widths as recorded in ``corp.json``."""
-    adapter = adapter_for(model)
-    return [adapter.structure(block) for block in adapter.blocks(model)]
-
-
-def adapter_for(model: nn.Module) -> Adapter:
-    """The family of ``model``; one line naming the supported families when it has none."""
-    if isinstance(model, VisionTransformer):
-        return TIMM_VIT
-    if type(model).__module__.startswith("transformers."):
-        from corp_deploy.hf import adapter_for_hf
-
-        return adapter_for_hf(model)
-    raise CorpError(
-        f"{type(model).__name__} is not a supported model family; corp-deploy prunes timm VisionTransformers "
-        "and transformers BERT-family encoders (BertModel, RobertaModel), OPT decoders (OPTForCausalLM) and Llama "
-        "decoders (LlamaForCausalLM)"
-    )
