@@ -1,12 +1,18 @@
 """FP32 decoder ONNX -> INT4 weight-only ONNX (``MatMulNBits``), gated on perplexity and greedy agreement.
 
-The quantizer is onnxruntime's (``onnxruntime.quantization.matmul_nbits_quantizer``, round to nearest); nothing
-here computes a scale. Every MatMul with a constant weight (the linear layers and the LM head) becomes one
-``MatMulNBits`` node: weights in blocks of ``block_size`` input channels, each block with its own FP32 scale,
-symmetric by default (signed 4-bit, no zero point; ``symmetric=False`` adds a 4-bit zero point per block).
-Activations stay float. ``accuracy_level`` is MatMulNBits' compute type on the CPU: 4 quantizes the activations
-to INT8 per block inside the kernel (the fast path for decode on x86), 0/1 computes in FP32. Embedding Gathers,
-norms, rotary embedding and attention stay FP32.
+Every MatMul with a constant weight (the linear layers; the LM head, whose tied weight a key/value-cache graph reads
+through a Transpose, made a constant first) becomes ``MatMulNBits``: weights in blocks of ``block_size`` input
+channels, each block with its own FP32 scale. ``Scheme.method`` picks how: ``minmax`` (the default, computed here
+in numpy: llama.cpp's Q4_1, each block's minimum and step, the minimum added back by a small FP32 MatMul of the
+input's block sums, so the codes run on onnxruntime's fast kernel), or one of onnxruntime's quantizers
+(``onnxruntime.quantization.matmul_nbits_quantizer``: ``rtn``, ``k_quant``, ``hqq``, ``gptq``). The LM head is INT8
+by default (``lm_head``). Each MatMul's output error (SQNR on the FP32 graph's own activations, calibration
+windows) can choose MatMuls to leave float (``keep_float``: the N worst) or to put in 8 bits (``int8_outliers_db``:
+far below the graph's median, the default); the graph's metadata names each with its reason. Activations stay
+float: ``accuracy_level`` is MatMulNBits' compute type on the CPU, 4 quantizes them to INT8 per block inside the
+kernel (the fast path for decode on x86), 0/1 computes in FP32. Embedding Gathers, norms, rotary embedding and
+attention stay FP32. On SmolLM2-135M (a Q4_1 GGUF, dequantized) the default reproduces the weights' grid and
+passes the gate where round to nearest fails (docs/BENCHMARKS.md, INT4 on real SmolLM2-135M).
 
 A decoder's outputs are next-token distributions, so the gate is a decoder's, not the cosine INT8 uses for
 features: on held-out token windows (teacher-forced: every position reads the true tokens before it), the INT4
@@ -749,6 +755,7 @@ def format_int4(records: Sequence[dict[str, Any]]) -> str:
             "block",
             "symmetric",
             "LM head",
+            "8-bit",
             "kept float",
             "windows x tokens",
             "ppl FP32",
@@ -767,6 +774,7 @@ def format_int4(records: Sequence[dict[str, Any]]) -> str:
                 str(s["block_size"]),
                 "yes" if s["symmetric"] else "no",
                 s.get("lm_head", "int4").split(" ")[0],
+                str(len(r.get("int4_int8", []))),
                 str(len([f for f in r.get("int4_kept_float", []) if not f["reason"].startswith("the LM head")])),
                 f"{v['windows']} x {v['seq_len']}",
                 f"{v['reference_ppl']:.3f}",
