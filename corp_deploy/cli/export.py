@@ -97,7 +97,7 @@ def _int4_calibration(
     tokenizer_source: str | Path | None, data: str, vocab: int, int4: dict[str, Any], seed: int, scheme: Scheme
 ) -> dict[str, Any]:
     """``int4_graphs``' calibration arguments: windows of ``data``'s calibration documents (disjoint from the
-    held-out ones the gate reads) when the scheme reads any (GPTQ, ``--int4-keep-float``), else none."""
+    held-out ones the gate reads) when the scheme reads any (GPTQ, the error ranking), else none."""
     if not scheme.calibrated:
         return {}
     tokenizer = None
