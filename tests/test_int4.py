@@ -25,7 +25,16 @@ ort = pytest.importorskip("onnxruntime")
 
 from corp_deploy import hf  # noqa: E402
 from corp_deploy.artifact import load_pruned  # noqa: E402
-from corp_deploy.exporters.int4 import DecoderTolerance, Scheme, int4_graphs  # noqa: E402
+from corp_deploy.exporters.int4 import (  # noqa: E402
+    MINS,
+    DecoderTolerance,
+    Scheme,
+    calibration_record,
+    dequantize,
+    int4_graphs,
+    matmul_errors,
+    minmax_int4,
+)
 from corp_deploy.exporters.text_onnx import export_text_onnx  # noqa: E402
 
 SEQ = 16
@@ -45,6 +54,11 @@ def _windows(n: int = 4, seed: int = 3) -> np.ndarray:
     return np.random.default_rng(seed).integers(4, 300, (n, SEQ))
 
 
+def _calibration() -> np.ndarray:
+    """Windows standing in for the calibration documents' (apart from ``_windows()``, the gate's)."""
+    return _windows(3, seed=11)
+
+
 def _scores(path: Path, windows: np.ndarray) -> tuple[float, np.ndarray]:
     """Perplexity (torch's mean cross-entropy over every predicted token) and the top-1 predictions."""
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -57,7 +71,8 @@ def _scores(path: Path, windows: np.ndarray) -> tuple[float, np.ndarray]:
 def test_int4_replaces_every_weight_matmul_and_records_gate_figures_that_recompute(decoder, tmp_path) -> None:
     _, _, graph = decoder
     out, windows = tmp_path / "dense.int4.onnx", _windows()
-    record = int4_graphs([(graph, out)], windows, DecoderTolerance(2.0, 0.5), Scheme(block_size=16))[0]
+    scheme = Scheme(block_size=16, method="rtn", lm_head="int4", int8_outliers_db=None)
+    record = int4_graphs([(graph, out)], windows, DecoderTolerance(2.0, 0.5), scheme)[0]
     proto = onnx.load(str(out))
     ops = [n.op_type for n in proto.graph.node]
     constants = {t.name for t in proto.graph.initializer}
@@ -67,6 +82,7 @@ def test_int4_replaces_every_weight_matmul_and_records_gate_figures_that_recompu
     assert attrs["block_size"] == 16 and attrs["bits"] == 4 and attrs["accuracy_level"] == 4
     meta = {e.key: e.value for e in proto.metadata_props}
     assert meta["precision"] == "int4" and json.loads(meta["int4_scheme"])["symmetric"] is True
+    assert json.loads(meta["int4_scheme"])["method"] == "rtn" and json.loads(meta["int4_kept_float"]) == []
     assert record == json.loads(Path(f"{out}.json").read_text())
     ref_ppl, ref_top = _scores(graph, windows)
     got_ppl, got_top = _scores(out, windows)
@@ -81,7 +97,9 @@ def test_int4_replaces_every_weight_matmul_and_records_gate_figures_that_recompu
 def test_the_gate_refuses_a_graph_just_outside_either_bound_and_writes_nothing(decoder, tmp_path) -> None:
     _, _, graph = decoder
     windows = _windows()
-    measured = int4_graphs([(graph, tmp_path / "ok.int4.onnx")], windows, DecoderTolerance(10.0, 0.0))[0]["verify"]
+    default = (Scheme(), None, False, _calibration())  # the default scheme, which ranks MatMuls on calibration text
+    measured = int4_graphs([(graph, tmp_path / "ok.int4.onnx")], windows, DecoderTolerance(10.0, 0.0), *default)
+    measured = measured[0]["verify"]
     for tol in (
         DecoderTolerance(measured["ppl_ratio"] - 1e-6, 0.0),
         DecoderTolerance(10.0, measured["agreement"] + 1e-6),
@@ -89,22 +107,256 @@ def test_the_gate_refuses_a_graph_just_outside_either_bound_and_writes_nothing(d
         out = tmp_path / "bad" / "dense.int4.onnx"
         out.parent.mkdir(exist_ok=True)
         with pytest.raises(CorpError, match="fails its gate") as e:
-            int4_graphs([(graph, out)], windows, tol)
+            int4_graphs([(graph, out)], windows, tol, *default)
         assert "\n" not in str(e.value) and not any(out.parent.iterdir())
     tol = DecoderTolerance(measured["ppl_ratio"], measured["agreement"])  # a figure equal to its bound passes
-    int4_graphs([(graph, tmp_path / "edge.int4.onnx")], windows, tol)
+    int4_graphs([(graph, tmp_path / "edge.int4.onnx")], windows, tol, *default)
 
 
 def test_refusals_before_any_work(decoder, tmp_path) -> None:
     _, _, graph = decoder
     with pytest.raises(CorpError, match="power of two"):
         Scheme(block_size=24)
-    int4_graphs([(graph, tmp_path / "q.int4.onnx")], _windows(), DecoderTolerance(10, 0))
+    with pytest.raises(CorpError, match="need calibration windows"):  # the default ranks MatMuls on calibration text
+        int4_graphs([(graph, tmp_path / "q.int4.onnx")], _windows(), DecoderTolerance(10, 0))
+    int4_graphs(
+        [(graph, tmp_path / "q.int4.onnx")], _windows(), DecoderTolerance(10, 0), Scheme(), None, False, _calibration()
+    )
+    calibrated = (DecoderTolerance(10, 0), Scheme(), None, False, _calibration())
     with pytest.raises(CorpError, match="not an FP32 graph"):
-        int4_graphs([(tmp_path / "q.int4.onnx", tmp_path / "qq.int4.onnx")], _windows())
+        int4_graphs([(tmp_path / "q.int4.onnx", tmp_path / "qq.int4.onnx")], _windows(), *calibrated)
     with pytest.raises(CorpError, match="exists"):
-        int4_graphs([(graph, tmp_path / "q.int4.onnx")], _windows())
+        int4_graphs([(graph, tmp_path / "q.int4.onnx")], _windows(), *calibrated)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q.int4.onnx", "q.int4.onnx.json"]
+
+
+def _constants(proto) -> dict[str, np.ndarray]:
+    return {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+
+
+def _kernel_output(proto, node, x: np.ndarray) -> np.ndarray:
+    """One MatMulNBits node of ``proto`` alone in a graph, run by onnxruntime's CPU kernel on ``x``."""
+    h = onnx.helper
+    k, n = (a.i for a in node.attribute if a.name in ("K", "N"))
+    inits = [t for t in proto.graph.initializer if t.name in node.input[1:]]
+    graph = h.make_graph(
+        [node],
+        "one",
+        [h.make_tensor_value_info(node.input[0], onnx.TensorProto.FLOAT, ["m", k])],
+        [h.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, ["m", n])],
+        inits,
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("com.microsoft", 1)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {node.input[0]: x})[0]
+
+
+def test_hqq_has_a_float_zero_point_per_block_and_an_int8_head_and_the_sidecar_says_so(decoder, tmp_path) -> None:
+    _, _, graph = decoder
+    out, windows = tmp_path / "dense.int4.onnx", _windows()
+    scheme = Scheme(block_size=16, method="hqq", int8_outliers_db=None)
+    record = int4_graphs([(graph, out)], windows, DecoderTolerance(2.0, 0.5), scheme)[0]
+    proto = onnx.load(str(out))
+    nbits = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    bits = {n.name: {a.name: a.i for a in n.attribute} for n in nbits}
+    head = next(n for n in proto.graph.node if "logits" in n.output)
+    assert head.op_type == "MatMulNBits" and bits[head.name]["bits"] == 8  # the LM head: 8-bit
+    assert sorted(b["bits"] for b in bits.values()) == [4] * 14 + [8]
+    assert all(b["block_size"] == 16 and b["accuracy_level"] == 4 for b in bits.values())
+    constants = _constants(proto)
+    floats = [n for n in nbits if n is not head and constants[n.input[3]].dtype == np.float32]
+    assert len(floats) == 14  # HQQ: a float zero point per block
+    s = record["int4_scheme"]
+    assert (s["method"], s["block_size"], s["symmetric"], s["accuracy_level"]) == ("hqq", 16, False, 4)
+    assert s["zero_point"] == "float per block" and s["lm_head"].startswith("int8")
+    assert record["int4_kept_float"] == [] and record["int4_matmuls"] == 14
+    assert record["int4_lm_head"] == {"node": head.name.removesuffix("_Q8"), "precision": "int8"}
+    assert "calibration" not in record  # HQQ reads no data
+    rng = np.random.default_rng(0)
+    for node in (nbits[0], head):  # the recorded weights are what the kernel multiplies by
+        x = rng.standard_normal((3, bits[node.name]["K"])).astype(np.float32)
+        w = dequantize(node, constants)
+        assert np.allclose(_kernel_output(proto, node, x), x @ w, rtol=2e-2, atol=2e-2 * np.abs(x @ w).max())
+    float_head = int4_graphs(
+        [(graph, tmp_path / "h.int4.onnx")],
+        windows,
+        DecoderTolerance(2.0, 0.5),
+        Scheme(method="hqq", lm_head="fp32", int8_outliers_db=None),
+    )
+    head = next(n for n in onnx.load(str(tmp_path / "h.int4.onnx")).graph.node if "logits" in n.output)
+    assert head.op_type == "MatMul" and float_head[0]["int4_matmuls"] == 14
+    assert float_head[0]["int4_kept_float"] == [{"node": head.name, "reason": "the LM head (--int4-lm-head fp32)"}]
+
+
+def test_keep_float_leaves_the_worst_measured_matmuls_float_and_names_them(decoder, tmp_path) -> None:
+    _, _, graph = decoder
+    out, windows, calibration = tmp_path / "dense.int4.onnx", _windows(), _windows(3, seed=11)
+    scheme = Scheme(block_size=16, method="rtn", keep_float=2, int8_outliers_db=None)
+    with pytest.raises(CorpError, match="need calibration windows"):
+        int4_graphs([(graph, out)], windows, DecoderTolerance(2.0, 0.5), scheme)
+    assert not out.exists()
+    info = {"text": "synthetic", "part": "calibration"}
+    record = int4_graphs([(graph, out)], windows, DecoderTolerance(2.0, 0.5), scheme, None, False, calibration, info)[0]
+    proto = onnx.load(str(out))
+    kept = record["int4_kept_float"]
+    assert len(kept) == 2 and all("SQNR" in f["reason"] and "calibration windows" in f["reason"] for f in kept)
+    constants = _constants(proto)
+    by_name = {n.name: n for n in proto.graph.node}
+    for f in kept:  # float in the graph: a MatMul over a float32 weight
+        node = by_name[f["node"]]
+        assert node.op_type == "MatMul" and constants[node.input[1]].dtype == np.float32
+    assert sum(n.op_type == "MatMulNBits" for n in proto.graph.node) == 14 - 2 + 1  # and the int8 head
+    assert [n for n, _ in record["int4_worst_sqnr_db"][:2]] == [f["node"] for f in kept]  # the worst two
+    assert record["calibration"] == calibration_record(calibration, info)
+    assert record["calibration"]["ids_sha256"] == __import__("hashlib").sha256(calibration.astype(np.int64)).hexdigest()
+    everything = onnx.load(str(graph))
+    rtn = tmp_path / "all.int4.onnx"
+    int4_graphs([(graph, rtn)], windows, DecoderTolerance(2.0, 0.5), Scheme(16, method="rtn", int8_outliers_db=None))
+    ranked = matmul_errors(everything, onnx.load(str(rtn)), calibration)  # the ranking, recomputed independently
+    assert [n for n, _ in ranked[:2]] == [f["node"] for f in kept]
+
+
+def test_gptq_reads_calibration_windows_and_a_failing_gate_still_writes_nothing(decoder, tmp_path) -> None:
+    _, _, graph = decoder
+    windows, calibration = _windows(), _windows(4, seed=5)
+    out = tmp_path / "g" / "dense.int4.onnx"
+    out.parent.mkdir()
+    scheme = Scheme(block_size=16, method="gptq", keep_nodes=("node_linear_6",), int8_outliers_db=None)  # named
+    with pytest.raises(CorpError, match="fails its gate"):
+        int4_graphs([(graph, out)], windows, DecoderTolerance(10.0, 1.01), scheme, None, False, calibration)
+    assert not any(out.parent.iterdir())
+    record = int4_graphs([(graph, out)], windows, DecoderTolerance(10.0, 0.0), scheme, None, False, calibration)[0]
+    proto = onnx.load(str(out))
+    bits = sorted(
+        next(a.i for a in n.attribute if a.name == "bits") for n in proto.graph.node if n.op_type == "MatMulNBits"
+    )
+    assert bits == [4] * 13 + [8]  # onnxruntime's GPTQ ignores nodes_to_exclude: the head and the named one held back
+    assert next(n for n in proto.graph.node if n.name == "node_linear_6").op_type == "MatMul"
+    assert record["int4_kept_float"] == [{"node": "node_linear_6", "reason": "named by the caller"}]
+    assert not [n for n in proto.graph.node if n.op_type == "Identity" and n.name.endswith(".kept_float")]
+    assert record["int4_scheme"]["method"] == "gptq" and record["int4_scheme"]["symmetric"] is True
+    assert record["calibration"]["windows"] == 4 and record["calibration"]["seq_len"] == SEQ
+    rtn = tmp_path / "rtn.int4.onnx"
+    int4_graphs(
+        [(graph, rtn)],
+        windows,
+        DecoderTolerance(10.0, 0.0),
+        Scheme(16, method="rtn", lm_head="int4", int8_outliers_db=None),
+    )
+    gptq_weights, rtn_proto = _constants(proto), onnx.load(str(rtn))
+    rtn_weights = {
+        n.output[0]: _constants(rtn_proto)[n.input[1]] for n in rtn_proto.graph.node if n.op_type == "MatMulNBits"
+    }
+    differs = [
+        n.name
+        for n in proto.graph.node
+        if n.op_type == "MatMulNBits" and not np.array_equal(gptq_weights[n.input[1]], rtn_weights[n.output[0]])
+    ]
+    assert differs  # GPTQ's rounding is not round-to-nearest's
+    with pytest.raises(CorpError, match="symmetric form"):
+        Scheme(method="hqq", symmetric=True)
+    with pytest.raises(CorpError, match="--int4-method"):
+        Scheme(method="awq")
+
+
+def _one_matmul(weight: np.ndarray):
+    h = onnx.helper
+    k, n = weight.shape
+    graph = h.make_graph(
+        [h.make_node("MatMul", ["x", "w"], ["y"], name="fc")],
+        "fc",
+        [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["b", "s", k])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["b", "s", n])],
+        [onnx.numpy_helper.from_array(weight, "w")],
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_minmax_gives_a_q4_1_weight_back_exactly_and_rounds_any_other_to_half_a_step(tmp_path) -> None:
+    rng = np.random.default_rng(0)
+    k, n, block = 64, 24, 16
+    low = rng.standard_normal((k // block, 1, n)).astype(np.float32) * 0.1
+    step = rng.uniform(0.001, 0.02, (k // block, 1, n)).astype(np.float32)
+    codes = rng.integers(0, 16, (k // block, block, n))
+    codes[:, 0], codes[:, 1] = 0, 15  # each block spans its grid, as a Q4_1 block does
+    grid = (low + step * codes).reshape(k, n).astype(np.float32)
+    x = rng.standard_normal((2, 5, k)).astype(np.float32)
+    for weight, exact in ((grid, True), (rng.standard_normal((k, n)).astype(np.float32), False)):
+        proto = _one_matmul(weight)
+        minmax_int4(proto, block, 0, set())
+        ops = [node.op_type for node in proto.graph.node]
+        assert ops.count("MatMulNBits") == 1 and "fc" not in [node.name for node in proto.graph.node]
+        constants = _constants(proto)
+        node = next(node for node in proto.graph.node if node.op_type == "MatMulNBits")
+        assert not constants[node.input[3]].any()  # zero point 0: the kernel's uint4 path
+        w = dequantize(node, constants) + np.repeat(constants[f"fc{MINS}"], block, axis=0)
+        session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        y = session.run(None, {"x": x})[0]
+        assert np.allclose(y, x @ w, rtol=1e-5, atol=1e-5)  # the graph computes with that weight
+        half_step = np.repeat(np.ptp(weight.reshape(-1, block, n), axis=1) / 30, block, axis=0)
+        if exact:
+            assert np.allclose(w, weight, rtol=0, atol=1e-6)
+        else:
+            assert (np.abs(w - weight) <= half_step + 1e-6).all() and not np.allclose(w, weight, atol=1e-3)
+    short = _one_matmul(grid[:40])  # K not a multiple of the block: the last block is short
+    minmax_int4(short, block, 0, set())
+    w = dequantize(next(n for n in short.graph.node if n.op_type == "MatMulNBits"), _constants(short))
+    assert np.allclose(w + np.repeat(_constants(short)[f"fc{MINS}"], block, axis=0)[:40], grid[:40], atol=1e-6)
+    y = ort.InferenceSession(short.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x[..., :40]}
+    )[0]
+    assert np.allclose(y, x[..., :40] @ grid[:40], rtol=1e-5, atol=1e-5)
+
+
+def test_minmax_on_a_decoder_runs_on_matmulnbits_and_records_its_method(decoder, tmp_path) -> None:
+    _, _, graph = decoder
+    out = tmp_path / "dense.int4.onnx"
+    scheme = Scheme(block_size=16, method="minmax", int8_outliers_db=None)
+    record = int4_graphs([(graph, out)], _windows(), DecoderTolerance(2.0, 0.5), scheme)[0]
+    proto = onnx.load(str(out))
+    nbits = {n.name: {a.name: a.i for a in n.attribute} for n in proto.graph.node if n.op_type == "MatMulNBits"}
+    assert sorted(b["bits"] for b in nbits.values()) == [4] * 14 + [8] and record["int4_matmuls"] == 14
+    assert not [n for n in proto.graph.node if n.op_type == "MatMul" and n.name in weight_names(graph)]
+    s = record["int4_scheme"]
+    assert (s["method"], s["block_size"], s["symmetric"], s["accuracy_level"]) == ("minmax", 16, False, 4)
+    assert s["zero_point"].startswith("float offset") and s["quantizer"].startswith("corp-deploy")
+    assert record["verify"]["ppl_ratio"] < 2.0 and record["int4_kept_float"] == []
+
+
+def weight_names(graph: Path) -> set[str]:
+    proto = onnx.load(str(graph))
+    constants = {t.name for t in proto.graph.initializer}
+    return {n.name for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in constants}
+
+
+def test_the_default_puts_the_one_matmul_off_a_q4_1_grid_in_8_bits_and_the_rest_in_exact_int4(
+    decoder, tmp_path
+) -> None:
+    """The real case in miniature: a GGUF Q4_1 model's weights sit on a grid of 16 levels per block, except those
+    CORP's compensation rewrote (the pruned down_proj). minmax gives the grid back; the measured outlier goes to
+    8 bits and is named with its SQNR."""
+    _, _, graph = decoder
+    proto = onnx.load(str(graph))
+    weights = {n.input[1]: n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name in weight_names(graph)}
+    for t in proto.graph.initializer:
+        if t.name in weights and weights[t.name] != "node_linear_6":
+            w = onnx.numpy_helper.to_array(t)
+            b = w.reshape(-1, 16, w.shape[1])
+            low, step = b.min(1, keepdims=True), np.ptp(b, axis=1, keepdims=True) / 15
+            t.CopyFrom(onnx.numpy_helper.from_array((low + step * np.round((b - low) / step)).reshape(w.shape), t.name))
+    gridded = tmp_path / "grid.onnx"
+    onnx.save(proto, str(gridded))
+    out = tmp_path / "grid.int4.onnx"
+    record = int4_graphs(
+        [(gridded, out)], _windows(), DecoderTolerance(1.25, 0.8), Scheme(16), None, False, _calibration()
+    )[0]
+    assert record["int4_scheme"]["method"] == "minmax" and record["int4_scheme"]["lm_head"].startswith("int8")
+    assert [r["node"] for r in record["int4_int8"]] == ["node_linear_6"] and record["int4_kept_float"] == []
+    assert "below" in record["int4_int8"][0]["reason"] and record["int4_median_sqnr_db"] > 60
+    assert record["int4_worst_sqnr_db"][0][0] == "node_linear_6" and record["int4_worst_sqnr_db"][0][1] < 30
+    nodes = {n.name: n for n in onnx.load(str(out)).graph.node}
+    assert next(a.i for a in nodes["node_linear_6_Q8"].attribute if a.name == "bits") == 8
+    assert record["int4_matmuls"] == 13 and record["verify"]["agreement"] > 0.9
 
 
 @pytest.mark.e2e

@@ -24,8 +24,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from corp_deploy import hf  # noqa: E402
-from corp_deploy.calibration import text_calibration_data  # noqa: E402
 from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
+from corp_deploy.calibration import text_calibration_data  # noqa: E402
 from corp_deploy.families import adapter_for, get  # noqa: E402
 from corp_deploy.hf_modeling import PrunedOptAttention  # noqa: E402
 from corp_deploy.perplexity import perplexity  # noqa: E402

@@ -11,7 +11,7 @@ from typing import Any
 import click
 from torch import nn
 
-from corp_deploy import api, evaluation, hf, sources, surgery
+from corp_deploy import api, calibration, evaluation, hf, sources, surgery
 from corp_deploy.artifact import META_FILE
 from corp_deploy.bench.backends import rewrites_on
 from corp_deploy.cli import genai
@@ -43,7 +43,7 @@ from corp_deploy.env import versions
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.genai import CONFIG, GENAI_SUFFIX, GRAPH, NEW_TOKENS, write_genai_folder
-from corp_deploy.exporters.int4 import INT4_SUFFIX, decoder_graph, format_int4, int4_graphs
+from corp_deploy.exporters.int4 import INT4_SUFFIX, Scheme, decoder_graph, format_int4, int4_graphs
 from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import (
     VerifyOptions,
@@ -92,6 +92,22 @@ def _int4_windows(tokenizer_source: str | Path | None, data: str, vocab: int, in
         tokenizer = hf.load_tokenizer(tokenizer_source, vocab)
     windows = evaluation.heldout_windows(tokenizer, data, vocab, int4["int4_seq_len"], int4["int4_windows"], seed)
     return windows.numpy()
+
+
+def _int4_calibration(
+    tokenizer_source: str | Path | None, data: str, vocab: int, int4: dict[str, Any], seed: int, scheme: Scheme
+) -> dict[str, Any]:
+    """``int4_graphs``' calibration arguments: windows of ``data``'s calibration documents (disjoint from the
+    held-out ones the gate reads) when the scheme reads any (GPTQ, the error ranking), else none."""
+    if not scheme.calibrated:
+        return {}
+    tokenizer = None
+    if data != SYNTHETIC and tokenizer_source is not None:
+        tokenizer = hf.load_tokenizer(tokenizer_source, vocab)
+    num, seq_len = int4["int4_calib_windows"], int4["int4_seq_len"]
+    windows = calibration.calibration_windows(tokenizer, data, vocab, seq_len, num, seed).numpy()
+    part = "random tokens" if data == SYNTHETIC else "calibration documents (disjoint from the held-out ones)"
+    return {"calibration": windows, "calibration_info": {"text": data, "part": part, "seed": seed}}
 
 
 def _text_export(pad_qk: bool, simplify: bool) -> None:
@@ -346,7 +362,8 @@ def _quantize_int4(source: Path, data: str, int4: dict[str, Any], seed: int, ove
     if vocab is None:
         raise CorpError(f"{pairs[0][0]} records no vocab_size; export it with `corp-deploy export` or `prune-export`")
     windows = _int4_windows(tokenizer, data, vocab, int4, seed)
-    records = int4_graphs(pairs, windows, tol, scheme, {"text": data, "seed": seed}, overwrite)
+    calibration = _int4_calibration(tokenizer, data, vocab, int4, seed, scheme)
+    records = int4_graphs(pairs, windows, tol, scheme, {"text": data, "seed": seed}, overwrite, **calibration)
     click.echo(format_int4(records))
     click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
 
@@ -495,10 +512,12 @@ def prune_export(
             record["genai"] = {f"{stem}{GENAI_SUFFIX}": _genai_brief(r) for stem, r in genai_records.items()}
         if "int4" in precisions_:
             data, seed = calibration_source(prune_args["calib_dir"], prune_args["calib"]), prune_args["seed"]
-            windows = _int4_windows(prune_args["model"], data, run.dense.config.vocab_size, int4, seed)
+            vocab = run.dense.config.vocab_size
+            windows = _int4_windows(prune_args["model"], data, vocab, int4, seed)
             pairs = [(tmp / f"{stem}{GENAI_SUFFIX}", tmp / f"{stem}{GENAI_SUFFIX}{INT4_SUFFIX}") for stem in models]
             scheme, tol = int4_setup(int4)
-            record["int4"] = int4_graphs(pairs, windows, tol, scheme, {"text": data, "seed": seed})
+            calibration = _int4_calibration(prune_args["model"], data, vocab, int4, seed, scheme)
+            record["int4"] = int4_graphs(pairs, windows, tol, scheme, {"text": data, "seed": seed}, **calibration)
         record = write_export_record(tmp, run.name, run.result.report, record, versions())
     click.echo(format_summary(record, {k: v["params"] for k, v in record["size"].items()}))
     if "int4" in record:

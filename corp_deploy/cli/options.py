@@ -24,7 +24,19 @@ from corp_deploy.data import SYNTHETIC
 from corp_deploy.deps import missing
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance
-from corp_deploy.exporters.int4 import ACCURACY_LEVEL, BLOCK_SIZE, INT4, DecoderTolerance, Scheme
+from corp_deploy.exporters.int4 import (
+    ACCURACY_LEVEL,
+    BLOCK_SIZE,
+    CALIB_WINDOWS,
+    DEFAULT_LM_HEAD,
+    DEFAULT_METHOD,
+    INT4,
+    LM_HEAD,
+    METHODS,
+    OUTLIERS_DB,
+    DecoderTolerance,
+    Scheme,
+)
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET
 from corp_deploy.exporters.pipeline import VerifyOptions
 from corp_deploy.exporters.quantize import CALIB_METHODS
@@ -341,13 +353,47 @@ int4_options = group(
         "--int4-windows", default=8, show_default=True, help="INT4: held-out text windows verifying it (--calib-dir)."
     ),
     click.option("--int4-seq-len", default=128, show_default=True, help="INT4: tokens per verification window."),
+    click.option(
+        "--int4-method",
+        type=click.Choice(tuple(METHODS)),
+        default=DEFAULT_METHOD,
+        show_default=True,
+        help="INT4: onnxruntime's quantizer (hqq: float zero point per block; gptq: calibrated; rtn, k_quant).",
+    ),
     click.option("--int4-block-size", default=BLOCK_SIZE, show_default=True, help="INT4: input channels per scale."),
-    click.option("--int4-asymmetric", is_flag=True, help="INT4: a 4-bit zero point per block (default symmetric)."),
+    click.option(
+        "--int4-asymmetric", is_flag=True, help="INT4: a 4-bit zero point per block for rtn/gptq (hqq has one)."
+    ),
     click.option(
         "--int4-accuracy-level",
         default=ACCURACY_LEVEL,
         show_default=True,
         help="INT4: MatMulNBits compute (4: int8 activations inside the kernel, 0: float).",
+    ),
+    click.option(
+        "--int4-lm-head",
+        type=click.Choice(LM_HEAD),
+        default=DEFAULT_LM_HEAD,
+        show_default=True,
+        help="INT4: the LM head (tied embedding) in int4, 8-bit MatMulNBits, or float.",
+    ),
+    click.option(
+        "--int4-keep-float",
+        default=0,
+        show_default=True,
+        help="INT4: leave float the N MatMuls with the lowest output SQNR on calibration windows.",
+    ),
+    click.option(
+        "--int4-int8-outliers-db",
+        default=str(OUTLIERS_DB),
+        show_default=True,
+        help="INT4: MatMuls whose output SQNR is this far below the median (and under 30 dB) in 8 bits; 'off': none.",
+    ),
+    click.option(
+        "--int4-calib-windows",
+        default=CALIB_WINDOWS,
+        show_default=True,
+        help="INT4: calibration-document windows for gptq and --int4-keep-float.",
     ),
     click.option("--tol-ppl-ratio", type=float, help=f"INT4 gate: perplexity / FP32's at most [{INT4.max_ppl_ratio}]."),
     click.option(
@@ -357,9 +403,28 @@ int4_options = group(
 )
 
 
+def _outliers_db(value: str) -> float | None:
+    if value.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise CorpError(f"--int4-int8-outliers-db takes dB or 'off', got {value!r}") from None
+
+
 def int4_setup(int4: dict[str, Any]) -> tuple[Scheme, DecoderTolerance]:
     """The INT4 group as the quantizer's scheme and the gate (the user's gates in place of the defaults)."""
-    scheme = Scheme(int4["int4_block_size"], not int4["int4_asymmetric"], int4["int4_accuracy_level"])
+    scheme = Scheme(
+        block_size=int4["int4_block_size"],
+        symmetric=False if int4["int4_asymmetric"] else None,
+        accuracy_level=int4["int4_accuracy_level"],
+        method=int4["int4_method"],
+        lm_head=int4["int4_lm_head"],
+        keep_float=int4["int4_keep_float"],
+        int8_outliers_db=_outliers_db(int4["int4_int8_outliers_db"]),
+    )
+    if int4["int4_calib_windows"] < 1:
+        raise CorpError(f"--int4-calib-windows must be >= 1, got {int4['int4_calib_windows']}")
     ratio, agreement = int4["tol_ppl_ratio"], int4["tol_agreement"]
     tol = DecoderTolerance(
         INT4.max_ppl_ratio if ratio is None else ratio, INT4.min_agreement if agreement is None else agreement
