@@ -76,3 +76,22 @@ def _torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def bert_graph(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random BERT folder (``helpers.tiny_text_folder``) and its verified FP32 encoder graph as ``export``
+    writes it (``export_verified``, sequence 32), exported once per session for the modules that only read them.
+    Read-only: a test that writes beside the graph (quantize) copies it into its own folder first."""
+    from helpers import tiny_text_folder
+
+    from corp_deploy.exporters.pipeline import export_verified
+    from corp_deploy.sources import load_source
+
+    root = tmp_path_factory.mktemp("bert-graph")
+    folder = tiny_text_folder(root)
+    graph = root / "graph" / "m.onnx"
+    graph.parent.mkdir()
+    model, description = load_source(str(folder), seq_len=32)
+    export_verified(model, graph, description)
+    return {"model": folder, "onnx": graph}

@@ -27,10 +27,11 @@ from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
 PROMPT = "the market news price team"
 
 
-def tiny_decoder(kind: str, seed: int = 0):
-    """hidden 32, 2 layers, 4 heads of 8 (Llama: over 2 K/V heads), MLP 64, 64 positions, SDPA as ``hf.load``."""
+def tiny_decoder(kind: str, seed: int = 0, layers: int = 2):
+    """hidden 32, ``layers`` layers, 4 heads of 8 (Llama: over 2 K/V heads), MLP 64, 64 positions, SDPA as
+    ``hf.load``."""
     torch.manual_seed(seed)
-    size = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}
+    size = {"hidden_size": 32, "num_hidden_layers": layers, "num_attention_heads": 4, "max_position_embeddings": 64}
     ids = {"vocab_size": 300, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     if kind == "llama":
         config = transformers.LlamaConfig(
@@ -172,9 +173,10 @@ def test_genai_loads_the_folder_and_greedy_generates_transformers_tokens(exporte
 
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory, tokenizer_dir) -> Path:
-    """A dense tiny Llama saved as a transformers folder with its tokenizer."""
+    """A dense tiny Llama saved as a transformers folder with its tokenizer; one layer (the command line's export
+    does not depend on the depth, and a decode-step export takes about twice as long with two)."""
     folder = tmp_path_factory.mktemp("src") / "tiny-llama"
-    tiny_decoder("llama").save_pretrained(folder)
+    tiny_decoder("llama", layers=1).save_pretrained(folder)
     decoder_tokenizer().save_pretrained(folder)
     return folder
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TEXT_VOCAB, run, tiny_text_folder
+from helpers import TEXT_VOCAB, run
 
 from corp_deploy.exporters.compare import INT8, compare
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
-from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.exporters.quantize import (
     compare_on,
     gemm_errors,
@@ -23,7 +23,6 @@ from corp_deploy.exporters.quantize import (
     quantize_verified,
 )
 from corp_deploy.exporters.runners import OrtRunner
-from corp_deploy.sources import load_source
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
@@ -135,15 +134,14 @@ def _text(root: Path, docs: int = 40) -> Path:
 
 
 @pytest.fixture(scope="module")
-def text_graph(tmp_path_factory) -> dict[str, Path]:
-    """A tiny BERT exported to ONNX, and a text folder of 40 documents."""
+def text_graph(bert_graph, tmp_path_factory) -> dict[str, Path]:
+    """A tiny BERT exported to ONNX (the session's ``bert_graph``, copied: quantize writes beside it), and a text
+    folder of 40 documents."""
     tmp = tmp_path_factory.mktemp("int8text")
-    folder = tiny_text_folder(tmp)
     onnx = tmp / "graph" / "m.onnx"
     onnx.parent.mkdir()
-    model, description = load_source(str(folder), seq_len=32)
-    export_verified(model, onnx, description)
-    return {"model": folder, "onnx": onnx, "text": _text(tmp / "text")}
+    shutil.copy2(bert_graph["onnx"], onnx)
+    return {"model": bert_graph["model"], "onnx": onnx, "text": _text(tmp / "text")}
 
 
 @pytest.mark.e2e

@@ -120,15 +120,24 @@ def test_bad_text_bench_input_is_one_line(text_run, tmp_path, capsys, args, expe
     assert not out.exists()
 
 
+@pytest.fixture(scope="module")
+def graph16(folder, tmp_path_factory) -> Path:
+    """``export FOLDER --seq-len 16 --out m.onnx``, once for the two tests below that read the graph."""
+    onnx = tmp_path_factory.mktemp("graph16") / "m.onnx"
+    with pytest.raises(SystemExit) as done:
+        main(["export", str(folder), "--seq-len", "16", "--out", str(onnx)])
+    assert done.value.code == 0
+    return onnx
+
+
 @pytest.mark.skipif(bool(ENGINES_MISSING), reason=f"no engine library: {ENGINES_MISSING}")
-def test_build_engine_takes_the_sequence_range(folder, tmp_path, capsys) -> None:
-    onnx = tmp_path / "m.onnx"
-    assert run(["export", str(folder), "--seq-len", "16", "--out", str(onnx)], capsys)[0] == 0
+def test_build_engine_takes_the_sequence_range(graph16, capsys) -> None:
+    onnx = graph16
     code, _, stderr = run(
         ["build-engine", str(onnx), "--precision", "fp32", "--batch", "1:2:4", "--seq-range", "4:8:40"], capsys
     )
     assert code == 0, stderr
-    meta = json.loads((tmp_path / "m.fp32.plan.json").read_text())
+    meta = json.loads((onnx.parent / "m.fp32.plan.json").read_text())
     assert meta["sequence_profile"] == {"min": 4, "opt": 8, "max": 40} and meta["profile"]["max"] == 4
 
 
@@ -171,10 +180,9 @@ def test_bad_text_export_input_is_one_line_and_writes_nothing(case, folder, tmp_
     assert "Traceback" not in stderr and list(tmp_path.iterdir()) == []
 
 
-def test_text_int8_without_text_and_an_image_graph_with_a_sequence_range_are_refused(folder, tmp_path, capsys) -> None:
-    onnx = tmp_path / "m.onnx"
-    assert run(["export", str(folder), "--seq-len", "16", "--out", str(onnx)], capsys)[0] == 0
-    before = sorted(p.name for p in tmp_path.iterdir())
+def test_text_int8_without_text_and_an_image_graph_with_a_sequence_range_are_refused(graph16, capsys) -> None:
+    onnx = graph16
+    before = sorted(p.name for p in onnx.parent.iterdir())
     code, _, stderr = run(["quantize", str(onnx)], capsys)
     assert code == 1 and "no calibration text" in stderr and "Traceback" not in stderr
     from corp_deploy.cli.options import for_graph
@@ -186,7 +194,7 @@ def test_text_int8_without_text_and_an_image_graph_with_a_sequence_range_are_ref
         for_graph(ranged, None)
     assert for_graph(ranged, 64).sequence == Profile(1, 8, 16)  # --seq-range wins over the graph's length
     assert for_graph(BuildOptions(), 64).sequence == Profile(1, 64, 64)
-    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert sorted(p.name for p in onnx.parent.iterdir()) == before
 
 
 @pytest.mark.e2e
@@ -247,7 +255,8 @@ def test_a_decoder_exports_logits_and_genai_folders_no_engines_and_benches_by_ph
     import transformers
 
     torch.manual_seed(0)
-    size = {"hidden_size": 32, "num_hidden_layers": 2, "ffn_dim": 64, "num_attention_heads": 4}
+    # One layer: the run exports two logits and two decode-step graphs, each about twice as long with two layers.
+    size = {"hidden_size": 32, "num_hidden_layers": 1, "ffn_dim": 64, "num_attention_heads": 4}
     config = transformers.OPTConfig(vocab_size=50, max_position_embeddings=64, word_embed_proj_dim=32, **size)
     transformers.OPTForCausalLM(config).eval().save_pretrained(tmp_path / "tiny-opt")
     out = tmp_path / "run"
