@@ -11,11 +11,12 @@ sensitivity pass's held-out ones, which ``api.calibration_data`` keeps apart):
   h_i is the DENSE model's input of block i: each pruned block learns to reproduce its dense block's residual update
   given the dense input (local, no drift through the stack). Padding tokens (``Adapter.token_mask``) are left out.
 
-The dense targets are computed once per batch and cached; a minutes budget counts from the call (the targets and
-the first batch's loss before are in it). AdamW (no weight decay:
-it would pull the compensated weights towards zero) or SGD with momentum, a linear warm-up over the first
-``warmup`` of the budget then a cosine decay to 0, gradient norm clipped at ``clip``; progress is steps done over
-``steps``, or seconds spent over ``minutes``. The model stays in eval mode (no dropout: the dense targets have
+The dense targets are computed once per batch and cached (``cache=False``: recomputed at every visit, for data too
+large to keep them: the block targets are (blocks + 1) x tokens x dim floats per input); a minutes budget counts
+from the call (the targets and the first batch's loss before are in it). AdamW (no weight decay: it would pull the
+compensated weights towards zero) or SGD with momentum, a linear warm-up over the first ``warmup`` of the budget
+then a cosine decay to 0, gradient norm clipped at ``clip``; progress is steps done over ``steps``, or seconds
+spent over ``minutes``. The model stays in eval mode (no dropout: the dense targets have
 none). ``check`` batches, if given, are only evaluated (the loss before and after), never trained on.
 """
 
@@ -114,25 +115,28 @@ def lr_factor(progress: float, warmup: float) -> float:
 class Objective:
     """The loss of ``target`` for one batch, its dense targets computed once and cached by batch index."""
 
-    def __init__(self, pruned: nn.Module, dense: nn.Module, target: str) -> None:
-        self.pruned, self.dense, self.target = pruned, dense, target
+    def __init__(self, pruned: nn.Module, dense: nn.Module, target: str, cache: bool = True) -> None:
+        self.pruned, self.dense, self.target, self.keep = pruned, dense, target, cache
         self.adapter = adapter_for(pruned)
         self.device = next(pruned.parameters()).device
         self.cache: dict[int, Any] = {}
 
     @torch.no_grad()
     def dense_targets(self, key: int, inputs: Any) -> Any:
-        if key not in self.cache:
-            a = self.adapter
-            x, call = a.block_call(self.dense, inputs, self.device)
-            if self.target == "features":
-                self.cache[key] = a.features_from(self.dense, 0, x, call, inputs)
-            else:
-                xs = [x]
-                for block in a.blocks(self.dense):
-                    xs.append(call.run(block, xs[-1]))
-                self.cache[key] = (xs, call, a.token_mask(inputs, self.device))
-        return self.cache[key]
+        if key in self.cache:
+            return self.cache[key]
+        a = self.adapter
+        x, call = a.block_call(self.dense, inputs, self.device)
+        if self.target == "features":
+            found = a.features_from(self.dense, 0, x, call, inputs)
+        else:
+            xs = [x]
+            for block in a.blocks(self.dense):
+                xs.append(call.run(block, xs[-1]))
+            found = (xs, call, a.token_mask(inputs, self.device))
+        if self.keep:
+            self.cache[key] = found
+        return found
 
     def __call__(self, key: int, inputs: Any) -> Tensor:
         a, want = self.adapter, self.dense_targets(key, inputs)
@@ -170,6 +174,7 @@ def recover(
     check: Iterable[Any] | None = None,
     seed: int = 0,
     log_every: int = 1,
+    cache: bool = True,
     say: Any = None,
 ) -> RecoveryRecord:
     """Train ``pruned`` in place towards ``dense`` on ``batches`` (inputs, or (inputs, skipped) pairs as the
@@ -194,7 +199,7 @@ def recover(
     start = time.perf_counter()
     dense.eval()
     pruned.eval()  # no dropout: the targets are the dense model's eval-mode outputs
-    objective = Objective(pruned, dense, target)
+    objective = Objective(pruned, dense, target, cache)
     params = trainable(pruned, trained)
     if optimizer == "adamw":
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
