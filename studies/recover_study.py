@@ -87,9 +87,9 @@ def run(a: argparse.Namespace) -> None:
     start = time.perf_counter()
     real = real_task("digits", a.train, a.test)
     dense = real.dense
-    fashion_train, fashion_test = datasets.image_folders("fashion-mnist", a.train, a.test)
-    tasks = {"digits": real.task, "fashion-mnist": probe_task(dense, fashion_train, fashion_test)}
-    test_dirs = [datasets.image_folders("digits", a.train, a.test)[1], fashion_test]
+    folders = {p: datasets.image_folders(p, a.train, a.test) for p in a.probes}
+    tasks = {p: real.task if p == "digits" else probe_task(dense, *folders[p]) for p in a.probes}
+    test_dirs = [test for _, test in folders.values()]
     calib = image_batches(dense, real.train_dir, a.num_calib, a.batch, a.heldout)
     stats = calibrate(dense, calib.batches, PruneConfig(target=TARGET), "cpu", progress=False)
     more_train = datasets.image_folders("digits", a.more, a.test)[0]
@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--more", type=int, default=1000, help="digits train images for the *-more recipes")
     p.add_argument("--batch", type=int, default=16, help="calibration and recovery batch size")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--probes", type=lambda t: t.split(","), default=["digits", "fashion-mnist"])
     a = p.parse_args(argv)
     if a.report:
         report(a.out)
