@@ -165,7 +165,7 @@ def recover(
     *,
     steps: int | None = None,
     minutes: float | None = None,
-    lr: float = 1e-5,
+    lr: float = 1e-4,
     target: str = "blocks",
     optimizer: str = "adamw",
     trained: str = "linear",

