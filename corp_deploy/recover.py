@@ -3,7 +3,7 @@
 The whole method on one screen. ``recover(pruned, dense, batches, steps=N | minutes=M, lr=...)`` minimises, over
 the pruned model's trainable parameters (the blocks' Linear layers by default: norms, embeddings, LayerScale and
 the widths stay as they are), one of two label-free losses on ``batches`` (the calibration inputs; never the
-sensitivity pass's held-out ones, which ``api.calibration_data`` keeps apart):
+sensitivity pass's held-out ones, which ``calibration.calibration_data`` keeps apart):
 
 - ``target="features"``: ``||f_p(x) - f_d(x)||^2 / ||f_d(x)||^2``, f the family's final features
   (``Adapter.features``: the pooled pre-logits of a ViT, the last hidden state at the real tokens of a text model);
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from corp_deploy.errors import CorpError
-from corp_deploy.family import adapter_for  # the one import of the family module (it moves to families/)
+from corp_deploy.families import adapter_for
 
 TARGETS = ("features", "blocks")
 OPTIMIZERS = ("adamw", "sgd")

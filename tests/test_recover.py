@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from corp_deploy import api
+from corp_deploy import calibration
 from corp_deploy.errors import CorpError
-from corp_deploy.family import adapter_for, structure
+from corp_deploy.families import adapter_for, structure
 from corp_deploy.pruner import PruneConfig
 from corp_deploy.recover import Objective, RecoveryRecord, lr_factor, recover
 from tests.conftest import pruned_copy, tiny_batches, tiny_vit
@@ -100,7 +100,7 @@ def test_unknown_choices_and_no_data_are_one_line() -> None:
 @pytest.mark.parametrize("target", ["features", "blocks"])
 def test_the_held_out_calibration_images_are_never_trained_on(image_dir, monkeypatch, target: str) -> None:
     dense = tiny_vit()
-    data = api.calibration_data(dense, image_dir, num=11, batch_size=4, workers=0, hold_out=3)
+    data = calibration.calibration_data(dense, image_dir, num=11, batch_size=4, workers=0, hold_out=3)
     batches = list(data.batches)
     pruned, _ = pruned_copy(dense, HALF, batches)
     trained: list[torch.Tensor] = []

@@ -137,12 +137,7 @@ def test_recover_study_scores_corp_alone_and_recovered_models_on_unseen_images(t
     small = ["--train", "40", "--test", "20", "--num-calib", "16", "--heldout", "4", "--more", "60", "--batch", "8"]
     small += ["--probes", "digits"]
     rows = "corp:none:0,removal:blocks-adamw-1e-4:2,corp:feat-adamw-1e-5-more:2"
-    small += ["--setup-cache", str(tmp_path / "setup.pt")]
     recover_study.main([*small, "--rows", rows, "--out", str(out)])
-    recover_study.main([*small, "--rows", "corp:none:0", "--out", str(tmp_path / "again")])  # from the cache
-    again = json.loads((tmp_path / "again.json").read_text())["rows"][0]
-    first = json.loads(out.with_suffix(".json").read_text())["rows"][0]
-    assert again["digits"] == first["digits"]
 
     record = json.loads(out.with_suffix(".json").read_text())
     got = [(r["start"], r["recipe"], r["steps"]) for r in record["rows"]]
