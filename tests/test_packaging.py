@@ -69,6 +69,9 @@ def test_the_wheel_installs_one_package(tmp_path) -> None:
     assert top == {"corp_deploy"}, top
     for module in ("exporters/pipeline.py", "bench/run.py", "sweep.py", "real.py", "cli/__init__.py"):
         assert f"corp_deploy/{module}" in names, module
+    packages = [p.parent.relative_to(project) for p in (project / "corp_deploy").rglob("__init__.py")]
+    missing = [str(p) for p in packages if f"{p.as_posix()}/__init__.py" not in names]
+    assert not missing, f"package folders left out of the wheel (pyproject's packages): {missing}"
     assert not [n for n in names if "study" in n or "gpu_suite" in n], names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     with zipfile.ZipFile(tmp_path / "dist" / wheel) as z:
