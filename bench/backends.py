@@ -267,12 +267,22 @@ def torch_forward(
         captured = torch.cuda.CUDAGraph()
         with torch.cuda.graph(captured):
             out = run()
+    return _Replay(captured, out, (model, args))
 
-    def replay() -> torch.Tensor:
-        captured.replay()
-        return out
 
-    return replay
+@dataclass(frozen=True)
+class _Replay:
+    """A captured forward: replaying it returns the static output."""
+
+    graph: torch.cuda.CUDAGraph
+    out: torch.Tensor
+    reads: tuple
+    """The model and the static inputs: the graph reads their memory at fixed addresses, so they must live as long
+    as it does (freed, the allocator hands that memory to other tensors, or back to the driver)."""
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
 
 
 def _torch(

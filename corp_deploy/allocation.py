@@ -19,6 +19,7 @@ Everything here is pure (statistics, weights and shapes in, widths out); the for
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -334,9 +335,8 @@ def check_budget(model: nn.Module, config: PruneConfig, dense_macs: int, table: 
     floor = {} if table is None or cost.unit == "MACs" else table_floor(table)
     blocks: dict[int, dict[str, int]] = {}
     for (i, p), w in cost.widths.items():
-        smallest = REPLACE if p in MODULE_KEYS.values() else min(w, max(config.round_to, floor.get(p, 0)))
-        blocks.setdefault(i, {})[p] = smallest
-    smallest = cost.fixed + sum(cost.block(i, w) for i, w in blocks.items())
+        blocks.setdefault(i, {})[p] = w if p in MODULE_KEYS.values() else min(w, max(config.round_to, floor.get(p, 0)))
+    smallest = cost.fixed + sum(_cheapest(cost, i, w) for i, w in blocks.items())
     if smallest > limit:
         where = "its smallest measured width" if floor else f"--round-to {config.round_to}"
         raise CorpError(
@@ -345,6 +345,15 @@ def check_budget(model: nn.Module, config: PruneConfig, dense_macs: int, table: 
             "raise the budget, add targets" + ("" if floor else " or lower --round-to")
         )
     return limit
+
+
+def _cheapest(cost: Cost, i: int, smallest: dict[str, int]) -> float:
+    """Block ``i``'s lowest cost, its parts at their ``smallest`` widths: each replaceable module kept or replaced,
+    whichever costs less (a replacement is not always cheaper than the module at its smallest width: on an H200
+    at batch 1 a block costs its kernel launches, and an MLP's stand-in GEMM measured slower than a narrow MLP)."""
+    modules = [p for p in smallest if p in MODULE_KEYS.values()]
+    choices = itertools.product((KEEP, REPLACE), repeat=len(modules))
+    return min(cost.block(i, smallest | dict(zip(modules, c, strict=True))) for c in choices)
 
 
 def plan_budget(

@@ -185,8 +185,9 @@ class _Models:
         return self.root / (f"{which}.onnx" if precision == "fp32" else f"{which}.{precision}.onnx")
 
     def torch_model(self, which: str) -> nn.Module:
-        """A text encoder as exported (``text_onnx.graph``: ``forward(input_ids, attention_mask)``)."""
-        model = self.models[which]
+        """A copy (a loader moves and casts what it gets, and the caller's model must stay as it was, e.g. fp32
+        for the closed loop's next round); a text encoder as exported (``text_onnx.graph``)."""
+        model = copy.deepcopy(self.models[which])
         return model if self.text is None else graph(model)[0]
 
     def export(self, which: str, precision: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from timm.models.vision_transformer import ResPostBlock
 
 from corp_deploy import api, latency, speed
 from corp_deploy import compensation as C
-from corp_deploy.allocation import MODULE_KEYS, error_curves, plan_budget
+from corp_deploy.allocation import MODULE_KEYS, check_budget, error_curves, plan_budget
 from corp_deploy.artifact import load_pruned, save_pruned
 from corp_deploy.bench.backends import BACKENDS
 from corp_deploy.distributed import World
@@ -205,6 +206,26 @@ def test_latency_table_learns_blocks_with_a_module_replaced() -> None:
     plain = latency.fit(table.key, table.shape, False, {n: 1.0 for n in latency.grid(table.shape, False)})
     with pytest.raises(CorpError, match="no time for a block without its attn"):
         plain.predict([(128, 0, 0)])
+
+
+def _floor(table: LatencyTable, depth: str) -> float:
+    """The smallest model's share of dense latency that ``check_budget`` reports for ``depth``."""
+    config = PruneConfig(budget="latency=0.01", target="mlp,qk,v", depth=depth, round_to=4)
+    with pytest.raises(CorpError, match="below the smallest model") as e:
+        check_budget(tiny_vit(), config, 0, table)
+    return float(str(e.value).split("(")[1].split(" of the dense")[0])
+
+
+def test_the_smallest_model_keeps_a_module_whose_replacement_costs_more() -> None:
+    """A replaceable module is kept at its smallest widths where that is cheaper than its stand-in (an H200 at batch 1
+    measured an MLP's stand-in GEMM slower than a narrow MLP): one more lever never raises the floor of a budget."""
+    table = depth_table()
+    slow_stand_in = dataclasses.replace(table, removed=table.removed | {"mlp": table.dense_block_s})
+    attn_only, both = _floor(slow_stand_in, "attn"), _floor(slow_stand_in, "attn,mlp")
+    assert both <= attn_only
+    assert _floor(table, "attn,mlp") < attn_only  # where the stand-in is cheap, replacing the MLP lowers the floor
+    just_above = PruneConfig(budget=f"latency={attn_only + 0.002}", target="mlp,qk,v", depth="attn,mlp", round_to=4)
+    assert check_budget(tiny_vit(), just_above, 0, slow_stand_in) > 0
 
 
 def plan_with(weight: float) -> tuple[list[Widths], dict]:

@@ -28,9 +28,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _fake_s(model: torch.nn.Module) -> float:
     """Seconds made up from the block widths: a fixed cost plus a linear one per block."""
-    blocks = structure(model)  # a replaced attention module (--depth) has no widths: 1e-5 for its stand-in
+    blocks = structure(model)  # a replaced module (--depth) has no widths: 1e-5 for its stand-in
     return 1e-3 + sum(
-        1e-5 * b["mlp_hidden"] + (3e-5 * b["qk_dim"] + 2e-5 * b["v_dim"] if "qk_dim" in b else 1e-5) for b in blocks
+        (1e-5 * b["mlp_hidden"] if "mlp_hidden" in b else 1e-5)
+        + (3e-5 * b["qk_dim"] + 2e-5 * b["v_dim"] if "qk_dim" in b else 1e-5)
+        for b in blocks
     )
 
 

@@ -32,7 +32,7 @@ def summary_markdown(suites: list[dict[str, Any]]) -> str:
     status, records = [], []
     for i, suite in enumerate(suites, 1):
         for s in suite["sections"]:
-            error = f": {s['error']}" if s.get("error") else ""
+            error = f": {s['error'].splitlines()[0]}" if s.get("error") else ""  # one line: a table cell
             status.append([s["name"], f"run {i}", s["status"] + error, f"{s['seconds']:.1f}"])
             if s["name"] in suite.get("records", {}) and (s["status"] == "ok" or s["name"] == "tests"):
                 records.append((s["name"], i, suite["records"][s["name"]]))

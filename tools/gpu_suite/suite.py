@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from corp_deploy.errors import first_line
 from tools.gpu_suite import __doc__ as DOC
 from tools.gpu_suite.core import SCHEMA, SCHEMA_VERSION, Context, Plan, SuiteError, environment, write_json
 from tools.gpu_suite.record import ingest, summary_markdown
@@ -61,7 +62,7 @@ def run_suite(
                         entry |= {"status": "failed", "error": record["error"]}
                 except Exception as e:  # each section fails alone; the traceback is in the log
                     log(traceback.format_exc())
-                    entry |= {"status": "failed", "error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
+                    entry |= {"status": "failed", "error": f"{type(e).__name__}: {first_line(e)[:300]}"}
             entry["seconds"] = time.perf_counter() - t0
             log(f"== {name}: {entry['status']} in {entry['seconds']:.1f} s {entry.get('error', '')}")
             suite["sections"].append(entry)
