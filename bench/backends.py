@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-import timm
 import torch
 from torch import nn
 
@@ -27,6 +26,7 @@ from corp_deploy.deps import missing as uninstalled
 from corp_deploy.deps import optional
 from corp_deploy.errors import CorpError, first_line
 from corp_deploy.exporters.compare import Feed
+from corp_deploy.exporters.onnx_export import image_graph
 from corp_deploy.exporters.rewrites import PATCH_LINEAR, rewritten
 from corp_deploy.exporters.tensorrt_engine import TEXT_ENGINES, run_missing
 from corp_deploy.exporters.text_onnx import graph
@@ -92,19 +92,16 @@ class RunFolder:
         return Text(self.graph["vocab_size"], seq_len)
 
     def torch_model(self, which: str) -> nn.Module:
-        """The pruned model from its artifact; the dense one rebuilt from the same timm name or config.json
-        (a text model's, taking ``input_ids, attention_mask``: ``text_onnx.graph``, as exported).
+        """The pruned model from its artifact; the dense one as its family builds it (a timm name, a config.json);
+        each as its graph was exported (``text_onnx.graph``: ``input_ids, attention_mask``; ``image_graph``).
 
         The dense weights are random: values do not change a dense model's latency.
         """
         if which == "pruned":
             model = load_pruned(self.root / "pruned")
-        elif self.text is not None:
-            model = build(self.meta, self.root / "pruned").eval()
         else:
-            model = self.meta["model"]
-            return timm.create_model(model["name"], pretrained=False, **model.get("args", {})).eval()
-        return graph(model)[0] if self.text is not None else model
+            model = build(self.meta, self.root / "pruned").eval()
+        return graph(model)[0] if self.text is not None else image_graph(model)
 
     @cached_property
     def decoder(self) -> bool:

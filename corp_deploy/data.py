@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from corp_deploy.errors import CorpError
+from corp_deploy.families import adapter_for
 
 T = TypeVar("T")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
@@ -30,20 +31,13 @@ HELDOUT_SEED_OFFSET = 1
 
 
 def input_size(model: nn.Module) -> tuple[int, int, int]:
-    """(C, H, W) the instantiated model expects.
-
-    Taken from the model itself: timm's data config reports the pretrained config's size (518 for
-    DINOv2) even when the model was built with ``img_size=224``.
-    """
-    h, w = model.patch_embed.img_size
-    return (model.patch_embed.proj.in_channels, h, w)
+    """(C, H, W) the instantiated model expects, as its family reads it (``Adapter.input_size``)."""
+    return adapter_for(model).input_size(model)
 
 
 def data_config(model: nn.Module) -> dict[str, Any]:
-    """timm preprocessing config of ``model`` with the input size it was actually built for."""
-    cfg = timm.data.resolve_model_data_config(model)
-    cfg["input_size"] = input_size(model)
-    return cfg
+    """The model's eval preprocessing in timm's terms (``Adapter.data_config``): what ``folder_batches`` applies."""
+    return adapter_for(model).data_config(model)
 
 
 def list_images(root: str | Path) -> list[Path]:

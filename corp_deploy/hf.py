@@ -6,6 +6,7 @@ this module only finds, loads and checks what a user named.
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from torch import nn
 
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError, first_line
-from corp_deploy.families import adapter_for
+from corp_deploy.families import adapter_for, for_model_type
 from corp_deploy.families.hf_text import architecture
 
 
@@ -44,6 +45,25 @@ def is_source(model: str) -> bool:
     return model.startswith(HUB_PREFIX) or Path(model, "config.json").is_file()
 
 
+def modality(source: str) -> str | None:
+    """What a ``transformers`` source reads, ``text`` or ``image`` (the registered family of its config's
+    ``model_type``), read without building the model; None when ``source`` is not a ``transformers`` model. A
+    ``model_type`` no family takes counts as text: ``load`` then refuses it in one line."""
+    if not is_source(source):
+        return None
+    where = source.removeprefix(HUB_PREFIX)
+    try:
+        if Path(where, "config.json").is_file():
+            model_type = json.loads(Path(where, "config.json").read_text()).get("model_type")
+        else:
+            transformers = transformers_module("pruning a transformers model")
+            model_type = transformers.AutoConfig.from_pretrained(where, **_offline(source)).model_type
+    except (OSError, ValueError, KeyError, AttributeError):
+        return "text"
+    family = for_model_type(model_type)
+    return "text" if family is None else family.modality
+
+
 def load(source: str) -> tuple[nn.Module, Any]:
     """(model in eval mode, tokenizer or None) from a local folder or ``hf:NAME``; one line when it cannot.
 
@@ -63,8 +83,8 @@ def load(source: str) -> tuple[nn.Module, Any]:
                 "cache; download it once where there is network (it is cached then), or pass a local folder"
             ) from None
         raise CorpError(f"cannot load the transformers model {source} ({first_line(e)})") from None
-    adapter_for(model)
-    return model.eval(), load_tokenizer(source, model.config.vocab_size)
+    text = adapter_for(model).modality == "text"
+    return model.eval(), load_tokenizer(source, model.config.vocab_size) if text else None
 
 
 def _offline(source: str) -> dict[str, bool]:

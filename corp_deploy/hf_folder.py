@@ -13,6 +13,7 @@ The artifact folder IS the model folder: config.json, model.safetensors and the 
   ``from_pretrained(folder, trust_remote_code=True)`` loads it. Why it is not the family's own format is one
   line, printed and recorded in ``corp.json``.
 
+The source's tokenizer files, or an image model's ``preprocessor_config.json``, are copied beside them.
 A sentence-transformers source (``modules.json`` with the Transformer module at its root) keeps its modules
 (``1_Pooling/``, ``2_Normalize/``...) and configs, so ``SentenceTransformer(folder)`` loads the pruned model with
 the source's pooling.
@@ -38,6 +39,15 @@ from corp_deploy.hf import TOKENIZER_FILES
 MODELING_FILE = "modeling_corp.py"
 """The remote-code folder's modeling file (``hf_modeling.py`` verbatim)."""
 STANDARD, REMOTE = "standard", "remote-code"
+DENSE_CONFIG = "dense_config"
+"""``corp.json``'s record of a standard folder's MLP width as the dense model had it (config.json holds the pruned
+one): what rebuilds the dense tree from the folder (``HfText.build``: ``load_pruned``'s start and bench's dense
+reference). Bias flags are not put back: the dense reference of a folder whose config gained one has those (zero)
+biases too."""
+PREPROCESSOR_FILE = "preprocessor_config.json"
+"""An image model's preprocessing (size, crop, mean and std), copied from the source like a tokenizer."""
+HEAD_AUTO = {"ForCausalLM": "AutoModelForCausalLM", "ForImageClassification": "AutoModelForImageClassification"}
+"""A model class's suffix -> the auto class that loads it with its head (else ``AutoModel``)."""
 SENTENCE_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 """A sentence-transformers model's files at its root, copied beside the pruned Transformer module."""
 
@@ -74,7 +84,9 @@ def layout(model: nn.Module) -> Layout:
                 why=f"layer {i}'s attention heads are {e['qk_dim']} wide for Q/K and {e['v_dim']} for V: "
                 f"{name} has one head width ({head}) for Q, K and V",
             )
-    new = {mlp_field: widths[0]}
+    new = family.mlp_config(config, widths[0])
+    if new is None:
+        return Layout(REMOTE, why=f"{name}'s {mlp_field} cannot give an MLP width of exactly {widths[0]}")
     for key in ("mlp_bias", "proj_bias"):
         folded = [i for i, e in enumerate(entries) if e.get(key)]
         if folded and key not in family.bias_flags:
@@ -122,9 +134,13 @@ def write(model: nn.Module, folder: Path) -> dict[str, Any]:
     for stale in ("auto_map", hf_modeling.WIDTHS_KEY, hf_modeling.NAMES_KEY):  # a remote-code artifact's
         if hasattr(config, stale):
             delattr(config, stale)
-    auto = "AutoModelForCausalLM" if type(model).__name__.endswith("ForCausalLM") else "AutoModel"
+    auto = next((a for suffix, a in HEAD_AUTO.items() if type(model).__name__.endswith(suffix)), "AutoModel")
+    dense: dict[str, Any] = {}
     if plan.form == STANDARD:
+        flags = {flag for flag, _ in adapter_for(model).bias_flags.values()}
         for key, value in plan.config.items():
+            if key not in flags:  # a width (a bias flag stays: the stored weights carry those biases)
+                dense[key] = getattr(config, key)
             setattr(config, key, value)
         loads_with = f"{auto}.from_pretrained(folder)"
     else:
@@ -137,10 +153,12 @@ def write(model: nn.Module, folder: Path) -> dict[str, Any]:
         loads_with = f"{auto}.from_pretrained(folder, trust_remote_code=True)"
     config.save_pretrained(folder)
     source = Path(getattr(model.config, "_name_or_path", "") or "")
-    for name in TOKENIZER_FILES:
+    for name in (*TOKENIZER_FILES, PREPROCESSOR_FILE):
         if (source / name).is_file():
             shutil.copy2(source / name, folder / name)
     record = {"form": plan.form, "loads_with": loads_with} | ({"why": plan.why} if plan.why else {})
+    if dense := {k: v for k, v in dense.items() if v != plan.config[k]}:
+        record[DENSE_CONFIG] = dense
     if copy_sentence_transformers(source, folder):
         trust = "" if plan.form == STANDARD else ", trust_remote_code=True"
         record["sentence_transformers"] = f"SentenceTransformer(folder{trust})"

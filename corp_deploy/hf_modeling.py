@@ -11,9 +11,10 @@ rebuilt at the recorded widths (``apply_widths``, the same function ``load_prune
 Those classes are made on request (``__getattr__``), so a family this file never names loads the same way.
 
 The pruned attentions keep the dense layers' parameter names, call and key/value cache use, and the DENSE
-softmax scale (CORP's Q/K fold reproduces the dense logits at the narrower width). Three kinds cover the layouts:
-``bert`` (the output projection outside the attention module), ``opt`` (q scaled before the product) and
-``rope`` (rotary positions, grouped-query attention: Llama, Mistral, Qwen2).
+softmax scale (CORP's Q/K fold reproduces the dense logits at the narrower width). Four kinds cover the layouts:
+``bert`` (the output projection outside the attention module), ``opt`` (q scaled before the product),
+``rope`` (rotary positions, grouped-query attention: Llama, Mistral, Qwen2) and ``plain`` (q/k/v/o_proj, no
+positions or cache: the vision transformers, ViT and DINOv2).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_attention
 from transformers.models.opt.modeling_opt import OPTAttention
 from transformers.models.opt.modeling_opt import eager_attention_forward as opt_attention
+from transformers.models.vit.modeling_vit import eager_attention_forward as vit_attention
 
 WIDTHS_KEY = "corp_layers"
 """The config attribute holding the per-layer widths in a remote-code folder."""
@@ -149,7 +151,7 @@ class PrunedRopeAttention(nn.Module):
     """A rotary-position, grouped-query attention (Llama, Mistral, Qwen2) whose heads carry ``v_dim`` V channels
     (Q/K keep the dense ``head_dim`` and scale) and whose o_proj may have a bias (the compensation's constant).
 
-    Never used alone: ``rope_class`` makes it a subclass of the dense attention's own class (so ``transformers``'
+    Never used alone: ``pruned_class`` makes it a subclass of the dense attention's own class (so ``transformers``'
     output capture still finds it), built without that class's ``__init__`` (which makes dense-size Linears), with
     the same parameter names, call, key/value cache use (the V cache is ``kv_heads * v_dim`` wide), Linear biases
     and sliding window as the layer it replaces."""
@@ -205,10 +207,40 @@ class PrunedRopeAttention(nn.Module):
         return self.o_proj(out.reshape(*shape).contiguous()), weights
 
 
+class PrunedPlainAttention(nn.Module):
+    """A vision transformer's attention (ViT, DINOv2: ``q_proj``/``k_proj``/``v_proj``/``o_proj``, no positions,
+    no cache) with Q/K head width ``qk_dim``, V head width ``v_dim`` and the dense ``scaling``.
+
+    Never used alone: ``pruned_class`` makes it a subclass of the dense attention's own class, built without that
+    class's ``__init__`` (which makes dense-size Linears), with the same parameter names and call."""
+
+    def __init__(self, attn: nn.Module, qk_dim: int, v_dim: int, proj_bias: bool = False) -> None:
+        nn.Module.__init__(self)
+        self.config, self.num_attention_heads = attn.config, attn.num_attention_heads
+        self.qk_dim, self.v_dim, self.scaling = qk_dim, v_dim, attn.scaling
+        self.attention_dropout, self.is_causal = attn.attention_dropout, False
+        heads, dim = attn.num_attention_heads, attn.q_proj.in_features
+        self.q_proj, self.k_proj = (linear_like(lin, dim, heads * qk_dim) for lin in (attn.q_proj, attn.k_proj))
+        self.v_proj = linear_like(attn.v_proj, dim, heads * v_dim)
+        self.o_proj = linear_like(attn.o_proj, heads * v_dim, dim, attn.o_proj.bias is not None or proj_bias)
+
+    def forward(
+        self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any
+    ) -> tuple[Tensor, Tensor | None]:
+        shape = (*hidden_states.shape[:-1], self.num_attention_heads, -1)
+        q, k, v = (lin(hidden_states).view(shape).transpose(1, 2) for lin in (self.q_proj, self.k_proj, self.v_proj))
+        dropout = self.attention_dropout if self.training else 0.0
+        out, weights = _attend(self, vit_attention)(
+            self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+        )
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
 @functools.cache
-def rope_class(dense: type) -> type:
-    """``PrunedRopeAttention`` as a subclass of the dense attention class ``dense``."""
-    return type(f"Pruned{dense.__name__}", (PrunedRopeAttention, dense), {"__module__": __name__, "dense": dense})
+def pruned_class(pruned: type, dense: type) -> type:
+    """``pruned`` (``PrunedRopeAttention``, ``PrunedPlainAttention``) as a subclass of the dense attention class
+    ``dense``, so that ``transformers``' output capture (``output_attentions``) still finds it."""
+    return type(f"Pruned{dense.__name__}", (pruned, dense), {"__module__": __name__, "dense": dense})
 
 
 # ------------------------------------------------------------------------ the recorded widths on a dense tree
@@ -216,7 +248,7 @@ def rope_class(dense: type) -> type:
 
 def head_widths(attn: nn.Module, kind: str) -> tuple[int, int]:
     """(Q/K, V) head width of an attention of ``kind``, pruned or dense."""
-    if isinstance(attn, (PrunedSelfAttention, PrunedOptAttention)):
+    if isinstance(attn, (PrunedSelfAttention, PrunedOptAttention, PrunedPlainAttention)):
         return attn.qk_dim, attn.v_dim
     if isinstance(attn, PrunedRopeAttention):
         return attn.head_dim, attn.v_dim
@@ -226,7 +258,7 @@ def head_widths(attn: nn.Module, kind: str) -> tuple[int, int]:
 
 def heads(attn: nn.Module, kind: str) -> int:
     """Query heads of an attention of ``kind``."""
-    if kind == "bert":
+    if kind in ("bert", "plain"):
         return attn.num_attention_heads
     return attn.num_heads if kind == "opt" else attn.q_proj.out_features // attn.head_dim
 
@@ -238,10 +270,14 @@ def attention_at(attn: nn.Module, kind: str, qk_dim: int, v_dim: int, proj_bias:
         new = PrunedSelfAttention(attn.config, attn.num_attention_heads, qk_dim, v_dim, float(attn.scaling))
     elif kind == "opt":
         new = PrunedOptAttention(attn.config, attn.layer_idx, attn.num_heads, qk_dim, v_dim, float(attn.scaling))
+    elif kind == "plain":
+        new = pruned_class(PrunedPlainAttention, getattr(type(attn), "dense", type(attn)))(
+            attn, qk_dim, v_dim, proj_bias
+        )
     else:
         if qk_dim != attn.head_dim:
             raise ValueError(f"a rotary attention keeps its Q/K head width {attn.head_dim}, not {qk_dim}")
-        new = rope_class(getattr(type(attn), "dense", type(attn)))(attn, v_dim, proj_bias)
+        new = pruned_class(PrunedRopeAttention, getattr(type(attn), "dense", type(attn)))(attn, v_dim, proj_bias)
     weight = (attn.query if kind == "bert" else attn.q_proj).weight
     return new.train(attn.training).to(weight.device, weight.dtype)
 

@@ -32,7 +32,7 @@ from corp_deploy.data import input_size
 from corp_deploy.deps import missing
 from corp_deploy.env import cpu_model, module_versions
 from corp_deploy.errors import CorpError
-from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, export_onnx
+from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, export_onnx, image_graph
 from corp_deploy.exporters.rewrites import rewritten
 from corp_deploy.exporters.text_onnx import export_text_onnx, graph
 from corp_deploy.families import Adapter, adapter_for
@@ -188,7 +188,7 @@ class _Models:
         """A copy (a loader moves and casts what it gets, and the caller's model must stay as it was, e.g. fp32
         for the closed loop's next round); a text encoder as exported (``text_onnx.graph``)."""
         model = copy.deepcopy(self.models[which])
-        return model if self.text is None else graph(model)[0]
+        return image_graph(model) if self.text is None else graph(model)[0]
 
     def export(self, which: str, precision: str) -> None:
         """``which``'s ONNX graph (text: dynamic batch and sequence) and, past FP32, ``CONVERTERS``' graph."""

@@ -57,7 +57,7 @@ def export_onnx(
     """
     onnx = _onnx()
     check_opset(opset)
-    model = model.to("cpu").eval()
+    model = image_graph(model.to("cpu").eval())
     external = sum(p.numel() * p.element_size() for p in model.parameters()) >= MAX_SINGLE_FILE
     proto = _trace(model, torch.randn(EXAMPLE_BATCH, *input_size), opset, _forward_params(model)[0])
     if simplify:
@@ -67,6 +67,25 @@ def export_onnx(
     onnx.save(proto, str(path), save_as_external_data=external, location=f"{path.name}.data")
     check_onnx(path)
     return path
+
+
+class ImageGraph(nn.Module):
+    """A ``transformers`` image model as a graph of one output, as timm's: its ``logits`` (a classification head)
+    or its ``last_hidden_state`` (a backbone: every token's features after the final norm, [CLS] first, as a text
+    encoder's graph gives them; pooling stays with the caller)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        out = self.model(pixel_values=pixel_values)
+        return out.logits if "logits" in out else out.last_hidden_state
+
+
+def image_graph(model: nn.Module) -> nn.Module:
+    """What an image model's graph computes: the model itself (timm), or ``ImageGraph`` of a ``transformers`` one."""
+    return ImageGraph(model) if type(model).__module__.startswith("transformers") else model
 
 
 def check_opset(opset: int) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import Feed
-from corp_deploy.exporters.onnx_export import load_onnx
+from corp_deploy.exporters.onnx_export import image_graph, load_onnx
 
 ORT_PURPOSE = "running ONNX graphs"
 GPU_PROVIDERS = ("CUDAExecutionProvider",)
@@ -32,7 +32,7 @@ class TorchRunner:
     """A PyTorch module on ``device`` in ``dtype`` (inputs cast in, outputs cast back to FP32)."""
 
     def __init__(self, model: nn.Module, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-        self.model = model.to(device=device, dtype=dtype).eval()
+        self.model = image_graph(model.to(device=device, dtype=dtype).eval())  # what the exported graph computes
         self.device, self.dtype = torch.device(device), dtype
         self.name = f"torch-{self.device.type}-{str(dtype).removeprefix('torch.')}"
 

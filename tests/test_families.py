@@ -11,6 +11,7 @@ own attention classes (sliding window, q/k/v biases) are what the contract exerc
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,8 +49,21 @@ def _hf(config_cls: str, model_cls: str, **args) -> Callable[[], torch.nn.Module
     return make
 
 
+def _hf_image(config_cls: str, model_cls: str, **args) -> Callable[[], torch.nn.Module]:
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = getattr(transformers, config_cls)(image_size=32, patch_size=8, **COMMON_IMAGE, **args)
+        config._attn_implementation = "sdpa"
+        return getattr(transformers, model_cls)(config).eval()
+
+    return make
+
+
+COMMON_IMAGE = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
 TINY: dict[str, Callable[[], torch.nn.Module]] = {
     "timm-vit": tiny_vit,
+    "hf-vit": _hf_image("ViTConfig", "ViTModel", intermediate_size=64),
+    "hf-dinov2": _hf_image("Dinov2Config", "Dinov2ForImageClassification", mlp_ratio=2, num_labels=5),
     "hf-bert": _hf("BertConfig", "BertModel", intermediate_size=64, max_position_embeddings=64),
     "hf-opt": _hf("OPTConfig", "OPTForCausalLM", ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64),
     "hf-llama": _hf("LlamaConfig", "LlamaForCausalLM", **ROPE),
@@ -121,13 +135,13 @@ def test_a_family_prunes_smaller_compensates_reloads_and_exports(name: str, tmp_
     pytest.importorskip("onnxruntime")
     if family.modality == "image":
         from corp_deploy.exporters.compare import compare
-        from corp_deploy.exporters.onnx_export import export_onnx
+        from corp_deploy.exporters.onnx_export import export_onnx, image_graph
         from corp_deploy.exporters.runners import OrtRunner
 
         path = export_onnx(model, tmp_path / "pruned.onnx", (3, 32, 32))
         x = tiny_batches(n=3, seed=5)[0][0]
         with torch.no_grad():
-            assert compare(model(x).numpy(), OrtRunner(path)(x.numpy())).cosine > 0.99999
+            assert compare(image_graph(model)(x).numpy(), OrtRunner(path)(x.numpy())).cosine > 0.99999
     else:
         from corp_deploy.exporters.text_onnx import export_text_onnx, verify_text_onnx
 
@@ -170,3 +184,63 @@ def test_a_pruned_sliding_window_attention_keeps_its_window(name: str) -> None:
         changed = ids.clone()
         changed[0, :4] = 3  # tokens outside the last query's window (and two layers' reach: 2 * 8 < 16)
         assert np.allclose(full.numpy(), model(input_ids=changed).logits[0, -1].numpy(), atol=1e-5)
+
+
+def test_transformers_dinov2_prunes_like_timm_on_the_same_weights() -> None:
+    """The same weights in timm's layout and in ``transformers``' (q/k/v split from the fused qkv, LayerScale)
+    compute the same features, and CORP prunes them to the same widths and the same features: the two families
+    are one method (``studies.hf_vit_check`` runs this on real DINOv2-S)."""
+    from studies.hf_vit_check import cls_features, prune_both, to_hf_dinov2
+
+    vit = tiny_vit(init_values=0.5, num_classes=0)
+    x = tiny_batches(n=8, seed=4)[0][0]
+    hf = to_hf_dinov2(vit)
+    assert adapter_for(hf) is get("hf-dinov2")
+    torch.testing.assert_close(cls_features(hf, x), cls_features(vit, x))
+    timm_pruned, hf_pruned = prune_both(vit, tiny_batches(), PruneConfig(sparsity=0.5, target="mlp,qk,v", round_to=2))
+    assert [b["mlp_hidden"] for b in registry.structure(hf_pruned)] == [64, 64]
+    assert registry.structure(hf_pruned) == registry.structure(timm_pruned)
+    torch.testing.assert_close(cls_features(hf_pruned, x), cls_features(timm_pruned, x))
+
+
+def _vision_folder(root: Path, processor: bool = True) -> Path:
+    """A tiny DINOv2 with a classification head saved as a transformers folder (with the image processor's
+    settings, as a hub folder has them) and a folder of images."""
+    from PIL import Image
+
+    TINY["hf-dinov2"]().save_pretrained(root / "dino")
+    settings = {"do_center_crop": True, "crop_size": {"height": 32, "width": 32}, "size": {"shortest_edge": 36}}
+    settings |= {"resample": 3, "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
+    if processor:
+        (root / "dino" / "preprocessor_config.json").write_text(json.dumps(settings))
+    (root / "images").mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        Image.fromarray((rng.random((40, 48, 3)) * 255).astype("uint8")).save(root / "images" / f"{i}.png")
+    return root / "dino"
+
+
+@pytest.mark.e2e
+def test_prune_export_takes_a_transformers_vision_folder_and_its_images(tmp_path: Path, capsys) -> None:
+    """MODEL a transformers DINOv2 folder: calibrated on image files preprocessed as its preprocessor_config.json
+    says, pruned, its folder loads with its head, exported and verified; without the processor file, one line."""
+    from helpers import run
+
+    folder = _vision_folder(tmp_path)
+    args = ["--calib-dir", str(tmp_path / "images"), "--num-calib", "16", "--calib-batch-size", "8", "--quiet"]
+    args += ["--sparsity", "0.5", "--target", "mlp,qk,v", "--round-to", "2", "--precision", "fp32"]
+    code, out, err = run(["prune-export", str(folder), *args, "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, err
+    meta = read_meta(tmp_path / "run" / "pruned")
+    assert meta["family"] == "hf-dinov2" and meta["report"]["calibration"]["source"] == str(tmp_path / "images")
+    assert meta["report"]["pruned"]["params"] < meta["report"]["dense"]["params"]
+    assert (tmp_path / "run" / "pruned" / "preprocessor_config.json").is_file()
+    assert "AutoModelForImageClassification.from_pretrained(folder, trust_remote_code=True)" in out
+    export = json.loads((tmp_path / "run" / "export.json").read_text())
+    assert {o["file"] for o in export["onnx"]} >= {"dense.onnx", "pruned.onnx"}
+    assert all(o["verify"]["cosine"] >= o["verify"]["tolerance"]["min_cosine"] for o in export["onnx"])
+    assert next(o for o in export["onnx"] if o["file"] == "pruned.onnx")["input_size"] == [3, 32, 32]
+    (folder / "preprocessor_config.json").unlink()
+    code, _, err = run(["prune-export", str(folder), *args, "--out", str(tmp_path / "again")], capsys)
+    assert code != 0 and "has no preprocessor_config.json" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "again").exists()

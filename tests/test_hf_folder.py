@@ -39,9 +39,9 @@ from transformers import (  # noqa: E402
 )
 
 from corp_deploy import hf  # noqa: E402
-from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
+from corp_deploy.artifact import build, load_pruned, read_meta, save_pruned  # noqa: E402
 from corp_deploy.errors import CorpError  # noqa: E402
-from corp_deploy.families import get  # noqa: E402
+from corp_deploy.families import get, structure  # noqa: E402
 from corp_deploy.hf_folder import MODELING_FILE, REMOTE, STANDARD  # noqa: E402
 from corp_deploy.pruner import PruneConfig, calibrate, check_standard, prune_model  # noqa: E402
 
@@ -50,7 +50,9 @@ VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
 SENTENCES = ["w1 w2 w3 w4 w5", "w7 w8", "w30 w31 w32 w33 w34 w35 w36 w37 w38"]
 PROMPTS = torch.tensor([[1, 8, 9, 10, 11, 12], [1, 20, 21, 22, 23, 24]])
 NEW_TOKENS = 8
-NON_UNIFORM = {"bert": "mlp,qk", "opt": "mlp,qk", "llama": "mlp,v"}
+NAMES = {"bert": "intermediate_size", "opt": "ffn_dim", "llama": "intermediate_size", "dinov2": "mlp_ratio"}
+"""Each family's config field of the MLP width."""
+NON_UNIFORM = {"bert": "mlp,qk", "opt": "mlp,qk", "llama": "mlp,v", "dinov2": "mlp,qk,v"}
 """Each family's attention part that its config cannot express, pruned beside per-layer MLP widths."""
 
 
@@ -71,8 +73,23 @@ def pruned(dense: torch.nn.Module, uniform: bool, family: str) -> torch.nn.Modul
         config = PruneConfig(sparsity=0.5, target="mlp", round_to=2)
     else:
         config = PruneConfig(sparsity=0.5, target=NON_UNIFORM[family], selection="global", round_to=2)
-    prune_model(model, calibrate(model, token_batches(model.config.vocab_size), config, "cpu", progress=False), config)
+    data = [(PIXELS, 0)] * 3 if family == "dinov2" else token_batches(model.config.vocab_size)
+    prune_model(model, calibrate(model, data, config, "cpu", progress=False), config)
     return model.eval()
+
+
+PIXELS_SEED = 3
+PIXELS = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(PIXELS_SEED))
+"""The images a DINOv2 folder is checked on; the child process draws the same ones from the seed."""
+
+
+def tiny_dinov2() -> torch.nn.Module:
+    """A DINOv2 with a classification head: the folder must load it with its head."""
+    torch.manual_seed(0)
+    args = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "mlp_ratio": 2, "num_labels": 5}
+    config = transformers.Dinov2Config(image_size=32, patch_size=8, **args)
+    config._attn_implementation = "sdpa"
+    return transformers.Dinov2ForImageClassification(config).eval()
 
 
 def sentence_source(folder: Path) -> Path:
@@ -133,7 +150,7 @@ CHILD = textwrap.dedent(
         blocked = True
     else:
         blocked = False
-    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageClassification
 
     jobs, out = json.loads(sys.argv[1]), {"blocked": blocked}
     for name, job in jobs.items():
@@ -144,6 +161,10 @@ CHILD = textwrap.dedent(
                 prompts = torch.tensor(job["prompts"])
                 kw = {"attention_mask": torch.ones_like(prompts), "max_new_tokens": job["new"], "do_sample": False}
                 result = {"logits": model(input_ids=prompts).logits, "tokens": model.generate(prompts, **kw)}
+            elif job["kind"] == "image":
+                model = AutoModelForImageClassification.from_pretrained(job["path"], **trust).eval()
+                pixels = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(job["pixels_seed"]))
+                result = {"logits": model(pixel_values=pixels).logits}
             else:
                 from sentence_transformers import SentenceTransformer
 
@@ -164,23 +185,24 @@ def folders(tmp_path_factory) -> dict:
     """Every family pruned both ways and saved; their pruned models; what the child loaded from each folder."""
     root = tmp_path_factory.mktemp("folders")
     bert, tokenizer = hf.load(str(sentence_source(root / "st-source")))
-    dense = {"bert": bert, "opt": tiny_opt(), "llama": tiny_llama()}
+    dense = {"bert": bert, "opt": tiny_opt(), "llama": tiny_llama(), "dinov2": tiny_dinov2()}
     models, jobs = {}, {}
     for family, net in dense.items():
         for uniform in (False, True):
             name = f"{family}-{STANDARD if uniform else REMOTE}"
             models[name] = pruned(net, uniform, family)
             save_pruned(models[name], root / name, {"model": {"name": name, "args": {}}})
-            kind = "encoder" if family == "bert" else "causal"
+            kind = {"bert": "encoder", "dinov2": "image"}.get(family, "causal")
             prompts = PROMPTS.tolist()
             job = {"path": str(root / name), "kind": kind, "trust": not uniform, "prompts": prompts, "new": NEW_TOKENS}
-            jobs[name] = job | {"sentences": SENTENCES}
+            jobs[name] = job | {"sentences": SENTENCES, "pixels_seed": PIXELS_SEED}
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env |= {"HF_HOME": str(root / "hf-home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-I", "-c", CHILD, json.dumps(jobs), str(root / "out.pt")]
     done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return {"root": root, "models": models, "loaded": torch.load(root / "out.pt"), "tokenizer": tokenizer}
+    loaded = torch.load(root / "out.pt")
+    return {"root": root, "models": models, "loaded": loaded, "tokenizer": tokenizer, "dense": dense}
 
 
 def test_the_child_process_cannot_import_corp_deploy(folders) -> None:
@@ -201,6 +223,22 @@ def test_a_pruned_decoder_folder_loads_alone_with_the_same_logits_and_greedy_tok
     assert tokens.shape == (2, prompts.shape[1] + NEW_TOKENS) and torch.equal(loaded["tokens"], tokens)
     is_remote = loaded["class"].startswith("transformers_modules.")
     assert is_remote == (form == REMOTE), loaded["class"]
+
+
+@pytest.mark.parametrize("form", [STANDARD, REMOTE])
+def test_a_pruned_dinov2_folder_loads_alone_with_its_head_and_the_same_logits(folders, form) -> None:
+    name = f"dinov2-{form}"
+    model, loaded = folders["models"][name], folders["loaded"][name]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded["logits"], model(pixel_values=PIXELS).logits, atol=1e-5, rtol=1e-5)
+    assert loaded["class"].endswith("Dinov2ForImageClassification")
+    assert loaded["class"].startswith("transformers_modules.") == (form == REMOTE), loaded["class"]
+    meta = read_meta(folders["root"] / name)
+    assert meta["folder"]["loads_with"].startswith("AutoModelForImageClassification.from_pretrained(folder")
+    if form == STANDARD:
+        config = json.loads((folders["root"] / name / "config.json").read_text())
+        assert config["mlp_ratio"] == 1 and "auto_map" not in config  # 64 -> 32 channels of a 32-wide model
+    assert structure(build(meta, folders["root"] / name)) == structure(folders["dense"]["dinov2"])
 
 
 @pytest.mark.parametrize("form", [STANDARD, REMOTE])
@@ -231,6 +269,12 @@ def test_the_form_follows_the_structure_and_is_recorded_and_load_pruned_still_re
         assert ("why" in meta["folder"]) == (form == REMOTE)
         widths = {b["mlp_hidden"] for b in meta["structure"]}
         assert len(widths) == 1 if form == STANDARD else len(widths) > 1  # the plans did what the test needs
+        dense = folders["dense"][family]
+        if form == STANDARD:  # config.json holds the pruned MLP width; the dense one is recorded beside it
+            assert meta["folder"]["dense_config"] == {NAMES[family]: getattr(dense.config, NAMES[family])}
+        widths = ("mlp_hidden", "qk_dim", "v_dim", "heads")  # a standard Llama keeps its config's new bias flag
+        built = [{k: b[k] for k in widths} for b in structure(build(meta, folder))]
+        assert built == [{k: b[k] for k in widths} for b in structure(dense)]  # bench's dense reference
         again = load_pruned(folder)
         ids = PROMPTS
         with torch.no_grad():

@@ -447,7 +447,7 @@ def prune_export(
     --int4-windows held-out windows of the --calib-dir text.
     """
     precisions_ = precisions(precision)
-    text = hf.is_source(prune_args["model"])
+    text = hf.modality(prune_args["model"]) == "text"
     decoder = text and genai.is_decoder(prune_args["model"])
     _int4_refused(precisions_, decoder)
     int4_setup(int4)  # a bad INT4 flag fails here
@@ -482,7 +482,7 @@ def prune_export(
             say=click.echo,
         )
     rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
-    run = pruned(**prune_args, keep_dense=True, text=text, latency_rounds=rounds, rewrites=rewrites_)
+    run = pruned(**prune_args, keep_dense=True, transformers=True, latency_rounds=rounds, rewrites=rewrites_)
     if run is None:
         return
     click.echo(format_report(run.result.report))

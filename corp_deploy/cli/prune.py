@@ -56,7 +56,7 @@ def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
     """
     kwargs["pruning"] = with_latency(kwargs["pruning"], kwargs["latency"])
     out = out_path(out, kwargs["model"], kwargs["pruning"], overwrite)
-    run = pruned(**kwargs, text=True)
+    run = pruned(**kwargs, transformers=True)
     if run is None:  # a data-parallel rank other than 0: its shard is merged, rank 0 writes
         return
     path = api.save(run.result, out, run.name, run.args, weights=run.weights, overwrite=overwrite)
@@ -104,28 +104,33 @@ def inputs(
     seq_len: int = 128,
     dist_timeout: float | None = None,
     hold_out: int = 0,
-    text: bool = False,
+    transformers: bool = False,
 ) -> Inputs:
     """``dist_timeout`` marks a command that may run data-parallel under torchrun (prune, prune-export);
     ``hold_out`` calibration images are drawn across the sample for the width planning
     (``calibration.calibration_data``).
-    ``text``: the command takes ``transformers`` models too (MODEL a folder with a config.json, or ``hf:NAME``)."""
-    source = calibration_source(calib_dir, calib, hf.is_source(model))
+    ``transformers``: the command takes ``transformers`` models too (MODEL a folder with a config.json, or
+    ``hf:NAME``): text encoders and decoders, and vision transformers."""
+    reads = hf.modality(model)
+    source = calibration_source(calib_dir, calib, reads == "text")
     if num_calib is None:
-        num_calib = SMOKE_IMAGES if source == SYNTHETIC else TEXT_SEQUENCES if hf.is_source(model) else CALIB_IMAGES
-    if hf.is_source(model):
-        if not text:
-            raise CorpError(f"{model} is a transformers model; this command takes timm ViTs only (use prune)")
+        num_calib = SMOKE_IMAGES if source == SYNTHETIC else TEXT_SEQUENCES if reads == "text" else CALIB_IMAGES
+    if reads is not None and not transformers:
+        raise CorpError(f"{model} is a transformers model; this command takes timm ViTs only (use prune)")
+    if reads == "text":
         return _text_inputs(model, source, num_calib, calib_batch_size, seed, seq_len, device, hold_out, dist_timeout)
-    args = parse_model_args(model_arg)
     world, device_ = _world(calibration.resolve_device(device), dist_timeout)
     torch.manual_seed(seed)  # --weights random: the same model on every run and every rank
-    net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=args)
+    if reads == "image":
+        if checkpoint is not None or model_arg:
+            raise CorpError("--checkpoint and --model-arg are for timm models; a transformers folder holds its weights")
+        net, name, args, provenance = hf.load(model)[0], model, {}, "pretrained"
+    else:
+        args = parse_model_args(model_arg)
+        net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=args)
+        name, provenance = resolve_name(model), f"checkpoint:{checkpoint}" if checkpoint else weights
     data = calibration.calibration_data(net, source, num_calib, calib_batch_size, seed, workers, world, hold_out)
-    provenance = f"checkpoint:{checkpoint}" if checkpoint else weights
-    return Inputs(
-        net, data.batches, data.total, data.heldout, device_, resolve_name(model), args, provenance, str(source), world
-    )
+    return Inputs(net, data.batches, data.total, data.heldout, device_, name, args, provenance, str(source), world)
 
 
 def _world(device: torch.device, dist_timeout: float | None) -> tuple[distributed.World, torch.device]:
@@ -205,7 +210,7 @@ def pruned(
     dist_timeout: float,
     max_stats_gib: float | None = None,
     keep_dense: bool = False,
-    text: bool = False,
+    transformers: bool = False,
     latency_rounds: int | None = None,
     rewrites: tuple[str, ...] | None = None,
     **flags: Any,
@@ -219,13 +224,13 @@ def pruned(
     config = prune_config(pruning)
     api.calibration_mode(config, max_stats_gib, distributed.SINGLE_PROCESS)  # combinations refused before any data
     backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"], rewrites)
-    seq_len = flags["seq_len"] if hf.is_source(flags["model"]) else None  # a text encoder is timed at --seq-len
+    seq_len = flags["seq_len"] if hf.modality(flags["model"]) == "text" else None  # a text encoder: at --seq-len
     say = (lambda line: None) if quiet else click.echo
     loop = None
     if backend is not None and latency_rounds is not None:
         loop = latency_loop(backend, latency["latency_batch"], latency_rounds, say, seq_len)
         api.check_loop(config, max_stats_gib, 2 if distributed.launched() else 1)
-    got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, text=text)
+    got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, transformers=transformers)
     if not typed("target"):  # the default target names only what the family can prune (in the layout asked for)
         adapter = adapter_for(got.net)
         parts = adapter.standard_parts if config.layout == "standard" and adapter.standard_parts else adapter.parts
@@ -253,6 +258,6 @@ def pruned(
     if result is None:
         return None
     result.report["calibration"] |= {"source": got.source, "seed": flags["seed"]}
-    if hf.is_source(flags["model"]):
-        result.report["calibration"]["seq_len"] = flags["seq_len"]
+    if seq_len is not None:
+        result.report["calibration"]["seq_len"] = seq_len
     return Pruned(result, got.name, got.args, got.weights, dense)

@@ -253,6 +253,15 @@ class Adapter(ABC):
     def tokens(self, model: nn.Module) -> int:
         raise NotImplementedError
 
+    def input_size(self, model: nn.Module) -> tuple[int, int, int]:
+        """(C, H, W) of the images an image model reads (exports, noise calibration, latency)."""
+        raise CorpError(f"{self.name} models read {self.unit}, not images")
+
+    def data_config(self, model: nn.Module) -> dict[str, Any]:
+        """The eval preprocessing of an image model in timm's terms (``input_size``, ``interpolation``, ``mean``,
+        ``std``, ``crop_pct``, ``crop_mode``): what calibration and evaluation apply to image files."""
+        raise CorpError(f"{self.name} models read {self.unit}, not images")
+
     @abstractmethod
     def example(self, model: nn.Module) -> Any:
         """One input of the size MACs are counted at, on the model's device and in its dtype."""

@@ -169,8 +169,15 @@ class HfText(Adapter):
         return base is not None and hasattr(base, self.names.layers.split(".")[0])
 
     def build(self, record: dict[str, Any], folder: Path) -> nn.Module:
+        """The dense model of the folder's config.json; a standard folder's config holds the pruned MLP width, so the
+        dense values ``corp.json`` recorded beside it (``hf_folder.DENSE_CONFIG``) are put back first."""
+        from corp_deploy.artifact import read_meta
+        from corp_deploy.hf_folder import DENSE_CONFIG
+
         transformers = require("transformers", "loading a pruned transformers model")
         config = transformers.AutoConfig.from_pretrained(str(folder))
+        for key, value in read_meta(folder).get("folder", {}).get(DENSE_CONFIG, {}).items():
+            setattr(config, key, value)
         config._attn_implementation = "sdpa"
         return architecture(transformers, config)(config)
 
@@ -319,6 +326,11 @@ class HfText(Adapter):
         apply_widths(model, self.names, entries)
 
     # ------------------------------------------------------------------ the artifact folder
+
+    def mlp_config(self, config: Any, width: int) -> dict[str, Any] | None:
+        """The family config's values that give every layer MLP width ``width`` (``hf_folder``'s standard form);
+        None when the config cannot say it exactly."""
+        return {self.names.mlp_field: width}
 
     def write_files(self, model: nn.Module, folder: Path) -> dict[str, Any]:
         """The artifact folder as a transformers folder (``hf_folder``: standard or remote-code form)."""

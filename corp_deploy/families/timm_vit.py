@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import timm
+import timm.data
 import torch
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor, nn
@@ -122,8 +123,17 @@ class TimmViT(Adapter):
 
     def example(self, model: nn.Module) -> Tensor:
         param = next(model.parameters())
+        return torch.zeros(1, *self.input_size(model), device=param.device, dtype=param.dtype)
+
+    def input_size(self, model: nn.Module) -> tuple[int, int, int]:
+        """Taken from the model itself: timm's data config reports the pretrained config's size (518 for DINOv2)
+        even when the model was built with ``img_size=224``."""
         h, w = model.patch_embed.img_size
-        return torch.zeros(1, model.patch_embed.proj.in_channels, h, w, device=param.device, dtype=param.dtype)
+        return (model.patch_embed.proj.in_channels, h, w)
+
+    def data_config(self, model: nn.Module) -> dict[str, Any]:
+        """timm's own preprocessing config of ``model``, at the input size it was actually built for."""
+        return timm.data.resolve_model_data_config(model) | {"input_size": self.input_size(model)}
 
     def features(self, model: nn.Module, x: Tensor, inputs: Tensor) -> Tensor:
         """Pre-logit features: the final norm, the pooled head input."""
