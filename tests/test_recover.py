@@ -20,7 +20,7 @@ from corp_deploy import calibration
 from corp_deploy.errors import CorpError
 from corp_deploy.families import adapter_for, structure
 from corp_deploy.pruner import PruneConfig
-from corp_deploy.recover import Objective, RecoveryRecord, lr_factor, recover
+from corp_deploy.recover import Kept, Objective, RecoveryRecord, lr_factor, recover
 from tests.conftest import pruned_copy, tiny_batches, tiny_vit
 
 HALF = PruneConfig(sparsity=0.5, target="mlp,qk,v", compensation="none")
@@ -151,6 +151,13 @@ def test_a_text_encoder_recovers_through_its_adapter_with_padding_left_out() -> 
     before = error(pruned, dense, batches, "blocks")
     recover(pruned, dense, batches, steps=10, lr=1e-3, target="blocks")
     assert error(pruned, dense, batches, "blocks") < 0.8 * before and structure(pruned) == widths
+
+
+def test_kept_passes_every_batch_through_once_and_keeps_whole_batches_up_to_its_limit() -> None:
+    batches = tiny_batches(n=48, batch=16)
+    kept = Kept(iter(batches), adapter_for(tiny_vit()).count, limit=20)
+    assert list(kept) == batches  # the calibration pass sees the whole stream
+    assert kept.batches == batches[:2] and kept.inputs == 32  # the batch that crosses 20 is kept whole, no more
 
 
 BUDGETED = [*PRUNE, "--calib", "synthetic", "--budget", "macs=0.7", "--sensitivity-images", "8"]
