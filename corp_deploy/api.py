@@ -7,12 +7,12 @@ batches, total = corp_deploy.calibration_batches(model, "photos/", num=256)
 result = corp_deploy.prune(model, batches, corp_deploy.PruneConfig(sparsity=0.5), total=total)
 corp_deploy.save(result, "runs/deit_small-s50")
 
-Label-free recovery after pruning (opt-in, ``corp_deploy.recover``): keep a dense copy and some calibration
-batches, then ``recover_pruned``:
+Label-free recovery after pruning (opt-in; ``corp_deploy.recover``): keep a dense copy, and the calibration batches
+recovery trains on as ``prune`` reads them (``recover.Kept``), then ``recover_pruned``:
 
-dense, kept = copy.deepcopy(model), Kept(batches, adapter_for(model).count)
-result = corp_deploy.prune(model, kept, config, total=total)
-recover_pruned(result, dense, kept.batches, Recovery(steps=30))
+dense, kept = copy.deepcopy(model), recover.Kept(batches, adapter_for(model).count)
+result = corp_deploy.prune(model, kept, corp_deploy.PruneConfig(sparsity=0.5), total=total)
+api.recover_pruned(result, dense, kept.batches, recover.Recovery(steps=30))  # result.report["recovery"]
 """
 
 from __future__ import annotations
