@@ -6,6 +6,13 @@ model = corp_deploy.create_model("deit_small", weights="random")
 batches, total = corp_deploy.calibration_batches(model, "photos/", num=256)
 result = corp_deploy.prune(model, batches, corp_deploy.PruneConfig(sparsity=0.5), total=total)
 corp_deploy.save(result, "runs/deit_small-s50")
+
+Label-free recovery after pruning (opt-in; ``corp_deploy.recover``): keep a dense copy, and the calibration batches
+recovery trains on as ``prune`` reads them (``recover.Kept``), then ``recover_pruned``:
+
+dense, kept = copy.deepcopy(model), recover.Kept(batches, adapter_for(model).count)
+result = corp_deploy.prune(model, kept, corp_deploy.PruneConfig(sparsity=0.5), total=total)
+api.recover_pruned(result, dense, kept.batches, recover.Recovery(steps=30))  # result.report["recovery"]
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from corp_deploy.errors import CorpError
 from corp_deploy.families import adapter_for
 from corp_deploy.latency import LatencyTable, Timing
 from corp_deploy.pruner import Budget, PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
+from corp_deploy.recover import Recovery, RecoveryRecord
 from corp_deploy.report import model_size, peak_memory
 from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.stats import CalibrationStats
@@ -327,6 +335,34 @@ def prune(
     if loop is not None:
         report["latency"] = checked
     return PruneResult(model, report)
+
+
+def recover_pruned(
+    result: PruneResult,
+    dense: nn.Module,
+    batches: Iterable[Any],
+    recovery: Recovery,
+    heldout: Heldout | None = None,
+    say: Callable[[str], None] | None = None,
+) -> RecoveryRecord:
+    """Train ``result.model`` towards ``dense`` (its copy from before pruning) on ``batches`` (calibration
+    batches: ``recover.Kept`` keeps them from the stream ``prune`` reads) on the device it was pruned on, and record
+    it in ``result.report``: ``recovery`` (``RecoveryRecord.to_dict``), its seconds, the peak memory since.
+
+    ``heldout`` (the sensitivity pass's held-out inputs) is only evaluated, before and after, never trained on.
+    Recovery changes weight values, never a width: after a latency budget's closed loop the measured speed stands.
+    ``dense`` is moved to that device for the recovery and back after.
+    """
+    device, home = next(result.model.parameters()).device, next(dense.parameters()).device
+    dense.to(device)
+    try:
+        record = recovery.run(result.model, dense, batches, None if heldout is None else [heldout.images], say)
+    finally:
+        dense.to(home)
+    result.report["recovery"] = record.to_dict()
+    result.report["seconds"]["recovery"] = record.seconds
+    result.report["memory"] |= peak_memory(device)
+    return record
 
 
 def _hold_out(

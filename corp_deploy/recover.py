@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,6 +37,9 @@ from corp_deploy.families import adapter_for
 TARGETS = ("features", "blocks")
 OPTIMIZERS = ("adamw", "sgd")
 TRAINED = ("linear", "all")
+KEPT_INPUTS = 256
+"""Calibration inputs a pruning run keeps for recovery (``Kept``): the study's count, whose block targets a
+DINOv2-S holds in about 1.3 GB ((12 + 1) x 257 tokens x 384 floats per image)."""
 
 
 @dataclass
@@ -60,6 +63,8 @@ class RecoveryRecord:
     check_before: float | None = None
     check_after: float | None = None
     """The same objective on the ``check`` batches (never trained on), when given."""
+    check_inputs: int = 0
+    """Inputs in the ``check`` batches."""
     parameters: int = 0
     """Trainable parameters."""
     history: list[tuple[int, float]] = field(default_factory=list)
@@ -82,8 +87,77 @@ def check_budget(steps: int | None, minutes: float | None, lr: float = 1.0) -> d
     if minutes is not None and not (minutes > 0 and math.isfinite(minutes)):
         raise CorpError(f"--recover-minutes must be > 0, not {minutes}")
     if not (lr > 0 and math.isfinite(lr)):
-        raise CorpError(f"the recovery learning rate must be > 0, not {lr}")
+        raise CorpError(f"--recover-lr (the recovery learning rate) must be > 0, not {lr}")
     return {"steps": int(steps)} if steps is not None else {"minutes": float(minutes)}
+
+
+def check_choices(target: str, optimizer: str = "adamw", trained: str = "linear") -> None:
+    """One line for a target, optimizer or trained set ``recover`` does not know."""
+    for name, value, allowed in (
+        ("target", target, TARGETS),
+        ("optimizer", optimizer, OPTIMIZERS),
+        ("trained", trained, TRAINED),
+    ):
+        if value not in allowed:
+            raise CorpError(f"unknown recovery {name} {value!r}; choose one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A recovery asked for (``--recover-*``), checked when made, so a bad budget fails before any model is built
+    or data read; ``run`` is ``recover`` with these settings (the other settings: ``recover``'s defaults)."""
+
+    steps: int | None = None
+    minutes: float | None = None
+    lr: float = 1e-4
+    target: str = "blocks"
+
+    def __post_init__(self) -> None:
+        check_budget(self.steps, self.minutes, self.lr)
+        check_choices(self.target)
+
+    def run(
+        self,
+        pruned: nn.Module,
+        dense: nn.Module,
+        batches: Iterable[Any],
+        check: Iterable[Any] | None = None,
+        say: Callable[[str], None] | None = None,
+    ) -> RecoveryRecord:
+        return recover(
+            pruned,
+            dense,
+            batches,
+            steps=self.steps,
+            minutes=self.minutes,
+            lr=self.lr,
+            target=self.target,
+            check=check,
+            say=say,
+        )
+
+
+def inputs_of(batch: Any) -> Any:
+    """A batch's inputs: calibration batches come as (inputs, skipped) pairs, other batches as the inputs."""
+    return batch[0] if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[1], int) else batch
+
+
+class Kept:
+    """``batches`` passed through to the one calibration pass that reads them, the first whole batches up to
+    ``limit`` inputs (``count`` of a batch's inputs) kept in ``batches`` for recovery to train on: the data are
+    read once, and only what recovery trains on stays in memory (in host memory, as the stream gave it)."""
+
+    def __init__(self, batches: Iterable[Any], count: Callable[[Any], int], limit: int = KEPT_INPUTS) -> None:
+        self.source, self.count, self.limit = batches, count, limit
+        self.batches: list[Any] = []
+        self.inputs = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.source:
+            if self.inputs < self.limit:
+                self.batches.append(batch)
+                self.inputs += self.count(inputs_of(batch))
+            yield batch
 
 
 def trainable(model: nn.Module, trained: str) -> list[nn.Parameter]:
@@ -180,18 +254,8 @@ def recover(
     """Train ``pruned`` in place towards ``dense`` on ``batches`` (inputs, or (inputs, skipped) pairs as the
     calibration batches come) within ``steps`` or ``minutes``; the record of what it did (see the module doc)."""
     budget = check_budget(steps, minutes, lr)
-    for name, value, allowed in (
-        ("target", target, TARGETS),
-        ("optimizer", optimizer, OPTIMIZERS),
-        ("trained", trained, TRAINED),
-    ):
-        if value not in allowed:
-            raise CorpError(f"unknown recovery {name} {value!r}; choose one of {', '.join(allowed)}")
-
-    def unpack(bs: Iterable[Any]) -> list[Any]:  # (inputs, skipped) pairs, as calibration batches come, or inputs
-        return [b[0] if isinstance(b, tuple) and len(b) == 2 and isinstance(b[1], int) else b for b in bs]
-
-    data, held = unpack(batches), unpack(check or [])
+    check_choices(target, optimizer, trained)
+    data, held = [inputs_of(b) for b in batches], [inputs_of(b) for b in check or []]
     if not data:
         raise CorpError("recovery needs at least one batch of unlabeled inputs")
     adapter = adapter_for(pruned)
@@ -246,6 +310,7 @@ def recover(
         loss_after=objective.mean(data[:1]),
         check_before=check_before,
         check_after=objective.mean(held, offset=len(data)) if held else None,
+        check_inputs=sum(adapter.count(b) for b in held),
         parameters=sum(p.numel() for p in params),
         history=history,
     )

@@ -87,6 +87,25 @@ def _checked(check: dict[str, Any]) -> str:
     )
 
 
+def _recovered(rec: dict[str, Any], unit: str) -> str:
+    """A recovery's line: budget and settings, steps and seconds, its loss on the first training batch and on the
+    held-out inputs (never trained on), before -> after, and why the widths and speed are the pruned ones."""
+    budget = ", ".join(f"{v:g} {k}" for k, v in rec["budget"].items())
+    batches = f"{rec['batches']} batch{'es' if rec['batches'] != 1 else ''}"
+    held = (
+        f", held-out {rec['check_before']:.4g} -> {rec['check_after']:.4g} ({rec['check_inputs']} {unit} never "
+        "trained on)"
+        if rec.get("check_before") is not None
+        else ", no held-out inputs (no sensitivity pass held any out)"
+    )
+    return (
+        f"recovery ({rec['target']} target, {rec['optimizer']} lr {rec['lr']:g}, budget {budget}): {rec['steps']} "
+        f"steps in {rec['seconds']:.1f}s on {rec['inputs']} calibration {unit} ({batches}); objective "
+        f"{rec['loss_before']:.4g} -> {rec['loss_after']:.4g} on the first batch{held}; widths unchanged, so the "
+        "speed is the pruned model's (it does not depend on weight values)"
+    )
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The terminal table: per-block widths and errors, then model totals, time and memory."""
     dense, pruned = report["dense"], report["pruned"]
@@ -119,12 +138,14 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"widths per block from --budget {alloc['budget']} ({alloc['criterion']} errors): {_spent(alloc)}")
     if check := report.get("latency"):
         lines.append(_checked(check))
+    t, unit = report["seconds"], report["calibration"].get("unit", "images")
+    if rec := report.get("recovery"):
+        lines.append(_recovered(rec, unit))
     params = _pct(pruned["params"], dense["params"])
     lines.append(
         f"params {dense['params'] / 1e6:.2f}M -> {pruned['params'] / 1e6:.2f}M ({params})"
         f"   MACs {dense['macs'] / 1e9:.3f}G -> {pruned['macs'] / 1e9:.3f}G ({_pct(pruned['macs'], dense['macs'])})"
     )
-    t, unit = report["seconds"], report["calibration"].get("unit", "images")
     calibrated = report["calibration"].get(unit, report["calibration"].get("images"))
     lines.append(
         f"time {sum(t.values()):.1f}s = "

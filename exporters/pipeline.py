@@ -261,10 +261,12 @@ def export_run(
 def write_export_record(
     out: Path, model: str, report: dict[str, Any], record: dict[str, Any], versions: dict[str, Any]
 ) -> dict[str, Any]:
-    """``out/export.json``: the model, its prune config and sizes (from the prune ``report``), ``export_run``'s
-    record and the library versions; returns it."""
+    """``out/export.json``: the model, its prune config, sizes and recovery if any (from the prune ``report``: the
+    pruned graphs hold the recovered weights), ``export_run``'s record and the library versions; returns it."""
     sizes = {k: {m: report[k][m] for m in ("params", "macs")} for k in ("dense", "pruned")}
-    record = {"model": model, "prune_config": report["config"], "size": sizes, **record, "versions": versions}
+    recovered = {"recovery": report["recovery"]} if "recovery" in report else {}
+    record = {"model": model, "prune_config": report["config"], **recovered, "size": sizes, **record}
+    record["versions"] = versions
     (out / "export.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 

@@ -12,7 +12,8 @@ probe on the digits AND the Fashion-MNIST test images (images no calibration or 
 standard error, and the mean feature cosine to the dense model on those images. ``more`` recipes train on
 ``--more`` digits train images instead of the calibration ones (still never a test image: the test split is
 disjoint, checked by content). Rows are appended to ``<out>.jsonl`` as they finish (a long run that is stopped
-keeps what it measured); ``<out>.md/.json`` are written from all rows at the end (``--report`` only rewrites them).
+keeps what it measured); ``<out>.md/.json`` are written from all rows at the end (``--report`` only rewrites them;
+what ``<out>.md`` holds below its ``HAND_WRITTEN`` line, the command-line runs, is kept).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     "blocks-adamw-1e-4-more": {"target": "blocks", "lr": 1e-4, "more": True},
     "feat-adamw-1e-5-more": {"target": "features", "lr": 1e-5, "more": True},
 }
+HAND_WRITTEN = "<!-- written by hand below this line: the study's --report keeps it -->"
 
 
 def digests(folder: Path) -> set[str]:
@@ -190,7 +192,9 @@ def report(out: Path) -> None:
     source = f" (from {meta['dense_source']})" if "dense_source" in meta else ""
     table = markdown_table(head, body) + f"\n\ndense top-1 %: {dense_line}{source}\n"
     table += f"\n1-minute load average while the rows were scored: {min(loads):.1f} to {max(loads):.1f}\n"
-    out.with_suffix(".md").write_text(f"{title}\n\n{table}")
+    md = out.with_suffix(".md")
+    kept = "".join(md.read_text().partition(HAND_WRITTEN)[1:]) if md.is_file() else ""
+    md.write_text(f"{title}\n\n{table}" + (f"\n{kept}" if kept else ""))
     out.with_suffix(".json").write_text(json.dumps({"title": title, **meta, "rows": rows}, indent=2) + "\n")
     print(table)
 

@@ -363,6 +363,39 @@ def test_prune_export_with_a_speedup_records_the_check(tmp_path, capsys, cache, 
     assert all(b["qk"]["kept"] == b["v"]["kept"] for b in widths)  # torch SDPA: one head size
 
 
+@pytest.mark.e2e
+def test_recovery_runs_after_the_closed_loop_and_keeps_its_widths(tmp_path, capsys, cache, monkeypatch) -> None:
+    """The loop times CORP's weights and fixes the widths; recovery trains after the last timing, on those widths."""
+    from corp_deploy.recover import Objective
+
+    events, loss = [], Objective.__call__
+
+    def timed(models, *_):  # the closed loop's timing of dense against pruned
+        events.append(("timed", block_widths(models["pruned"])))
+        return {n: [fake_time(m)] * 6 for n, m in models.items()}
+
+    def trained(self, key, inputs):
+        events.append(("trained", block_widths(self.pruned)))
+        return loss(self, key, inputs)
+
+    monkeypatch.setattr(speed, "time_models", timed)
+    monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))
+    monkeypatch.setattr(Objective, "__call__", trained)
+    out = tmp_path / "run"
+    flags = ["--speedup", "1.3", "--latency-on", "torch-cpu-fp32", "--latency-batch", "2", "--recover-steps", "2"]
+    argv = ["prune-export", *PRUNE[1:], "--allocation", "local", "--precision", "fp32", *flags, "--out", str(out)]
+    code, stdout, err = run(argv, capsys)
+    assert code == 0, err
+    kinds = [kind for kind, _ in events]
+    assert "timed" in kinds and kinds.index("trained") > max(i for i, k in enumerate(kinds) if k == "timed")
+    last_timed = [w for kind, w in events if kind == "timed"][-1]
+    assert all(w == last_timed for kind, w in events if kind == "trained")
+    meta = json.loads((out / "pruned" / "corp.json").read_text())
+    assert meta["report"]["latency"]["met"] and meta["report"]["recovery"]["steps"] == 2
+    assert meta["structure"] == last_timed
+    assert "speed is the pruned model's" in stdout
+
+
 def test_prune_export_times_the_rewrites_it_exports(tmp_path, capsys, cache, monkeypatch) -> None:
     """--rewrites replaces the backend's defaults in the latency table and loop too: torch-cpu times no rewrite by
     default, so a patch-linear export must be planned and checked with patch-linear (its table key says so)."""

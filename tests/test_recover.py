@@ -1,20 +1,26 @@
 """Label-free recovery (``corp_deploy.recover``) on tiny models built in the test: it lowers the error it optimizes,
 never changes widths, trains on the calibration batches only (never the held-out ones), its record round-trips
-through JSON, and bad budgets are one line."""
+through JSON, and bad budgets are one line. Through the CLI (``--recover-*`` on prune and prune-export): recorded in
+corp.json and printed, the widths of CORP alone, the exported graphs hold the recovered weights, a ViT, a text
+encoder and a decoder; a bad budget, torchrun or an interrupt leaves nothing written."""
 
 from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import PRUNE, run, tiny_llama_folder, tiny_text_folder
+from safetensors.torch import load_file
 
+import corp_deploy
 from corp_deploy import calibration
 from corp_deploy.errors import CorpError
 from corp_deploy.families import adapter_for, structure
 from corp_deploy.pruner import PruneConfig
-from corp_deploy.recover import Objective, RecoveryRecord, lr_factor, recover
+from corp_deploy.recover import Kept, Objective, RecoveryRecord, lr_factor, recover
 from tests.conftest import pruned_copy, tiny_batches, tiny_vit
 
 HALF = PruneConfig(sparsity=0.5, target="mlp,qk,v", compensation="none")
@@ -145,3 +151,140 @@ def test_a_text_encoder_recovers_through_its_adapter_with_padding_left_out() -> 
     before = error(pruned, dense, batches, "blocks")
     recover(pruned, dense, batches, steps=10, lr=1e-3, target="blocks")
     assert error(pruned, dense, batches, "blocks") < 0.8 * before and structure(pruned) == widths
+
+
+def test_kept_passes_every_batch_through_once_and_keeps_whole_batches_up_to_its_limit() -> None:
+    batches = tiny_batches(n=48, batch=16)
+    kept = Kept(iter(batches), adapter_for(tiny_vit()).count, limit=20)
+    assert list(kept) == batches  # the calibration pass sees the whole stream
+    assert kept.batches == batches[:2] and kept.inputs == 32  # the batch that crosses 20 is kept whole, no more
+
+
+BUDGETED = [*PRUNE, "--calib", "synthetic", "--budget", "macs=0.7", "--sensitivity-images", "8"]
+"""16 noise images, 8 of them held out for the sensitivity pass: recovery trains on the other 8."""
+
+
+def artifact(out: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    return json.loads((out / "corp.json").read_text()), load_file(out / "model.safetensors")
+
+
+@pytest.mark.e2e
+def test_prune_recovers_after_corp_with_its_widths_and_records_it(tmp_path, capsys) -> None:
+    corp, recovered = tmp_path / "corp", tmp_path / "recovered"
+    assert run([*BUDGETED, "--out", str(corp)], capsys)[0] == 0
+    flags = ["--recover-steps", "3", "--recover-lr", "3e-4", "--out", str(recovered)]
+    code, stdout, stderr = run([*BUDGETED, *flags], capsys)
+    assert code == 0, stderr
+    (meta, weights), (alone, corp_weights) = artifact(recovered), artifact(corp)
+    rec = meta["report"]["recovery"]
+    assert rec["budget"] == {"steps": 3} and rec["steps"] == 3 and rec["target"] == "blocks" and rec["lr"] == 3e-4
+    assert rec["inputs"] == 8 and rec["check_inputs"] == 8  # the sensitivity pass's 8 are only evaluated
+    assert rec["loss_after"] <= rec["loss_before"] and rec["check_after"] is not None
+    assert "recovery" not in alone["report"] and "recovery" in meta["report"]["seconds"]
+    assert meta["structure"] == alone["structure"]  # widths planned before recovery, kept by it
+    changed = {k for k in weights if not torch.equal(weights[k], corp_weights[k])}
+    assert changed and all(
+        k.startswith("blocks.") and k.split(".")[-2] in ("qkv", "proj", "fc1", "fc2") for k in changed
+    )
+    assert "recovery (blocks target, adamw lr 0.0003, budget 3 steps): 3 steps" in stdout
+    assert "held-out" in stdout and "speed is the pruned model's" in stdout
+
+
+@pytest.mark.e2e
+def test_prune_export_exports_the_recovered_weights(tmp_path, capsys) -> None:
+    pytest.importorskip("onnxruntime")
+    from corp_deploy.exporters.compare import FP32, compare, random_inputs
+    from corp_deploy.exporters.runners import OrtRunner, TorchRunner
+
+    out = tmp_path / "run"
+    argv = ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--precision", "fp32", "--recover-steps", "2"]
+    code, _, stderr = run([*argv, "--out", str(out)], capsys)
+    assert code == 0, stderr
+    record = json.loads((out / "export.json").read_text())
+    assert record["recovery"] == json.loads((out / "pruned" / "corp.json").read_text())["report"]["recovery"]
+    assert record["recovery"]["steps"] == 2
+    x = random_inputs(3, (3, 32, 32))
+    recovered = TorchRunner(corp_deploy.load_pruned(out / "pruned"))(x)
+    assert compare(recovered, OrtRunner(out / "pruned.onnx", "cpu")(x)).within(FP32)
+
+
+BAD_RECOVERY = {
+    "zero steps": (["--recover-steps", "0"], "--recover-steps must be a whole number >= 1"),
+    "negative minutes": (["--recover-minutes", "-1"], "--recover-minutes must be > 0"),
+    "minutes not a number": (["--recover-minutes", "nan"], "--recover-minutes must be > 0"),
+    "both budgets": (["--recover-steps", "3", "--recover-minutes", "1"], "exactly one budget"),
+    "zero learning rate": (["--recover-steps", "3", "--recover-lr", "0"], "--recover-lr (the recovery"),
+    "a learning rate without a budget": (["--recover-lr", "1e-3"], "add --recover-steps N or --recover-minutes M"),
+    "a target without a budget": (["--recover-target", "features"], "add --recover-steps N"),
+    "an unknown target": (["--recover-steps", "3", "--recover-target", "logits"], "'logits' is not one of"),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("command", ["prune", "prune-export"])
+@pytest.mark.parametrize("case", list(BAD_RECOVERY), ids=list(BAD_RECOVERY))
+def test_a_bad_recovery_is_one_line_before_any_model_and_writes_nothing(case, command, tmp_path, capsys, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr("corp_deploy.cli.prune.create_model", never)
+    flags, expected = BAD_RECOVERY[case]
+    out = tmp_path / "out"
+    code, _, stderr = run([command, *PRUNE[1:], "--calib", "synthetic", *flags, "--out", str(out)], capsys)
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert code != 0 and len(lines) == 1 and expected in lines[0], stderr
+    assert "Traceback" not in stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.e2e
+def test_recovery_under_torchrun_is_refused_before_any_work(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, _, stderr = run(
+        [*PRUNE, "--calib", "synthetic", "--recover-steps", "3", "--out", str(tmp_path / "o")], capsys
+    )
+    assert code != 0 and "train in one process; run it without torchrun" in stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("command", ["prune", "prune-export"])
+def test_an_interrupt_during_recovery_leaves_no_artifact(command, tmp_path, capsys, monkeypatch) -> None:
+    loss, calls = Objective.__call__, []
+
+    def interrupted(self, key, inputs):  # the second training step is interrupted
+        if torch.is_grad_enabled():
+            calls.append(key)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+        return loss(self, key, inputs)
+
+    monkeypatch.setattr(Objective, "__call__", interrupted)
+    out = tmp_path / "out"
+    code, _, stderr = run(
+        [command, *PRUNE[1:], "--calib", "synthetic", "--recover-steps", "5", "--out", str(out)], capsys
+    )
+    assert code == 130 and "interrupted; nothing was written" in stderr and len(calls) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_text_models_recover_through_the_cli(family, tmp_path, capsys) -> None:
+    """An encoder on random tokens (a MACs budget: 4 held-out sequences, evaluated only), a decoder on documents."""
+    pytest.importorskip("transformers")
+    if family == "bert":
+        model, held = tiny_text_folder(tmp_path), 4
+        data = ["--calib", "synthetic", "--budget", "macs=0.8", "--sensitivity-images", str(held)]
+    else:
+        (model, text), held = tiny_llama_folder(tmp_path), 0
+        data = ["--calib-dir", str(text)]
+    out = tmp_path / "run"
+    argv = ["prune", str(model), *data, "--seq-len", "32", "--num-calib", "8", "--calib-batch-size", "4"]
+    code, stdout, stderr = run([*argv, "--round-to", "4", "--recover-steps", "2", "--out", str(out)], capsys)
+    assert code == 0, stderr
+    meta = json.loads((out / "corp.json").read_text())
+    rec = meta["report"]["recovery"]
+    assert rec["steps"] == 2 and rec["inputs"] == 8 and rec["batches"] == 2 and rec["check_inputs"] == held
+    assert rec["loss_after"] != rec["loss_before"]  # the weights moved (a closely fitted random model's loss may rise)
+    assert "on 8 calibration sequences (2 batches)" in stdout
+    assert structure(corp_deploy.load_pruned(out)) == meta["structure"]

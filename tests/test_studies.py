@@ -148,7 +148,13 @@ def test_recover_study_scores_corp_alone_and_recovered_models_on_unseen_images(t
         assert rec["steps"] == 2 and rec["check_before"] is not None  # the held-out images: evaluated only
         assert rec["inputs"] == 16 if r["recipe"] == "blocks-adamw-1e-4" else 56 <= rec["inputs"] <= 60
         assert 0 <= r["digits"]["top1"] <= 1 and r["digits"]["cosine"] > 0
-    assert "| corp | none | 0 |" in out.with_suffix(".md").read_text()
-    out.with_suffix(".md").unlink()
+    md = out.with_suffix(".md")
+    assert "| corp | none | 0 |" in md.read_text()
+    md.write_text(md.read_text() + f"\n{recover_study.HAND_WRITTEN}\n\nA command-line run.\n")
     recover_study.main(["--report", "--out", str(out)])
-    assert out.with_suffix(".md").is_file()
+    assert "| corp | none | 0 |" in md.read_text() and md.read_text().endswith(
+        f"{recover_study.HAND_WRITTEN}\n\nA command-line run.\n"
+    )
+    md.unlink()
+    recover_study.main(["--report", "--out", str(out)])
+    assert md.is_file() and recover_study.HAND_WRITTEN not in md.read_text()

@@ -61,6 +61,7 @@ from corp_deploy.pruner import (
     parse_budget,
 )
 from corp_deploy.ranking import RANKERS
+from corp_deploy.recover import KEPT_INPUTS, TARGETS, Recovery
 
 CALIB_IMAGES = 4000
 SMOKE_IMAGES = 64  # noise only has to exercise the pass: enough for the statistics, minutes not hours on a CPU
@@ -264,6 +265,28 @@ latency_options = group(
     into="latency",
 )
 
+recover_options = group(
+    click.option(
+        "--recover-steps",
+        type=int,
+        help="After pruning (and after a latency budget's check): train the pruned model's Linear weights for N "
+        "steps to reproduce the dense model on unlabeled calibration inputs (label-free recovery; one step per "
+        f"--calib-batch-size batch of the first {KEPT_INPUTS} calibration images or sequences, never the held-out "
+        "ones). Widths, hence speed, unchanged. Off by default: CORP alone.",
+    ),
+    click.option("--recover-minutes", type=float, help="Instead of --recover-steps: recover for M minutes."),
+    click.option("--recover-lr", default=1e-4, show_default=True, help="Recovery: AdamW's peak learning rate."),
+    click.option(
+        "--recover-target",
+        type=click.Choice(TARGETS),
+        default="blocks",
+        show_default=True,
+        help="Recovery: each block reproduces its dense block's output from the dense input (blocks), or the "
+        "model its dense final features (features).",
+    ),
+    into="recovery",
+)
+
 prune_options = group(
     click.argument("model"),
     model_options,
@@ -271,6 +294,7 @@ prune_options = group(
     quiet_option,
     group(sparsity_options, method_options, into="pruning"),
     latency_options,
+    recover_options,
     max_stats_option,
     dist_option,
 )
@@ -521,6 +545,19 @@ def with_latency(pruning: dict[str, Any], latency: dict[str, Any]) -> dict[str, 
     if latency_budget and not typed("target"):
         pruning = pruning | {"target": "mlp,qk,v"}
     return pruning
+
+
+def recovery_setup(options: dict[str, Any]) -> Recovery | None:
+    """The recovery group as a checked ``Recovery``, or None without a budget (CORP alone); ``--recover-lr`` or
+    ``--recover-target`` typed without a budget is refused, not silently ignored."""
+    steps, minutes = options["recover_steps"], options["recover_minutes"]
+    if steps is None and minutes is None:
+        if typed("recover_lr") or typed("recover_target"):
+            raise CorpError(
+                "--recover-lr/--recover-target set a recovery: add --recover-steps N or --recover-minutes M"
+            )
+        return None
+    return Recovery(steps, minutes, options["recover_lr"], options["recover_target"])
 
 
 def verify_options(verify: dict[str, Any]) -> VerifyOptions:

@@ -24,6 +24,7 @@ from corp_deploy.cli.options import (
     out_path,
     prune_config,
     prune_options,
+    recovery_setup,
     typed,
     with_latency,
 )
@@ -33,6 +34,7 @@ from corp_deploy.families import adapter_for
 from corp_deploy.families.hf_text import count_macs_at
 from corp_deploy.latency import LatencyTable, Timing, format_table, workload
 from corp_deploy.models import create_model, parse_model_args, resolve_name
+from corp_deploy.recover import Kept
 from corp_deploy.report import format_report
 from corp_deploy.text import read_documents
 
@@ -206,6 +208,7 @@ def latency_table(
 def pruned(
     pruning: dict[str, Any],
     latency: dict[str, Any],
+    recovery: dict[str, Any],
     quiet: bool,
     dist_timeout: float,
     max_stats_gib: float | None = None,
@@ -215,12 +218,21 @@ def pruned(
     rewrites: tuple[str, ...] | None = None,
     **flags: Any,
 ) -> Pruned | None:
-    """Validate everything cheap first, then build, calibrate and prune (the dense copy kept on request).
+    """Validate everything cheap first, then build, calibrate, prune and, with ``--recover-*``, recover.
 
     Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``. A latency
     budget's table is measured (or read) before calibration; ``latency_rounds`` closes the loop (``api.LatencyLoop``);
     both time the models with ``rewrites`` (None: the backend's defaults), as they will be exported.
+
+    The dense model is kept (``keep_dense``, or for a recovery) as a copy made before pruning: one more model's
+    weights in host memory (4 bytes a parameter in fp32: 88 MB for a ViT-S, 28 GB for a 7B decoder). A recovery
+    (``api.recover_pruned``, after the closed loop: the widths are final) trains on the first ``recover.KEPT_INPUTS``
+    calibration inputs, kept as the calibration pass reads them (``recover.Kept``), on the device pruning used,
+    with the sensitivity pass's held-out inputs (if any) evaluated, never trained on.
     """
+    recover = recovery_setup(recovery)
+    if recover is not None and distributed.launched():
+        raise CorpError("--recover-steps/--recover-minutes train in one process; run it without torchrun")
     config = prune_config(pruning)
     api.calibration_mode(config, max_stats_gib, distributed.SINGLE_PROCESS)  # combinations refused before any data
     backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"], rewrites)
@@ -239,11 +251,12 @@ def pruned(
     if backend is not None:
         speed.text_inputs(got.net, seq_len)  # a decoder, or --seq-len past the positions: one line, before timing
         table = latency_table(got, backend, latency, say, config.depth, config.depth_fit, seq_len)
-    dense = copy.deepcopy(got.net) if keep_dense else None  # pruning works in place
+    dense = copy.deepcopy(got.net) if keep_dense or recover is not None else None  # pruning works in place
     progress = not quiet and got.world.is_main
+    batches = got.batches if recover is None else Kept(got.batches, adapter_for(got.net).count)
     result = api.prune(
         got.net,
-        got.batches,
+        batches,
         config,
         got.device,
         got.total,
@@ -257,6 +270,8 @@ def pruned(
     )
     if result is None:
         return None
+    if recover is not None:
+        api.recover_pruned(result, dense, batches.batches, recover, got.heldout, say)
     result.report["calibration"] |= {"source": got.source, "seed": flags["seed"]}
     if seq_len is not None:
         result.report["calibration"]["seq_len"] = seq_len
