@@ -8,6 +8,7 @@ every batch, so each image is decoded once and all models get identical inputs.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from corp_deploy.bench.backends import BACKENDS, CUDA_DTYPES, Backend
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import Runner
 from corp_deploy.fsio import atomic_file
@@ -222,7 +224,23 @@ def format_evaluation(evaluation: Evaluation, header: str) -> str:
 
 # -------------------------------------------------------------------- runners of a run folder
 
-EVAL_BACKENDS = ("torch", "onnx", "onnx-int8", "tensorrt-fp32", "tensorrt-fp16", "tensorrt-int8")
+EVAL_AUTO = ("torch-cpu-fp32", "ort-cpu-fp32", "ort-cpu-int8", "tensorrt-fp32", "tensorrt-fp16", "tensorrt-int8")
+"""What ``eval --backends auto`` tries: the PyTorch model and each precision's graph once (bench's names; what the
+run folder holds and this machine can run decides)."""
+ORT_FILES = {"fp32": ".onnx", "int8": ".int8.onnx"}
+"""An onnxruntime backend's precision -> its graph file's suffix (``dense.onnx``, ``pruned.int8.onnx``)."""
+
+
+def eval_backends(backends: str) -> list[Backend]:
+    """``--backends`` in bench's vocabulary (``corp_deploy.bench.backends``); a compiled or graph-replayed variant
+    computes its eager model's outputs, so only eager backends are evaluated."""
+    evaluable = {n: b for n, b in BACKENDS.items() if b.compiler is None and not b.graphed}
+    names = EVAL_AUTO if backends == "auto" else tuple(b.strip() for b in backends.split(",") if b.strip())
+    unknown = [n for n in names if n not in evaluable]
+    if unknown or not names:
+        named = ", ".join(unknown) or repr(backends)
+        raise CorpError(f"unknown backend {named} for eval; choose auto or from {', '.join(evaluable)}")
+    return [evaluable[n] for n in names]
 
 
 DenseLoader = Callable[[dict[str, Any]], tuple[torch.nn.Module | None, str]]
@@ -232,58 +250,66 @@ Rebuilding a dense timm model with its weights (hub, checkpoint) is the caller's
 passes ``corp_deploy.api.dense_original``."""
 
 
+def graph_suffix(backend: Backend) -> str:
+    """The file suffix of the graph ``backend`` runs: ``.onnx``, ``.int8.onnx``, ``.fp16.plan``..."""
+    return ORT_FILES[backend.precision] if backend.runtime == "onnxruntime" else f".{backend.precision}.plan"
+
+
+def _graph_runner(backend: Backend, path: Path, threads: int | None) -> tuple[Runner | None, str]:
+    """A runner of the ONNX graph or engine at ``path`` on ``backend``, or (None, why it cannot run here)."""
+    from corp_deploy.exporters.runners import OrtRunner
+    from corp_deploy.exporters.tensorrt_engine import TrtRunner, run_missing
+
+    if not path.is_file():
+        return None, f"no {path.name} in {path.parent}"
+    if backend.runtime == "onnxruntime":
+        return OrtRunner(path, "gpu" if backend.device == "cuda" else "cpu", threads), ""
+    why = run_missing(path)
+    return (None, why) if why else (TrtRunner(path), "")
+
+
 def run_runners(
     root: str | Path, backends: str = "auto", dense: DenseLoader | None = None, threads: int | None = None
 ) -> tuple[dict[str, Runner], str, dict[str, str], torch.nn.Module]:
     """Every (model, backend) of a prune-export folder or prune artifact that can run here.
 
-    Returns the runners by name ("pruned onnx"), the dense reference's name (PyTorch when ``dense``
-    gives the dense weights, else dense.onnx), ``{skipped: why}`` and the pruned module.
+    Returns the runners by name (``"pruned ort-cpu-int8"``: the model and bench's backend name), the dense
+    reference's name (PyTorch when ``dense`` gives the dense weights, else dense.onnx), ``{skipped: why}`` and the
+    pruned module.
     """
     from corp_deploy.artifact import META_FILE, load_pruned, read_meta
-    from corp_deploy.exporters.runners import OrtRunner, TorchRunner
-    from corp_deploy.exporters.tensorrt_engine import TrtRunner, run_missing
+    from corp_deploy.exporters.runners import TorchRunner
 
     root = Path(root)
     artifact = root / "pruned" if (root / "pruned" / META_FILE).is_file() else root
     if not (artifact / META_FILE).is_file():
         raise CorpError(f"{root} is neither a prune-export folder nor a prune artifact (no {META_FILE})")
-    wanted = EVAL_BACKENDS if backends == "auto" else tuple(b.strip() for b in backends.split(",") if b.strip())
-    unknown = [b for b in wanted if b not in EVAL_BACKENDS]
-    if unknown or not wanted:
-        raise CorpError(
-            f"unknown backend {', '.join(unknown) or backends!r}; choose auto or from {', '.join(EVAL_BACKENDS)}"
-        )
+    wanted = eval_backends(backends)
     pruned = load_pruned(artifact)
     runners: dict[str, Runner] = {}
     skipped: dict[str, str] = {}
-    if "torch" in wanted:
-        model, why = (
-            (None, "no way to load the dense weights was given") if dense is None else dense(read_meta(artifact))
-        )
-        if model is None:
-            skipped["dense torch"] = why
-        else:
-            runners["dense torch"] = TorchRunner(model.eval())
-        runners["pruned torch"] = TorchRunner(pruned)
+    dense_model, dense_why = None, "no way to load the dense weights was given"
+    if dense is not None and any(b.runtime == "torch" for b in wanted):
+        dense_model, dense_why = dense(read_meta(artifact))
     for backend in wanted:
-        if backend.startswith("onnx"):
-            suffix = ".int8.onnx" if backend == "onnx-int8" else ".onnx"
+        if backend.device == "cuda" and not torch.cuda.is_available():
             for which in ("dense", "pruned"):
-                path = root / f"{which}{suffix}"
-                if path.is_file():
-                    runners[f"{which} {backend}"] = OrtRunner(path, "auto", threads)
-                else:
-                    skipped[f"{which} {backend}"] = f"no {path.name} in {root}"
-        elif backend.startswith("tensorrt"):
-            precision = backend.removeprefix("tensorrt-")
-            for which in ("dense", "pruned"):
-                path = root / f"{which}.{precision}.plan"
-                why = run_missing(path) if path.is_file() else f"no {path.name} in {root}"
-                if why:
-                    skipped[f"{which} {backend}"] = why
-                else:
-                    runners[f"{which} {backend}"] = TrtRunner(path)
+                skipped[f"{which} {backend.name}"] = "no CUDA GPU visible"
+            continue
+        if backend.runtime == "torch":
+            dtype = CUDA_DTYPES[backend.precision]  # each runner moves and casts its own copy
+            if dense_model is None:
+                skipped[f"dense {backend.name}"] = dense_why
+            else:
+                runners[f"dense {backend.name}"] = TorchRunner(copy.deepcopy(dense_model).eval(), backend.device, dtype)
+            runners[f"pruned {backend.name}"] = TorchRunner(copy.deepcopy(pruned), backend.device, dtype)
+            continue
+        for which in ("dense", "pruned"):
+            runner, why = _graph_runner(backend, root / f"{which}{graph_suffix(backend)}", threads)
+            if runner is None:
+                skipped[f"{which} {backend.name}"] = why
+            else:
+                runners[f"{which} {backend.name}"] = runner
     dense_names = [n for n in runners if n.startswith("dense ")]
     if not dense_names:
         raise CorpError(

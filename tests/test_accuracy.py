@@ -107,19 +107,25 @@ def test_eval_labelled_and_unlabelled_across_backends(run_dir, capsys) -> None:
     code, out, err = run(["eval", str(run_dir), "--data-dir", str(images), "--batch-size", "5", "--quiet"], capsys)
     assert code == 0, err
     assert "24 images" in out and "(labelled)" in out
-    for name in ("dense torch (reference)", "pruned torch", "dense onnx", "pruned onnx"):
-        assert name in out
+    for name in (
+        "dense torch-cpu-fp32 (reference)",
+        "pruned torch-cpu-fp32",
+        "dense ort-cpu-fp32",
+        "pruned ort-cpu-fp32",
+    ):
+        assert name in out  # bench's backend names
     assert "top-1" in out and "agree" in out and "cos mean" in out
     log = json.loads((run_dir / "eval.json").read_text())
     results = log[-1]["results"]
-    assert results["dense onnx"]["cosine_min"] > 0.99999  # the dense graph is the dense model
-    assert results["pruned onnx"]["top1_agreement"] == results["pruned torch"]["top1_agreement"]
+    assert results["dense ort-cpu-fp32"]["cosine_min"] > 0.99999  # the dense graph is the dense model
+    assert results["pruned ort-cpu-fp32"]["top1_agreement"] == results["pruned torch-cpu-fp32"]["top1_agreement"]
 
     code, out, err = run(["eval", str(run_dir), "--images", str(images), "--num", "10", "--quiet"], capsys)
     assert code == 0, err
     log = json.loads((run_dir / "eval.json").read_text())
     assert len(log) >= 2 and log[-1]["images"] == 10 and not log[-1]["labelled"]
-    assert "top1" not in log[-1]["results"]["pruned torch"] and "top1_agreement" in log[-1]["results"]["pruned torch"]
+    pruned = log[-1]["results"]["pruned torch-cpu-fp32"]
+    assert "top1" not in pruned and "top1_agreement" in pruned
 
 
 @pytest.mark.parametrize(
@@ -127,7 +133,8 @@ def test_eval_labelled_and_unlabelled_across_backends(run_dir, capsys) -> None:
     [
         ([], "exactly one of --data-dir"),
         (["--data-dir", "X", "--images", "X"], "exactly one of --data-dir"),
-        (["--images", "X", "--backends", "tensorflow"], "unknown backend 'tensorflow'"),
+        (["--images", "X", "--backends", "tensorflow"], "unknown backend tensorflow for eval; choose auto or from"),
+        (["--images", "X", "--backends", "torch-cuda-fp16-graph"], "unknown backend torch-cuda-fp16-graph for eval"),
         (["--data-dir", "NOWHERE"], "not an ImageFolder tree"),
     ],
 )
@@ -158,4 +165,4 @@ def test_eval_of_a_backbone_needs_a_probe(tmp_path, capsys) -> None:
     assert code == 0, err
     assert "linear probe fit on 24 dense features" in text
     record = json.loads((out / "eval.json").read_text())[-1]
-    assert record["probe"]["train_images"] == 24 and "top1" in record["results"]["pruned torch"]
+    assert record["probe"]["train_images"] == 24 and "top1" in record["results"]["pruned torch-cpu-fp32"]

@@ -211,12 +211,12 @@ def test_quantize_a_run_folder_then_bench_and_eval_its_int8_graphs(tmp_path, cap
         ("ort-cpu-int8", m, b) for m in ("dense", "pruned") for b in (1, 2)
     }
     code, out, err = run(
-        ["eval", str(run_dir), "--images", str(images), "--backends", "onnx,onnx-int8", "--quiet"], capsys
+        ["eval", str(run_dir), "--images", str(images), "--backends", "ort-cpu-fp32,ort-cpu-int8", "--quiet"], capsys
     )
     assert code == 0, err
     results = json.loads((run_dir / "eval.json").read_text())[-1]["results"]
-    assert results["pruned onnx-int8"]["cosine_min"] > INT8.min_cosine - 0.05  # vs dense: pruning + INT8
-    assert results["dense onnx-int8"]["cosine_min"] > INT8.min_cosine
+    assert results["pruned ort-cpu-int8"]["cosine_min"] > INT8.min_cosine - 0.05  # vs dense: pruning + INT8
+    assert results["dense ort-cpu-int8"]["cosine_min"] > INT8.min_cosine
 
 
 @pytest.mark.e2e

@@ -315,7 +315,8 @@ def sweep(
     "--backends",
     default="auto",
     show_default=True,
-    help="auto, or a comma list of torch, onnx, onnx-int8, tensorrt-fp32/fp16/int8.",
+    help="auto (torch-cpu-fp32, ort-cpu-fp32, ort-cpu-int8, tensorrt-fp32/fp16/int8: what the folder holds and "
+    "this machine runs), or a comma list of bench's backends (eager ones: torch-cuda-fp16, ort-cuda-fp32...).",
 )
 @click.option("--text", type=click.Path(), help="Decoders: perplexity on this .txt/.jsonl folder's evaluation part.")
 @click.option("--seq-len", type=int, help="With --text: tokens per window [default: the positions, at most 2048].")
