@@ -1,7 +1,7 @@
 """SmoothQuant's scale migration as an exact graph transform: a GEMM input's outlier channels move into its weight.
 
 A per-tensor INT8 activation scale is set by the input's largest channel. In BERT-family encoders a few channels
-are 4-15x the median channel (all-MiniLM-L6-v2: channel 99 of every LayerNorm output, docs/BENCHMARKS.md), so the
+are 3-15x the median channel (all-MiniLM-L6-v2: channel 99 of every LayerNorm output, docs/BENCHMARKS.md), so the
 other channels round to a few levels. Dividing input channel j by s_j and multiplying the weight's row j by s_j
 leaves the product unchanged, x W = (x / s)(diag(s) W), and flattens the input; the weights, quantized per output
 channel, take the wider rows better. s_j = max|x_j|^alpha / max|W_j|^(1 - alpha) (Xiao et al., SmoothQuant, 2023),
