@@ -123,6 +123,21 @@ def test_smoothing_is_exact_and_lets_a_planted_outlier_pass_with_every_gemm_in_i
     assert record["quantized_from"] == "mlp.onnx" and not (tmp_path / "mlp-inferred.onnx").exists()
 
 
+def test_a_smoothed_graph_that_still_misses_keeps_gemms_float_ranked_on_the_smoothed_graph(tmp_path) -> None:
+    """A gate INT8 cannot meet even smoothed: the fallback ranks the smoothed graph's GEMMs, keeps the worst float,
+    and stops in one line when one GEMM would be left in INT8."""
+    from corp_deploy.errors import CorpError
+
+    src = _outlier_mlp(tmp_path / "mlp.onnx")
+    said: list[str] = []
+    with pytest.raises(CorpError, match="does not match"):
+        quantize_verified(
+            src, tmp_path / "mlp.int8.onnx", _batches(4, 0), _batches(2, 100), type(INT8)(1.0, 0.0), say=said.append
+        )
+    assert len(said) == 2 and "smoothing" in said[0] and "dB SQNR" in said[1]
+    assert "missed the gate" in said[1] and said[1].split()[2] in {"fc1", "fc2"}
+
+
 def _post_layernorm_block(path: Path, outlier: float = 100.0) -> Path:
     """y = LN2(h + h W), h = LN1(x): a post-LayerNorm encoder block whose residual stream h carries an outlier
     channel (LN1's gamma; W reads it scaled down), as BERT's does. LN2 leaves that channel out of y (gamma 0), so
