@@ -3,16 +3,19 @@
 The quantizer is onnxruntime's (``onnxruntime.quantization.quantize_static``); nothing here
 computes a scale. Its settings are the ones TensorRT accepts, so ONE graph serves onnxruntime's CPU
 INT8 kernels and TensorRT(-RTX) INT8 engines: Q/DQ format, signed INT8 activations and weights,
-symmetric (zero point 0) for both, per-channel weight scales, float bias. Quantized are the GEMMs
+symmetric (zero point 0) for both, per-channel weight scales, float bias. Quantized are the inputs of the GEMMs
 with a weight (``INT8_OPS`` with a constant input: the linear layers and the patch embedding), which
-hold ~90% of a ViT's MACs. Float stay LayerNorm, Softmax, GELU, the residual adds and the two
-attention matmuls (both inputs activations): on DINOv2-S quantizing those too dropped the worst
+hold ~90% of a ViT's MACs; their outputs, and every other reader of their inputs (``float_elsewhere``), stay
+float, as NVIDIA's Q/DQ placement for TensorRT has it. Float stay LayerNorm, Softmax, GELU, the residual adds
+and the two attention matmuls (both inputs activations): on DINOv2-S quantizing those too dropped the worst
 held-out feature cosine from 0.990 to 0.939 (docs/BENCHMARKS.md, INT8). Calibration is min-max:
 percentile clipping (99.999) did worse (0.929) on DINOv2's outlier channels and held 10 GB. What
 stayed float is written into the graph's ``metadata_props`` (``int8_float_ops``).
 
-Outliers (DINOv2 under calibration shift, BERT-family encoders): when the all-GEMM graph misses the gate, the
-worst-quantized GEMMs stay float, one at a time, until it passes (``quantize_verified``). Each GEMM's local
+Outliers (DINOv2 under calibration shift, BERT-family encoders): when the all-GEMM graph misses the gate, each
+GEMM input's outlier channels are first migrated into its weights (SmoothQuant, ``corp_deploy.exporters.smooth``,
+an exact transform) and the graph quantized again; while it still misses, the worst-quantized GEMMs stay float,
+one at a time, until it passes (``quantize_verified``). Each GEMM's local
 error is measured once on calibration data, as the signal-to-quantization-noise ratio of its output under Q/DQ
 of its input and weight (``gemm_errors``, from onnxruntime's ``qdq_loss_debug``), and ranked worst first;
 the ranges are calibrated once (``calibration_cache_path``), so each step is a re-quantization and a check.
@@ -56,6 +59,7 @@ from corp_deploy.exporters.onnx_export import (
     onnx_sha256,
     read_metadata,
 )
+from corp_deploy.exporters.smooth import SMOOTH_ALPHA, smooth
 from corp_deploy.fsio import check_writable, staged
 
 INT8_OPS = ("MatMul", "Gemm", "Conv")
@@ -78,7 +82,8 @@ QUANTIZED_OPS = frozenset(
 
 SCHEME = {
     "format": "QDQ",
-    "activations": "int8 symmetric, per tensor",
+    "activations": "int8 symmetric, per tensor, read by the GEMMs only",
+    "gemm_outputs": "float",
     "weights": "int8 symmetric, per channel",
     "bias": "float",
     "quantizer": "onnxruntime.quantization.quantize_static",
@@ -211,6 +216,7 @@ def quantize_int8(
     info: dict | None = None,
     float_gemms: dict[str, str] | None = None,
     cache: Path | None = None,
+    smoothing: dict[str, Any] | None = None,
 ) -> Path:
     """Write the static INT8 Q/DQ graph of ``src`` to ``out``, checked; callers stage ``out``.
 
@@ -220,6 +226,7 @@ def quantize_int8(
     still, so it stays one file. ``info`` (calibration source, seed) is recorded with the sample
     count in ``int8_calibration``. ``float_gemms`` (node name -> why) stay float besides attention's
     matmuls. ``cache``: a file of calibrated ranges, written by the first call and read by later ones.
+    ``smoothing``: how ``src`` was smoothed (``smooth``), recorded as ``int8_smoothing``.
     """
     q = require("onnxruntime.quantization", "INT8 quantization")
     methods = {"minmax": q.CalibrationMethod.MinMax, "percentile": q.CalibrationMethod.Percentile}
@@ -245,7 +252,12 @@ def quantize_int8(
                 weight_type=q.QuantType.QInt8,
                 calibrate_method=methods[method],
                 use_external_data_format=external,
-                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
+                extra_options={
+                    "ActivationSymmetric": True,
+                    "WeightSymmetric": True,
+                    "QuantizeBias": False,
+                    "OpTypesToExcludeOutputQuantization": list(INT8_OPS),
+                },
                 calibration_cache_path=cache,
             )
     except CorpError:
@@ -255,6 +267,7 @@ def quantize_int8(
     import onnx
 
     quantized = load_onnx(out, weights=False)  # weights in external data stay where the quantizer wrote them
+    float_elsewhere(quantized)
     calibrated = {"samples" if isinstance(batches[0], dict) else "images": sum(samples(x) for x in batches)}
     add_metadata(
         quantized,
@@ -266,11 +279,35 @@ def quantize_int8(
             "int8_float_gemms": float_gemms,
             "int8_gemms": f"{len(weight_gemms(proto)) - len(float_gemms)} of {len(weight_gemms(proto))}",
             "int8_calibration": {**calibrated, "method": method, **(info or {})},
+            "int8_smoothing": smoothing or {},
         },
     )
     onnx.save(quantized, str(out))
     check_onnx(out)
     return Path(out)
+
+
+def float_elsewhere(proto) -> None:
+    """Rewire every node but a GEMM that reads a dequantized activation to the float tensor.
+
+    onnxruntime's quantizer hands the dequantized copy of a GEMM's input to ALL its consumers (a quantized tensor
+    with one quantized consumer replaces it everywhere). In a post-LayerNorm encoder (BERT, MiniLM) a LayerNorm's
+    output is both the next GEMM's input and the residual stream, so the residual itself was rounded to 8 bits at
+    the per-tensor scale of its outlier channel: on all-MiniLM-L6-v2 (GEMM outputs already float) the worst
+    held-out token read 0.887 so, 0.907 rewired (docs/BENCHMARKS.md, MiniLM INT8). INT8 is for the GEMMs; the
+    residual add and LayerNorm read float, as the float graph does (pre-LN ViTs give a LayerNorm's output to the
+    GEMM alone, so nothing changes there).
+    """
+    quantized_from = {n.output[0]: n.input[0] for n in proto.graph.node if n.op_type == "QuantizeLinear"}
+    dequantized = {
+        n.output[0]: quantized_from[n.input[0]]
+        for n in proto.graph.node
+        if n.op_type == "DequantizeLinear" and n.input[0] in quantized_from
+    }
+    for node in proto.graph.node:
+        if node.op_type not in INT8_OPS:
+            for i, name in enumerate(node.input):
+                node.input[i] = dequantized.get(name, name)
 
 
 def weight_gemms(proto) -> list[str]:
@@ -385,34 +422,45 @@ def quantize_verified(
     method: str = "minmax",
     info: dict | None = None,
     say: Callable[[str], None] = print,
+    smooth_alpha: float = SMOOTH_ALPHA,
 ) -> dict[str, Any]:
     """Quantize ``src`` to ``out`` and check it against ``src`` on held-out samples; return its record.
 
-    While the INT8 graph is outside ``tol``, the worst-quantized GEMM left (``gemm_errors``) stays float too
-    and it is quantized again from the same calibrated ranges; each step is said. Raises (one line, measured
-    cosine and gate) when only one GEMM would be left in INT8; callers stage ``out`` so that nothing is left.
+    When the INT8 graph is outside ``tol``, every weight GEMM's input is first smoothed (``smooth``, strength
+    ``smooth_alpha``; 0: never) and the graph quantized again. While it still misses, the worst-quantized GEMM
+    left (``gemm_errors``) stays float too and it is quantized again from the same calibrated ranges; each step
+    is said. Raises (one line, measured cosine and gate) when only one GEMM would be left in INT8; callers stage
+    ``out`` so that nothing is left.
     """
     from corp_deploy.exporters.pipeline import write_sidecar
     from corp_deploy.exporters.runners import OrtRunner
 
     start = time.perf_counter()
-    batches, kept, ranked = list(calibration), {}, None
+    batches, kept, ranked, smoothing = list(calibration), {}, None, None
     reference = OrtRunner(src, "cpu")
+    graph = src
     with tempfile.TemporaryDirectory(prefix="corp-int8-ranges-") as tmp:
         while True:
-            quantize_int8(src, out, batches, method, info, kept, Path(tmp) / "ranges.json")
+            ranges = Path(tmp) / ("ranges-smoothed.json" if smoothing else "ranges.json")
+            quantize_int8(graph, out, batches, method, info, kept, ranges, smoothing)
             candidate = OrtRunner(out, "cpu")
             comparisons = compare_on(reference, candidate, held_out)
             worst = min(comparisons, key=lambda c: (c.within(tol), c.cosine))
             if worst.within(tol):
                 break
+            miss = f"INT8 missed the gate at cosine {worst.cosine:.4f}, relative error {worst.rel_error:.3f}"
+            if smoothing is None and smooth_alpha > 0:
+                graph = Path(tmp) / "smoothed.onnx"
+                inputs = smooth(src, graph, batches, smooth_alpha)
+                smoothing = {"alpha": smooth_alpha, "inputs": inputs, "why": miss}
+                say(f"{out.name}: smoothing the inputs of its weight GEMMs (alpha {smooth_alpha}; {miss})")
+                continue
             if ranked is None:
-                ranked = gemm_errors(src, out, [head(batches[0], RANK_SAMPLES)])
+                ranked = gemm_errors(graph, out, [head(batches[0], RANK_SAMPLES)])
             if len(ranked) <= 1:
                 break  # one GEMM left in INT8 (or none ranked): not an INT8 graph; the check below names the miss
             gemm, db = ranked.pop(0)
-            why = f"its output quantizes at {db:.1f} dB SQNR, the worst left; INT8 missed the gate at "
-            why += f"cosine {worst.cosine:.4f}, relative error {worst.rel_error:.3f}"
+            why = f"its output quantizes at {db:.1f} dB SQNR, the worst left; {miss}"
             kept[gemm] = why
             say(f"{out.name}: keeping {gemm} float ({why})")
     seconds = time.perf_counter() - start
@@ -459,6 +507,7 @@ def quantize_graphs(
     overwrite: bool = False,
     text: Callable[[Any], Data] | None = None,
     say: Callable[[str], None] = print,
+    smooth_alpha: float = SMOOTH_ALPHA,
 ) -> list[dict[str, Any]]:
     """Quantize each (FP32 graph, INT8 file) pair, verified; every graph is checked before any data is read.
 
@@ -483,5 +532,5 @@ def quantize_graphs(
         with staged(out, overwrite) as stage:
             calib, held, folders = data[key]
             info_ = info | {"folders": folders}
-            records.append(quantize_verified(src, stage / out.name, calib, held, tol, method, info_, say))
+            records.append(quantize_verified(src, stage / out.name, calib, held, tol, method, info_, say, smooth_alpha))
     return records

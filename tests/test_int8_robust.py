@@ -1,6 +1,7 @@
-"""INT8 that passes its own gate where outliers break plain INT8 (the GEMMs behind the worst-quantized activation
-stay float, chosen by measured error, named in the metadata), and INT8 for text encoders (calibrated on a text
-folder's documents, verified on its held-out ones at real tokens, batch and sequence dynamic). Tiny models."""
+"""INT8 that passes its own gate where outliers break plain INT8 (the inputs smoothed first, then the GEMMs behind the
+worst-quantized activation kept float, chosen by measured error, named in the metadata), a post-LayerNorm residual
+that stays float, and INT8 for text encoders (calibrated on a text folder's documents, verified on its held-out ones
+at real tokens, batch and sequence dynamic). Tiny models."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from corp_deploy.exporters.quantize import (
     quantize_verified,
 )
 from corp_deploy.exporters.runners import OrtRunner
+from corp_deploy.exporters.smooth import SMOOTH_ALPHA, smooth
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
@@ -65,7 +67,7 @@ def _batches(n: int, seed: int) -> list[np.ndarray]:
     return out
 
 
-def test_a_planted_outlier_fails_plain_int8_and_passes_with_its_gemm_kept_float(tmp_path) -> None:
+def test_a_planted_outlier_unsmoothed_fails_plain_int8_and_passes_with_its_gemm_kept_float(tmp_path) -> None:
     src = _outlier_mlp(tmp_path / "mlp.onnx")
     calib, held = _batches(4, 0), _batches(2, 100)
     plain = quantize_int8(src, tmp_path / "plain.int8.onnx", calib)
@@ -75,10 +77,14 @@ def test_a_planted_outlier_fails_plain_int8_and_passes_with_its_gemm_kept_float(
     ranked = dict(gemm_errors(src, plain, calib[:1]))
     assert ranked["fc1"] < ranked["fc2"] - 20  # x quantizes worst, by far
     said: list[str] = []
-    record = quantize_verified(src, tmp_path / "mlp.int8.onnx", calib, held, INT8, say=said.append)
+    record = quantize_verified(src, tmp_path / "mlp.int8.onnx", calib, held, INT8, say=said.append, smooth_alpha=0)
     assert record["verify"]["cosine"] >= INT8.min_cosine and record["verify"]["rel_error"] <= INT8.max_rel_error
     meta = read_metadata(load_onnx(tmp_path / "mlp.int8.onnx"))
-    assert list(meta["int8_float_gemms"]) == ["fc1"] and "dB SQNR" in meta["int8_float_gemms"]["fc1"]
+    assert (
+        meta["int8_smoothing"] == {}
+        and list(meta["int8_float_gemms"]) == ["fc1"]
+        and "dB SQNR" in meta["int8_float_gemms"]["fc1"]
+    )
     assert meta["int8_gemms"] == "1 of 2" and record["int8_float_gemms"] == meta["int8_float_gemms"]
     assert len(said) == 1 and "keeping fc1 float" in said[0]
     quantized = {n.name for n in load_onnx(tmp_path / "mlp.int8.onnx").graph.node if n.op_type == "DequantizeLinear"}
@@ -88,13 +94,97 @@ def test_a_planted_outlier_fails_plain_int8_and_passes_with_its_gemm_kept_float(
 def test_a_graph_that_passes_keeps_every_gemm_in_int8(tmp_path) -> None:
     src = _outlier_mlp(tmp_path / "mlp.onnx")
     said: list[str] = []
-    record = quantize_verified(src, tmp_path / "mlp.int8.onnx", _batches(4, 0), _batches(2, 100), INT8, say=said.append)
-    # The same graph with a gate loose enough for the outlier: nothing is kept float, nothing is said.
+    record = quantize_verified(
+        src, tmp_path / "mlp.int8.onnx", _batches(4, 0), _batches(2, 100), INT8, say=said.append, smooth_alpha=0
+    )
+    # The same graph with a gate loose enough for the outlier: nothing is smoothed or kept float, nothing is said.
     loose = quantize_verified(
         src, tmp_path / "loose.int8.onnx", _batches(4, 0), _batches(2, 100), type(INT8)(-1.0, 1e9), say=said.append
     )
-    assert loose["int8_float_gemms"] == {} and loose["int8_gemms"] == "2 of 2" and len(said) == 1
-    assert record["int8_float_gemms"]
+    assert loose["int8_float_gemms"] == {} and loose["int8_gemms"] == "2 of 2" and loose["int8_smoothing"] == {}
+    assert record["int8_float_gemms"] and len(said) == 1
+    assert not any(n.op_type == "Mul" for n in load_onnx(tmp_path / "loose.int8.onnx").graph.node)
+
+
+def test_smoothing_is_exact_and_lets_a_planted_outlier_pass_with_every_gemm_in_int8(tmp_path) -> None:
+    """SmoothQuant's migration, applied when plain INT8 misses: the same function in float, a flat input in INT8."""
+    src = _outlier_mlp(tmp_path / "mlp.onnx")
+    calib, held = _batches(4, 0), _batches(2, 100)
+    assert smooth(src, tmp_path / "smoothed.onnx", calib) == 2  # x (fc1's input) and h (fc2's)
+    (exact,) = compare_on(OrtRunner(src, "cpu"), OrtRunner(tmp_path / "smoothed.onnx", "cpu"), held)[1:]
+    assert exact.within(type(INT8)(0.99999, 1e-5))
+    said: list[str] = []
+    record = quantize_verified(src, tmp_path / "mlp.int8.onnx", calib, held, INT8, say=said.append)
+    assert record["verify"]["cosine"] >= INT8.min_cosine and record["verify"]["rel_error"] <= INT8.max_rel_error
+    assert record["int8_float_gemms"] == {} and record["int8_gemms"] == "2 of 2"
+    smoothing = read_metadata(load_onnx(tmp_path / "mlp.int8.onnx"))["int8_smoothing"]
+    assert smoothing["alpha"] == SMOOTH_ALPHA and smoothing["inputs"] == 2 and "missed the gate" in smoothing["why"]
+    assert len(said) == 1 and "smoothing" in said[0]
+    assert record["quantized_from"] == "mlp.onnx" and not (tmp_path / "mlp-inferred.onnx").exists()
+
+
+def test_a_smoothed_graph_that_still_misses_keeps_gemms_float_ranked_on_the_smoothed_graph(tmp_path) -> None:
+    """A gate INT8 cannot meet even smoothed: the fallback ranks the smoothed graph's GEMMs, keeps the worst float,
+    and stops in one line when one GEMM would be left in INT8."""
+    from corp_deploy.errors import CorpError
+
+    src = _outlier_mlp(tmp_path / "mlp.onnx")
+    said: list[str] = []
+    with pytest.raises(CorpError, match="does not match"):
+        quantize_verified(
+            src, tmp_path / "mlp.int8.onnx", _batches(4, 0), _batches(2, 100), type(INT8)(1.0, 0.0), say=said.append
+        )
+    assert len(said) == 2 and "smoothing" in said[0] and "dB SQNR" in said[1]
+    assert "missed the gate" in said[1] and said[1].split()[2] in {"fc1", "fc2"}
+
+
+def _post_layernorm_block(path: Path, outlier: float = 100.0) -> Path:
+    """y = LN2(h + h W), h = LN1(x): a post-LayerNorm encoder block whose residual stream h carries an outlier
+    channel (LN1's gamma; W reads it scaled down), as BERT's does. LN2 leaves that channel out of y (gamma 0), so
+    y shows what happens to h's ordinary channels. One per-tensor INT8 scale for h rounds them to a few levels:
+    harmless in W's input (W is small), not in the residual."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((WIDTH, WIDTH)).astype(np.float32) / 30
+    w[0] /= outlier
+    gamma1 = np.ones(WIDTH, np.float32)
+    gamma1[0] = outlier
+    gamma2 = np.ones(WIDTH, np.float32)
+    gamma2[0] = 0
+    zeros = np.zeros(WIDTH, np.float32)
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "gamma1", "beta"], ["h"], name="ln1"),
+        helper.make_node("MatMul", ["h", "w"], ["u"], name="fc"),
+        helper.make_node("Add", ["h", "u"], ["r"], name="residual"),
+        helper.make_node("LayerNormalization", ["r", "gamma2", "beta"], ["y"], name="ln2"),
+    ]
+    weights = [
+        numpy_helper.from_array(a, n) for a, n in ((w, "w"), (gamma1, "gamma1"), (gamma2, "gamma2"), (zeros, "beta"))
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "post_ln",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", WIDTH])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", WIDTH])],
+        weights,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_a_post_layernorm_residual_stays_float_and_only_the_gemm_reads_int8(tmp_path) -> None:
+    src = _post_layernorm_block(tmp_path / "block.onnx")
+    calib = [np.random.default_rng(i).standard_normal((16, WIDTH), dtype=np.float32) for i in range(4)]
+    held = [np.random.default_rng(100).standard_normal((32, WIDTH), dtype=np.float32)]
+    out = quantize_int8(src, tmp_path / "block.int8.onnx", calib)
+    comparisons = compare_on(OrtRunner(src, "cpu"), OrtRunner(out, "cpu"), held)
+    assert all(c.within(INT8) for c in comparisons), comparisons
+    nodes = {n.name: n for n in load_onnx(out).graph.node}
+    assert list(nodes["residual"].input) == ["h", "u"] and nodes["ln2"].input[0] == "r"
+    assert not any(n.op_type == "QuantizeLinear" and n.input[0] == "u" for n in nodes.values())  # outputs float
+    assert nodes["fc"].input[0] != "h"  # the GEMM itself reads the dequantized INT8 copy
 
 
 def test_text_gate_reads_real_tokens_only() -> None:

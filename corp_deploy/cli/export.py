@@ -311,6 +311,7 @@ def quantize(
     int8_calib: int,
     int8_verify: int,
     calib_method: str,
+    smooth_alpha: float,
     int4: dict[str, Any],
     tol_cosine: float | None,
     tol_rel: float | None,
@@ -342,7 +343,18 @@ def quantize(
         tokenizer_from = artifact if (artifact / META_FILE).is_file() else metas[0]["model"]
         text = _text_int8(tokenizer_from, data, int8_calib, int8_verify, seed)
     records = quantize_graphs(
-        pairs, data, tol, int8_calib, int8_verify, seed, calib_method, workers, overwrite, text, click.echo
+        pairs,
+        data,
+        tol,
+        int8_calib,
+        int8_verify,
+        seed,
+        calib_method,
+        workers,
+        overwrite,
+        text,
+        click.echo,
+        smooth_alpha,
     )
     click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}))
     click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
@@ -432,6 +444,7 @@ def prune_export(
     int8_calib: int,
     int8_verify: int,
     calib_method: str,
+    smooth_alpha: float,
     int4: dict[str, Any],
     out: str | None,
     overwrite: bool,
@@ -477,6 +490,7 @@ def prune_export(
             num_verify=int8_verify,
             seed=prune_args["seed"],
             method=calib_method,
+            smooth_alpha=smooth_alpha,
             workers=prune_args["workers"] or 0,
             text=feeds,
             say=click.echo,

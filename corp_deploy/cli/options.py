@@ -40,6 +40,7 @@ from corp_deploy.exporters.int4 import (
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET
 from corp_deploy.exporters.pipeline import VerifyOptions
 from corp_deploy.exporters.quantize import CALIB_METHODS
+from corp_deploy.exporters.smooth import SMOOTH_ALPHA
 from corp_deploy.exporters.tensorrt_engine import (
     PRECISIONS,
     RUNTIMES,
@@ -369,6 +370,14 @@ int8_options = group(
         default="minmax",
         show_default=True,
         help=f"{', '.join(CALIB_METHODS)}.",
+    ),
+    click.option(
+        "--smooth-alpha",
+        type=click.FloatRange(0, 1),
+        default=SMOOTH_ALPHA,
+        show_default=True,
+        help="When INT8 misses its gate, SmoothQuant moves this much of each GEMM input's range into its "
+        "weights before any GEMM is kept float (0: never).",
     ),
 )
 
