@@ -31,12 +31,15 @@ HELDOUT_SEED_OFFSET = 1
 
 
 def input_size(model: nn.Module) -> tuple[int, int, int]:
-    """(C, H, W) the instantiated model expects, as its family reads it (``Adapter.input_size``)."""
+    """(C, H, W) the instantiated model expects, as its family reads it (``Adapter.input_size``); a
+    ``torch.compile`` wrapper answers for the model it wraps."""
+    model = getattr(model, "_orig_mod", model)
     return adapter_for(model).input_size(model)
 
 
 def data_config(model: nn.Module) -> dict[str, Any]:
     """The model's eval preprocessing in timm's terms (``Adapter.data_config``): what ``folder_batches`` applies."""
+    model = getattr(model, "_orig_mod", model)
     return adapter_for(model).data_config(model)
 
 
