@@ -26,7 +26,7 @@ smoke: setup
 	    --sparsity 0.5 --out runs/smoke-deit_small-s50 --overwrite
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 # The pruning and surgery tests against the oldest timm pyproject.toml allows (its `timm>=` floor), laid over
 # the venv's packages in a throwaway folder (no second torch): ~2 min on 2 cores.
