@@ -69,6 +69,9 @@ class RecoveryRecord:
     """Trainable parameters."""
     history: list[tuple[int, float]] = field(default_factory=list)
     """(step, training loss of that step) every ``log_every`` steps."""
+    kept: str = "recovered"
+    """Whose weights the model holds after ``Recovery.run``: ``recovered``, or ``corp`` when the held-out objective
+    rose (the recovered weights were put back to CORP's)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,7 +127,10 @@ class Recovery:
         check: Iterable[Any] | None = None,
         say: Callable[[str], None] | None = None,
     ) -> RecoveryRecord:
-        return recover(
+        """``recover``, then CORP's weights back where the held-out objective (``check``) came out higher than it
+        went in: a recovery that drifted off its start on data it never trained on is not shipped (``kept``)."""
+        start = {k: v.detach().clone() for k, v in pruned.state_dict().items()}  # one more copy of the pruned model
+        record = recover(
             pruned,
             dense,
             batches,
@@ -135,6 +141,10 @@ class Recovery:
             check=check,
             say=say,
         )
+        if record.check_after is not None and record.check_after > record.check_before:
+            pruned.load_state_dict(start)
+            record.kept = "corp"
+        return record
 
 
 def inputs_of(batch: Any) -> Any:

@@ -103,6 +103,7 @@ def _recovered(rec: dict[str, Any], unit: str) -> str:
         f"steps in {rec['seconds']:.1f}s on {rec['inputs']} calibration {unit} ({batches}); objective "
         f"{rec['loss_before']:.4g} -> {rec['loss_after']:.4g} on the first batch{held}; widths unchanged, so the "
         "speed is the pruned model's (it does not depend on weight values)"
+        + ("; the held-out objective rose, so CORP's weights were kept" if rec.get("kept") == "corp" else "")
     )
 
 
