@@ -1,5 +1,6 @@
 """Helpers the test modules share (they never import each other): the CLI runner, a tiny prune command line,
-bench records, and a tiny DINOv2 with its Hugging Face-style ONNX graph."""
+bench records, a tiny DINOv2 with its Hugging Face-style ONNX graph, tiny OPT, Llama and BERT models with their
+vocabularies, tokenizer, batches and folders, and a made-up latency for tables measured without timing."""
 
 from __future__ import annotations
 
@@ -269,3 +270,124 @@ def tiny_llama_folder(root, layers: int = 2, documents: int = 40):
         (text / f"class{i % 4}").mkdir(parents=True, exist_ok=True)
         (text / f"class{i % 4}" / f"{i:02d}.txt").write_text(" ".join(DECODER_WORDS[w] for w in words))
     return model, text
+
+
+# ----------------------------------------------------------------------- tiny text models (transformers imported
+# when called: the modules using them skip without it)
+
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
+WORDS = ["the", "a", "news", "market", "film", "game", "vote", "phone", "price", "team", "music", "court", "bank"]
+VOCAB = SPECIAL + WORDS
+"""The decoders' word-level vocabulary (``tokenizer``): BOS ``<s>`` 1, EOS ``</s>`` 2, as OPT numbers them."""
+
+
+def tiny_opt(seed: int = 0, **overrides):
+    """hidden 32, 2 layers, 4 heads of 8, FFN 64, 64 positions; SDPA attention as ``hf.load`` sets it."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(seed)
+    args = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 64}
+    args |= {"word_embed_proj_dim": 32, "max_position_embeddings": 64, "vocab_size": 100} | overrides
+    config = OPTConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2, **args)
+    config._attn_implementation = "sdpa"
+    return OPTForCausalLM(config).eval()
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """hidden 32, 2 layers, 4 heads of 8 over 2 K/V heads, intermediate 64, vocab 100; SDPA as ``hf.load`` sets."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    args = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    args |= {"intermediate_size": 64, "vocab_size": 100, "max_position_embeddings": 64} | overrides
+    config = LlamaConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2, **args)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).eval()
+
+
+def tokenizer():
+    """Word-level: one token per known word of ``VOCAB``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def token_batches(n: int = 6, batch: int = 4, seq: int = 24, seed: int = 1) -> list[tuple[dict, int]]:
+    """Packed-style batches: random word tokens, every position real."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(len(SPECIAL), len(VOCAB), (batch, seq), generator=g)
+        out.append(({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 0))
+    return out
+
+
+def documents(n: int) -> list:
+    """``n`` documents of ``WORDS`` rotated, in 3 class folders."""
+    from corp_deploy.text import Document
+
+    return [Document(" ".join(WORDS[i % len(WORDS) :] + WORDS[: i % len(WORDS)]), f"c{i % 3}") for i in range(n)]
+
+
+def opt_folders(root, **overrides) -> tuple:
+    """A tiny OPT folder with its tokenizer, and a text folder of 30 documents in 3 class subfolders."""
+    model = root / "tiny-opt"
+    tiny_opt(**overrides).save_pretrained(model)
+    tokenizer().save_pretrained(model)
+    text = root / "text"
+    for i, doc in enumerate(documents(30)):
+        (text / doc.folder).mkdir(parents=True, exist_ok=True)
+        (text / doc.folder / f"{i:02d}.txt").write_text(doc.text)
+    return model, text
+
+
+BERT_WORDS = [*WORDS, "year", "people", "said"]
+BERT_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *BERT_WORDS]
+
+
+def tiny_bert(seed: int = 0, **overrides):
+    """2 layers, 4 heads of 16, FFN 128, 40 positions, ``BERT_VOCAB``; SDPA attention as ``hf.load`` sets it."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    args = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+    config = BertConfig(vocab_size=len(BERT_VOCAB), max_position_embeddings=40, **args, **overrides)
+    config._attn_implementation = "sdpa"
+    return BertModel(config).eval()
+
+
+def padded_batches(n: int = 6, batch: int = 4, seed: int = 1, pad_with: int = 0) -> list[tuple[dict, int]]:
+    """Random real tokens of random lengths, padded to 24 with ``pad_with`` (what padding holds must not matter)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(5, len(BERT_VOCAB), (batch, 24), generator=g)
+        lengths = torch.randint(4, 25, (batch,), generator=g)
+        mask = (torch.arange(24)[None] < lengths[:, None]).long()
+        out.append(({"input_ids": torch.where(mask.bool(), ids, pad_with), "attention_mask": mask}, 0))
+    return out
+
+
+# ----------------------------------------------------------------------- a made-up latency (tables without timing)
+
+FIXED_S = 0.01
+
+
+def block_s(mlp: int, qk: int, v: int) -> float:
+    """A made-up block time, additive in the MLP and attention parts and linear in each width."""
+    return 1e-4 * mlp + 3e-4 * qk + 2e-4 * v + 1e-3
+
+
+def fake_time(model: torch.nn.Module) -> float:
+    from corp_deploy.families import structure
+
+    return FIXED_S + sum(block_s(b["mlp_hidden"], b["qk_dim"], b["v_dim"]) for b in structure(model))
+
+
+def fake_timer(models: dict[str, torch.nn.Module]) -> dict[str, float]:
+    return {name: fake_time(m) for name, m in models.items()}

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from conftest import TINY_CLI_ARGS, tiny_batches, tiny_vit
-from helpers import run, tiny_text_folder
+from helpers import FIXED_S, block_s, fake_time, fake_timer, run, tiny_text_folder
 
 from corp_deploy import api, hf, latency, speed
 from corp_deploy.allocation import allocate, plan_budget, widths_of
@@ -26,21 +26,6 @@ from corp_deploy.latency import LatencyTable, Shape, Timing
 from corp_deploy.pruner import PruneConfig, calibrate
 from corp_deploy.report import format_report
 from corp_deploy.text import synthetic_text_batches
-
-FIXED_S = 0.01
-
-
-def block_s(mlp: int, qk: int, v: int) -> float:
-    """A made-up block time, additive in the MLP and attention parts and linear in each width."""
-    return 1e-4 * mlp + 3e-4 * qk + 2e-4 * v + 1e-3
-
-
-def fake_time(model: torch.nn.Module) -> float:
-    return FIXED_S + sum(block_s(b["mlp_hidden"], b["qk_dim"], b["v_dim"]) for b in block_widths(model))
-
-
-def fake_timer(models: dict[str, torch.nn.Module]) -> dict[str, float]:
-    return {name: fake_time(m) for name, m in models.items()}
 
 
 def table_key(batch: int = 8, backend: str = "ort-cpu-fp32") -> dict:

@@ -13,30 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run
+from helpers import SPECIAL, VOCAB, opt_folders, run, tiny_llama, token_batches, tokenizer
 
 from corp_deploy.errors import CorpError
 
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 
-from test_opt import SPECIAL, VOCAB, _folders, token_batches, tokenizer  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 from corp_deploy import compensation as C  # noqa: E402
 from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
 from corp_deploy.families import get  # noqa: E402
 from corp_deploy.hf_modeling import PrunedRopeAttention  # noqa: E402
 from corp_deploy.pruner import PruneConfig, calibrate, check_parts, prune_model  # noqa: E402
-
-
-def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    """hidden 32, 2 layers, 4 heads of 8 over 2 K/V heads, intermediate 64, vocab 100; SDPA as ``hf.load`` sets."""
-    torch.manual_seed(seed)
-    args = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
-    args |= {"intermediate_size": 64, "vocab_size": 100, "max_position_embeddings": 64} | overrides
-    config = LlamaConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2, **args)
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).eval()
 
 
 def _pruned(dense: LlamaForCausalLM, target: str, compensation: str, sparsity: float = 0.5) -> LlamaForCausalLM:
@@ -132,7 +121,7 @@ def test_the_fit_without_a_constant_is_the_least_squares_solution_and_never_beat
 
 
 def test_cli_prunes_a_llama_folder_and_refuses_qk_in_one_line_before_any_data(tmp_path: Path, capsys) -> None:
-    _, text = _folders(tmp_path)  # the text folder (and a tiny OPT folder, unused)
+    _, text = opt_folders(tmp_path)  # the text folder (and a tiny OPT folder, unused)
     folder = tmp_path / "tiny-llama"
     tiny_llama().save_pretrained(folder)
     tokenizer().save_pretrained(folder)

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run
+from helpers import SPECIAL, VOCAB, WORDS, documents, opt_folders, run, tiny_opt, token_batches, tokenizer
 
 from corp_deploy.errors import CorpError
 
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from transformers import OPTForCausalLM  # noqa: E402
 
 from corp_deploy import hf  # noqa: E402
 from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
@@ -32,40 +31,6 @@ from corp_deploy.perplexity import perplexity  # noqa: E402
 from corp_deploy.pruner import PruneConfig, calibrate, check_parts, prune_model  # noqa: E402
 from corp_deploy.stats import QKStats  # noqa: E402
 from corp_deploy.text import Document, packed_sequences, read_documents, shuffled, split_documents  # noqa: E402
-
-SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
-WORDS = ["the", "a", "news", "market", "film", "game", "vote", "phone", "price", "team", "music", "court", "bank"]
-VOCAB = SPECIAL + WORDS
-
-
-def tiny_opt(seed: int = 0, **overrides) -> OPTForCausalLM:
-    """hidden 32, 2 layers, 4 heads of 8, FFN 64, 64 positions; SDPA attention as ``hf.load`` sets it."""
-    torch.manual_seed(seed)
-    args = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 64}
-    args |= {"word_embed_proj_dim": 32, "max_position_embeddings": 64, "vocab_size": 100} | overrides
-    config = OPTConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2, **args)
-    config._attn_implementation = "sdpa"
-    return OPTForCausalLM(config).eval()
-
-
-def tokenizer() -> PreTrainedTokenizerFast:
-    """Word-level: one token per known word, BOS ``<s>`` (1) and EOS ``</s>`` (2) as OPT numbers them."""
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
-
-
-def token_batches(n: int = 6, batch: int = 4, seq: int = 24, seed: int = 1) -> list[tuple[dict, int]]:
-    """Packed-style batches: random word tokens, every position real."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(len(SPECIAL), len(VOCAB), (batch, seq), generator=g)
-        out.append(({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 0))
-    return out
-
 
 # ------------------------------------------------------------------------------------- causal Q/K moments
 
@@ -130,12 +95,8 @@ def test_an_opt_model_calibrates_causal_moments_from_its_own_q_and_k() -> None:
 # ------------------------------------------------------------------------------ calibration text, splits
 
 
-def _documents(n: int) -> list[Document]:
-    return [Document(" ".join(WORDS[i % len(WORDS) :] + WORDS[: i % len(WORDS)]), f"c{i % 3}") for i in range(n)]
-
-
 def test_documents_split_into_disjoint_seeded_parts_across_the_whole_folder() -> None:
-    docs = _documents(40)
+    docs = documents(40)
     split = split_documents(docs)
     parts = [split.calibration, split.heldout, split.evaluation]
     assert [len(p) for p in parts] == [32, 4, 4]
@@ -159,7 +120,7 @@ def test_decoder_calibration_packs_documents_into_full_sequences_with_eos_betwee
 
     text = tmp_path / "text"
     text.mkdir()
-    for i, doc in enumerate(_documents(30)):
+    for i, doc in enumerate(documents(30)):
         (text / f"{i:02d}.txt").write_text(doc.text)
     data = text_calibration_data(tiny_opt(), tok, text, num=5, batch_size=2, seq_len=16)
     batches = [b for b, _ in data.batches]
@@ -277,20 +238,8 @@ def test_opt_without_biases_refuses_v_pruning_before_calibration() -> None:
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-def _folders(root: Path, **overrides) -> tuple[Path, Path]:
-    """A tiny OPT folder with its tokenizer, and a text folder of 30 documents in 3 class subfolders."""
-    model = root / "tiny-opt"
-    tiny_opt(**overrides).save_pretrained(model)
-    tokenizer().save_pretrained(model)
-    text = root / "text"
-    for i, doc in enumerate(_documents(30)):
-        (text / doc.folder).mkdir(parents=True, exist_ok=True)
-        (text / doc.folder / f"{i:02d}.txt").write_text(doc.text)
-    return model, text
-
-
 def test_cli_prunes_an_opt_folder_and_evaluates_its_perplexity(tmp_path: Path, capsys) -> None:
-    model, text = _folders(tmp_path)
+    model, text = opt_folders(tmp_path)
     common = ["--seq-len", "16", "--calib-batch-size", "4", "--round-to", "2", "--quiet"]
     code, out, err = run(
         ["prune", str(model), "--calib", "synthetic", "--target", "mlp,qk", *common, "--out", str(tmp_path / "syn")],
@@ -341,8 +290,8 @@ def test_cli_prunes_an_opt_folder_and_evaluates_its_perplexity(tmp_path: Path, c
 
 
 def test_cli_refuses_bad_decoder_input_in_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:
-    model, text = _folders(tmp_path / "a")
-    no_bias, _ = _folders(tmp_path / "b", enable_bias=False)
+    model, text = opt_folders(tmp_path / "a")
+    no_bias, _ = opt_folders(tmp_path / "b", enable_bias=False)
     gpt2 = tmp_path / "gpt2"
     transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)

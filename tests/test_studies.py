@@ -106,7 +106,7 @@ def test_loop_band_runs_the_command_again_and_reports_the_spread(tmp_path, monke
     computed from them. A tiny model's CPU timings are noise, so the target is 1.0 (any widths meet it): the
     records and the arithmetic are checked, never a speed."""
     from conftest import TINY, TINY_CLI_ARGS
-    from test_latency import fake_timer
+    from helpers import fake_timer
 
     from corp_deploy import latency, speed
     from corp_deploy.bench.backends import BACKENDS

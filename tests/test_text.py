@@ -13,58 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import BERT_VOCAB, BERT_WORDS, padded_batches, tiny_bert
 
 from corp_deploy.errors import CorpError
 
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 
-from transformers import BertConfig, BertModel, BertTokenizerFast  # noqa: E402
+from transformers import BertModel, BertTokenizerFast  # noqa: E402
 
 from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
 from corp_deploy.families import adapter_for, get  # noqa: E402
 from corp_deploy.hf_modeling import PrunedSelfAttention  # noqa: E402
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
-
-WORDS = [
-    "the",
-    "a",
-    "news",
-    "market",
-    "film",
-    "game",
-    "vote",
-    "phone",
-    "price",
-    "team",
-    "music",
-    "court",
-    "bank",
-    "year",
-    "people",
-    "said",
-]
-VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-
-
-def tiny_bert(seed: int = 0, **overrides) -> BertModel:
-    """2 layers, 4 heads of 16, FFN 128, 40 positions; SDPA attention as ``hf.load`` sets it."""
-    torch.manual_seed(seed)
-    args = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
-    config = BertConfig(vocab_size=len(VOCAB), max_position_embeddings=40, **args, **overrides)
-    config._attn_implementation = "sdpa"
-    return BertModel(config).eval()
-
-
-def padded_batches(n: int = 6, batch: int = 4, seed: int = 1, pad_with: int = 0) -> list[tuple[dict, int]]:
-    """Random real tokens of random lengths, padded to 24 with ``pad_with`` (what padding holds must not matter)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(5, len(VOCAB), (batch, 24), generator=g)
-        lengths = torch.randint(4, 25, (batch,), generator=g)
-        mask = (torch.arange(24)[None] < lengths[:, None]).long()
-        out.append(({"input_ids": torch.where(mask.bool(), ids, pad_with), "attention_mask": mask}, 0))
-    return out
 
 
 def _captured(model: BertModel, batches: list[tuple[dict, int]], block: int) -> dict[str, list[torch.Tensor]]:
@@ -202,7 +162,7 @@ def test_a_hub_name_without_network_is_one_line_at_once(tmp_path: Path, monkeypa
 def _model_folder(root: Path) -> Path:
     folder = root / "tiny-bert"
     tiny_bert().save_pretrained(folder)
-    BertTokenizerFast(vocab={w: i for i, w in enumerate(VOCAB)}).save_pretrained(folder)
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(BERT_VOCAB)}).save_pretrained(folder)
     return folder
 
 
@@ -214,7 +174,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_prunes_a_transformers_folder_on_text_and_refuses_bad_text_input(tmp_path: Path) -> None:
     folder = _model_folder(tmp_path)
     text = tmp_path / "text"
-    for label, words in (("a", WORDS[:8]), ("b", WORDS[8:])):
+    for label, words in (("a", BERT_WORDS[:8]), ("b", BERT_WORDS[8:])):
         (text / label).mkdir(parents=True)
         for i in range(5):
             (text / label / f"{i}.txt").write_text(" ".join(words[i:] + words[:i]))

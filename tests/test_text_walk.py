@@ -23,9 +23,7 @@ from corp_deploy.stats import MlpStats, PairStats
 
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 
-from test_llama import tiny_llama  # noqa: E402
-from test_opt import _folders, tiny_opt, token_batches, tokenizer  # noqa: E402
-from test_text import padded_batches, tiny_bert  # noqa: E402
+from helpers import opt_folders, padded_batches, tiny_bert, tiny_llama, tiny_opt, token_batches, tokenizer  # noqa: E402
 
 from corp_deploy.artifact import read_meta  # noqa: E402
 from corp_deploy.families import adapter_for  # noqa: E402
@@ -163,7 +161,7 @@ def test_logit_cross_sums_are_the_brute_force_sums_over_the_counted_pairs(causal
 
 
 def test_cli_prunes_a_decoder_sequentially_and_in_bounded_memory(tmp_path: Path, capsys) -> None:
-    model, _ = _folders(tmp_path)
+    model, _ = opt_folders(tmp_path)
     common = ["--calib", "synthetic", "--num-calib", "8", "--seq-len", "16", "--target", "all", "--quiet"]
     for flag, mode in ((["--sequential"], "sequential"), (["--max-stats-gib", "0.001"], "blockwise")):
         out = tmp_path / mode
@@ -207,7 +205,7 @@ def test_sensitivities_do_not_depend_on_what_padding_holds() -> None:
 
 def test_held_out_sequences_come_from_the_held_out_documents(tmp_path: Path) -> None:
     """A decoder's held-out batch packs the split's held-out documents: calibration is the same with or without it."""
-    model_dir, text = _folders(tmp_path)
+    model_dir, text = opt_folders(tmp_path)
     model, tok = tiny_opt(), tokenizer()
     plain = calibration.text_calibration_data(model, tok, text, 6, 4, seq_len=8)
     held = calibration.text_calibration_data(model, tok, text, 6, 4, seq_len=8, hold_out=2)
@@ -223,7 +221,7 @@ def test_held_out_sequences_come_from_the_held_out_documents(tmp_path: Path) -> 
 def test_cli_allocates_a_decoder_by_sensitivity_and_refuses_a_folder_with_nothing_to_hold_out(
     tmp_path: Path, capsys
 ) -> None:
-    model, text = _folders(tmp_path)
+    model, text = opt_folders(tmp_path)
     common = ["--seq-len", "8", "--num-calib", "6", "--round-to", "2", "--target", "mlp,v", "--quiet"]
     budget = ["--budget", "macs=0.8", "--allocation", "sensitivity", "--sensitivity-images", "2"]
     out = tmp_path / "run"
@@ -257,7 +255,7 @@ def test_two_gloo_processes_calibrate_a_decoder_to_the_single_process_model(tmp_
     same model as one process (the sequential walk too: every rank prunes each block from the merged sums)."""
     from safetensors.torch import load_file
 
-    model, text = _folders(tmp_path)
+    model, text = opt_folders(tmp_path)
     argv = ["-m", "corp_deploy", "prune", str(model), "--calib-dir", str(text), "--seq-len", "8", "--num-calib", "7"]
     argv += ["--calib-batch-size", "2", "--device", "cpu", "--target", "all", "--round-to", "2", "--quiet"]
     launch(argv, tmp_path / "one")
