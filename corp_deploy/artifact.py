@@ -92,7 +92,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 def build(meta: dict[str, Any], folder: Path) -> nn.Module:
     """The DENSE module tree an artifact's ``corp.json`` (``read_meta``) describes, weights unfilled."""
-    return families.get(meta["family"]).build(meta["model"], folder)
+    return families.get(meta["family"]).build(meta, folder)
 
 
 def load_pruned(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:

@@ -127,8 +127,8 @@ class Adapter(ABC):
         raise NotImplementedError
 
     @abstractmethod
-    def build(self, record: dict[str, Any], folder: Path) -> nn.Module:
-        """The dense module tree of an artifact (corp.json's ``model`` record, its folder), weights unfilled."""
+    def build(self, meta: dict[str, Any], folder: Path) -> nn.Module:
+        """The dense module tree of an artifact (its ``corp.json``, its folder), weights unfilled."""
         raise NotImplementedError
 
     @abstractmethod

@@ -168,15 +168,14 @@ class HfText(Adapter):
         base = getattr(model, "base_model", None)
         return base is not None and hasattr(base, self.names.layers.split(".")[0])
 
-    def build(self, record: dict[str, Any], folder: Path) -> nn.Module:
+    def build(self, meta: dict[str, Any], folder: Path) -> nn.Module:
         """The dense model of the folder's config.json; a standard folder's config holds the pruned MLP width, so the
         dense values ``corp.json`` recorded beside it (``hf_folder.DENSE_CONFIG``) are put back first."""
-        from corp_deploy.artifact import read_meta
         from corp_deploy.hf_folder import DENSE_CONFIG
 
         transformers = require("transformers", "loading a pruned transformers model")
         config = transformers.AutoConfig.from_pretrained(str(folder))
-        for key, value in read_meta(folder).get("folder", {}).get(DENSE_CONFIG, {}).items():
+        for key, value in meta.get("folder", {}).get(DENSE_CONFIG, {}).items():
             setattr(config, key, value)
         config._attn_implementation = "sdpa"
         return architecture(transformers, config)(config)

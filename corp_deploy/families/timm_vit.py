@@ -30,7 +30,8 @@ class TimmViT(Adapter):
     def matches(self, model: nn.Module) -> bool:
         return isinstance(model, VisionTransformer)
 
-    def build(self, record: dict[str, Any], folder: Path) -> nn.Module:
+    def build(self, meta: dict[str, Any], folder: Path) -> nn.Module:
+        record = meta["model"]
         return timm.create_model(record["name"], pretrained=False, **record.get("args", {}))
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
