@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING, Any
 from corp_deploy.version import __version__
 
 _EXPORTS = {
+    "Calibrated": "corp_deploy.api",
     "CorpError": "corp_deploy.errors",
     "PruneConfig": "corp_deploy.pruner",
     "PruneResult": "corp_deploy.api",
     "calibrate": "corp_deploy.pruner",
+    "calibrated": "corp_deploy.api",
     "calibration_batches": "corp_deploy.calibration",
     "create_model": "corp_deploy.models",
     "load_pruned": "corp_deploy.artifact",
@@ -28,7 +30,7 @@ _EXPORTS = {
 __all__ = ["__version__", *sorted(_EXPORTS)]
 
 if TYPE_CHECKING:  # static checkers and IDEs see the names eagerly
-    from corp_deploy.api import PruneResult, prune, save  # noqa: F401
+    from corp_deploy.api import Calibrated, PruneResult, calibrated, prune, save  # noqa: F401
     from corp_deploy.artifact import load_pruned  # noqa: F401
     from corp_deploy.calibration import calibration_batches, resolve_device  # noqa: F401
     from corp_deploy.errors import CorpError  # noqa: F401

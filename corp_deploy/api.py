@@ -7,6 +7,11 @@ batches, total = corp_deploy.calibration_batches(model, "photos/", num=256)
 result = corp_deploy.prune(model, batches, corp_deploy.PruneConfig(sparsity=0.5), total=total)
 corp_deploy.save(result, "runs/deit_small-s50")
 
+Calibrate once, prune many (``model`` stays dense; each result is a pruned copy with the same report):
+
+calib = corp_deploy.calibrated(model, batches, corp_deploy.PruneConfig(target="mlp,qk,v"), total=total)
+results = [calib.prune(corp_deploy.PruneConfig(sparsity=s, target="mlp,qk,v")) for s in (0.3, 0.5)]
+
 Label-free recovery after pruning (opt-in; ``corp_deploy.recover``): keep a dense copy, and the calibration batches
 recovery trains on as ``prune`` reads them (``recover.Kept``), then ``recover_pruned``:
 
@@ -18,9 +23,10 @@ api.recover_pruned(result, dense, kept.batches, recover.Recovery(steps=30))  # r
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +233,157 @@ def close_loop(
     )
 
 
+@dataclass
+class Calibrated:
+    """One calibration pass over a dense model, pruned any number of ways.
+
+    ``calibrated(model, batches, config)`` reads the data once; every ``prune(config)`` prunes a copy of ``dense``
+    from the same statistics and returns what ``prune`` returns (the same report shape): a sweep of sparsities or
+    speed targets, the demo's three compensations, a study's methods. Configs that differ only in their budget share
+    one planner (error curves and sensitivities computed once). ``dense`` is never changed.
+    """
+
+    dense: nn.Module
+    stats: CalibrationStats
+    config: PruneConfig
+    """What the statistics were gathered for: a config may prune only its parts (and replace its ``depth``)."""
+    device: torch.device
+    heldout: Heldout | None = None
+    seconds: float = 0.0
+    """The calibration pass's wall time, charged to every result's ``seconds``."""
+    _planners: dict[tuple, Replan] = field(default_factory=dict, repr=False)
+
+    def prune(
+        self,
+        config: PruneConfig | None = None,
+        table: LatencyTable | None = None,
+        loop: LatencyLoop | None = None,
+        widths: list[Widths] | None = None,
+    ) -> PruneResult:
+        """A pruned copy of ``dense`` and its report; ``table``/``loop`` as for ``prune``; ``widths`` given (a study's
+        own plan) are used as they are."""
+        config = config or self.config
+        if widths is None:
+            widths = self.check(config, self.dense_size["macs"], table, loop)
+        return self._prune(copy.deepcopy(self.dense), config, self.dense_size, table, loop, widths)
+
+    @functools.cached_property
+    def dense_size(self) -> dict[str, Any]:
+        """``model_size`` of ``dense`` (a traced forward), measured once."""
+        return model_size(self.dense)
+
+    def check(
+        self, config: PruneConfig, dense_macs: int, table: LatencyTable | None, loop: LatencyLoop | None
+    ) -> list[Widths] | None:
+        """``check_widths`` and ``check_loop``, and that the statistics hold every part ``config`` prunes."""
+        for part, have in (("mlp", self.stats.mlp), ("qk", self.stats.qk), ("v", self.stats.proj)):
+            if config.prunes(part) and not have:
+                raise CorpError(f"this calibration did not gather {part} statistics: calibrate with that target")
+        if set(config.depth) - set(self.config.depth):
+            raise CorpError("this calibration did not gather --depth statistics for every module asked")
+        if config.heldout_images and self.heldout is None:
+            raise CorpError("--allocation sensitivity needs held-out inputs: calibrate with heldout, or use local")
+        if loop is not None:
+            check_loop(config, None, 1)
+            if table is None:
+                raise CorpError("the closed loop corrects a latency table: pass the table the budget was planned with")
+        return check_widths(self.dense, config, dense_macs, table)
+
+    def planner(self, config: PruneConfig, dense_macs: int) -> Replan:
+        """``config``'s planner with its budget, made once per config up to the budget (``planner``)."""
+        key = tuple((f.name, getattr(config, f.name)) for f in fields(config) if f.name != "budget")
+        key += (config.budget.kind,)
+        if key not in self._planners:
+            with exact_fp32():  # the sensitivity pass's forwards
+                self._planners[key] = planner(self.dense, self.stats, config, dense_macs, self.heldout)
+        return functools.partial(self._planners[key], budget=config.budget)
+
+    def _prune(
+        self,
+        model: nn.Module,
+        config: PruneConfig,
+        dense_size: dict[str, Any],
+        table: LatencyTable | None,
+        loop: LatencyLoop | None,
+        widths: list[Widths] | None,
+        timer: Timer | None = None,
+    ) -> PruneResult:
+        """Prune ``model`` (``dense`` itself or a copy of it) in place: plan, ``prune_model``, the closed loop."""
+        timer = timer or Timer({"calibration": self.seconds})
+        model.to(self.device).eval()
+        record = checked = None
+        replan = None if config.budget is None else self.planner(config, dense_size["macs"])
+        if widths is None:
+            start = time.perf_counter()
+            widths, record = (plan_widths(self.dense, config, self.stats), None) if replan is None else replan(table)
+            timer.add("allocation", start)
+        blocks = prune_model(model, self.stats, config, timer, widths)
+        if loop is not None:
+            model, blocks, record, checked = close_loop(
+                self.dense, model, blocks, self.stats, config, replan, table, widths, record, loop, timer
+            )
+        calibration = {"images": self.stats.images, "skipped": self.stats.skipped, "mode": ONE_PASS}
+        return PruneResult(
+            model,
+            _report(
+                model, config, self.device, calibration, timer, self.stats.nbytes(), dense_size, blocks, record, checked
+            ),
+        )
+
+
+def calibrated(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, int]],
+    config: PruneConfig | None = None,
+    device: str | torch.device = "auto",
+    total: int | None = None,
+    progress: bool = True,
+    heldout: Heldout | None = None,
+) -> Calibrated:
+    """Gather ``config``'s statistics (every part it targets, its ``depth``) from ``batches`` in one pass over
+    ``model``, which stays dense, for any number of ``Calibrated.prune`` calls. A budget with
+    ``allocation="sensitivity"`` needs ``heldout`` (``calibration_data(..., hold_out=n)``)."""
+    config = config or PruneConfig()
+    device = resolve_device(device) if isinstance(device, str) else device
+    start = time.perf_counter()
+    stats = calibrate(model.to(device).eval(), batches, config, device, total=total, progress=progress)
+    return Calibrated(model, stats, config, device, heldout, time.perf_counter() - start)
+
+
+def _report(
+    model: nn.Module,
+    config: PruneConfig,
+    device: torch.device,
+    calibration: dict[str, Any],
+    timer: Timer,
+    statistics_bytes: int,
+    dense_size: dict[str, Any],
+    blocks: list[dict],
+    allocation: dict[str, Any] | None,
+    latency: dict[str, Any] | None,
+    processes: int = 1,
+) -> dict[str, Any]:
+    """What ``corp.json`` records of one pruning (``calibration`` counts ``images``: text models count sequences)."""
+    adapter = adapter_for(model)
+    calibration = {adapter.unit: calibration.pop("images"), "unit": adapter.unit, **calibration}
+    report = {
+        "config": config.to_dict(),
+        "mlp_out": adapter.mlp_out_name,
+        "device": device_name(device),
+        "calibration": {**calibration, "processes": processes},
+        "seconds": timer.seconds,
+        "memory": {"statistics_mib": statistics_bytes / 2**20, **peak_memory(device)},
+        "dense": dense_size,
+        "pruned": model_size(model),
+        "blocks": blocks,
+    }
+    if allocation is not None:
+        report["allocation"] = allocation
+    if latency is not None:
+        report["latency"] = latency
+    return report
+
+
 def prune(
     model: nn.Module,
     batches: Iterable[tuple[Tensor, int]],
@@ -244,10 +401,11 @@ def prune(
     """Calibrate ``model``, then prune and compensate it in place; measure what changed.
 
     The steps, each a function of its own inputs: ``check_widths`` (data-free), ``calibration_mode``, the
-    statistics (``pruner.calibrate``, or ``blockwise.walk`` which calibrates and prunes block by block),
-    ``plan`` (widths from the statistics, when a budget or a global threshold needs them) and
-    ``pruner.prune_model``. Data-parallel (``world.size > 1``): the sums are merged over all ranks, rank 0
-    plans and prunes and gets the result; the other ranks get ``None``.
+    statistics (``pruner.calibrate``, or ``blockwise.walk`` which calibrates and prunes block by block), and for
+    one pass ``Calibrated`` (widths from the statistics when a budget or a global threshold needs them,
+    ``pruner.prune_model``, the closed loop). Data-parallel (``world.size > 1``): the sums are merged over all
+    ranks, rank 0 plans and prunes and gets the result; the other ranks get ``None``. To prune one calibration
+    several ways, use ``calibrated`` instead.
 
     A budget with ``allocation="sensitivity"`` needs ``config.sensitivity_images`` held-out images:
     ``calibration_data(..., hold_out=n)`` draws them across the whole sample; without ``heldout`` they are
@@ -268,7 +426,7 @@ def prune(
     if mode != ONE_PASS:  # a bound below one block fails here
         blockwise.plan_groups(model, config, max_stats_gib)
     if config.heldout_images and heldout is None and world.is_main:
-        if adapter_for(model).unit != "images":
+        if adapter_for(model).modality == "text":
             raise CorpError(
                 "--allocation sensitivity on a text model needs held-out sequences: pass the heldout of "
                 "text_calibration_data(..., hold_out=n), or use --allocation local"
@@ -279,61 +437,39 @@ def prune(
         torch.cuda.reset_peak_memory_stats(device)
     timer = Timer()
     merge = None if world.size == 1 else lambda st: all_reduce_stats(st, world, dist_timeout)
-    stats, record, replan = None, None, None
-    if widths is None:  # the widths come from the statistics: gather them first
-        if mode == SEQUENTIAL:
-            batches = list(batches)  # read twice: once for the widths, once by the walk
+    if mode == SEQUENTIAL and widths is None:
+        batches = list(batches)  # read twice: once for the widths, once by the walk
+    stats, record = None, None
+    if mode == ONE_PASS or widths is None:
         start = time.perf_counter()
         stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
-        start = timer.add("calibration", start)
-        if world.is_main and config.budget is not None:
-            dense_model = copy.deepcopy(model) if loop is not None else model  # re-plans need it dense
-            with exact_fp32():  # the sensitivity pass's forwards
-                replan = planner(dense_model, stats, config, dense["macs"], heldout)
-            widths, record = replan(table)
-        elif world.is_main:
-            widths, record = plan(model, stats, config, dense["macs"], heldout)
-        if world.is_main:
-            timer.add("allocation", start)
+        timer.add("calibration", start)
     if mode == ONE_PASS:
-        if stats is None:
+        if not world.is_main:
+            return None
+        dense_model = copy.deepcopy(model) if loop is not None else model  # the loop re-prunes from it
+        result = Calibrated(dense_model, stats, config, device, heldout)._prune(
+            model, config, dense, table, loop, widths, timer
+        )
+        result.report["calibration"]["processes"] = world.size
+        return result
+    statistics = 0
+    if stats is not None:  # sequential with widths from the statistics: plan them from this pass
+        if world.is_main:
             start = time.perf_counter()
-            stats = calibrate(model, batches, config, device, total=total, progress=progress, merge=merge)
-            timer.add("calibration", start)
-        blocks = prune_model(model, stats, config, timer, widths) if world.is_main else []
-        if loop is not None:
-            model, blocks, record, checked = close_loop(
-                dense_model, model, blocks, stats, config, replan, table, widths, record, loop, timer
-            )
-        statistics, calibration = stats.nbytes(), {"images": stats.images, "skipped": stats.skipped, "mode": mode}
-    else:
-        statistics = 0 if stats is None else stats.nbytes()
-        stats = None  # the walk keeps its own, block by block
-        with exact_fp32():  # the walk calibrates as it goes (see pruner.calibrate)
-            blocks, walk = blockwise.walk(
-                model, batches, config, device, max_stats_gib, total, progress, world, dist_timeout, timer, widths
-            )
-        statistics = max(statistics, walk.pop("statistics_bytes"))
-        calibration = {"images": walk.pop("images"), "skipped": walk.pop("skipped"), **walk}
+            with exact_fp32():  # the sensitivity pass's forwards
+                widths, record = plan(model, stats, config, dense["macs"], heldout)
+            timer.add("allocation", start)
+        statistics, stats = stats.nbytes(), None  # the walk keeps its own, block by block
+    with exact_fp32():  # the walk calibrates as it goes (see pruner.calibrate)
+        blocks, walk = blockwise.walk(
+            model, batches, config, device, max_stats_gib, total, progress, world, dist_timeout, timer, widths
+        )
     if not world.is_main:
         return None
-    adapter = adapter_for(model)
-    calibration = {adapter.unit: calibration.pop("images"), "unit": adapter.unit, **calibration}  # text: sequences
-    report = {
-        "config": config.to_dict(),
-        "mlp_out": adapter.mlp_out_name,
-        "device": device_name(device),
-        "calibration": {**calibration, "processes": world.size},
-        "seconds": timer.seconds,
-        "memory": {"statistics_mib": statistics / 2**20, **peak_memory(device)},
-        "dense": dense,
-        "pruned": model_size(model),
-        "blocks": blocks,
-    }
-    if record is not None:
-        report["allocation"] = record
-    if loop is not None:
-        report["latency"] = checked
+    statistics = max(statistics, walk.pop("statistics_bytes"))
+    calibration = {"images": walk.pop("images"), "skipped": walk.pop("skipped"), **walk}
+    report = _report(model, config, device, calibration, timer, statistics, dense, blocks, record, None, world.size)
     return PruneResult(model, report)
 
 

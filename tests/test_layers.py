@@ -169,7 +169,7 @@ def test_every_module_is_on_a_floor_that_exists() -> None:
     assert all(any(_within(m, app) for m in known) for app in APPS)
 
 
-def test_rooms_load_neither_torch_nor_timm() -> None:
+def test_light_modules_load_neither_torch_nor_timm() -> None:
     code = (
         "import sys; import corp_deploy.errors, corp_deploy.fsio, corp_deploy.tables, corp_deploy.deps, "
         "corp_deploy.version, corp_deploy.env; print(sorted(m for m in ('torch', 'timm') if m in sys.modules))"

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import pruned_copy, tiny_batches, tiny_vit
 from timm.models.deit import VisionTransformerDistilled
 
 import corp_deploy
+from corp_deploy.calibration import Heldout
+from corp_deploy.errors import CorpError
 from corp_deploy.pruner import PruneConfig
 from corp_deploy.surgery import PrunedAttention, fill_attention
 
@@ -211,3 +215,29 @@ def test_fold_with_nonzero_qkv_biases_gives_the_reported_logit_error() -> None:
     error = float(((logits - torch.einsum("bnhd,bmhd->bhnm", q_p, k_p)) ** 2).sum() / (logits**2).sum())
     assert error == pytest.approx(report[0]["qk"]["rel_error"]["corp"], rel=1e-3)
     assert error < 0.9 * report[0]["qk"]["rel_error"]["none"]
+
+
+@torch.no_grad()
+def test_one_calibration_prunes_many_ways_as_one_shot_pruning_does() -> None:
+    """``calibrated`` reads the data once; each ``prune`` equals ``api.prune`` of a fresh copy on the same data
+    (weights and report shape), the dense model stays dense, and budgets share one planner."""
+    model, batches = tiny_vit(), tiny_batches()
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    calib = corp_deploy.calibrated(copy.deepcopy(model), batches, PruneConfig(target="mlp,qk"), "cpu", progress=False)
+    heldout = Heldout(torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(5)), {"noise": 8})
+    configs = [PruneConfig(sparsity=s, round_to=4) for s in (0.25, 0.5)]
+    for config in configs:
+        got = calib.prune(config)
+        want = corp_deploy.prune(copy.deepcopy(model), batches, config, "cpu", progress=False)
+        for (name, a), b in zip(got.model.state_dict().items(), want.model.state_dict().values(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        assert set(got.report) == set(want.report) and got.report["pruned"] == want.report["pruned"]
+    assert all(torch.equal(v, calib.dense.state_dict()[k]) for k, v in dense.items())
+    assert calib.prune(configs[0]).report["pruned"]["macs"] > calib.prune(configs[1]).report["pruned"]["macs"]
+
+    calib.heldout = heldout
+    budgets = [PruneConfig(budget=f"macs={f}", target="mlp,qk", round_to=4, sensitivity_images=8) for f in (0.6, 0.8)]
+    macs = [calib.prune(c).report["pruned"]["macs"] / calib.dense_size["macs"] for c in budgets]
+    assert macs[0] <= 0.6 < macs[1] <= 0.8 and len(calib._planners) == 1
+    with pytest.raises(CorpError, match="did not gather v statistics"):
+        calib.prune(PruneConfig(target="v"))

@@ -35,7 +35,6 @@ from corp_deploy.cli.options import (
     prune_config,
     quiet_option,
     timing_group,
-    with_latency,
 )
 from corp_deploy.cli.prune import inputs, latency_loop, latency_table
 from corp_deploy.env import device_name
@@ -261,8 +260,8 @@ def sweep(
     targets = None if speedups is None else parse_speedups(speedups)
     values = parse_sparsities(sparsities or DEFAULT_SPARSITIES) if targets is None else []
     sizes = parse_batch_sizes(batch_sizes)
-    pruning = with_latency(pruning, latency | {"speedup": None if targets is None else max(targets)})
-    config = prune_config(pruning, **({} if targets else {"sparsity": max(values)}))
+    speedup = None if targets is None else max(targets)  # checked as --speedup; each target replaces its budget
+    config = prune_config(pruning, latency | {"speedup": speedup}, **({} if targets else {"sparsity": max(values)}))
     backend = None if targets is None else speed.check_backend(latency["latency_on"])
     check_writable(out, overwrite)
     needs("sweep", *ONNX_EXPORT)

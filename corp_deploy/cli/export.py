@@ -35,7 +35,6 @@ from corp_deploy.cli.options import (
     tolerance,
     verify_group,
     verify_options,
-    with_latency,
 )
 from corp_deploy.cli.prune import pruned, say_folder
 from corp_deploy.data import SYNTHETIC
@@ -466,15 +465,14 @@ def prune_export(
     int4_setup(int4)  # a bad INT4 flag fails here
     if text:
         _text_export(pad_qk, simplify)
-    prune_args["pruning"] = with_latency(prune_args["pruning"], prune_args["latency"])
+    config = prune_config(prune_args.pop("pruning"), prune_args["latency"])
     rewrites_ = parse_rewrites(rewrites, rewrites_on(prune_args["latency"]["latency_on"]))
     opts = verify_options(verify)
     build = for_graph(build_options(engine, "fp32", opts), prune_args["seq_len"] if text else None)
     no_engines = DECODER_ENGINES if decoder else None  # engines of logits graphs nobody can generate with
     if require_engines and (no_engines or build_missing(build)):
         raise CorpError(f"--require-engines: cannot build TensorRT engines here: {no_engines or build_missing(build)}")
-    out = out_path(out, prune_args["model"], prune_args["pruning"], overwrite)
-    prune_config(prune_args["pruning"])  # a bad pruning flag fails here, before the package check
+    out = out_path(out, prune_args["model"], config, overwrite)
     needs("prune-export", *onnx_needs(precisions_, simplify))
     if decoder:
         genai.needs_genai()
@@ -496,7 +494,7 @@ def prune_export(
             say=click.echo,
         )
     rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
-    run = pruned(**prune_args, keep_dense=True, transformers=True, latency_rounds=rounds, rewrites=rewrites_)
+    run = pruned(config, **prune_args, keep_dense=True, transformers=True, latency_rounds=rounds, rewrites=rewrites_)
     if run is None:
         return
     click.echo(format_report(run.result.report))

@@ -483,10 +483,9 @@ def out_options(what: str) -> Callable:
     )
 
 
-def out_path(out: str | None, model: str, pruning: dict[str, Any], overwrite: bool) -> str:
+def out_path(out: str | None, model: str, config: PruneConfig, overwrite: bool) -> str:
     """--out, or ``runs/<model>-s<percent>`` (``runs/deit_base-s50``; ``-macs40`` under ``--budget macs=0.4``);
     checked writable before any work."""
-    config = prune_config(pruning)
     budget = config.budget
     tag = f"s{100 * config.sparsity:g}" if budget is None else f"{budget.kind}{100 * budget.fraction:g}"
     out = out or f"runs/{re.sub(r'[^A-Za-z0-9_.-]+', '_', model)}-{tag}"
@@ -517,21 +516,13 @@ def typed(name: str) -> bool:
     return ctx is not None and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
 
 
-def prune_config(pruning: dict[str, Any], **override: Any) -> PruneConfig:
-    """The pruning group (``--sparsity``... ``--round-to``) as a validated ``PruneConfig``.
+def prune_config(pruning: dict[str, Any], latency: dict[str, Any], **override: Any) -> PruneConfig:
+    """The pruning group (``--sparsity``... ``--round-to``) and the latency group as one validated ``PruneConfig``,
+    built once per command: ``--budget`` parsed, ``--speedup S`` turned into its latency ``Budget`` directly,
+    both checked against the latency flags; ``override`` replaces fields (a sweep's sparsity).
 
-    A ``--sparsity`` typed next to ``--budget`` (which chooses every width) is refused, not silently ignored.
-    """
-    if pruning.get("budget") is not None and typed("sparsity"):
-        raise CorpError("--budget chooses every block's widths; drop --sparsity or drop --budget")
-    return PruneConfig(**{**pruning, **override})
-
-
-def with_latency(pruning: dict[str, Any], latency: dict[str, Any]) -> dict[str, Any]:
-    """The pruning group with ``--budget`` parsed (once) and ``--speedup`` turned into its latency ``Budget``,
-    checked against the latency flags.
-
-    A latency budget prunes mlp,qk,v unless ``--target`` was typed (V channels are time too).
+    A ``--sparsity`` typed next to ``--budget``/``--speedup`` (which choose every width) is refused, not silently
+    ignored. A latency budget prunes mlp,qk,v unless ``--target`` was typed (V channels are time too).
     """
     speedup, backend, budget = latency["speedup"], latency["latency_on"], pruning.get("budget")
     budget = parse_budget(budget) if isinstance(budget, str) else budget
@@ -543,7 +534,8 @@ def with_latency(pruning: dict[str, Any], latency: dict[str, Any]) -> dict[str, 
         if budget is not None:
             raise CorpError("--speedup S is --budget latency=1/S; pass one of the two")
         budget = Budget("latency", 1 / speedup)
-    pruning = pruning | {"budget": budget}
+    elif budget is not None and typed("sparsity"):
+        raise CorpError("--budget chooses every block's widths; drop --sparsity or drop --budget")
     latency_budget = budget is not None and budget.kind == "latency"
     if latency_budget and backend is None:
         raise CorpError("a latency budget is measured on a backend: add --latency-on BACKEND (e.g. ort-cpu-fp32)")
@@ -551,9 +543,10 @@ def with_latency(pruning: dict[str, Any], latency: dict[str, Any]) -> dict[str, 
         raise CorpError("--latency-on/--latency-table serve a latency budget: add --speedup S or --budget latency=F")
     if latency["latency_batch"] < 1:
         raise CorpError(f"--latency-batch must be >= 1, got {latency['latency_batch']}")
+    fields = pruning | {"budget": budget} | override
     if latency_budget and not typed("target"):
-        pruning = pruning | {"target": "mlp,qk,v"}
-    return pruning
+        fields["target"] = "mlp,qk,v"
+    return PruneConfig(**fields)
 
 
 def recovery_setup(options: dict[str, Any]) -> Recovery | None:

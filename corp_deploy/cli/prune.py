@@ -26,7 +26,6 @@ from corp_deploy.cli.options import (
     prune_options,
     recovery_setup,
     typed,
-    with_latency,
 )
 from corp_deploy.data import SYNTHETIC
 from corp_deploy.errors import CorpError
@@ -34,6 +33,7 @@ from corp_deploy.families import adapter_for
 from corp_deploy.families.hf_text import count_macs_at
 from corp_deploy.latency import LatencyTable, Timing, format_table, workload
 from corp_deploy.models import create_model, parse_model_args, resolve_name
+from corp_deploy.pruner import PruneConfig
 from corp_deploy.recover import Kept
 from corp_deploy.report import format_report
 from corp_deploy.text import read_documents
@@ -56,9 +56,9 @@ def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
     With --speedup S (or --budget latency=F) the widths are allocated against a latency table measured on
     --latency-on at --latency-batch (cached); the speed is predicted, not checked (prune-export checks it).
     """
-    kwargs["pruning"] = with_latency(kwargs["pruning"], kwargs["latency"])
-    out = out_path(out, kwargs["model"], kwargs["pruning"], overwrite)
-    run = pruned(**kwargs, transformers=True)
+    config = prune_config(kwargs.pop("pruning"), kwargs["latency"])
+    out = out_path(out, kwargs["model"], config, overwrite)
+    run = pruned(config, **kwargs, transformers=True)
     if run is None:  # a data-parallel rank other than 0: its shard is merged, rank 0 writes
         return
     path = api.save(run.result, out, run.name, run.args, weights=run.weights, overwrite=overwrite)
@@ -206,7 +206,7 @@ def latency_table(
 
 
 def pruned(
-    pruning: dict[str, Any],
+    config: PruneConfig,
     latency: dict[str, Any],
     recovery: dict[str, Any],
     quiet: bool,
@@ -218,7 +218,8 @@ def pruned(
     rewrites: tuple[str, ...] | None = None,
     **flags: Any,
 ) -> Pruned | None:
-    """Validate everything cheap first, then build, calibrate, prune and, with ``--recover-*``, recover.
+    """Validate everything cheap first, then build, calibrate, prune ``config`` (``options.prune_config``) and, with
+    ``--recover-*``, recover.
 
     Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``. A latency
     budget's table is measured (or read) before calibration; ``latency_rounds`` closes the loop (``api.LatencyLoop``);
@@ -233,7 +234,6 @@ def pruned(
     recover = recovery_setup(recovery)
     if recover is not None and distributed.launched():
         raise CorpError("--recover-steps/--recover-minutes train in one process; run it without torchrun")
-    config = prune_config(pruning)
     api.calibration_mode(config, max_stats_gib, distributed.SINGLE_PROCESS)  # combinations refused before any data
     backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"], rewrites)
     seq_len = flags["seq_len"] if hf.modality(flags["model"]) == "text" else None  # a text encoder: at --seq-len

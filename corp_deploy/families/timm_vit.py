@@ -17,6 +17,7 @@ from corp_deploy import surgery
 from corp_deploy.errors import CorpError
 from corp_deploy.families.base import Adapter, BranchHook, QKHook
 from corp_deploy.families.registry import register
+from corp_deploy.models import ALIASES
 
 
 class TimmViT(Adapter):
@@ -31,8 +32,9 @@ class TimmViT(Adapter):
         return isinstance(model, VisionTransformer)
 
     def build(self, meta: dict[str, Any], folder: Path) -> nn.Module:
-        record = meta["model"]
-        return timm.create_model(record["name"], pretrained=False, **record.get("args", {}))
+        """The recorded timm name, or an alias of one (``corp_deploy.save(result, out, "deit_small")``)."""
+        name, args = meta["model"]["name"], meta["model"].get("args", {})
+        return timm.create_model(ALIASES.get(name, name), pretrained=False, **args)
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         return model.blocks

@@ -1,4 +1,4 @@
-"""The rooms at the bottom: the optional-dependency gate, the environment collector, file hashes."""
+"""The light modules at the bottom: the optional-dependency gate, the environment collector, file hashes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Edges of the regression gate, the atomic writers and the artifact reader.
+"""Faults at the edges: the regression gate at its threshold, atomic writers that fail half way, corrupt artifacts.
 
 The gate: a change exactly at the threshold, a baseline that cannot be divided by, a run that
 measured less than its baseline. The writers: an ``--overwrite`` that fails half way leaves the
