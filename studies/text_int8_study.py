@@ -7,9 +7,11 @@ For each FP32 graph of RUN with its verified INT8 graph beside it, on the held-o
 seeded draw, ``text.int8_feeds``): per real token of the last hidden state, the worst, 1st-percentile and mean
 cosine and the relative error (the gate's figures); per sentence embedding, pooled as ``--model``'s
 sentence-transformers folder declares (``modules.json``: its Pooling module's mode, then Normalize if listed), the
-worst and mean cosine and the relative error. Then FP32 and INT8 onnxruntime CPU latency at ``--batch`` x
-``--seq-len`` held-out tokens, all graphs interleaved in one loop, with the load average before and after. Writes
-``<out>.md`` and ``<out>.json``.
+worst and mean cosine and the relative error. Then what a user of the embeddings reads: a ridge probe fitted on the
+dense FP32 graph's embeddings of half of the folder's evaluation documents (``text.split_documents``: never calibrated
+on, by CORP or INT8), scored on the other half for every graph, with the mean cosine to the dense FP32 embedding.
+Then FP32 and INT8 onnxruntime CPU latency at ``--batch`` x ``--seq-len`` held-out tokens, all graphs interleaved in
+one loop, with the load average before and after. Writes ``<out>.md`` and ``<out>.json``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from sklearn.linear_model import RidgeClassifier
 
 from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.env import cpu_model
@@ -29,7 +32,7 @@ from corp_deploy.errors import CorpError
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.hf import load_tokenizer
-from corp_deploy.text import int8_feeds
+from corp_deploy.text import Document, int8_feeds, read_documents, split_documents, tokenize
 
 
 def declared_pooling(model: Path) -> dict[str, Any]:
@@ -74,6 +77,43 @@ def figures(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:
     }
 
 
+def embed(runner: OrtRunner, tokenizer: Any, docs: list[Document], seq_len: int, pooling: dict[str, Any]) -> np.ndarray:
+    """Pooled sentence embeddings of ``docs`` from one graph, 32 documents a batch."""
+    out = []
+    for i in range(0, len(docs), 32):
+        feed = {k: v.numpy() for k, v in tokenize(tokenizer, [d.text for d in docs[i : i + 32]], seq_len).items()}
+        out.append(pool(runner(feed), feed["attention_mask"].astype(bool), pooling))
+    return np.concatenate(out)
+
+
+def probe(
+    runners: dict[str, OrtRunner], tokenizer: Any, source: str, seq_len: int, pooling: dict[str, Any]
+) -> dict[str, dict[str, float]]:
+    """Per graph: probe top-1 (percent, with its standard error) and mean cosine to dense FP32's embedding, on the
+    odd half of the evaluation documents; the probe is fitted on dense FP32's embeddings of the even half."""
+    docs = split_documents(read_documents(source)).evaluation
+    train, test = docs[::2], docs[1::2]
+    classes = sorted({d.folder for d in docs})
+    labels = lambda part: np.array([classes.index(d.folder) for d in part])  # noqa: E731
+    fitted = RidgeClassifier(alpha=1.0).fit(
+        embed(runners["dense.onnx"], tokenizer, train, seq_len, pooling), labels(train)
+    )
+    ref = embed(runners["dense.onnx"], tokenizer, test, seq_len, pooling)
+    out = {}
+    for name, runner in runners.items():
+        got = embed(runner, tokenizer, test, seq_len, pooling)
+        hit = fitted.predict(got) == labels(test)
+        cos = (ref * got).sum(-1) / (np.linalg.norm(ref, axis=-1) * np.linalg.norm(got, axis=-1))
+        se = 100 * float(hit.std() / np.sqrt(len(hit)))
+        out[name] = {
+            "documents": len(test),
+            "top1": 100 * float(hit.mean()),
+            "top1_se": se,
+            "cosine": float(cos.mean()),
+        }
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", type=Path, help="prune-export folder with {dense,pruned}.onnx and their .int8.onnx")
@@ -112,6 +152,7 @@ def main() -> None:
                 "pooled": figures(pool(ref, mask, pooling), pool(got, mask, pooling)),
             }
         )
+    probed = probe(runners, tokenizer, a.calib_dir, a.seq_len, pooling)
     timed = {k: v[: a.batch] for k, v in held.items()}
     steps = {name: _step(runner, timed) for name, runner in runners.items()}
     times = interleaved(steps, Method(warmup_iters=2, min_iters=10, min_seconds=a.min_seconds, round_iters=2))
@@ -121,6 +162,7 @@ def main() -> None:
         "pooling": pooling,
         "documents": int(len(mask)),
         "rows": rows,
+        "probe": probed,
         "latency": {"batch": a.batch, "tokens": int(timed["attention_mask"].shape[1]), "ms": speed},
         "machine": f"{cpu_model()}, {a.threads} onnxruntime threads",
         "load_before": load_before,
@@ -159,6 +201,11 @@ def table(record: dict[str, Any]) -> str:
             f"{t['p1_cosine']:.4f} | {t['mean_cosine']:.5f} | {t['rel_error']:.3f} | {e['worst_cosine']:.5f} | "
             f"{e['mean_cosine']:.6f} | {e['rel_error']:.3f} |"
         )
+    if probed := record.get("probe"):
+        n = next(iter(probed.values()))["documents"]
+        lines += ["", f"Probe (fitted on dense.onnx's embeddings of unseen evaluation documents), {n} other ones:"]
+        lines += ["", "| graph | probe top-1 % | mean cosine to dense.onnx |", "|---|---|---|"]
+        lines += [f"| {g} | {p['top1']:.1f} +- {p['top1_se']:.1f} | {p['cosine']:.4f} |" for g, p in probed.items()]
     lat = record["latency"]
     lines += ["", f"onnxruntime CPU, batch {lat['batch']} x {lat['tokens']} tokens, interleaved ({record['machine']}):"]
     lines += ["", "| graph | p50 ms | mean ms | sequences/s |", "|---|---|---|---|"]
