@@ -240,7 +240,10 @@ class Calibrated:
     ``calibrated(model, batches, config)`` reads the data once; every ``prune(config)`` prunes a copy of ``dense``
     from the same statistics and returns what ``prune`` returns (the same report shape): a sweep of sparsities or
     speed targets, the demo's three compensations, a study's methods. Configs that differ only in their budget share
-    one planner (error curves and sensitivities computed once). ``dense`` is never changed.
+    one planner (error curves and sensitivities computed once). ``prune`` never prunes ``dense``.
+
+    ``dense`` stays on the calibration device, and every result is made there: on a GPU, move ``dense`` (and the
+    results you keep) to the CPU between prunes when memory is short; a pruned copy goes where ``device`` says.
     """
 
     dense: nn.Module
@@ -261,10 +264,12 @@ class Calibrated:
         widths: list[Widths] | None = None,
     ) -> PruneResult:
         """A pruned copy of ``dense`` and its report; ``table``/``loop`` as for ``prune``; ``widths`` given (a study's
-        own plan) are used as they are."""
+        own plan, no closed loop) are used as they are."""
         config = config or self.config
         if widths is None:
             widths = self.check(config, self.dense_size["macs"], table, loop)
+        elif loop is not None:
+            raise CorpError("the closed loop re-plans the widths: pass widths or a loop, not both")
         return self._prune(copy.deepcopy(self.dense), config, self.dense_size, table, loop, widths)
 
     @functools.cached_property
@@ -283,6 +288,8 @@ class Calibrated:
             raise CorpError("this calibration did not gather --depth statistics for every module asked")
         if config.heldout_images and self.heldout is None:
             raise CorpError("--allocation sensitivity needs held-out inputs: calibrate with heldout, or use local")
+        if config.sequential:
+            raise CorpError("--sequential calibrates block by block over the pruned stream: use prune, not calibrated")
         if loop is not None:
             check_loop(config, None, 1)
             if table is None:
@@ -311,11 +318,14 @@ class Calibrated:
         """Prune ``model`` (``dense`` itself or a copy of it) in place: plan, ``prune_model``, the closed loop."""
         timer = timer or Timer({"calibration": self.seconds})
         model.to(self.device).eval()
-        record = checked = None
-        replan = None if config.budget is None else self.planner(config, dense_size["macs"])
-        if widths is None:
+        record = checked = replan = None
+        if widths is None or loop is not None:
             start = time.perf_counter()
-            widths, record = (plan_widths(self.dense, config, self.stats), None) if replan is None else replan(table)
+            replan = None if config.budget is None else self.planner(config, dense_size["macs"])
+            if widths is None:
+                widths, record = (
+                    (plan_widths(self.dense, config, self.stats), None) if replan is None else replan(table)
+                )
             timer.add("allocation", start)
         blocks = prune_model(model, self.stats, config, timer, widths)
         if loop is not None:
@@ -345,9 +355,13 @@ def calibrated(
     ``allocation="sensitivity"`` needs ``heldout`` (``calibration_data(..., hold_out=n)``)."""
     config = config or PruneConfig()
     device = resolve_device(device) if isinstance(device, str) else device
+    if config.heldout_images and heldout is None:  # before the pass, not at the first prune
+        raise CorpError("--allocation sensitivity needs held-out inputs: pass heldout, or use --allocation local")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     stats = calibrate(model.to(device).eval(), batches, config, device, total=total, progress=progress)
-    return Calibrated(model, stats, config, device, heldout, time.perf_counter() - start)
+    return Calibrated(model, stats, config, device, heldout, Timer().add("calibration", start) - start)
 
 
 def _report(
@@ -458,7 +472,7 @@ def prune(
         if world.is_main:
             start = time.perf_counter()
             with exact_fp32():  # the sensitivity pass's forwards
-                widths, record = plan(model, stats, config, dense["macs"], heldout)
+                widths, record = plan(model, stats, config, dense["macs"], heldout, table)
             timer.add("allocation", start)
         statistics, stats = stats.nbytes(), None  # the walk keeps its own, block by block
     with exact_fp32():  # the walk calibrates as it goes (see pruner.calibrate)

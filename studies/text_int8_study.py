@@ -87,18 +87,22 @@ def embed(runner: OrtRunner, tokenizer: Any, docs: list[Document], seq_len: int,
 
 
 def probe(
-    runners: dict[str, OrtRunner], tokenizer: Any, source: str, seq_len: int, pooling: dict[str, Any]
+    runners: dict[str, OrtRunner],
+    reference: OrtRunner,
+    tokenizer: Any,
+    source: str,
+    seq_len: int,
+    pooling: dict[str, Any],
 ) -> dict[str, dict[str, float]]:
-    """Per graph: probe top-1 (percent, with its standard error) and mean cosine to dense FP32's embedding, on the
-    odd half of the evaluation documents; the probe is fitted on dense FP32's embeddings of the even half."""
+    """Per graph: probe top-1 (percent, with its standard error) and mean cosine to ``reference``'s (dense FP32)
+    embedding, on the odd half of the evaluation documents; the probe is fitted on the reference's embeddings of the
+    even half."""
     docs = split_documents(read_documents(source)).evaluation
     train, test = docs[::2], docs[1::2]
     classes = sorted({d.folder for d in docs})
     labels = lambda part: np.array([classes.index(d.folder) for d in part])  # noqa: E731
-    fitted = RidgeClassifier(alpha=1.0).fit(
-        embed(runners["dense.onnx"], tokenizer, train, seq_len, pooling), labels(train)
-    )
-    ref = embed(runners["dense.onnx"], tokenizer, test, seq_len, pooling)
+    fitted = RidgeClassifier(alpha=1.0).fit(embed(reference, tokenizer, train, seq_len, pooling), labels(train))
+    ref = embed(reference, tokenizer, test, seq_len, pooling)
     out = {}
     for name, runner in runners.items():
         got = embed(runner, tokenizer, test, seq_len, pooling)
@@ -152,7 +156,8 @@ def main() -> None:
                 "pooled": figures(pool(ref, mask, pooling), pool(got, mask, pooling)),
             }
         )
-    probed = probe(runners, tokenizer, a.calib_dir, a.seq_len, pooling)
+    reference = runners.get("dense.onnx") or OrtRunner(a.run / "dense.onnx", "cpu", a.threads)
+    probed = probe(runners, reference, tokenizer, a.calib_dir, a.seq_len, pooling)
     timed = {k: v[: a.batch] for k, v in held.items()}
     steps = {name: _step(runner, timed) for name, runner in runners.items()}
     times = interleaved(steps, Method(warmup_iters=2, min_iters=10, min_seconds=a.min_seconds, round_iters=2))

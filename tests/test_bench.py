@@ -394,7 +394,7 @@ def test_sweep_refuses_an_existing_folder_without_overwrite_before_calibrating(t
     out.mkdir()
     (out / "mine.txt").write_text("keep")
     argv = ["sweep", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--calib", "synthetic", "--out", str(out)]
-    monkeypatch.setattr("corp_deploy.cli.prune.create_model", _never)
+    monkeypatch.setattr("corp_deploy.cli.inputs.create_model", _never)
     code, _, stderr = run(argv, capsys)
     assert code == 1 and f"output {out} already exists" in stderr and "--overwrite" in stderr
     assert [p.name for p in out.iterdir()] == ["mine.txt"]

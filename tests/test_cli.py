@@ -196,7 +196,7 @@ def test_an_output_that_cannot_be_created_fails_in_one_line_before_any_work(comm
     """``--out`` under a regular file (as under /proc): refused before the model is built or anything downloaded."""
     (tmp_path / "file").write_text("")
     out = tmp_path / "file" / "run"
-    monkeypatch.setattr("corp_deploy.cli.prune.create_model", _never)
+    monkeypatch.setattr("corp_deploy.cli.inputs.create_model", _never)
     monkeypatch.setattr("corp_deploy.cli.tools.run_demo", _never)
     code, _, stderr = run([a.format(out=out) for a in UNWRITABLE[command]], capsys)
     assert code == 1 and "Traceback" not in stderr
@@ -225,7 +225,7 @@ def test_an_oserror_while_writing_is_one_line_naming_the_path(tmp_path, capsys, 
 )
 def test_a_missing_package_is_named_before_calibrating(module, argv, tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, module, None)  # import fails, as when it is not installed
-    monkeypatch.setattr("corp_deploy.cli.prune.create_model", _never)
+    monkeypatch.setattr("corp_deploy.cli.inputs.create_model", _never)
     code, _, stderr = run([*argv, "--out", str(tmp_path / "run")], capsys)
     dist = {"onnxconverter_common": "onnxconverter-common"}.get(module, module)
     assert code == 1 and stderr.strip().splitlines() == [

@@ -254,7 +254,7 @@ def _never(*args, **kwargs):
 
 def test_prune_export_on_a_decoder_needs_genai_before_pruning(llama_folder, tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)
-    monkeypatch.setattr("corp_deploy.cli.prune.create_model", _never)
+    monkeypatch.setattr("corp_deploy.cli.inputs.create_model", _never)
     monkeypatch.setattr("corp_deploy.hf.load", _never)
     argv = ["prune-export", str(llama_folder), "--calib", "synthetic", "--seq-len", "16", "--precision", "fp32"]
     code, _, stderr = run([*argv, "--out", str(tmp_path / "run")], capsys)

@@ -280,6 +280,18 @@ def test_closed_loop_keeps_the_last_model_when_the_corrected_table_puts_the_targ
     assert check["rounds"] == 1 and not check["met"] and "below the smallest model" in check["history"][0]["stopped"]
 
 
+def test_a_latency_budget_plans_sequential_pruning_from_the_table() -> None:
+    """Without the closed loop, --sequential takes a latency budget: its widths come from the one pass's statistics
+    and the table (the table once went missing there, after the calibration pass)."""
+    model = tiny_vit()
+    table = speed.build_table(model, table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    config = PruneConfig(budget="latency=0.7", target="all", allocation="local", round_to=4, sequential=True)
+    result = api.prune(model, tiny_batches(), config, progress=False, table=table)
+    planned = result.report["allocation"]["latency"]
+    assert result.report["calibration"]["mode"] == api.SEQUENTIAL and planned["predicted_speedup"] >= 1 / 0.7
+    assert fake_time(result.model) <= 0.7 * fake_time(tiny_vit()) * 1.01  # the fake timer is the table's truth
+
+
 def test_closed_loop_refuses_what_it_cannot_replan() -> None:
     loop = api.LatencyLoop(lambda d, p: Timing(1, 1, 0.03))
     table = tied_table(tiny_vit())

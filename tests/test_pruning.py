@@ -241,3 +241,7 @@ def test_one_calibration_prunes_many_ways_as_one_shot_pruning_does() -> None:
     assert macs[0] <= 0.6 < macs[1] <= 0.8 and len(calib._planners) == 1
     with pytest.raises(CorpError, match="did not gather v statistics"):
         calib.prune(PruneConfig(target="v"))
+    with pytest.raises(CorpError, match="--sequential"):
+        calib.prune(PruneConfig(sequential=True))
+    with pytest.raises(CorpError, match="held-out"):  # refused before the pass: the stream is never read
+        corp_deploy.calibrated(model, iter(()), PruneConfig(budget="macs=0.5"), "cpu", progress=False)

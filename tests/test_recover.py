@@ -240,7 +240,7 @@ def test_a_bad_recovery_is_one_line_before_any_model_and_writes_nothing(case, co
     def never(*args, **kwargs):
         raise AssertionError("a model was built")
 
-    monkeypatch.setattr("corp_deploy.cli.prune.create_model", never)
+    monkeypatch.setattr("corp_deploy.cli.inputs.create_model", never)
     flags, expected = BAD_RECOVERY[case]
     out = tmp_path / "out"
     code, _, stderr = run([command, *PRUNE[1:], "--calib", "synthetic", *flags, "--out", str(out)], capsys)

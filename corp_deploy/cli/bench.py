@@ -23,6 +23,7 @@ from corp_deploy.bench.measure import Method
 from corp_deploy.bench.report import format_markdown, format_table, skipped_lines, to_csv
 from corp_deploy.bench.report import plot as draw
 from corp_deploy.bench.run import benchmark, parse_batch_sizes
+from corp_deploy.cli.inputs import inputs, latency_loop, latency_table
 from corp_deploy.cli.options import (
     ONNX_EXPORT,
     bench_method,
@@ -36,7 +37,6 @@ from corp_deploy.cli.options import (
     quiet_option,
     timing_group,
 )
-from corp_deploy.cli.prune import inputs, latency_loop, latency_table
 from corp_deploy.env import device_name
 from corp_deploy.errors import CorpError
 from corp_deploy.families.hf_text import max_positions
