@@ -202,7 +202,19 @@ class LatencyTable:
             c = 0.0
             k = median([dense_blocks * (1 - 1 / r) / (dense_blocks - blocks) for r, blocks in pairs])
         scale = dense_s / (c + dense_blocks)
-        return replace(self, scale=scale, fixed_s=scale * c, corrections=points, savings=k)
+        table = replace(self, scale=scale, fixed_s=scale * c, corrections=points, savings=k)
+        if table.cheapest_block_s() <= 0:  # every later plan would be predicted to cost nothing
+            raise CorpError(
+                f"the pruned model measured {pruned_s * 1e3:.1f} ms against the dense {dense_s * 1e3:.1f} ms: a saving "
+                "larger than the latency table's blocks cost; re-run on a quieter machine"
+            )
+        return table
+
+    def cheapest_block_s(self) -> float:
+        """The least any measured width combination's block is predicted to cost (modules replaced included)."""
+        mlps = [*self.mlp, *([REMOVED] if "mlp" in self.removed else [])]
+        heads = [*self.attn, *([(REMOVED, REMOVED)] if "attn" in self.removed else [])]
+        return min(self.block_s(m, q, v) for m in mlps for q, v in heads)
 
     # ------------------------------------------------------------------------------------- files
 

@@ -78,7 +78,9 @@ class Planner:
         self.dense_macs = model_size(dense)["macs"]
 
     def speedup(self, table: LatencyTable, plan: list[Widths]) -> float:
-        return table.dense_s / table.predict([widths_of(self.dense, w) for w in plan])
+        """Predicted; a plan narrower than the table measured (extrapolated to no time at all) reaches any target."""
+        predicted = table.predict([widths_of(self.dense, w) for w in plan])
+        return table.dense_s / predicted if predicted > 0 else math.inf
 
     def budget(self, text: str, table: LatencyTable, depth: tuple[str, ...] = ()) -> list[Widths]:
         config = PruneConfig(target=TARGET, budget=text, depth=depth)

@@ -292,6 +292,19 @@ def test_a_latency_budget_plans_sequential_pruning_from_the_table() -> None:
     assert fake_time(result.model) <= 0.7 * fake_time(tiny_vit()) * 1.01  # the fake timer is the table's truth
 
 
+def test_a_correction_that_would_make_blocks_free_is_refused() -> None:
+    """A pair measured far faster than any block can be (noise on a tiny model): the savings factor that explains it
+    would predict some widths to cost nothing, and every later plan a division by zero; the correction is refused
+    in one line, which the closed loops turn into "keep the model timed" (a pair a little faster is still taken)."""
+    table = speed.build_table(tiny_vit(), table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    half = [(table.shape.mlp // 2, table.shape.head_dim, table.shape.head_dim)] * table.shape.depth
+    dense_s = table.dense_s
+    taken = table.corrected(dense_s, 0.97 * table.predict(half), half)
+    assert taken.predict(half) == pytest.approx(0.97 * table.predict(half)) and taken.cheapest_block_s() > 0
+    with pytest.raises(CorpError, match="larger than the latency table's blocks cost"):
+        table.corrected(dense_s, 0.02 * dense_s, half)
+
+
 def test_closed_loop_refuses_what_it_cannot_replan() -> None:
     loop = api.LatencyLoop(lambda d, p: Timing(1, 1, 0.03))
     table = tied_table(tiny_vit())
