@@ -281,28 +281,30 @@ VOCAB = SPECIAL + WORDS
 """The decoders' word-level vocabulary (``tokenizer``): BOS ``<s>`` 1, EOS ``</s>`` 2, as OPT numbers them."""
 
 
+def _tiny_decoder(config_class, model_class, seed: int, args: dict):
+    """A seeded random decoder with OPT's special-token ids and SDPA attention, as ``hf.load`` sets it."""
+    torch.manual_seed(seed)
+    config = config_class(pad_token_id=0, bos_token_id=1, eos_token_id=2, **args)
+    config._attn_implementation = "sdpa"
+    return model_class(config).eval()
+
+
 def tiny_opt(seed: int = 0, **overrides):
     """hidden 32, 2 layers, 4 heads of 8, FFN 64, 64 positions; SDPA attention as ``hf.load`` sets it."""
     from transformers import OPTConfig, OPTForCausalLM
 
-    torch.manual_seed(seed)
     args = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 64}
     args |= {"word_embed_proj_dim": 32, "max_position_embeddings": 64, "vocab_size": 100} | overrides
-    config = OPTConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2, **args)
-    config._attn_implementation = "sdpa"
-    return OPTForCausalLM(config).eval()
+    return _tiny_decoder(OPTConfig, OPTForCausalLM, seed, args)
 
 
 def tiny_llama(seed: int = 0, **overrides):
     """hidden 32, 2 layers, 4 heads of 8 over 2 K/V heads, intermediate 64, vocab 100; SDPA as ``hf.load`` sets."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
     args = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     args |= {"intermediate_size": 64, "vocab_size": 100, "max_position_embeddings": 64} | overrides
-    config = LlamaConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2, **args)
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).eval()
+    return _tiny_decoder(LlamaConfig, LlamaForCausalLM, seed, args)
 
 
 def tokenizer():
