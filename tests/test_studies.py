@@ -172,12 +172,17 @@ def test_recover_study_prunes_at_a_runs_widths_calibrated_on_another_dataset(tmp
     out = tmp_path / "recover"
     small = ["--train", "40", "--test", "20", "--num-calib", "16", "--heldout", "4", "--batch", "8", "--probes", "digits"]
     small += ["--calib-dataset", "digits", "--calib-train", "60", "--widths-from", str(run)]
+    small += ["--speed-on", "torch-cpu-fp32", "--speed-batch", "2"]
     recover_study.main([*small, "--rows", "corp:none:0,removal:blocks-adamw-1e-4:1", "--out", str(out)])
 
     record = json.loads(out.with_suffix(".json").read_text())
     assert all(r["calib_dir"].endswith("digits-train60-test20-seed0/train") for r in record["rows"])
     assert [r["structure"] for r in record["rows"]] == [entries, entries]
     assert record["title"].startswith(f"Label-free recovery at the widths of {run}")
+    assert "calibrated on digits-train60-test20-seed0; measured" in record["title"]
+    assert record["speed"]["batch"] == 2 and record["speed"]["speedup"] == pytest.approx(
+        record["speed"]["dense_s"] / record["speed"]["pruned_s"]
+    )
     assert record["rows"][1]["recovery"]["inputs"] == 16
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "corp.json").write_text(json.dumps({**read_meta(run), "structure": [{"attn": "mean"}] * 2}))
