@@ -5,18 +5,19 @@
 DINOv2 ViT-S/14 (real weights) is calibrated once (MLP, Q/K and V) on ``--num-calib`` train images of
 ``--calib-dataset`` (digits by default; ``--calib-train`` of them in the pool; ``--heldout`` more, drawn across the
 same sample, are held out as the sensitivity pass would hold them: never trained on, only evaluated as the
-recovery's ``check``). Every block is pruned uniformly at ``--sparsity`` of all three parts, or at the widths a
-``corp-deploy prune`` run chose (``--widths-from RUN``: e.g. a ``--speedup 2`` run, whose closed loop measured its
-speed), with CORP's compensation or none (plain removal): one set of widths, so every row of the table runs the
-same graph at the same speed, and only the weights differ; ``--speed-on BACKEND`` measures that speed in the run
-(CORP's pruned model against the dense one, interleaved: ``speed.measure_pair``, the closed loop's timing). Each row is a start (``corp`` or ``removal``), a
-recipe (``corp_deploy.recover`` settings, ``RECIPES``) and a step budget; its accuracy is the DENSE model's linear
-probe on the digits AND the Fashion-MNIST test images (images no calibration or recovery ever saw), top-1 with its
-standard error, and the mean feature cosine to the dense model on those images. ``more`` recipes train on
-``--more`` train images of the calibration dataset instead of the calibration ones (still never a test image: the test split is
-disjoint, checked by content). Rows are appended to ``<out>.jsonl`` as they finish (a long run that is stopped
-keeps what it measured); ``<out>.md/.json`` are written from all rows at the end (``--report`` only rewrites them;
-what ``<out>.md`` holds below its ``HAND_WRITTEN`` line, the command-line runs, is kept).
+recovery's ``check``). Every block is pruned uniformly at ``--sparsity`` of all three parts, or at given widths
+(``--widths-from``: a prune artifact's, or a JSON list such as a ``speed_study`` row's ``widths``, whose closed
+loop measured their speed), with CORP's compensation or none (plain removal): one set of widths, so every row of
+the table runs the same graph at the same speed, and only the weights differ; ``--speed-on BACKEND`` measures that
+speed in the run (CORP's pruned model against the dense one, interleaved: ``speed.measure_pair``, the closed
+loop's timing). Each row is a start (``corp`` or ``removal``), a recipe (``corp_deploy.recover`` settings,
+``RECIPES``) and a step budget; its accuracy is the DENSE model's linear probe on the digits AND the Fashion-MNIST
+test images (images no calibration or recovery ever saw), top-1 with its standard error, and the mean feature
+cosine to the dense model on those images. ``more`` recipes train on ``--more`` train images of the calibration
+dataset instead of the calibration ones (still never a test image: the test split is disjoint, checked by
+content). Rows are appended to ``<out>.jsonl`` as they finish (a long run that is stopped keeps what it measured);
+``<out>.md/.json`` are written from all rows at the end (``--report`` only rewrites them; what ``<out>.md`` holds
+below its ``HAND_WRITTEN`` line, the command-line runs, is kept).
 """
 
 from __future__ import annotations
@@ -80,11 +81,14 @@ def without(batches: list, held: torch.Tensor, batch: int) -> list:
     return [(kept[i : i + batch], 0) for i in range(0, len(kept), batch)]
 
 
-def run_widths(folder: Path) -> list[Widths]:
-    """Every block's widths in a ``corp-deploy prune`` artifact (``corp.json``'s structure; no module replaced)."""
-    blocks = read_meta(folder)["structure"]
+def run_widths(source: Path) -> list[Widths]:
+    """Every block's widths in a ``corp-deploy prune`` artifact (``corp.json``'s structure; no module replaced), or
+    in a JSON file of ``[mlp, qk, v]`` per block (a ``speed_study`` row's ``widths``)."""
+    if source.suffix == ".json":
+        return [Widths(mlp=m, qk=qk, v=v) for m, qk, v in json.loads(source.read_text())]
+    blocks = read_meta(source)["structure"]
     if any("mlp_hidden" not in b or "qk_dim" not in b for b in blocks):
-        raise SystemExit(f"{folder}: a block of this run was replaced (--depth); give a run that kept every module")
+        raise SystemExit(f"{source}: a block of this run was replaced (--depth); give a run that kept every module")
     return [Widths(mlp=b["mlp_hidden"], qk=b["qk_dim"], v=b["v_dim"]) for b in blocks]
 
 
@@ -255,7 +259,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train", type=int, default=300, help="probe-training images per probe")
     p.add_argument("--calib-dataset", default="digits", help="where calibration and recovery images come from")
     p.add_argument("--calib-train", type=int, default=0, help="train images in the calibration pool (0: --train)")
-    p.add_argument("--widths-from", type=Path, help="prune at this corp-deploy run's widths, not --sparsity")
+    p.add_argument(
+        "--widths-from",
+        type=Path,
+        help="prune at given widths (a prune artifact folder, or a JSON list of [mlp, qk, v] per block)",
+    )
     p.add_argument("--test", type=int, default=200, help="test images per probe (never calibrated or trained on)")
     p.add_argument("--num-calib", type=int, default=256)
     p.add_argument("--heldout", type=int, default=32, help="held-out calibration images (never trained on)")

