@@ -286,7 +286,9 @@ def test_two_gloo_processes_walk_like_one(tmp_path, monkeypatch) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     argv = [*torchrun, str(script), str(tmp_path / "two")]
-    done = subprocess.run(argv, cwd=ROOT, env=env | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=420)
+    done = subprocess.run(
+        argv, cwd=ROOT, env=env | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=420
+    )
     assert done.returncode == 0, done.stderr
     # The same script as one process, here (no fresh process's imports): one thread, as OMP_NUM_THREADS=1 gives.
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
