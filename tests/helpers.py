@@ -67,7 +67,10 @@ def run_here(argv: list[str], out, capsys) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        code, _, err = run([*argv, *(["--out", str(out)] if out is not None else [])], capsys)
+        with pytest.MonkeyPatch.context() as mp:  # one process, as launch's environment has it
+            for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+                mp.delenv(name, raising=False)
+            code, _, err = run([*argv, *(["--out", str(out)] if out is not None else [])], capsys)
     finally:
         torch.set_num_threads(threads)
     assert code == 0, err
