@@ -85,10 +85,11 @@ def _torchlib_registry_once():
     the table (the same entries, so the same graphs; an export that registers a custom op changes only its copy)."""
     try:
         from torch.onnx._internal.exporter._registration import ONNXRegistry
-    except ImportError:  # no onnxscript: nothing here exports
+
+        build = ONNXRegistry.from_torchlib.__func__
+    except (ImportError, AttributeError):  # no onnxscript (nothing here exports), or another torch: as torch does it
         yield
         return
-    build = ONNXRegistry.from_torchlib.__func__
     built: dict[int, ONNXRegistry] = {}
 
     def from_torchlib(cls, *args, **kwargs):
