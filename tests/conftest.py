@@ -78,6 +78,36 @@ def _torch_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _torchlib_registry_once():
+    """torch's ONNX exporter rebuilds its registry of torchlib functions on every export (~0.5 s, thousands of
+    signatures; dozens of exports per worker): build it once per opset version and give each export its own copy of
+    the table (the same entries, so the same graphs; an export that registers a custom op changes only its copy)."""
+    try:
+        from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+        build = ONNXRegistry.from_torchlib.__func__
+    except (ImportError, AttributeError):  # no onnxscript (nothing here exports), or another torch: as torch does it
+        yield
+        return
+    built: dict[int, ONNXRegistry] = {}
+
+    def from_torchlib(cls, *args, **kwargs):
+        if cls is not ONNXRegistry or len(args) + len(kwargs) > 1 or set(kwargs) - {"opset_version"}:
+            return build(cls, *args, **kwargs)  # a subclass or an unknown call: as torch does it
+        key = (args or tuple(kwargs.values()) or (None,))[0]
+        if key not in built:
+            built[key] = build(cls, *args, **kwargs)
+        registry = cls.__new__(cls)
+        registry.__dict__.update(built[key].__dict__)
+        registry.functions = {target: list(metas) for target, metas in built[key].functions.items()}
+        return registry
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ONNXRegistry, "from_torchlib", classmethod(from_torchlib))
+        yield
+
+
 @pytest.fixture(scope="session")
 def bert_graph(tmp_path_factory) -> dict[str, Path]:
     """A tiny random BERT folder (``helpers.tiny_text_folder``) and its verified FP32 encoder graph as ``export``

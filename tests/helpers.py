@@ -58,6 +58,24 @@ def launch(argv: list[str], out, processes: int = 1) -> None:
     assert done.returncode == 0, done.stderr
 
 
+def run_here(argv: list[str], out, capsys) -> None:
+    """``launch``'s one-process run in this process instead: the same ``python -m corp_deploy ARGV --out OUT``
+    (``-m corp_deploy`` optional; ``out`` None: ARGV has its ``--out``) on one thread, as ``launch`` sets
+    ``OMP_NUM_THREADS=1``, without a fresh process's ~5-10 s of torch/timm/transformers imports; fails the test with
+    the command's stderr."""
+    argv = argv[2:] if argv[:2] == ["-m", "corp_deploy"] else argv
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as mp:  # one process, as launch's environment has it
+            for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+                mp.delenv(name, raising=False)
+            code, _, err = run([*argv, *(["--out", str(out)] if out is not None else [])], capsys)
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, err
+
+
 def bench_record(p50: dict[tuple[str, str, int], float]) -> dict:
     results = [
         {"backend": b, "device": "cpu", "precision": "fp32", "model": m, "batch": n, "p50_ms": v, "throughput": n / v}

@@ -278,17 +278,25 @@ distributed.finish()
 """
 
 
-def test_two_gloo_processes_walk_like_one(tmp_path) -> None:
+def test_two_gloo_processes_walk_like_one(tmp_path, monkeypatch) -> None:
     """Each rank caches its shard; per-block sums are all-reduced and every rank prunes each block the same way."""
     script = tmp_path / "worker.py"
-    script.write_text(textwrap.dedent(WORKER.format(root=str(ROOT), tests=str(ROOT / "tests"))))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")} | {
-        "OMP_NUM_THREADS": "1"
-    }
+    source = textwrap.dedent(WORKER.format(root=str(ROOT), tests=str(ROOT / "tests")))
+    script.write_text(source)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    for argv in ([sys.executable, str(script), str(tmp_path / "one")], [*torchrun, str(script), str(tmp_path / "two")]):
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-        assert done.returncode == 0, done.stderr
+    argv = [*torchrun, str(script), str(tmp_path / "two")]
+    done = subprocess.run(
+        argv, cwd=ROOT, env=env | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=420
+    )
+    assert done.returncode == 0, done.stderr
+    # The same script as one process, here (no fresh process's imports): one thread, as OMP_NUM_THREADS=1 gives.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", [str(script), str(tmp_path / "one")])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    torch.set_num_threads(1)  # the autouse _torch_threads fixture restores the count
+    exec(compile(source, str(script), "exec"), {"__name__": "__main__"})
     for name in ("sequential", "bounded"):
         a, b = (load_file(str(tmp_path / f"{run}-{name}.safetensors")) for run in ("one", "two"))
         assert sorted(a) == sorted(b)

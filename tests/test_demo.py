@@ -39,7 +39,7 @@ def test_demo_writes_table_plot_and_runs_on_a_tiny_backbone(tmp_path, monkeypatc
     monkeypatch.setitem(datasets.DATASETS, "blobs", (_blobs, ("a", "b", "c")))
     lines: list[str] = []
     config = DemoConfig(
-        target=target, dataset="blobs", train=30, test=15, num_calib=24, batch_sizes=(1, 2), min_seconds=0.05
+        target=target, dataset="blobs", train=30, test=15, num_calib=24, batch_sizes=(1, 2), min_seconds=0.0
     )
     out = tmp_path / "demo"
     result = run_demo(out, config, lines.append, device="cpu")
@@ -91,7 +91,7 @@ def test_an_int8_graph_failing_its_check_is_reported_and_the_demo_goes_on(tmp_pa
 
     monkeypatch.setattr("corp_deploy.demo.quantize_graphs", miss)
     lines: list[str] = []
-    config = DemoConfig(dataset="blobs", train=30, test=15, num_calib=24, batch_sizes=(1, 2), min_seconds=0.05)
+    config = DemoConfig(dataset="blobs", train=30, test=15, num_calib=24, batch_sizes=(1,), min_seconds=0.0)
     result = run_demo(tmp_path / "demo", config, lines.append, device="cpu")
     assert any("INT8 left out: INT8 ONNX pruned.int8.onnx" in line for line in lines)
     assert "corp int8 onnx" not in result["accuracy"] and "corp onnx" in result["accuracy"]

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import BERT_VOCAB, BERT_WORDS, padded_batches, tiny_bert
+from helpers import BERT_VOCAB, BERT_WORDS, padded_batches, run, tiny_bert
 
 from corp_deploy.errors import CorpError
 
@@ -166,12 +164,10 @@ def _model_folder(root: Path) -> Path:
     return folder
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "corp_deploy", *args], capture_output=True, text=True)
-
-
 @pytest.mark.e2e
-def test_cli_prunes_a_transformers_folder_on_text_and_refuses_bad_text_input(tmp_path: Path) -> None:
+def test_cli_prunes_a_transformers_folder_on_text_and_refuses_bad_text_input(tmp_path: Path, capsys) -> None:
+    """The command line in this process (``helpers.run``: an uncaught exception fails the test, as a traceback
+    would); a fresh process per command only re-imports torch and transformers."""
     folder = _model_folder(tmp_path)
     text = tmp_path / "text"
     for label, words in (("a", BERT_WORDS[:8]), ("b", BERT_WORDS[8:])):
@@ -181,10 +177,23 @@ def test_cli_prunes_a_transformers_folder_on_text_and_refuses_bad_text_input(tmp
     (text / "more.jsonl").write_text(json.dumps({"text": "the news said"}) + "\n")
     out = tmp_path / "out"
     common = ["--num-calib", "8", "--calib-batch-size", "4", "--round-to", "4", "--quiet"]
-    run = _cli(
-        "prune", str(folder), "--calib-dir", str(text), "--seq-len", "16", "--target", "all", *common, "--out", str(out)
+    code, _, err = run(
+        [
+            "prune",
+            str(folder),
+            "--calib-dir",
+            str(text),
+            "--seq-len",
+            "16",
+            "--target",
+            "all",
+            *common,
+            "--out",
+            str(out),
+        ],
+        capsys,
     )
-    assert run.returncode == 0, run.stderr
+    assert code == 0, err
     meta = read_meta(out)
     assert meta["family"] == "hf-bert" and meta["report"]["calibration"]["sequences"] == 8
     assert (out / "tokenizer_config.json").is_file()
@@ -196,8 +205,8 @@ def test_cli_prunes_a_transformers_folder_on_text_and_refuses_bad_text_input(tmp
         (["--calib-dir", str(empty)], "no text"),
         (["--calib", "synthetic", "--seq-len", "41"], "--seq-len must be between 1 and 40"),
     ):
-        bad = _cli("prune", str(folder), *args, *common, "--out", str(tmp_path / "bad"))
-        assert bad.returncode == 1 and message in bad.stderr and "Traceback" not in bad.stderr
+        code, _, err = run(["prune", str(folder), *args, *common, "--out", str(tmp_path / "bad")], capsys)
+        assert code == 1 and message in err and "Traceback" not in err
         assert not (tmp_path / "bad").exists()
 
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import launch, run, tiny_text_folder
+from helpers import launch, run, run_here, tiny_text_folder
 
 from corp_deploy.bench.run import pairs
 from corp_deploy.cli import main
@@ -224,7 +224,7 @@ def test_macs_are_counted_at_the_runs_seq_len_and_recorded(folder, tmp_path, cap
 
 
 @pytest.mark.e2e
-def test_two_gloo_processes_calibrate_text_to_the_single_process_model(folder, tmp_path) -> None:
+def test_two_gloo_processes_calibrate_text_to_the_single_process_model(folder, tmp_path, capsys) -> None:
     """torchrun data-parallel: each rank tokenizes its shard of the documents; the merged sums give the same model."""
     import torch
     from safetensors.torch import load_file
@@ -236,7 +236,7 @@ def test_two_gloo_processes_calibrate_text_to_the_single_process_model(folder, t
         (text / f"{i:02d}.txt").write_text(" ".join(words[j % 7] for j in range(i, 3 * i + 4)))
     argv = ["-m", "corp_deploy", "prune", str(folder), "--calib-dir", str(text), *TEXT_ARGS[:4]]
     argv += ["--calib-batch-size", "3", "--num-calib", "11", "--device", "cpu", "--target", "all"]
-    launch(argv, tmp_path / "one")
+    run_here(argv, tmp_path / "one", capsys)  # the single-process reference needs no fresh process
     launch(argv, tmp_path / "two", processes=2)
     a, b = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("one", "two"))
     assert sorted(a) == sorted(b)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import launch, run
+from helpers import launch, run, run_here
 
 from corp_deploy import api, blockwise, calibration
 from corp_deploy.pruner import PruneConfig, calibrate
@@ -250,7 +250,7 @@ def test_cli_allocates_a_decoder_by_sensitivity_and_refuses_a_folder_with_nothin
 
 
 @pytest.mark.e2e
-def test_two_gloo_processes_calibrate_a_decoder_to_the_single_process_model(tmp_path: Path) -> None:
+def test_two_gloo_processes_calibrate_a_decoder_to_the_single_process_model(tmp_path: Path, capsys) -> None:
     """torchrun data-parallel for a decoder: each rank takes every other packed window; the merged sums give the
     same model as one process (the sequential walk too: every rank prunes each block from the merged sums)."""
     from safetensors.torch import load_file
@@ -258,7 +258,7 @@ def test_two_gloo_processes_calibrate_a_decoder_to_the_single_process_model(tmp_
     model, text = opt_folders(tmp_path)
     argv = ["-m", "corp_deploy", "prune", str(model), "--calib-dir", str(text), "--seq-len", "8", "--num-calib", "7"]
     argv += ["--calib-batch-size", "2", "--device", "cpu", "--target", "all", "--round-to", "2", "--quiet"]
-    launch(argv, tmp_path / "one")
+    run_here(argv, tmp_path / "one", capsys)  # the single-process reference needs no fresh process
     launch(argv, tmp_path / "two", processes=2)
     launch([*argv, "--sequential"], tmp_path / "two-seq", processes=2)
     a, b = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("one", "two"))
