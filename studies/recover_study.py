@@ -117,13 +117,13 @@ def calib_folder(a: argparse.Namespace) -> Path:
 
 def setup(a: argparse.Namespace) -> tuple[torch.nn.Module, dict, list, torch.Tensor, dict[str, torch.nn.Module]]:
     """The dense model, the probe tasks, the calibration batches and held-out images, and the pruned starts."""
+    widths = run_widths(a.widths_from) if a.widths_from else None  # a bad source fails before minutes of work
     real = real_task("digits", a.train, a.test)
     dense = real.dense
     folders = {p: datasets.image_folders(p, a.train, a.test) for p in a.probes}
     tasks = {p: real.task if p == "digits" else probe_task(dense, *folders[p]) for p in a.probes}
     calib = image_batches(dense, calib_folder(a), a.num_calib, a.batch, a.heldout)
     stats = calibrate(dense, calib.batches, PruneConfig(target=TARGET), "cpu", progress=False)
-    widths = run_widths(a.widths_from) if a.widths_from else None
     pruned = {}
     for name, compensation in STARTS.items():
         pruned[name] = copy.deepcopy(dense)
@@ -146,6 +146,11 @@ def measured_speed(a: argparse.Namespace, dense: torch.nn.Module, pruned: torch.
 
 
 def run(a: argparse.Namespace) -> None:
+    if a.speed_on:
+        try:
+            speed.check_backend(a.speed_on)  # before any model is built
+        except CorpError as e:
+            raise SystemExit(str(e).replace("--latency-on", "--speed-on")) from None
     torch.set_num_threads(a.threads)
     start = time.perf_counter()
     dense, tasks, batches, heldout, pruned = setup(a)

