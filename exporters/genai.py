@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from torch import nn
 
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError, first_line
+from corp_deploy.exporters import fused_decoder
 from corp_deploy.exporters.compare import FP32, Tolerance
 from corp_deploy.exporters.kv_cache import (
     KINDS,
@@ -29,6 +31,7 @@ from corp_deploy.exporters.kv_cache import (
     CacheLayout,
     DecodeStep,
     export_decoder_onnx,
+    layout,
     verify_decoder_onnx,
 )
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, check_opset, onnx_bytes
@@ -173,6 +176,22 @@ def check_tokenizer(folder: Path) -> dict[str, Any] | None:
     return {"sample": TOKENIZER_SAMPLE, "tokens": want}
 
 
+GRAPHS = ("auto", "fused", "export")
+"""``--decode-graph``: genai's builder (``fused``, ``exporters.fused_decoder``), ``torch.export``
+(``export``, ``exporters.kv_cache``: any widths), or ``auto`` (fused where the builder takes the model)."""
+
+
+def choose_graph(model: nn.Module, graph: str, tokenizer: Sequence[Path]) -> tuple[str, str | None]:
+    """(``fused`` or ``export``, why not fused) for ``--decode-graph``; fused asked of a model it cannot take is
+    one line."""
+    if graph not in GRAPHS:
+        raise CorpError(f"--decode-graph must be one of {', '.join(GRAPHS)}, got {graph!r}")
+    why = fused_decoder.unsupported(model, tokenizer) if graph != "export" else "asked for (--decode-graph export)"
+    if graph == "fused" and why:
+        raise CorpError(f"--decode-graph fused: {why}; use --decode-graph export or auto")
+    return ("export", why) if why else ("fused", None)
+
+
 def write_genai_folder(
     model: nn.Module,
     folder: Path,
@@ -182,38 +201,50 @@ def write_genai_folder(
     prompt_ids: list[list[int]] | None = None,
     tol: Tolerance = FP32,
     steps: int = 4,
+    graph: str = "auto",
 ) -> dict[str, Any]:
     """Write and verify the genai folder for ``model`` into ``folder`` (created; callers stage it); its record.
 
-    The graph must reproduce torch's logits within ``tol`` (its relative error) over a prefill and ``steps`` decode
-    steps, and genai must generate ``generate``'s tokens from ``prompt_ids`` (default ``prompts``);
-    ``model.onnx.json`` records both checks, the tokenizer check and the cache layout.
+    ``graph`` picks the decode step's writer (``GRAPHS``). The graph must reproduce torch's logits within ``tol``
+    (its relative error) over a prefill and ``steps`` decode steps, and genai must generate ``generate``'s tokens
+    from ``prompt_ids`` (default ``prompts``); ``model.onnx.json`` records both checks, the tokenizer check, the
+    cache layout and which writer made the graph (and why not the fused one).
     """
     check_opset(opset)
-    require("onnxruntime_genai", "a decoder's genai folder")
+    og = require("onnxruntime_genai", "a decoder's genai folder")
+    tokenizer = [tokenizer_dir / n for n in TOKENIZER_FILES if tokenizer_dir and (tokenizer_dir / n).is_file()]
+    writer, why = choose_graph(model, graph, tokenizer)
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     metadata = {**description, "precision": "fp32", "graph": "decode-step"}
-    step = export_decoder_onnx(model, folder / GRAPH, opset, metadata)
+    if writer == "fused":
+        fused_decoder.build_fused(model, folder, metadata, tokenizer)
+        lay = layout(model, padded=False)
+        made = {"writer": f"onnxruntime-genai {og.__version__} model builder (fused operators)"}
+    else:
+        step = export_decoder_onnx(model, folder / GRAPH, opset, metadata)
+        lay = step.lay
+        made = {"writer": f"torch.export (opset {opset})", "why_not_fused": why}
     seconds = time.perf_counter() - start
-    check = verify_decoder_onnx(model, folder / GRAPH, steps)
+    check = verify_decoder_onnx(model, folder / GRAPH, steps, batched=writer == "export")
     worst = max(check["max_rel_error_per_step"])
     if worst > tol.max_rel_error:
         raise CorpError(
             f"the decode-step graph differs from torch by {worst:.2e} (relative; FP32 gate {tol.max_rel_error})"
         )
-    for name in TOKENIZER_FILES if tokenizer_dir else ():
-        if (tokenizer_dir / name).is_file():
-            shutil.copy2(tokenizer_dir / name, folder / name)
-    (folder / CONFIG).write_text(json.dumps(genai_config(step, model.config, step.lay), indent=2) + "\n")
+    if writer == "export":
+        for f in tokenizer:
+            shutil.copy2(f, folder / f.name)
+        (folder / CONFIG).write_text(json.dumps(genai_config(step, model.config, lay), indent=2) + "\n")
     record = {
         "file": GRAPH,
         "precision": "fp32",
         "graph": "decode-step",
+        **made,
         "opset": opset,
         "bytes": onnx_bytes(folder / GRAPH),
         "seconds": round(seconds, 2),
-        "kv_cache": step.lay.record(),
+        "kv_cache": lay.record(),
         "verify": {**check, "reference": "torch (its own key/value cache)", "tolerance": asdict(tol)},
         "tokenizer": check_tokenizer(folder),
         "genai": verify_genai(folder, model, prompt_ids),

@@ -707,12 +707,12 @@ def int4_genai_folder(src: Path, out: Path, *args: Any, **kwargs: Any) -> dict[s
     """``out`` (created; callers stage it): the onnxruntime-genai folder ``src`` with its decode-step graph's weights
     in INT4, verified against ``src``'s FP32 graph (``quantize_int4_verified``, same arguments: prefill logits on
     the windows); its genai_config.json and tokenizer files copied unchanged (the graph keeps its names and cache
-    layout)."""
+    layout; a fused graph's ``model.onnx.data`` is not copied: the INT4 graph is one file)."""
     from corp_deploy.exporters.genai import GRAPH
 
     out.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.is_file() and f.name not in (GRAPH, f"{GRAPH}.json"):
+    for f in src.iterdir():  # not the graph, its record or its weight file (the INT4 graph holds its weights)
+        if f.is_file() and not f.name.startswith(GRAPH):
             shutil.copy2(f, out / f.name)
     return quantize_int4_verified(src / GRAPH, out / GRAPH, *args, **kwargs) | {"folder": out.name}
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from corp_deploy.deps import require
-from corp_deploy.errors import CorpError
+from corp_deploy.errors import CorpError, first_line
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, _quiet, add_metadata, check_onnx
 from corp_deploy.families import Adapter, adapter_for, decoders
 
@@ -260,30 +260,53 @@ def _reference_steps(model: nn.Module, ids: Tensor, mask: Tensor, steps: int) ->
 
 
 def verify_decoder_onnx(
-    model: nn.Module, path: str | Path, steps: int = 4, seed: int = 0, padded: bool = True
+    model: nn.Module, path: str | Path, steps: int = 4, seed: int = 0, padded: bool = True, batched: bool = True
 ) -> dict[str, Any]:
     """Prefill + ``steps`` decode steps in onnxruntime, each step's past fed from the last step's present, against
-    the torch model with its own cache: the largest |onnxruntime - torch| / max |torch| over real tokens, per step."""
+    the torch model with its own cache: the largest |onnxruntime - torch| / max |torch| over real tokens, per step.
+
+    The graph's inputs and outputs are matched by name, so any decode-step graph with genai's names is checked
+    (this module's, and genai's builder's, which counts positions itself and takes no ``position_ids``).
+    ``batched``: the ``VERIFY_PROMPTS`` in one left-padded batch; else one at a time (the builder's attention
+    reads a mask's padding on the right, as genai feeds it, not ``generate``'s left padding)."""
     ort = require("onnxruntime", "ONNX verification")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     step = DecodeStep(model, padded)
-    inputs, _ = step.names()
-    longest = max(VERIFY_PROMPTS)
+    errors = [0.0] * (steps + 1)
+    for lengths in [VERIFY_PROMPTS] if batched else [(n,) for n in VERIFY_PROMPTS]:
+        for k, e in enumerate(_step_errors(session, step, lengths, steps, seed)):
+            errors[k] = max(errors[k], e)
+    return {
+        "prompt_lengths": list(VERIFY_PROMPTS),
+        "batched": batched,
+        "decode_steps": steps,
+        "max_rel_error_per_step": errors,
+    }
+
+
+def _step_errors(session: Any, step: DecodeStep, lengths: Sequence[int], steps: int, seed: int) -> list[float]:
+    """Per call (prefill, then each decode step), the relative error of the graph's logits on a batch of prompts
+    of ``lengths`` tokens, left-padded to the longest."""
+    model, (names, outputs) = step.model, step.names()
+    wanted = {i.name for i in session.get_inputs()}
+    longest = max(lengths)
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (len(VERIFY_PROMPTS), longest), generator=g)
-    mask = (torch.arange(longest)[None] >= torch.tensor([longest - n for n in VERIFY_PROMPTS])[:, None]).long()
+    ids = torch.randint(0, model.config.vocab_size, (len(lengths), longest), generator=g)
+    mask = (torch.arange(longest)[None] >= torch.tensor([longest - n for n in lengths])[:, None]).long()
     with torch.inference_mode():
         calls = _reference_steps(model, ids, mask, steps)
-    past = [t.numpy() for t in step.empty_past(len(VERIFY_PROMPTS))]
+    past = {n: t.numpy() for n, t in zip(names[-2 * len(step.lay.key) :], step.empty_past(len(lengths)), strict=True)}
     errors = []
     for ids_, mask_, ref in calls:
-        feeds = [
-            ids_.numpy(),
-            mask_.numpy(),
-            *([positions(mask_)[:, -ids_.shape[1] :].numpy()] if step.positions else []),
-        ]
-        logits, *past = session.run(None, dict(zip(inputs, feeds + past, strict=True)))
+        feeds = {"input_ids": ids_.numpy(), "attention_mask": mask_.numpy(), **past}
+        feeds["position_ids"] = positions(mask_)[:, -ids_.shape[1] :].numpy()
+        try:
+            run = session.run(outputs, {k: v for k, v in feeds.items() if k in wanted})
+        except Exception as e:  # onnxruntime's own exception types
+            raise CorpError(f"onnxruntime cannot run the decode-step graph: {first_line(e)}") from None
+        got = dict(zip(outputs, run, strict=True))
+        past = {name.replace("present", "past_key_values", 1): got[name] for name in outputs[1:]}
         real = mask_[:, -ids_.shape[1] :].numpy().astype(bool)
         ref_ = ref.numpy()
-        errors.append(float(np.abs(logits - ref_)[real].max() / np.abs(ref_[real]).max()))
-    return {"prompt_lengths": list(VERIFY_PROMPTS), "decode_steps": steps, "max_rel_error_per_step": errors}
+        errors.append(float(np.abs(got["logits"] - ref_)[real].max() / np.abs(ref_[real]).max()))
+    return errors

@@ -27,11 +27,12 @@ from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
 PROMPT = "the market news price team"
 
 
-def tiny_decoder(kind: str, seed: int = 0, layers: int = 2):
-    """hidden 32, ``layers`` layers, 4 heads of 8 (Llama: over 2 K/V heads), MLP 64, 64 positions, SDPA as
-    ``hf.load``."""
+def tiny_decoder(kind: str, seed: int = 0, layers: int = 2, head: int = 8):
+    """hidden 4 x ``head``, ``layers`` layers, 4 heads of ``head`` (Llama: over 2 K/V heads), MLP 64, 64 positions,
+    SDPA as ``hf.load``."""
     torch.manual_seed(seed)
-    size = {"hidden_size": 32, "num_hidden_layers": layers, "num_attention_heads": 4, "max_position_embeddings": 64}
+    size = {"hidden_size": 4 * head, "num_hidden_layers": layers, "num_attention_heads": 4}
+    size["max_position_embeddings"] = 64
     ids = {"vocab_size": 300, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     if kind == "llama":
         config = transformers.LlamaConfig(
@@ -168,6 +169,65 @@ def test_genai_loads_the_folder_and_greedy_generates_transformers_tokens(exporte
     assert got == want[0].tolist() and len(got) == len(prompt) + 32
 
 
+# --------------------------------------------------------------------------- the fused graph (genai's builder)
+
+
+@pytest.fixture(scope="module")
+def fused(tokenizer_dir, tmp_path_factory):
+    """{name: (model, folder, record)}: a dense tiny Llama with heads of 16 (the CPU GroupQueryAttention's
+    multiple) and one pruned MLP-only to a different width per layer (the remote-code form's case), written with
+    ``graph="fused"``."""
+    pytest.importorskip("onnxruntime_genai", reason="genai folders need onnxruntime-genai (pip install '.[genai]')")
+    dense = tiny_decoder("llama", head=16)
+    per_layer = _pruned(dense, "mlp", 0.25)
+    per_layer.model.layers[1] = _pruned(dense, "mlp", 0.5).model.layers[1]
+    out = {}
+    for name, model in (("dense", dense), ("per-layer", per_layer)):
+        folder = tmp_path_factory.mktemp(name) / "genai"
+        out[name] = model, folder, write_genai_folder(model, folder, {"modality": "text"}, tokenizer_dir, graph="fused")
+    return out
+
+
+@pytest.mark.parametrize("name", ["dense", "per-layer"])
+def test_the_fused_graph_is_genais_own_ops_at_the_models_widths_and_generates_transformers_tokens(fused, name):
+    import onnx
+
+    model, folder, record = fused[name]
+    assert record["writer"].startswith("onnxruntime-genai") and "why_not_fused" not in record
+    assert max(record["verify"]["max_rel_error_per_step"]) < 1e-5 and not record["verify"]["batched"]
+    assert all(p["genai_equal"] and len(p["tokens"]) == 32 for p in record["genai"]["prompts"])
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("GroupQueryAttention") == 2 and "SkipSimplifiedLayerNormalization" in ops
+    assert len(ops) < 25 * 2 + 10  # ~10 a layer (torch.export's graph: ~90)
+    cache = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim[1::2]] for i in graph.input}
+    assert cache["past_key_values.1.value"] == [2, 16] and not graph.value_info  # pinned; no stale annotations
+    downs = {t.name: list(t.dims) for t in graph.initializer if "down_proj" in t.name and "weight" in t.name}
+    widths = [layer.mlp.down_proj.in_features for layer in model.model.layers]
+    assert [v[0] for _, v in sorted(downs.items())] == widths and (name == "dense") == (widths[0] == widths[1])
+
+
+def test_auto_takes_the_fused_graph_only_where_the_builder_can_and_says_why_not(tokenizer_dir) -> None:
+    from corp_deploy.errors import CorpError
+    from corp_deploy.exporters.genai import TOKENIZER_FILES, choose_graph
+
+    files = [tokenizer_dir / n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file()]
+    dense = tiny_decoder("llama", head=16)
+    assert choose_graph(dense, "auto", files) == ("fused", None)
+    cases = {
+        "V pruned": (_pruned(dense, "mlp,v", 0.5), files, "16 wide for Q/K and 8 for V: GroupQueryAttention"),
+        "heads of 8": (tiny_decoder("llama"), files, "heads are 8 wide"),
+        "OPT": (tiny_decoder("opt", head=16), files, "model builder has no OPTForCausalLM"),
+        "no tokenizer": (dense, [], "no tokenizer.json"),
+    }
+    for case, (model, given, why) in cases.items():
+        writer, reason = choose_graph(model, "auto", given)
+        assert writer == "export" and why in reason, case
+        with pytest.raises(CorpError, match="--decode-graph fused: .*; use --decode-graph export or auto"):
+            choose_graph(model, "fused", given)
+    assert choose_graph(dense, "export", files)[0] == "export"
+
+
 # ------------------------------------------------------------------------------------------ command line
 
 
@@ -219,6 +279,11 @@ BAD = {
         "passes the model's 64 positions; shorten it to 32 tokens or fewer",
     ),
     "fp16": ("{llama}", ["--fp16"], "are not for a genai folder"),
+    "decode-graph for a .onnx": (
+        "{llama}",
+        ["--decode-graph", "fused", "--out", "x.onnx"],
+        "are for a decoder's genai",
+    ),
 }
 
 
@@ -240,7 +305,7 @@ def test_bad_decoder_export_input_is_one_line_and_writes_nothing(case, llama_fol
         "bert": tiny_text_folder(tmp_path) if case == "an encoder folder" else None,
         "foreign": (tmp_path / "foreign").mkdir() or tmp_path / "foreign",
     }
-    out = tmp_path / "out"
+    out = tmp_path / ("out.onnx" if case == "decode-graph for a .onnx" else "out")
     capsys.readouterr()  # what building the folders printed
     code, stdout, stderr = run(["export", source.format(**places), *extra, "--out", str(out)], capsys)
     lines = stderr.strip().splitlines()

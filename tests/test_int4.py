@@ -374,6 +374,9 @@ def test_prune_export_writes_int4_genai_folders_that_generate_and_bench_and_quan
     code, stdout, stderr = run([*argv, "--verify-batches", "1,2", "--out", str(out)], capsys)
     assert code == 0, stderr
     assert "top-1 agree" in stdout
+    genai = json.loads((out / "export.json").read_text())["genai"]  # dense: genai's builder; V-pruned: torch.export
+    assert genai["dense-genai"]["writer"].startswith("onnxruntime-genai") and "why_not_fused" not in genai["dense-genai"]
+    assert "for V: GroupQueryAttention" in genai["pruned-genai"]["why_not_fused"]
     records = json.loads((out / "export.json").read_text())["int4"]
     assert [r["folder"] for r in records] == ["dense-genai-int4", "pruned-genai-int4"]
     assert all(r["verify"]["text"] == str(text) and r["verify"]["windows"] == 4 for r in records)

@@ -166,6 +166,7 @@ def export(
     simplify: bool,
     pad_qk: bool,
     rewrites: str,
+    decode_graph: str,
     verify: dict[str, Any],
     fp16: bool,
     seq_len: int,
@@ -186,10 +187,10 @@ def export(
         if not (hf.is_source(source) or Path(source).is_dir()):
             raise CorpError(f"--out must be a .onnx file ({genai.folder_is()}), got {out}")
         flags = (fp16, pad_qk, simplify, bool(rewrites_))
-        _genai_export(source, out_, overwrite, opset, flags, opts, prompts, seq_len)
+        _genai_export(source, out_, overwrite, opset, flags, opts, prompts, seq_len, decode_graph)
         return
-    if prompts:
-        raise CorpError("--prompt is for a decoder's genai folder: pass a folder as --out")
+    if prompts or decode_graph != "auto":
+        raise CorpError("--prompt and --decode-graph are for a decoder's genai folder: pass a folder as --out")
     half = out_.with_name(f"{out_.stem}.fp16.onnx")
     for path in (out_, half) if fp16 else (out_,):
         check_writable(path, overwrite)
@@ -216,6 +217,7 @@ def _genai_export(
     opts: VerifyOptions,
     prompts: tuple[str, ...],
     seq_len: int,
+    decode_graph: str,
 ) -> None:
     """``export DECODER --out DIR``: every check before the model loads, then the folder, staged."""
     folder = genai.decoder_folder(source)
@@ -226,7 +228,7 @@ def _genai_export(
     ids = genai.prompt_ids(folder, prompts)
     model, description = sources.load_source(source, "pretrained", None, {}, seq_len)
     with atomic_dir(out, overwrite) as tmp:
-        record = write_genai_folder(model, tmp, description, folder, opset, ids, opts.fp32)
+        record = write_genai_folder(model, tmp, description, folder, opset, ids, opts.fp32, graph=decode_graph)
     click.echo(genai.summary(record, out.name, folder))
     click.echo(f"wrote {out}/ ({GRAPH}, {GRAPH}.json, {CONFIG}, tokenizer files): onnxruntime_genai.Model('{out}')")
 
@@ -236,7 +238,8 @@ def _genai_brief(record: dict[str, Any]) -> dict[str, Any]:
     genai_ = record["genai"]
     equal = all(p["genai_equal"] for p in genai_["prompts"])
     checks = {"runtime": genai_["runtime"], "prompts": len(genai_["prompts"]), "new_tokens": genai_["new_tokens"]}
-    return {"verify": record["verify"], "genai": {**checks, "tokens_equal": equal}, "kv_cache": record["kv_cache"]}
+    brief = {"verify": record["verify"], "genai": {**checks, "tokens_equal": equal}, "kv_cache": record["kv_cache"]}
+    return brief | {k: record[k] for k in ("writer", "why_not_fused") if k in record}
 
 
 @click.command("build-engine")
@@ -434,6 +437,7 @@ def prune_export(
     simplify: bool,
     pad_qk: bool,
     rewrites: str,
+    decode_graph: str,
     verify: dict[str, Any],
     engine: dict[str, Any],
     precision: str,
@@ -516,7 +520,14 @@ def prune_export(
         )
         genai_records = {
             stem: write_genai_folder(
-                model, tmp / f"{stem}{GENAI_SUFFIX}", description, tmp / "pruned", opset, None, opts.fp32
+                model,
+                tmp / f"{stem}{GENAI_SUFFIX}",
+                description,
+                tmp / "pruned",
+                opset,
+                None,
+                opts.fp32,
+                graph=decode_graph,
             )
             for stem, (model, description) in (models.items() if decoder else ())
         }

@@ -97,6 +97,8 @@ def summary(record: dict[str, Any], name: str, folder: Path | None) -> str:
         f"{name}: decode-step graph = torch within {worst:.1e} over prefill + {record['verify']['decode_steps']} "
         f"steps; {genai['runtime']} greedy = transformers for {len(genai['prompts'])} prompts x "
         f"{genai['new_tokens']} tokens",
+        f"{name}: written by {record['writer']}"
+        + (f" (not fused: {record['why_not_fused']})" if record.get("why_not_fused") else ""),
         f"{name}: cache widths per layer {_widths(record['kv_cache']['key_cache'])} (K "
         f"{_widths(record['kv_cache']['key'])}, V {_widths(record['kv_cache']['value'])}); zero-padding costs "
         f"{100 * pad['overhead']:.1f}% more cache",

@@ -24,6 +24,7 @@ from corp_deploy.data import SYNTHETIC
 from corp_deploy.deps import missing
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance
+from corp_deploy.exporters.genai import GRAPHS
 from corp_deploy.exporters.int4 import (
     ACCURACY_LEVEL,
     BLOCK_SIZE,
@@ -322,6 +323,15 @@ onnx_options = group(
         show_default=True,
         help="Exact rewrites in every exported graph, dense and pruned alike: patch-linear (the patch-embedding "
         "conv as reshape + GEMM), none, or auto: those measured to pay on the --latency-on backend (none without).",
+    ),
+    click.option(
+        "--decode-graph",
+        type=click.Choice(GRAPHS),
+        default="auto",
+        show_default=True,
+        help="Decoders' genai folders: fused (onnxruntime-genai's model builder: fused norms, rotary and "
+        "GroupQueryAttention; one head size for Q, K and V), export (torch.export: any widths) or auto (fused where "
+        "the builder takes the model, the reason recorded where not).",
     ),
 )
 

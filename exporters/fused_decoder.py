@@ -1,0 +1,115 @@
+"""A decoder's decode-step graph as onnxruntime-genai's own model builder writes it: fused operators.
+
+``torch.export`` writes a decode step as ~90 small nodes a layer (the RMSNorm, rotary embedding, cache
+concatenation and attention unfused): on a 2-core CPU those, not the weight GEMMs, are most of an INT4 step's time
+(docs/BENCHMARKS.md, "Where the INT4 decode step's time goes"). genai's builder
+(``onnxruntime_genai.models.builder``) writes the same model as ~10 nodes a layer: ``SkipSimplifiedLayerNormalization``,
+one packed Q/K/V MatMul, ``GroupQueryAttention`` (rotary, cache update and attention in one op, the cache buffer
+shared between past and present). The builder reads a ``transformers`` folder, so the model is written as one
+(``hf_folder``: the standard form, or the remote-code form for per-layer MLP widths, which the builder loads with
+``trust_remote_code``) and its weights are read from there.
+
+What the builder cannot take (``unsupported``): a family it has no builder for (OPT), and attention whose Q/K and V
+head widths differ from the config's (``GroupQueryAttention`` has one head size for Q, K and V; a per-layer head
+width has no place in its packed Q/K/V). Those keep ``exporters.kv_cache``'s graph, which takes any widths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from corp_deploy.deps import require
+from corp_deploy.errors import CorpError, first_line
+from corp_deploy.exporters.kv_cache import KINDS, PAST, PRESENT, layout
+from corp_deploy.exporters.onnx_export import add_metadata, check_onnx
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+"""The builder's architectures that corp-deploy's decoder families are (and that its tests build)."""
+HEAD_MULTIPLE = 16
+"""onnxruntime 1.32's CPU GroupQueryAttention: "head_size shall be a multiple of 16"."""
+
+
+def unsupported(model: nn.Module, tokenizer: Sequence[Path]) -> str | None:
+    """Why the builder cannot write ``model``'s decode step (with these ``tokenizer`` files), in one line; None
+    when it can."""
+    from corp_deploy.hf_folder import dense_head
+
+    name = type(model).__name__
+    if name not in ARCHITECTURES:
+        return f"onnxruntime-genai's model builder has no {name} (it builds {', '.join(ARCHITECTURES)} here)"
+    if not any(f.name == "tokenizer.json" for f in tokenizer):
+        return "no tokenizer.json beside the model (the builder reads the tokenizer)"
+    lay, head = layout(model), dense_head(model.config)
+    if head % HEAD_MULTIPLE:
+        return f"its heads are {head} wide: GroupQueryAttention on the CPU takes multiples of {HEAD_MULTIPLE}"
+    for i, (k, v) in enumerate(zip(lay.key, lay.value, strict=True)):
+        if (k, v) != (head, head):
+            return (
+                f"layer {i}'s attention heads are {k} wide for Q/K and {v} for V: GroupQueryAttention takes one head "
+                f"size ({head})"
+            )
+    return None
+
+
+def write_hf_folder(model: nn.Module, folder: Path) -> None:
+    """``model`` as a ``transformers`` folder (its weights, config.json in its form)."""
+    from corp_deploy import hf_folder
+
+    stored = hf_folder.stored(model)
+    stored.save_pretrained(folder)
+    hf_folder.write(stored, folder)  # config.json in the folder's form (after save_pretrained's own)
+
+
+def build_fused(model: nn.Module, folder: Path, metadata: dict[str, Any], tokenizer: Sequence[Path]) -> None:
+    """Write ``model``'s FP32 decode step with genai's builder into ``folder`` (``model.onnx`` + ``.data``,
+    ``genai_config.json``, the ``tokenizer`` files, which the builder reads). The graph gets corp-deploy's metadata
+    and concrete cache widths (the builder leaves them symbolic; genai and the INT4 gate read them from the
+    graph). The builder's own printing is swallowed; its failure is one line."""
+    if why := unsupported(model, tokenizer):
+        raise CorpError(f"genai's model builder cannot write this model: {why}")
+    builder = require("onnxruntime_genai.models.builder", "a fused decode-step graph")
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".hf-") as tmp:
+        source = Path(tmp) / "model"
+        write_hf_folder(model, source)
+        for f in tokenizer:
+            shutil.copy2(f, source / f.name)
+        args = (None, str(source), str(folder), "fp32", "cpu", str(Path(tmp) / "cache"))
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                options = builder.parse_extra_options(*args, ["hf_token=false", "hf_remote=true"])
+                builder.create_model(*args, **options)
+        except Exception as e:  # the builder raises bare Exceptions of every kind
+            raise CorpError(f"onnxruntime-genai's model builder failed: {type(e).__name__}: {first_line(e)}") from None
+    _finish(folder / "model.onnx", model, metadata)
+
+
+def _finish(path: Path, model: nn.Module, metadata: dict[str, Any]) -> None:
+    """Pin the cache inputs' and outputs' head and width dims, drop the builder's intermediate shape annotations
+    (they carry the config's one MLP width, wrong for per-layer widths), add the metadata; weights stay in
+    ``.data``."""
+    onnx = require("onnx", "a fused decode-step graph")
+    proto = onnx.load(str(path), load_external_data=False)
+    lay = layout(model, padded=False)
+    widths = {kind: lay.stored(kind) for kind in KINDS}
+    cache = {
+        template.format(i=i, kind=kind): (lay.kv_heads, width)
+        for template in (PAST, PRESENT)
+        for kind in KINDS
+        for i, width in enumerate(widths[kind])
+    }
+    for value in (*proto.graph.input, *proto.graph.output):
+        if value.name in cache:
+            dims = value.type.tensor_type.shape.dim
+            dims[1].dim_value, dims[3].dim_value = cache[value.name]
+    del proto.graph.value_info[:]
+    add_metadata(proto, {**metadata, "kv_cache": lay.record()})
+    onnx.save(proto, str(path))
+    check_onnx(path)
