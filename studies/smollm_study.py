@@ -15,8 +15,10 @@ constant needs; and sequential CORP (``--rows ...,sequential``: the block-by-blo
 calibration sequences, each block regressing the dense targets from the model pruned up to it), and allocated
 CORP (``budget``: per-layer widths under the uniform model's MACs, ``--allocation sensitivity`` on ``--heldout``
 sequences packed from the held-out documents; ``budget-none``: the same widths, pruned without
-compensation). ``±``: the standard error of the mean per-window log-perplexity, scaled to perplexity (windows
-are equal length, so their mean log-perplexity is the whole text's).
+compensation). ``--recover-steps N`` adds, after each row, that model recovered label-free for N steps on the
+calibration sequences (``corp_deploy.recover``: per-block targets, AdamW; issue 33). ``±``: the standard error
+of the mean per-window log-perplexity, scaled to perplexity (windows are equal length, so their mean
+log-perplexity is the whole text's).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from corp_deploy.perplexity import perplexity
 from corp_deploy.pruner import PruneConfig, calibrate, plan_widths, prune_model
 from corp_deploy.ranking import channel_scores, split_top
 from corp_deploy.real import write_study
+from corp_deploy.recover import recover
 from corp_deploy.report import model_size
 from corp_deploy.stats import CalibrationStats
 from corp_deploy.surgery import linear_float64
@@ -131,6 +134,14 @@ def main() -> None:
     p.add_argument("--rows", default="corp,mean,none,no-constant", help=f"of {','.join(ROWS)}")
     p.add_argument("--heldout", type=int, default=16, help="sequences for the budget rows' sensitivity pass")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--recover-steps",
+        type=int,
+        default=0,
+        help="after each row: also that row recovered for N steps on the calibration sequences (corp_deploy.recover, "
+        "the command line's recipe: per-block targets, AdamW), scored as its own row (issue 33)",
+    )
+    p.add_argument("--recover-lr", type=float, default=1e-4)
     a = p.parse_args()
     if unknown := set(a.rows.split(",")) - set(ROWS):
         p.error(f"--rows: unknown {','.join(sorted(unknown))}; choose from {','.join(ROWS)}")
@@ -177,6 +188,21 @@ def main() -> None:
                 rows.append(row | {"params": params(model)} | scored(model, windows))
                 print(rows[-1], f"{time.perf_counter() - start:.0f} s", flush=True)
                 write_study(Path(a.out), title, rows[0], rows, table(rows), args, start)
+                if a.recover_steps and compensation != UNCENTRED:
+                    with torch.enable_grad():  # the study runs without autograd; recovery trains
+                        record = recover(
+                            model,
+                            dense,
+                            packed_batches(calib, a.batch),
+                            steps=a.recover_steps,
+                            lr=a.recover_lr,
+                            log_every=10,
+                            say=print,
+                        )
+                    row = row | {"compensation": f"{compensation} + {a.recover_steps} recovery steps"}
+                    rows.append(row | {"params": params(model), "recovery": record.to_dict()} | scored(model, windows))
+                    print(rows[-1]["perplexity"], f"{time.perf_counter() - start:.0f} s", flush=True)
+                    write_study(Path(a.out), title, rows[0], rows, table(rows), args, start)
 
 
 if __name__ == "__main__":
