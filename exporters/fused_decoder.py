@@ -47,6 +47,11 @@ def unsupported(model: nn.Module, tokenizer: Sequence[Path]) -> str | None:
         return f"onnxruntime-genai's model builder has no {name} (it builds {', '.join(ARCHITECTURES)} here)"
     if not any(f.name == "tokenizer.json" for f in tokenizer):
         return "no tokenizer.json beside the model (the builder reads the tokenizer)"
+    if window := sliding_window(model.config):
+        return (
+            f"sliding-window attention (window {window}): the builder's GroupQueryAttention windows the cache "
+            "otherwise than transformers (measured: its logits differ)"
+        )
     lay, head = layout(model), dense_head(model.config)
     if head % HEAD_MULTIPLE:
         return f"its heads are {head} wide: GroupQueryAttention on the CPU takes multiples of {HEAD_MULTIPLE}"
@@ -57,6 +62,14 @@ def unsupported(model: nn.Module, tokenizer: Sequence[Path]) -> str | None:
                 f"size ({head})"
             )
     return None
+
+
+def sliding_window(config: Any) -> int | None:
+    """The window of a config whose attention slides (Mistral's ``sliding_window``, Qwen2's when
+    ``use_sliding_window``), else None."""
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 def write_hf_folder(model: nn.Module, folder: Path) -> None:

@@ -208,12 +208,39 @@ def write_genai_folder(
     ``graph`` picks the decode step's writer (``GRAPHS``). The graph must reproduce torch's logits within ``tol``
     (its relative error) over a prefill and ``steps`` decode steps, and genai must generate ``generate``'s tokens
     from ``prompt_ids`` (default ``prompts``); ``model.onnx.json`` records both checks, the tokenizer check, the
-    cache layout and which writer made the graph (and why not the fused one).
+    cache layout and which writer made the graph (and why not the fused one). Under ``auto`` a fused graph that
+    fails a check is replaced by the exported one, the failure recorded as the reason.
     """
     check_opset(opset)
-    og = require("onnxruntime_genai", "a decoder's genai folder")
+    require("onnxruntime_genai", "a decoder's genai folder")
     tokenizer = [tokenizer_dir / n for n in TOKENIZER_FILES if tokenizer_dir and (tokenizer_dir / n).is_file()]
     writer, why = choose_graph(model, graph, tokenizer)
+    check = {"model": model, "prompt_ids": prompt_ids, "tol": tol, "steps": steps}
+    if writer == "fused":
+        try:
+            return _written(folder, description, "fused", tokenizer, opset, None, **check)
+        except CorpError as e:
+            if graph == "fused":
+                raise
+            shutil.rmtree(folder, ignore_errors=True)
+            why = f"the builder's graph failed its check ({e})"
+    return _written(folder, description, "export", tokenizer, opset, why, **check)
+
+
+def _written(
+    folder: Path,
+    description: dict[str, Any],
+    writer: str,
+    tokenizer: list[Path],
+    opset: int,
+    why: str | None,
+    model: nn.Module,
+    prompt_ids: list[list[int]] | None,
+    tol: Tolerance,
+    steps: int,
+) -> dict[str, Any]:
+    """``write_genai_folder`` with one writer: the graph, its checks, the folder's files and record."""
+    og = require("onnxruntime_genai", "a decoder's genai folder")
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     metadata = {**description, "precision": "fp32", "graph": "decode-step"}

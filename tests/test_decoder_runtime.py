@@ -207,6 +207,60 @@ def test_the_fused_graph_is_genais_own_ops_at_the_models_widths_and_generates_tr
     assert [v[0] for _, v in sorted(downs.items())] == widths and (name == "dense") == (widths[0] == widths[1])
 
 
+def tiny_rope(kind: str, **window):
+    """A tiny random Mistral or Qwen2 (heads of 16 over 2 K/V heads, random biases for Qwen2's q/k/v)."""
+    torch.manual_seed(0)
+    size = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    size |= {"intermediate_size": 64, "max_position_embeddings": 64, "vocab_size": 300}
+    config_class, model_class = {
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+    config = config_class(pad_token_id=0, bos_token_id=1, eos_token_id=2, **size, **window)
+    config._attn_implementation = "sdpa"
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_mistral_and_qwen2_take_the_fused_graph_dense_and_mlp_pruned(kind, tokenizer_dir, tmp_path) -> None:
+    """Mistral without a window (v0.2 on), Qwen2 with its q/k/v biases and, pruned, the compensation's bias on
+    down_proj (a flag Qwen2's config lacks: the remote-code form the builder loads)."""
+    pytest.importorskip("onnxruntime_genai", reason="genai folders need onnxruntime-genai (pip install '.[genai]')")
+    dense = tiny_rope(kind, sliding_window=None)
+    for name, model in (("dense", dense), ("pruned", _pruned(dense, "mlp", 0.25))):
+        record = write_genai_folder(model, tmp_path / name, {"modality": "text"}, tokenizer_dir, graph="fused")
+        assert max(record["verify"]["max_rel_error_per_step"]) < 1e-5, name
+        assert all(p["genai_equal"] for p in record["genai"]["prompts"]), name
+
+
+def test_a_fused_graph_that_fails_its_check_is_replaced_under_auto_and_refused_when_asked(
+    tokenizer_dir, tmp_path, monkeypatch
+) -> None:
+    pytest.importorskip("onnxruntime_genai", reason="genai folders need onnxruntime-genai (pip install '.[genai]')")
+    from corp_deploy.errors import CorpError
+    from corp_deploy.exporters import genai
+
+    real = genai.verify_decoder_onnx
+
+    def broken_fused(model, path, steps, batched=True):  # the fused graph is checked one prompt at a time
+        if not batched:
+            raise CorpError("onnxruntime cannot run the decode-step graph: (a stand-in failure)")
+        return real(model, path, steps, batched=batched)
+
+    monkeypatch.setattr(genai, "verify_decoder_onnx", broken_fused)
+    model = tiny_decoder("llama", head=16, layers=1)
+    record = write_genai_folder(model, tmp_path / "auto", {"modality": "text"}, tokenizer_dir)
+    assert record["writer"].startswith("torch.export") and "a stand-in failure" in record["why_not_fused"]
+    assert not (tmp_path / "auto" / "model.onnx.data").exists()  # nothing of the fused attempt is left
+    with pytest.raises(CorpError, match="a stand-in failure"):
+        write_genai_folder(model, tmp_path / "fused", {"modality": "text"}, tokenizer_dir, graph="fused")
+
+
 def test_auto_takes_the_fused_graph_only_where_the_builder_can_and_says_why_not(tokenizer_dir) -> None:
     from corp_deploy.errors import CorpError
     from corp_deploy.exporters.genai import TOKENIZER_FILES, choose_graph
@@ -219,6 +273,8 @@ def test_auto_takes_the_fused_graph_only_where_the_builder_can_and_says_why_not(
         "heads of 8": (tiny_decoder("llama"), files, "heads are 8 wide"),
         "OPT": (tiny_decoder("opt", head=16), files, "model builder has no OPTForCausalLM"),
         "no tokenizer": (dense, [], "no tokenizer.json"),
+        "Mistral's window": (tiny_rope("mistral", sliding_window=8), files, "sliding-window attention (window 8)"),
+        "Qwen2's window": (tiny_rope("qwen2", use_sliding_window=True, sliding_window=8), files, "(window 8)"),
     }
     for case, (model, given, why) in cases.items():
         writer, reason = choose_graph(model, "auto", given)
