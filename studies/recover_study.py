@@ -166,6 +166,10 @@ def run(a: argparse.Namespace) -> None:
     timing = measured_speed(a, dense, pruned["corp"])
     jsonl = a.out.with_suffix(".jsonl")
     jsonl.parent.mkdir(parents=True, exist_ok=True)
+    with jsonl.with_suffix(".dense.json").open("w") as f:  # first: a run stopped between rows keeps it
+        args = {k: str(v) for k, v in vars(a).items()}
+        meta = {"dense": scores(None, tasks), "args": args, "date": time.strftime("%Y-%m-%d"), "speed": timing}
+        json.dump(meta, f, indent=2)
     for start_name, recipe, steps in a.rows:
         model = copy.deepcopy(pruned[start_name])
         settings = dict(RECIPES[recipe])
@@ -207,10 +211,6 @@ def run(a: argparse.Namespace) -> None:
             + (f"; held-out objective {record['check_before']:.4f} -> {record['check_after']:.4f}" if record else ""),
             flush=True,
         )
-    dense_row = scores(None, tasks)
-    with jsonl.with_suffix(".dense.json").open("w") as f:
-        args = {k: str(v) for k, v in vars(a).items()}
-        json.dump({"dense": dense_row, "args": args, "date": time.strftime("%Y-%m-%d"), "speed": timing}, f, indent=2)
     report(a.out)
 
 
