@@ -33,7 +33,7 @@ from torch import nn
 
 from corp_deploy import hf_modeling
 from corp_deploy.errors import CorpError
-from corp_deploy.families import adapter_for, structure
+from corp_deploy.families import adapter_for, dense_head, structure
 from corp_deploy.hf import TOKENIZER_FILES
 
 MODELING_FILE = "modeling_corp.py"
@@ -60,11 +60,6 @@ class Layout:
     form: str
     config: dict[str, Any] = field(default_factory=dict)
     why: str = ""
-
-
-def dense_head(config: Any) -> int:
-    """The family config's one attention head width (Q, K and V alike)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def layout(model: nn.Module) -> Layout:

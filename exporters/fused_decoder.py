@@ -5,9 +5,9 @@ concatenation and attention unfused): on a 2-core CPU those, not the weight GEMM
 (docs/BENCHMARKS.md, "Where the INT4 decode step's time goes"). genai's builder
 (``onnxruntime_genai.models.builder``) writes the same model as ~10 nodes a layer: ``SkipSimplifiedLayerNormalization``,
 one packed Q/K/V MatMul, ``GroupQueryAttention`` (rotary, cache update and attention in one op, the cache buffer
-shared between past and present). The builder reads a ``transformers`` folder, so the model is written as one
-(``hf_folder``: the standard form, or the remote-code form for per-layer MLP widths, which the builder loads with
-``trust_remote_code``) and its weights are read from there.
+shared between past and present). The builder reads a ``transformers`` folder, so the model is written as its
+prune artifact, which is one (``artifact.save_pruned``: the standard form, or the remote-code form for per-layer
+MLP widths, which the builder loads with ``trust_remote_code``), and its weights are read from there.
 
 What the builder cannot take (``unsupported``): a family it has no builder for (OPT), and attention whose Q/K and V
 head widths differ from the config's (``GroupQueryAttention`` has one head size for Q, K and V; a per-layer head
@@ -26,10 +26,12 @@ from typing import Any
 
 from torch import nn
 
+from corp_deploy.artifact import save_pruned
 from corp_deploy.deps import require
 from corp_deploy.errors import CorpError, first_line
 from corp_deploy.exporters.kv_cache import KINDS, PAST, PRESENT, layout
 from corp_deploy.exporters.onnx_export import add_metadata, check_onnx
+from corp_deploy.families import dense_head
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 """The builder's architectures that corp-deploy's decoder families are (and that its tests build)."""
@@ -40,8 +42,6 @@ HEAD_MULTIPLE = 16
 def unsupported(model: nn.Module, tokenizer: Sequence[Path]) -> str | None:
     """Why the builder cannot write ``model``'s decode step (with these ``tokenizer`` files), in one line; None
     when it can."""
-    from corp_deploy.hf_folder import dense_head
-
     name = type(model).__name__
     if name not in ARCHITECTURES:
         return f"onnxruntime-genai's model builder has no {name} (it builds {', '.join(ARCHITECTURES)} here)"
@@ -72,15 +72,6 @@ def sliding_window(config: Any) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
-def write_hf_folder(model: nn.Module, folder: Path) -> None:
-    """``model`` as a ``transformers`` folder (its weights, config.json in its form)."""
-    from corp_deploy import hf_folder
-
-    stored = hf_folder.stored(model)
-    stored.save_pretrained(folder)
-    hf_folder.write(stored, folder)  # config.json in the folder's form (after save_pretrained's own)
-
-
 def build_fused(model: nn.Module, folder: Path, metadata: dict[str, Any], tokenizer: Sequence[Path]) -> None:
     """Write ``model``'s FP32 decode step with genai's builder into ``folder`` (``model.onnx`` + ``.data``,
     ``genai_config.json``, the ``tokenizer`` files, which the builder reads). The graph gets corp-deploy's metadata
@@ -91,7 +82,7 @@ def build_fused(model: nn.Module, folder: Path, metadata: dict[str, Any], tokeni
     builder = require("onnxruntime_genai.models.builder", "a fused decode-step graph")
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".hf-") as tmp:
         source = Path(tmp) / "model"
-        write_hf_folder(model, source)
+        save_pruned(model, source, {"model": {"name": str(source), "args": {}}})  # the artifact is the HF folder
         for f in tokenizer:
             shutil.copy2(f, source / f.name)
         args = (None, str(source), str(folder), "fp32", "cpu", str(Path(tmp) / "cache"))

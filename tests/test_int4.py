@@ -375,7 +375,8 @@ def test_prune_export_writes_int4_genai_folders_that_generate_and_bench_and_quan
     assert code == 0, stderr
     assert "top-1 agree" in stdout
     genai = json.loads((out / "export.json").read_text())["genai"]  # dense: genai's builder; V-pruned: torch.export
-    assert genai["dense-genai"]["writer"].startswith("onnxruntime-genai") and "why_not_fused" not in genai["dense-genai"]
+    dense = genai["dense-genai"]
+    assert dense["writer"].startswith("onnxruntime-genai") and "why_not_fused" not in dense
     assert "for V: GroupQueryAttention" in genai["pruned-genai"]["why_not_fused"]
     records = json.loads((out / "export.json").read_text())["int4"]
     assert [r["folder"] for r in records] == ["dense-genai-int4", "pruned-genai-int4"]

@@ -41,6 +41,11 @@ MACS_SEQ_LEN_KEY = "corp_macs_seq_len"
 counts at the length it was pruned for."""
 
 
+def dense_head(config: Any) -> int:
+    """A transformers config's one attention head width (Q, K and V alike)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 @dataclass(frozen=True)
 class Names:
     """Where a ``transformers`` family keeps what CORP prunes, as attribute paths (dotted).
