@@ -9,7 +9,10 @@ sensitivity pass's held-out ones, which ``calibration.calibration_data`` keeps a
   (``Adapter.features``: the pooled pre-logits of a ViT, the last hidden state at the real tokens of a text model);
 - ``target="blocks"``: the mean over blocks i of ``||B_i^p(h_i) - B_i^d(h_i)||^2 / ||B_i^d(h_i) - h_i||^2`` where
   h_i is the DENSE model's input of block i: each pruned block learns to reproduce its dense block's residual update
-  given the dense input (local, no drift through the stack). Padding tokens (``Adapter.token_mask``) are left out.
+  given the dense input (local, no drift through the stack). Padding tokens (``Adapter.token_mask``) are left out;
+- ``target="hidden"``: the same sum with B_i^p fed the PRUNED model's own input of block i (its path from the
+  embeddings): every block's output is pulled towards the dense one end to end, so a later block can learn to
+  undo an earlier block's error (``blocks`` cannot: it never sees one). Same forward and backward cost as ``blocks``.
 
 The dense targets are computed once per batch and cached (``cache=False``: recomputed at every visit, for data too
 large to keep them: the block targets are (blocks + 1) x tokens x dim floats per input); a minutes budget counts
@@ -34,7 +37,7 @@ from torch import Tensor, nn
 from corp_deploy.errors import CorpError
 from corp_deploy.families import adapter_for
 
-TARGETS = ("features", "blocks")
+TARGETS = ("features", "blocks", "hidden")
 OPTIMIZERS = ("adamw", "sgd")
 TRAINED = ("linear", "all")
 KEPT_INPUTS = 256
@@ -229,9 +232,11 @@ class Objective:
             got = a.features_from(self.pruned, 0, x, call, inputs)
             return (got - want).square().sum() / want.square().sum().clamp_min(1e-12)
         xs, call, mask = want
-        losses = []
+        losses, h = [], xs[0]
         for i, block in enumerate(a.blocks(self.pruned)):
-            err, update = call.run(block, xs[i]) - xs[i + 1], xs[i + 1] - xs[i]
+            out = call.run(block, h if self.target == "hidden" else xs[i])
+            err, update = out - xs[i + 1], xs[i + 1] - xs[i]
+            h = out
             if mask is not None:
                 err, update = err[mask], update[mask]
             losses.append(err.square().sum() / update.square().sum().clamp_min(1e-12))

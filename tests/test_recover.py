@@ -31,7 +31,7 @@ def error(pruned, dense, batches, target: str) -> float:
     return Objective(pruned, dense, target).mean([b for b, _ in batches])
 
 
-@pytest.mark.parametrize("target", ["features", "blocks"])
+@pytest.mark.parametrize("target", ["features", "blocks", "hidden"])
 def test_recovery_lowers_the_error_it_optimizes_and_keeps_the_widths(target: str) -> None:
     dense, batches = tiny_vit(), tiny_batches(n=32)
     pruned, _ = pruned_copy(dense, HALF, batches)
@@ -49,6 +49,24 @@ def test_recovery_lowers_the_error_it_optimizes_and_keeps_the_widths(target: str
             assert torch.equal(p, norms[n]), n
         assert p.requires_grad  # handed back as found
     assert not any(p.grad is not None for p in dense.parameters())
+
+
+def test_hidden_follows_the_pruned_path_where_blocks_feeds_the_dense_one() -> None:
+    """With only the first block changed, ``blocks`` sees its error in the first term alone (every later block is
+    fed the dense input and is dense), ``hidden`` sees it carried through every later block too."""
+    dense = tiny_vit()
+    pruned = copy.deepcopy(dense)
+    first = adapter_for(pruned).blocks(pruned)[0]
+    with torch.no_grad():
+        for m in first.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.mul_(0.5)
+    batches = tiny_batches(n=8)
+    n = len(adapter_for(pruned).blocks(pruned))
+    blocks, hidden = error(pruned, dense, batches, "blocks"), error(pruned, dense, batches, "hidden")
+    assert blocks > 0 and n > 1
+    assert hidden > 1.5 * blocks, (blocks, hidden)
+    assert error(dense, copy.deepcopy(dense), batches, "hidden") == 0
 
 
 def test_a_recovery_that_raises_the_held_out_objective_keeps_corps_weights() -> None:
@@ -117,7 +135,7 @@ def test_unknown_choices_and_no_data_are_one_line() -> None:
         recover(copy.deepcopy(dense), dense, [], steps=1)
 
 
-@pytest.mark.parametrize("target", ["features", "blocks"])
+@pytest.mark.parametrize("target", ["features", "blocks", "hidden"])
 def test_the_held_out_calibration_images_are_never_trained_on(image_dir, monkeypatch, target: str) -> None:
     dense = tiny_vit()
     data = calibration.calibration_data(dense, image_dir, num=11, batch_size=4, workers=0, hold_out=3)

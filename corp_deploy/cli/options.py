@@ -283,8 +283,8 @@ recover_options = group(
         type=click.Choice(TARGETS),
         default="blocks",
         show_default=True,
-        help="Recovery: each block reproduces its dense block's output from the dense input (blocks), or the "
-        "model its dense final features (features).",
+        help="Recovery: each block reproduces its dense block's output from the dense input (blocks), or from "
+        "the pruned model's own input (hidden: end to end), or the model its dense final features (features).",
     ),
     into="recovery",
 )
