@@ -13,7 +13,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import timm.data
 import torch
 from PIL import Image
 from torch import Tensor, nn
@@ -111,11 +110,17 @@ def _collate(items: list[Tensor | None]) -> tuple[Tensor, int]:
     return torch.stack(good), skipped
 
 
+def eval_transform(data_config: dict[str, Any]) -> Any:
+    """timm's eval preprocessing for ``data_config`` (imported here: only image models pay for timm)."""
+    import timm.data
+
+    return timm.data.create_transform(**data_config, is_training=False)
+
+
 def folder_batches(files: list[Path], data_config: dict[str, Any], batch_size: int, workers: int) -> DataLoader:
     """Batches of (images, skipped) preprocessed with the model's own timm eval transform."""
-    transform = timm.data.create_transform(**data_config, is_training=False)
     return DataLoader(
-        ImageFiles(files, transform),
+        ImageFiles(files, eval_transform(data_config)),
         batch_size=batch_size,
         shuffle=False,
         num_workers=workers,
@@ -165,7 +170,7 @@ def labelled_batches(
 ) -> DataLoader:
     """Batches of (images, labels, skipped), preprocessed exactly as calibration images are."""
     return DataLoader(
-        LabelledFiles(files, labels, timm.data.create_transform(**data_config, is_training=False)),
+        LabelledFiles(files, labels, eval_transform(data_config)),
         batch_size=batch_size,
         shuffle=False,
         num_workers=workers,

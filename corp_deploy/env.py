@@ -46,14 +46,16 @@ def device_name(device: Any) -> str:
 
 
 def versions() -> dict[str, str]:
-    """The software an artifact was made with (``corp.json``, ``export.json``)."""
-    import timm
+    """The software an artifact was made with (``corp.json``, ``export.json``); timm's version is read from its
+    installed metadata, not by importing it (a text model's run never imports timm)."""
+    from importlib.metadata import version
+
     import torch
 
     return {
         "corp_deploy": __version__,
         "torch": torch.__version__,
-        "timm": timm.__version__,
+        "timm": version("timm"),
         "python": platform.python_version(),
         "cuda": torch.version.cuda or "none",
     }

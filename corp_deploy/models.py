@@ -10,10 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
-from timm.layers import Mlp
-from timm.models.vision_transformer import Attention, VisionTransformer
 from torch import nn
 
 from corp_deploy.errors import CorpError
@@ -51,6 +48,8 @@ SUPPORTED = (
 
 def resolve_name(name: str) -> str:
     """Alias or timm name -> timm name; unknown names get the closest suggestions."""
+    import timm  # here, not at the top: only image models pay for timm and torchvision (~3 s of a start)
+
     full = ALIASES.get(name, name)
     if full in timm.list_models():
         return full
@@ -111,6 +110,8 @@ def create_model(
 
 
 def _build(name: str, model_args: dict, pretrained: bool) -> nn.Module:
+    import timm
+
     try:
         return timm.create_model(name, pretrained=pretrained, **model_args)
     except TypeError as e:
@@ -202,6 +203,9 @@ def load_checkpoint(model: nn.Module, path: str | Path, name: str) -> None:
 
 def check_supported(model: nn.Module, name: str) -> None:
     """Raise unless every block has timm's plain Attention and Mlp, which CORP's surgery assumes."""
+    from timm.layers import Mlp
+    from timm.models.vision_transformer import Attention, VisionTransformer
+
     if not isinstance(model, VisionTransformer):
         raise CorpError(f"{name} ({type(model).__name__}) is not supported; corp-deploy prunes {SUPPORTED}")
     for i, block in enumerate(model.blocks):

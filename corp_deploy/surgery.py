@@ -7,13 +7,17 @@ builders, so a saved artifact always reloads into exactly the structure that was
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
-from timm.layers import Mlp
-from timm.models.vision_transformer import Attention
 from torch import Tensor, nn
 
 from corp_deploy.errors import CorpError
+
+if TYPE_CHECKING:  # annotations only: only image models pay for importing timm (and torchvision: ~3 s)
+    from timm.layers import Mlp
+    from timm.models.vision_transformer import Attention
 
 
 class PrunedAttention(nn.Module):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,6 +196,21 @@ def test_cli_prunes_a_transformers_folder_on_text_and_refuses_bad_text_input(tmp
         code, _, err = run(["prune", str(folder), *args, *common, "--out", str(tmp_path / "bad")], capsys)
         assert code == 1 and message in err and "Traceback" not in err
         assert not (tmp_path / "bad").exists()
+
+
+def test_a_text_models_prune_never_imports_timm(tmp_path: Path) -> None:
+    """timm and torchvision under it cost ~3 s of a process start (`--help` took twice as long); a text model's
+    command never needs timm (the family registry asks the timm family about every model without importing it).
+    torchvision is not asserted: transformers' own BERT module imports it."""
+    folder, out = _model_folder(tmp_path), tmp_path / "out"
+    code = (
+        "import sys\nfrom corp_deploy.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+        "    assert not e.code, e.code\nprint(sorted(m for m in ('timm',) if m in sys.modules))"
+    )
+    argv = ["prune", str(folder), "--calib", "synthetic", "--seq-len", "16", "--num-calib", "8", "--quiet"]
+    done = subprocess.run([sys.executable, "-c", code, *argv, "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]" and read_meta(out)["family"] == "hf-bert"
 
 
 def test_pruned_encoder_exports_to_onnx_with_dynamic_batch_and_sequence(tmp_path: Path) -> None:

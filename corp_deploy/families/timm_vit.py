@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import timm
-import timm.data
 import torch
-from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -29,10 +27,15 @@ class TimmViT(Adapter):
     """``attn`` / ``mlp``: the module was replaced by an ``AffineBranch`` of that fit (then its widths are absent)."""
 
     def matches(self, model: nn.Module) -> bool:
-        return isinstance(model, VisionTransformer)
+        """Without asking timm into the process: a timm model exists only once its module was imported (the
+        family registry asks every family about every model, text models included; timm with torchvision: ~3 s)."""
+        vit = sys.modules.get("timm.models.vision_transformer")
+        return vit is not None and isinstance(model, vit.VisionTransformer)
 
     def build(self, meta: dict[str, Any], folder: Path) -> nn.Module:
         """The recorded timm name, or an alias of one (``corp_deploy.save(result, out, "deit_small")``)."""
+        import timm
+
         name, args = meta["model"]["name"], meta["model"].get("args", {})
         return timm.create_model(ALIASES.get(name, name), pretrained=False, **args)
 
@@ -83,6 +86,8 @@ class TimmViT(Adapter):
 
     def check_depth(self, block: nn.Module, i: int) -> None:
         """The branch must be timm's ``x + ls(module(norm(x)))`` (``Block``), which ``surgery.replace_branch`` keeps."""
+        from timm.models.vision_transformer import Block
+
         if type(block) is not Block:
             raise CorpError(
                 f"--depth replaces modules of timm's plain Block only; block {i} is a {type(block).__name__}"
@@ -136,6 +141,8 @@ class TimmViT(Adapter):
 
     def data_config(self, model: nn.Module) -> dict[str, Any]:
         """timm's own preprocessing config of ``model``, at the input size it was actually built for."""
+        import timm.data
+
         return timm.data.resolve_model_data_config(model) | {"input_size": self.input_size(model)}
 
     def features(self, model: nn.Module, x: Tensor, inputs: Tensor) -> Tensor:
