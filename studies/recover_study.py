@@ -53,6 +53,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     "feat-sgd-1e-3": {"target": "features", "lr": 1e-3, "optimizer": "sgd"},
     "blocks-adamw-1e-5": {"target": "blocks", "lr": 1e-5},
     "blocks-adamw-1e-4": {"target": "blocks", "lr": 1e-4},
+    "blocks-adamw-3e-4": {"target": "blocks", "lr": 3e-4},
+    "blocks-all-adamw-1e-4": {"target": "blocks", "lr": 1e-4, "trained": "all"},
     "hidden-adamw-1e-4": {"target": "hidden", "lr": 1e-4},
     "hidden-adamw-3e-5": {"target": "hidden", "lr": 3e-5},
     "blocks-sgd-1e-2": {"target": "blocks", "lr": 1e-2, "optimizer": "sgd"},
