@@ -4,21 +4,20 @@
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (MLP, Q/K and V) on ``--num-calib`` train images of
 ``--calib-dataset`` (digits by default; ``--calib-train`` of them in the pool; ``--heldout`` more, drawn across the
-same sample, are held out as the sensitivity pass would hold them: never trained on, only evaluated as the
-recovery's ``check``). Every block is pruned uniformly at ``--sparsity`` of all three parts, or at given widths
-(``--widths-from``: a prune artifact's, or a JSON list such as a ``speed_study`` row's ``widths``, whose closed
-loop measured their speed), with CORP's compensation or none (plain removal): one set of widths, so every row of
-the table runs the same graph at the same speed, and only the weights differ; ``--speed-on BACKEND`` measures that
-speed in the run (CORP's pruned model against the dense one, interleaved: ``speed.measure_pair``, the closed
-loop's timing). Each row is a start (``corp`` or ``removal``), a recipe (``corp_deploy.recover`` settings,
-``RECIPES``) and a step budget; its accuracy is the DENSE model's linear probe on the digits AND the Fashion-MNIST
-test images (images no calibration or recovery ever saw), top-1 with its standard error, and the mean feature
-cosine to the dense model on those images. ``more`` recipes train on ``--more`` train images of the calibration
-dataset instead of the calibration ones (still never a test image: the test split is disjoint, checked by
-content). Rows are appended to ``<out>.jsonl`` as they finish (a long run that is stopped keeps what it measured);
-``<out>.md/.json`` are written from all rows at the end (``--report`` only rewrites them; what ``<out>.md`` holds
-below its ``HAND_WRITTEN`` line, the command-line runs, is kept).
-"""
+same sample, are held out as the sensitivity pass would hold them: never trained on, only evaluated as the recovery's
+``check``). Every block is pruned uniformly at ``--sparsity`` of all three parts, or at given widths
+(``--widths-from``: a prune artifact's, or a JSON list such as a ``speed_study`` row's ``widths``, whose closed loop
+measured their speed), with CORP's compensation, the mean shift alone (``mean``) or none (plain removal): one set of
+widths, so every row of the table runs the same graph at the same speed, and only the weights differ; ``--speed-on
+BACKEND`` measures that speed in the run (CORP's pruned model against the dense one, interleaved:
+``speed.measure_pair``, the closed loop's timing). Each row is a start (``corp``, ``mean`` or ``removal``), a recipe
+(``corp_deploy.recover`` settings, ``RECIPES``) and a step budget; its accuracy is the DENSE model's linear probe on
+the digits AND the Fashion-MNIST test images (images no calibration or recovery ever saw), top-1 with its standard
+error, and the mean feature cosine to the dense model on those images. ``more`` recipes train on ``--more`` train
+images of the calibration dataset instead of the calibration ones (still never a test image: the test split is
+disjoint, checked by content). Rows are appended to ``<out>.jsonl`` as they finish (a long run that is stopped keeps
+what it measured); ``<out>.md/.json`` are written from all rows at the end (``--report`` only rewrites them; what
+``<out>.md`` holds below its ``HAND_WRITTEN`` line, the command-line runs, is kept)."""
 
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ from corp_deploy.tables import markdown_table
 from studies.speed_study import scores
 
 TARGET = "mlp,qk,v"
-STARTS = {"corp": "corp", "removal": "none"}
+STARTS = {"corp": "corp", "removal": "none", "mean": "mean"}
 RECIPES: dict[str, dict[str, Any]] = {
     "none": {},
     "feat-adamw-1e-5": {"target": "features", "lr": 1e-5},
