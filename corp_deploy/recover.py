@@ -234,9 +234,8 @@ class Objective:
         xs, call, mask = want
         losses, h = [], xs[0]
         for i, block in enumerate(a.blocks(self.pruned)):
-            out = call.run(block, h if self.target == "hidden" else xs[i])
-            err, update = out - xs[i + 1], xs[i + 1] - xs[i]
-            h = out
+            h = call.run(block, h if self.target == "hidden" else xs[i])
+            err, update = h - xs[i + 1], xs[i + 1] - xs[i]
             if mask is not None:
                 err, update = err[mask], update[mask]
             losses.append(err.square().sum() / update.square().sum().clamp_min(1e-12))

@@ -55,7 +55,6 @@ RECIPES: dict[str, dict[str, Any]] = {
     "blocks-adamw-3e-4": {"target": "blocks", "lr": 3e-4},
     "blocks-all-adamw-1e-4": {"target": "blocks", "lr": 1e-4, "trained": "all"},
     "hidden-adamw-1e-4": {"target": "hidden", "lr": 1e-4},
-    "hidden-adamw-3e-5": {"target": "hidden", "lr": 3e-5},
     "blocks-sgd-1e-2": {"target": "blocks", "lr": 1e-2, "optimizer": "sgd"},
     "blocks-adamw-1e-5-more": {"target": "blocks", "lr": 1e-5, "more": True},
     "blocks-adamw-1e-4-more": {"target": "blocks", "lr": 1e-4, "more": True},
