@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import atomic_file
+from corp_deploy.base.tables import text_table
 from corp_deploy.bench.backends import BACKENDS, CUDA_DTYPES, Backend
-from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import Runner
-from corp_deploy.fsio import atomic_file
-from corp_deploy.tables import text_table
 
 Head = Callable[[Tensor], Tensor]
 """Outputs -> class logits: the identity for a classifier, a ``Probe`` for a backbone."""
@@ -277,8 +277,8 @@ def run_runners(
     reference's name (PyTorch when ``dense`` gives the dense weights, else dense.onnx), ``{skipped: why}`` and the
     pruned module.
     """
-    from corp_deploy.artifact import META_FILE, load_pruned, read_meta
     from corp_deploy.exporters.runners import TorchRunner
+    from corp_deploy.formats.artifact import META_FILE, load_pruned, read_meta
 
     root = Path(root)
     artifact = root / "pruned" if (root / "pruned" / META_FILE).is_file() else root
@@ -327,7 +327,7 @@ def image_batches(
     folder: str | Path, labelled: bool, data_config: dict[str, Any], num: int, batch_size: int, seed: int, workers: int
 ) -> tuple[Iterable[tuple[Tensor, Tensor | None, int]], int]:
     """A seeded subset of ``num`` images as ``(images, labels or None, skipped)`` batches, and its size."""
-    from corp_deploy import data
+    from corp_deploy.formats import data
 
     if labelled:
         files, labels, _ = data.image_folder(folder)
@@ -363,7 +363,7 @@ def evaluate_run(
     """
     from tqdm import tqdm
 
-    from corp_deploy.data import data_config
+    from corp_deploy.formats.data import data_config
 
     if (data_dir is None) == (images is None):
         raise CorpError("pass exactly one of --data-dir (labelled ImageFolder) or --images (unlabelled folder)")

@@ -20,16 +20,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from corp_deploy.artifact import META_FILE, build, load_pruned, read_meta
+from corp_deploy.base.deps import missing as uninstalled
+from corp_deploy.base.deps import optional
+from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.bench.measure import Step
-from corp_deploy.deps import missing as uninstalled
-from corp_deploy.deps import optional
-from corp_deploy.errors import CorpError, first_line
 from corp_deploy.exporters.compare import Feed
 from corp_deploy.exporters.onnx_export import image_graph
 from corp_deploy.exporters.rewrites import PATCH_LINEAR, rewritten
 from corp_deploy.exporters.tensorrt_engine import TEXT_ENGINES, run_missing
 from corp_deploy.exporters.text_onnx import graph
+from corp_deploy.formats.artifact import META_FILE, build, load_pruned, read_meta
 
 MODELS = ("dense", "pruned")
 

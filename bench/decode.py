@@ -26,13 +26,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from corp_deploy.base.deps import missing as uninstalled
+from corp_deploy.base.deps import require
+from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.bench.backends import MODELS, RunFolder
 from corp_deploy.bench.backends import select as select_backends
 from corp_deploy.bench.measure import Method, Stats, Step, interleaved, median_of_repeats, summarize
 from corp_deploy.bench.run import new_record
-from corp_deploy.deps import missing as uninstalled
-from corp_deploy.deps import require
-from corp_deploy.errors import CorpError, first_line
 
 PHASES = ("prefill", "decode")
 PROMPTS = "128,512"

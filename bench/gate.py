@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.run import SCHEMA, SCHEMA_VERSION, label, measurement, pairs
-from corp_deploy.errors import CorpError
 
 MODES = ("absolute", "ratio")
 TIE = 1e-9

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
 
 Step = Callable[[], float]
 """One timed inference; returns its own latency in seconds (the backend decides how to time it)."""

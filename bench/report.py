@@ -7,9 +7,9 @@ import io
 from pathlib import Path
 from typing import Any
 
+from corp_deploy.base.deps import require
+from corp_deploy.base.tables import markdown_table, text_table
 from corp_deploy.bench.run import pairs
-from corp_deploy.deps import require
-from corp_deploy.tables import markdown_table, text_table
 
 COLUMNS = (
     ("backend", "backend", "{}"),

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from corp_deploy import env
+from corp_deploy.base import env
+from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.bench.backends import BACKENDS, MODELS, Backend, RunFolder
 from corp_deploy.bench.measure import Method, interleaved, median_of_repeats, summarize
-from corp_deploy.errors import CorpError, first_line
 from corp_deploy.exporters.tensorrt_engine import FLAVOURS
 
 SCHEMA = "corp-deploy/bench"

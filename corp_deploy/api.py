@@ -12,7 +12,7 @@ Calibrate once, prune many (``model`` stays dense; each result is a pruned copy 
 calib = corp_deploy.calibrated(model, batches, corp_deploy.PruneConfig(target="mlp,qk,v"), total=total)
 results = [calib.prune(corp_deploy.PruneConfig(sparsity=s, target="mlp,qk,v")) for s in (0.3, 0.5)]
 
-Label-free recovery after pruning (opt-in; ``corp_deploy.recover``): keep a dense copy, and the calibration batches
+Label-free recovery after pruning (opt-in; ``corp_deploy.core.recover``): keep a dense copy, and the calibration batches
 recovery trains on as ``prune`` reads them (``recover.Kept``), then ``recover_pruned``:
 
 dense, kept = copy.deepcopy(model), recover.Kept(batches, adapter_for(model).count)
@@ -33,20 +33,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from corp_deploy import blockwise
-from corp_deploy.allocation import check_budget, error_curves, plan_budget, widths_of
-from corp_deploy.artifact import save_pruned
-from corp_deploy.calibration import Heldout, resolve_device
-from corp_deploy.distributed import SINGLE_PROCESS, World, all_reduce_stats
-from corp_deploy.env import device_name, exact_fp32, versions
-from corp_deploy.errors import CorpError
+from corp_deploy.base.env import device_name, exact_fp32, versions
+from corp_deploy.base.errors import CorpError
+from corp_deploy.core import blockwise
+from corp_deploy.core.distributed import SINGLE_PROCESS, World, all_reduce_stats
+from corp_deploy.core.pruner import Budget, PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
+from corp_deploy.core.recover import Recovery, RecoveryRecord
+from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for
-from corp_deploy.latency import LatencyTable, Timing
-from corp_deploy.pruner import Budget, PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
-from corp_deploy.recover import Recovery, RecoveryRecord
-from corp_deploy.report import model_size, peak_memory
-from corp_deploy.sensitivity import measure, split_heldout
-from corp_deploy.stats import CalibrationStats
+from corp_deploy.formats.artifact import save_pruned
+from corp_deploy.formats.calibration import Heldout, resolve_device
+from corp_deploy.plan.allocation import check_budget, error_curves, plan_budget, widths_of
+from corp_deploy.plan.latency import LatencyTable, Timing
+from corp_deploy.plan.report import model_size, peak_memory
+from corp_deploy.plan.sensitivity import measure, split_heldout
 
 
 @dataclass
@@ -425,7 +425,7 @@ def prune(
     ``calibration_data(..., hold_out=n)`` draws them across the whole sample; without ``heldout`` they are
     cut from the start of ``batches`` (which is biased when the stream is in class order).
 
-    A ``latency=`` budget is predicted with ``table`` (``corp_deploy.speed.table_for`` measures one); with
+    A ``latency=`` budget is predicted with ``table`` (``corp_deploy.plan.speed.table_for`` measures one); with
     ``loop`` the pruned model is timed against the dense one and re-planned while it misses (``close_loop``).
     """
     config = config or PruneConfig()

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from corp_deploy.env import exact_fp32
-from corp_deploy.errors import CorpError
+from corp_deploy.base.env import exact_fp32
+from corp_deploy.base.errors import CorpError
 from corp_deploy.exporters.text_onnx import example_inputs
 
 Feed = np.ndarray | dict[str, np.ndarray]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from corp_deploy.deps import require
-from corp_deploy.errors import CorpError
+from corp_deploy.base.deps import require
+from corp_deploy.base.errors import CorpError
 from corp_deploy.exporters.onnx_export import add_metadata, check_onnx, load_onnx
 
 KEEP_FP32 = (

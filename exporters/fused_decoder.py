@@ -26,12 +26,12 @@ from typing import Any
 
 from torch import nn
 
-from corp_deploy.artifact import save_pruned
-from corp_deploy.deps import require
-from corp_deploy.errors import CorpError, first_line
+from corp_deploy.base.deps import require
+from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.exporters.kv_cache import KINDS, PAST, PRESENT, layout
 from corp_deploy.exporters.onnx_export import add_metadata, check_onnx
-from corp_deploy.families import dense_head
+from corp_deploy.families.hf.folder import dense_head
+from corp_deploy.formats.artifact import save_pruned
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 """The builder's architectures that corp-deploy's decoder families are (and that its tests build)."""

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from corp_deploy.deps import require
-from corp_deploy.errors import CorpError, first_line
+from corp_deploy.base.deps import require
+from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.exporters import fused_decoder
 from corp_deploy.exporters.compare import FP32, Tolerance
 from corp_deploy.exporters.kv_cache import (

@@ -40,8 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from corp_deploy.deps import require
-from corp_deploy.errors import CorpError
+from corp_deploy.base.deps import require
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import check_writable, staged
+from corp_deploy.base.tables import text_table
 from corp_deploy.exporters.onnx_export import (
     add_metadata,
     check_onnx,
@@ -51,8 +53,6 @@ from corp_deploy.exporters.onnx_export import (
     onnx_sha256,
     read_metadata,
 )
-from corp_deploy.fsio import check_writable, staged
-from corp_deploy.tables import text_table
 
 BLOCK_SIZE = 32
 """Input channels per scale: 32 is llama.cpp's Q4_0/Q4_1 block and onnxruntime-genai's builder default for CPU."""

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from corp_deploy.deps import require
-from corp_deploy.errors import CorpError, first_line
+from corp_deploy.base.deps import require
+from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, _quiet, add_metadata, check_onnx
 from corp_deploy.families import Adapter, adapter_for, decoders
 

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from corp_deploy.deps import require
-from corp_deploy.errors import CorpError
-from corp_deploy.fsio import sha256
+from corp_deploy.base.deps import require
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import sha256
 
 DEFAULT_OPSET = 20
 """Verified here: the pruned SDPA decomposes to MatMul/Softmax and matches onnxruntime (tests/test_export.py,
@@ -53,7 +53,7 @@ def export_onnx(
     """Export ``model`` (moved to CPU, eval) to ``path`` with a symbolic batch axis, and check it.
 
     Writes ``path`` (and ``path.data`` for models over 2 GB) in place: callers stage it
-    (``corp_deploy.fsio.staged``) so that a failed export or verification leaves nothing.
+    (``corp_deploy.base.fsio.staged``) so that a failed export or verification leaves nothing.
     """
     onnx = _onnx()
     check_opset(opset)

@@ -9,7 +9,7 @@
 - ``fp16_graph``: the FP16 copy an engine build needs, reused while its FP32 source is unchanged.
 
 Every ONNX file gets a ``<file>.json`` sidecar holding its verification record; engines get theirs
-from ``tensorrt_engine``. Callers stage the outputs (``corp_deploy.fsio.staged``/``atomic_dir``).
+from ``tensorrt_engine``. Callers stage the outputs (``corp_deploy.base.fsio.staged``/``atomic_dir``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from typing import Any
 
 from torch import nn
 
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import staged
+from corp_deploy.base.tables import text_table
 from corp_deploy.exporters.compare import (
     FP16,
     FP32,
@@ -58,8 +60,6 @@ from corp_deploy.exporters.tensorrt_engine import (
     build_missing,
 )
 from corp_deploy.exporters.text_onnx import export_text_onnx, graph
-from corp_deploy.fsio import staged
-from corp_deploy.tables import text_table
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ of its input and weight (``gemm_errors``, from onnxruntime's ``qdq_loss_debug``)
 the ranges are calibrated once (``calibration_cache_path``), so each step is a re-quantization and a check.
 The GEMMs kept float and why are in the graph's metadata (``int8_float_gemms``) and its record.
 
-Calibration uses the same seeded sample CORP reads (``corp_deploy.data.sample``): the first
+Calibration uses the same seeded sample CORP reads (``corp_deploy.formats.data.sample``): the first
 ``num_calib`` images of the seeded permutation calibrate, the next ``num_verify`` (never seen by the
 calibrator) verify, so ``--num-calib 256`` calibrates on a subset of a 4000-image CORP calibration.
 Text encoders take feeds of ``input_ids`` and ``attention_mask`` instead (built by the caller from the text
-folder's calibration and held-out documents, ``corp_deploy.text.int8_feeds``); their gate compares the last
+folder's calibration and held-out documents, ``corp_deploy.formats.text.int8_feeds``); their gate compares the last
 hidden state at real tokens only.
 """
 
@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from corp_deploy.data import SYNTHETIC, folder_batches, folder_counts, list_images, sample, synthetic_batches
-from corp_deploy.deps import require
-from corp_deploy.errors import CorpError
+from corp_deploy.base.deps import require
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import check_writable, staged
 from corp_deploy.exporters.compare import Comparison, Feed, Runner, Tolerance, check, compare_runners, summary
 from corp_deploy.exporters.onnx_export import (
     add_metadata,
@@ -60,7 +60,7 @@ from corp_deploy.exporters.onnx_export import (
     read_metadata,
 )
 from corp_deploy.exporters.smooth import SMOOTH_ALPHA, smooth
-from corp_deploy.fsio import check_writable, staged
+from corp_deploy.formats.data import SYNTHETIC, folder_batches, folder_counts, list_images, sample, synthetic_batches
 
 INT8_OPS = ("MatMul", "Gemm", "Conv")
 """Op types quantized where one input is a weight (linear layers, patch embedding)."""

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
 
 PATCH_LINEAR = "patch-linear"
 REWRITES = (PATCH_LINEAR,)

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from corp_deploy.deps import require
-from corp_deploy.errors import CorpError
+from corp_deploy.base.deps import require
+from corp_deploy.base.errors import CorpError
 from corp_deploy.exporters.compare import Feed
 from corp_deploy.exporters.onnx_export import image_graph, load_onnx
 

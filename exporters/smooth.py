@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from corp_deploy.deps import require
+from corp_deploy.base.deps import require
 from corp_deploy.exporters.compare import Feed
 from corp_deploy.exporters.onnx_export import load_onnx, onnx_files
 

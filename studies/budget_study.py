@@ -39,20 +39,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from corp_deploy import blockwise, calibration
-from corp_deploy import compensation as C
-from corp_deploy.allocation import error_curves, plan_budget
+from corp_deploy.apps.real import add_setup_arguments, real_task, write_study
+from corp_deploy.base.tables import markdown_table
 from corp_deploy.bench.measure import Method, interleaved, summarize
-from corp_deploy.data import input_size
+from corp_deploy.core import blockwise
+from corp_deploy.core import compensation as C
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.exporters.onnx_export import export_onnx
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
-from corp_deploy.real import add_setup_arguments, real_task, write_study
-from corp_deploy.report import model_size
-from corp_deploy.sensitivity import measure
-from corp_deploy.stats import CalibrationStats
-from corp_deploy.surgery import head_widths
-from corp_deploy.tables import markdown_table
+from corp_deploy.families.timm.modules import head_widths
+from corp_deploy.formats import calibration
+from corp_deploy.formats.data import input_size
+from corp_deploy.plan.allocation import error_curves, plan_budget
+from corp_deploy.plan.report import model_size
+from corp_deploy.plan.sensitivity import measure
 
 ALLOCATED = ("local", "allocated", "allocated+sequential")
 METHODS = ("uniform", *ALLOCATED)

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from corp_deploy.tables import markdown_table
+from corp_deploy.base.tables import markdown_table
 
 WEIGHT_OPS = ("MatMulNBits",)
 """Operators that only ever read a weight (an FP32 graph's weight GEMMs are plain MatMuls, counted with attention's)."""

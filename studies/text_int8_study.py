@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 from sklearn.linear_model import RidgeClassifier
 
+from corp_deploy.base.env import cpu_model
+from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.measure import Method, interleaved, summarize
-from corp_deploy.env import cpu_model
-from corp_deploy.errors import CorpError
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.runners import OrtRunner
-from corp_deploy.hf import load_tokenizer
-from corp_deploy.text import Document, int8_feeds, read_documents, split_documents, tokenize
+from corp_deploy.families.hf.hub import load_tokenizer
+from corp_deploy.formats.text import Document, int8_feeds, read_documents, split_documents, tokenize
 
 
 def declared_pooling(model: Path) -> dict[str, Any]:

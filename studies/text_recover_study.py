@@ -6,7 +6,7 @@ all-MiniLM-L6-v2 on BBC News (offline packages, as ``studies.text_study``). Ever
 is set apart; calibration and recovery documents are drawn from the other classes, and so are evaluation documents
 (disjoint from them). The model is calibrated once (``--target`` at ``--sparsity``, uniform: every row runs the
 same widths, so the same speed), pruned with CORP's compensation and with none (plain removal), and each start is
-then recovered from that start (``corp_deploy.recover``: the command line's recipe, per-block targets and AdamW at
+then recovered from that start (``corp_deploy.core.recover``: the command line's recipe, per-block targets and AdamW at
 ``--lr``) for each of ``--steps``, on the calibration documents only. Scores: the embedding cosine to the dense
 model (masked mean pooling + L2 normalisation, as sentence-transformers does) on the seen classes' evaluation
 documents and on ``--num-unseen`` articles of the unseen class, each with its standard error.
@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from corp_deploy.data import sample, split
-from corp_deploy.hf import load
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
-from corp_deploy.recover import recover
-from corp_deploy.tables import markdown_table
-from corp_deploy.text import Document, read_documents, text_batches
+from corp_deploy.base.tables import markdown_table
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.recover import recover
+from corp_deploy.families.hf.hub import load
+from corp_deploy.formats.data import sample, split
+from corp_deploy.formats.text import Document, read_documents, text_batches
 from studies.text_study import cosine, embed, package_folder
 
 STARTS = {"corp": "corp", "removal": "none"}

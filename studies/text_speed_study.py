@@ -30,18 +30,20 @@ from typing import Any
 
 import torch
 
-from corp_deploy import api, calibration, speed
-from corp_deploy.allocation import widths_of
-from corp_deploy.env import cpu_model
-from corp_deploy.errors import CorpError
-from corp_deploy.families.hf_text import count_macs_at
-from corp_deploy.hf import load
-from corp_deploy.latency import LatencyTable, Timing
-from corp_deploy.pruner import PruneConfig, Widths, calibrate, plan_widths, prune_model
-from corp_deploy.real import write_study
-from corp_deploy.report import model_size
-from corp_deploy.tables import markdown_table
-from corp_deploy.text import read_documents, text_batches, tokenize
+from corp_deploy import api
+from corp_deploy.apps.real import write_study
+from corp_deploy.base.env import cpu_model
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.tables import markdown_table
+from corp_deploy.core.pruner import PruneConfig, Widths, calibrate, plan_widths, prune_model
+from corp_deploy.families.hf.adapter import count_macs_at
+from corp_deploy.families.hf.hub import load
+from corp_deploy.formats import calibration
+from corp_deploy.formats.text import read_documents, text_batches, tokenize
+from corp_deploy.plan import speed
+from corp_deploy.plan.allocation import widths_of
+from corp_deploy.plan.latency import LatencyTable, Timing
+from corp_deploy.plan.report import model_size
 from studies.speed_study import bisect
 from studies.text_study import embed, package_folder, scores, study_split
 

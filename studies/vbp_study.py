@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from corp_deploy.pruner import PruneConfig
-from corp_deploy.real import RealSetup, sparsity_study
+from corp_deploy.apps.real import RealSetup, sparsity_study
+from corp_deploy.core.pruner import PruneConfig
 
 METHODS = {
     "VBP (variance, global, mean shift)": {"ranker": "variance", "selection": "global", "compensation": "mean"},

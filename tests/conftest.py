@@ -1,42 +1,15 @@
-"""Tiny models and image folders built in the test: no hub, no real weights, seconds per test."""
+"""Fixtures: tiny image folders, TF32 and thread settings, torch's ONNX registry built once, a tiny BERT graph.
+The builders themselves live in ``helpers`` (test modules import it; nothing imports this file)."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import tf32_state
 from PIL import Image
-from timm.models.vision_transformer import VisionTransformer
-
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
-
-TINY = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 4, "mlp_ratio": 2.0}
-"""A ViT small enough for CPU tests: 4 heads of dim 16, MLP hidden 128, 17 tokens."""
-
-TINY_CLI_ARGS = [f"--model-arg={k}={v}" for k, v in {**TINY, "num_classes": 10}.items()]
-"""The same architecture through the CLI, as ``deit_tiny`` with overridden timm arguments."""
-
-
-def tiny_vit(seed: int = 0, **overrides) -> VisionTransformer:
-    torch.manual_seed(seed)
-    return VisionTransformer(**{**TINY, "num_classes": 10, **overrides}).eval()
-
-
-def tiny_batches(n: int = 48, batch: int = 16, seed: int = 1) -> list[tuple[torch.Tensor, int]]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 3, 32, 32, generator=g)
-    return [(x[i : i + batch], 0) for i in range(0, n, batch)]
-
-
-def pruned_copy(model: torch.nn.Module, config: PruneConfig, batches=None) -> tuple[torch.nn.Module, list[dict]]:
-    """Calibrate ``model`` and return a pruned deep copy (the original stays dense) and its block reports."""
-    batches = batches or tiny_batches()
-    stats = calibrate(model, batches, config, "cpu", progress=False)
-    pruned = copy.deepcopy(model)
-    return pruned, prune_model(pruned, stats, config)
 
 
 @pytest.fixture
@@ -51,11 +24,6 @@ def image_dir(tmp_path: Path) -> Path:
         Image.fromarray(arr).save(cls / f"img{i}.{('jpg', 'png', 'webp')[i % 3]}")
     (root / "notes.txt").write_text("not an image")
     return root
-
-
-def tf32_state() -> tuple[bool, bool, str]:
-    """torch's three TF32 settings: CUDA matmuls, cuDNN convolutions, the float32 matmul precision."""
-    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
 
 
 @pytest.fixture
@@ -116,7 +84,7 @@ def bert_graph(tmp_path_factory) -> dict[str, Path]:
     from helpers import tiny_text_folder
 
     from corp_deploy.exporters.pipeline import export_verified
-    from corp_deploy.sources import load_source
+    from corp_deploy.formats.sources import load_source
 
     root = tmp_path_factory.mktemp("bert-graph")
     folder = tiny_text_folder(root)

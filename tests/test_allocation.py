@@ -12,11 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import pruned_copy, tiny_batches, tiny_vit
+from helpers import pruned_copy, tiny_batches, tiny_vit
 
 from corp_deploy import api
-from corp_deploy import compensation as C
-from corp_deploy.allocation import (
+from corp_deploy.base.errors import CorpError
+from corp_deploy.core import compensation as C
+from corp_deploy.core.pruner import Budget, PruneConfig, Widths, calibrate, parse_budget, prune_model
+from corp_deploy.core.ranking import channel_scores
+from corp_deploy.core.stats import MlpStats
+from corp_deploy.formats.artifact import load_pruned
+from corp_deploy.plan.allocation import (
     affine_curve,
     allocate,
     block_macs,
@@ -27,13 +32,8 @@ from corp_deploy.allocation import (
     per_unit,
     plan_budget,
 )
-from corp_deploy.artifact import load_pruned
-from corp_deploy.errors import CorpError
-from corp_deploy.pruner import Budget, PruneConfig, Widths, calibrate, parse_budget, prune_model
-from corp_deploy.ranking import channel_scores
-from corp_deploy.report import format_report, model_size
-from corp_deploy.sensitivity import split_heldout
-from corp_deploy.stats import MlpStats
+from corp_deploy.plan.report import format_report, model_size
+from corp_deploy.plan.sensitivity import split_heldout
 
 
 @pytest.fixture(scope="module")
@@ -263,9 +263,9 @@ RANK_SCRIPT = """
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[2])
-from conftest import tiny_batches, tiny_vit
+from helpers import tiny_batches, tiny_vit
 from corp_deploy import api, distributed
-from corp_deploy.pruner import PruneConfig
+from corp_deploy.core.pruner import PruneConfig
 
 world, _ = distributed.init(torch.device("cpu"), 120)
 batches = [b for i, b in enumerate(tiny_batches(64, 8)) if i % world.size == world.rank]

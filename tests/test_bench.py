@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY_CLI_ARGS, pruned_copy, tiny_vit
-from helpers import RECORD, bench_record, run
+from helpers import RECORD, TINY_CLI_ARGS, bench_record, pruned_copy, run, tiny_vit
 
+from corp_deploy.base.errors import CorpError
 from corp_deploy.bench import backends, gate
 from corp_deploy.bench.backends import (
     BACKENDS,
@@ -27,8 +27,7 @@ from corp_deploy.bench.measure import Method, interleaved, median_of_repeats, su
 from corp_deploy.bench.report import skipped_lines
 from corp_deploy.bench.run import SCHEMA, benchmark, pairs, parse_batch_sizes
 from corp_deploy.cli import main
-from corp_deploy.errors import CorpError
-from corp_deploy.pruner import PruneConfig
+from corp_deploy.core.pruner import PruneConfig
 
 
 def test_summarize_percentiles_and_throughput() -> None:
@@ -348,12 +347,12 @@ def test_sweep_calibrates_once_and_each_sparsity_equals_a_direct_prune(tmp_path)
     """Statistics reused across sparsities must give exactly what a fresh prune at that sparsity gives."""
     pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
     import torch
-    from conftest import TINY, pruned_copy, tiny_batches, tiny_vit
+    from helpers import TINY, pruned_copy, tiny_batches, tiny_vit
 
     import corp_deploy
-    from corp_deploy.pruner import PruneConfig
-    from corp_deploy.sources import describe
-    from corp_deploy.sweep import format_sweep, parse_sparsities, sweep
+    from corp_deploy.apps.sweep import format_sweep, parse_sparsities, sweep
+    from corp_deploy.core.pruner import PruneConfig
+    from corp_deploy.formats.sources import describe
 
     model = tiny_vit()
     description = describe(model, "deit_tiny_patch16_224", {**TINY, "num_classes": 10}, "random")
@@ -409,12 +408,12 @@ def test_sweep_copies_the_dense_graph_with_its_external_weights_and_sidecar(tmp_
     """A dense graph stored with external data (models over 2 GB) must reach every sparsity's folder whole, and
     stay loadable: onnx (1.23) refuses an external data file with several hard links ("hardlink attack")."""
     pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
-    from conftest import TINY, tiny_batches, tiny_vit
+    from helpers import TINY, tiny_batches, tiny_vit
 
+    from corp_deploy.apps.sweep import sweep
+    from corp_deploy.core.pruner import PruneConfig
     from corp_deploy.exporters.onnx_export import check_onnx, load_onnx
-    from corp_deploy.pruner import PruneConfig
-    from corp_deploy.sources import describe
-    from corp_deploy.sweep import sweep
+    from corp_deploy.formats.sources import describe
 
     monkeypatch.setattr(
         "corp_deploy.exporters.onnx_export.MAX_SINGLE_FILE", 0
@@ -434,7 +433,7 @@ def test_sweep_copies_the_dense_graph_with_its_external_weights_and_sidecar(tmp_
 
 def test_sweep_plot_with_a_backend_skipped_at_one_sparsity(tmp_path) -> None:
     pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install '.[bench]')")
-    from corp_deploy.sweep import plot_sweep
+    from corp_deploy.apps.sweep import plot_sweep
 
     def row(sparsity: float, backends: list[str]) -> dict:
         bench = [{"backend": b, "batch": 32, "throughput_ratio": 1 + sparsity} for b in backends]

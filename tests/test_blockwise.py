@@ -1,7 +1,7 @@
 """Block-by-block calibration: bounded memory is the one-pass method; sequential CORP reduces to CORP and corrects.
 
 The closed forms are checked against direct least squares on raw float64 tensors; the walk on tiny ViTs
-(``conftest.tiny_vit``); data-parallel walks with 2 real gloo processes against one process.
+(``helpers.tiny_vit``); data-parallel walks with 2 real gloo processes against one process.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_batches, tiny_vit
-from helpers import attn_moment, correlated_activations, qk_images, split
+from helpers import attn_moment, correlated_activations, qk_images, split, tiny_batches, tiny_vit
 from safetensors.torch import load_file
 
-from corp_deploy import api, blockwise
-from corp_deploy import compensation as C
-from corp_deploy.errors import CorpError
+from corp_deploy import api
+from corp_deploy.base.errors import CorpError
+from corp_deploy.core import blockwise
+from corp_deploy.core import compensation as C
+from corp_deploy.core.pruner import PruneConfig, Widths
+from corp_deploy.core.stats import MlpStats, PairStats
 from corp_deploy.families import BlockCall, structure
-from corp_deploy.pruner import PruneConfig, Widths
-from corp_deploy.stats import MlpStats, PairStats
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
@@ -257,9 +257,9 @@ import sys
 sys.path[:0] = [{root!r}, {tests!r}]
 import torch
 from safetensors.torch import save_file
-from conftest import tiny_batches, tiny_vit
+from helpers import tiny_batches, tiny_vit
 from corp_deploy import api, distributed
-from corp_deploy.pruner import PruneConfig
+from corp_deploy.core.pruner import PruneConfig
 
 world = distributed.SINGLE_PROCESS
 if distributed.launched():

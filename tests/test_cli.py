@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_vit
-from helpers import PRUNE, run
+from helpers import PRUNE, run, tiny_vit
 from safetensors.torch import save_file
 
 import corp_deploy
@@ -235,7 +234,8 @@ def test_a_missing_package_is_named_before_calibrating(module, argv, tmp_path, c
 
 
 def test_one_definition_of_the_compensations() -> None:
-    from corp_deploy import demo, pruner
+    from corp_deploy.apps import demo
+    from corp_deploy.core import pruner
 
     assert demo.COMPENSATIONS is pruner.COMPENSATIONS
 

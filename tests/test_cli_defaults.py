@@ -6,8 +6,7 @@ import json
 import shlex
 
 import pytest
-from conftest import TINY_CLI_ARGS
-from helpers import PRUNE, run
+from helpers import PRUNE, TINY_CLI_ARGS, run
 
 from corp_deploy.cli import SMOKE_IMAGES
 

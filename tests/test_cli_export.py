@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_CLI_ARGS
-from helpers import PRUNE, run
+from helpers import PRUNE, TINY_CLI_ARGS, run
 
 import corp_deploy
 from corp_deploy.exporters.compare import FP32, compare, random_inputs

@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import attn_moment, correlated_activations, qk_images, split
 
-from corp_deploy import compensation as C
-from corp_deploy.stats import MlpStats
+from corp_deploy.core import compensation as C
+from corp_deploy.core.stats import MlpStats
 
 
 @pytest.fixture(autouse=True)

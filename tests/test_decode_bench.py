@@ -20,14 +20,15 @@ from helpers import run
 pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 import transformers  # noqa: E402
 
-from corp_deploy import api, sources  # noqa: E402
+from corp_deploy import api
+from corp_deploy.base.errors import CorpError  # noqa: E402
 from corp_deploy.bench import gate  # noqa: E402
 from corp_deploy.bench.backends import RunFolder  # noqa: E402
 from corp_deploy.bench.decode import DECODE_BACKENDS, TorchSession, decode_benchmark, rows  # noqa: E402
 from corp_deploy.bench.measure import Method, Stats  # noqa: E402
 from corp_deploy.bench.run import pairs  # noqa: E402
-from corp_deploy.errors import CorpError  # noqa: E402
-from corp_deploy.pruner import PruneConfig  # noqa: E402
+from corp_deploy.core.pruner import PruneConfig  # noqa: E402
+from corp_deploy.formats import sources  # noqa: E402
 
 FAST = Method(warmup_iters=1, warmup_seconds=0, min_iters=3, min_seconds=0, round_iters=1)
 

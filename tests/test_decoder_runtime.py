@@ -20,9 +20,9 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
 
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
 from corp_deploy.exporters.genai import write_genai_folder  # noqa: E402
 from corp_deploy.exporters.kv_cache import layout, positions  # noqa: E402
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
 
 PROMPT = "the market news price team"
 
@@ -242,7 +242,7 @@ def test_a_fused_graph_that_fails_its_check_is_replaced_under_auto_and_refused_w
     tokenizer_dir, tmp_path, monkeypatch
 ) -> None:
     pytest.importorskip("onnxruntime_genai", reason="genai folders need onnxruntime-genai (pip install '.[genai]')")
-    from corp_deploy.errors import CorpError
+    from corp_deploy.base.errors import CorpError
     from corp_deploy.exporters import genai
 
     real = genai.verify_decoder_onnx
@@ -262,7 +262,7 @@ def test_a_fused_graph_that_fails_its_check_is_replaced_under_auto_and_refused_w
 
 
 def test_auto_takes_the_fused_graph_only_where_the_builder_can_and_says_why_not(tokenizer_dir) -> None:
-    from corp_deploy.errors import CorpError
+    from corp_deploy.base.errors import CorpError
     from corp_deploy.exporters.genai import TOKENIZER_FILES, choose_graph
 
     files = [tokenizer_dir / n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file()]
@@ -350,7 +350,7 @@ def test_bad_decoder_export_input_is_one_line_and_writes_nothing(case, llama_fol
     source, extra, expected = BAD[case]
     if case == "no genai extra":
         monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # as when it is not installed
-    monkeypatch.setattr("corp_deploy.sources.load_source", _never)  # every refusal comes before the model loads
+    monkeypatch.setattr("corp_deploy.formats.sources.load_source", _never)  # every refusal comes before the model loads
     places = {
         "llama": llama_folder,
         "other_format": _corp_json(tmp_path / "other", {"format": "corp-deploy/bench", "format_version": 1}),
@@ -376,7 +376,7 @@ def _never(*args, **kwargs):
 def test_prune_export_on_a_decoder_needs_genai_before_pruning(llama_folder, tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)
     monkeypatch.setattr("corp_deploy.cli.inputs.create_model", _never)
-    monkeypatch.setattr("corp_deploy.hf.load", _never)
+    monkeypatch.setattr("corp_deploy.families.hf.hub.load", _never)
     argv = ["prune-export", str(llama_folder), "--calib", "synthetic", "--seq-len", "16", "--precision", "fp32"]
     code, _, stderr = run([*argv, "--out", str(tmp_path / "run")], capsys)
     assert code == 1 and stderr.strip().splitlines() == [

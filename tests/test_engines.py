@@ -16,9 +16,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import pruned_copy, tiny_vit
+from helpers import pruned_copy, tiny_vit
 
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import sha256
+from corp_deploy.core.pruner import PruneConfig
 from corp_deploy.exporters import tensorrt_engine
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import VerifyOptions, engine_verified, export_run, format_summary
@@ -39,9 +41,7 @@ from corp_deploy.exporters.tensorrt_engine import (
     read_engine_meta,
     sidecar,
 )
-from corp_deploy.fsio import sha256
-from corp_deploy.pruner import PruneConfig
-from corp_deploy.sources import describe
+from corp_deploy.formats.sources import describe
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import pruned_copy, tf32_state, tiny_vit
+from helpers import pruned_copy, tf32_state, tiny_vit
 
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
+from corp_deploy.core.pruner import PruneConfig
 from corp_deploy.exporters.compare import FP16, FP32, Tolerance, check, compare, image_inputs, random_inputs, verify
 from corp_deploy.exporters.fp16 import KEEP_FP32, convert_fp16
 from corp_deploy.exporters.onnx_export import graph_precision, input_shape, load_onnx, onnx_sha256, read_metadata
@@ -27,8 +28,7 @@ from corp_deploy.exporters.tensorrt_engine import (
     sidecar,
     source_record,
 )
-from corp_deploy.pruner import PruneConfig
-from corp_deploy.sources import describe
+from corp_deploy.formats.sources import describe
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
@@ -295,7 +295,7 @@ def test_build_options_reject_unknown_precision() -> None:
 
 def _fake_engine(tmp_path: Path, onnx: Path, **meta) -> Path:
     """An engine file with a sidecar as build_engine writes it (the engine bytes are arbitrary)."""
-    from corp_deploy.fsio import sha256
+    from corp_deploy.base.fsio import sha256
 
     engine = tmp_path / "m.fp16.plan"
     engine.write_bytes(b"serialized engine bytes")
@@ -339,7 +339,7 @@ HERE = {"version": "10.13.0", "gpu": "NVIDIA H100 80GB HBM3", "compute_capabilit
 
 def test_engine_metadata_accepts_its_own_platform(tmp_path) -> None:
     """Same GPU, TensorRT and ONNX: accepted, whatever else differs (CUDA minor version) or is gone (the ONNX)."""
-    from corp_deploy.fsio import sha256
+    from corp_deploy.base.fsio import sha256
 
     onnx = _graph(tmp_path / "m.onnx")
     engine = _fake_engine(tmp_path, onnx)

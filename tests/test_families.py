@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY as TINY_VIT
-from conftest import tiny_batches, tiny_vit
+from helpers import TINY as TINY_VIT
+from helpers import tiny_batches, tiny_vit
 
-from corp_deploy.artifact import load_pruned, read_meta, save_pruned
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.families import adapter_for, get, registry
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned
 
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 

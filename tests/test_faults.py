@@ -16,15 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, pruned_copy, tiny_vit
-from helpers import PRUNE, RECORD, bench_record, run
+from helpers import PRUNE, RECORD, TINY, bench_record, pruned_copy, run, tiny_vit
 
 import corp_deploy
-from corp_deploy.artifact import FORMAT, FORMAT_VERSION, META_FILE, WEIGHTS_FILE, save_pruned
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import atomic_file
 from corp_deploy.bench import gate
-from corp_deploy.errors import CorpError
-from corp_deploy.fsio import atomic_file
-from corp_deploy.pruner import PruneConfig, plan_widths
+from corp_deploy.core.pruner import PruneConfig, plan_widths
+from corp_deploy.formats.artifact import FORMAT, FORMAT_VERSION, META_FILE, WEIGHTS_FILE, save_pruned
 
 # ------------------------------------------------------------------------------------------ gate
 
@@ -118,7 +117,7 @@ def test_overwrite_whose_write_fails_leaves_the_old_artifact(tmp_path, capsys, m
     def disk_full(*_args, **_kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("corp_deploy.artifact.save_model", disk_full)
+    monkeypatch.setattr("corp_deploy.formats.artifact.save_model", disk_full)
     code, _, stderr = run([*PRUNE, "--calib", "synthetic", "--out", str(out), "--overwrite"], capsys)
     assert code == 1 and "Traceback" not in stderr
     (line,) = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
@@ -253,7 +252,7 @@ def test_a_bias_free_mlp_is_refused_for_compensation_and_pruned_without_it() -> 
 def test_offline_hub_setting_is_put_back_after_the_load(monkeypatch) -> None:
     import huggingface_hub.constants as hub
 
-    from corp_deploy import models
+    from corp_deploy.families.timm import models
 
     seen = []
     monkeypatch.setattr(models, "_resolves", lambda host: False)

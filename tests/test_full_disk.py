@@ -16,9 +16,9 @@ import pytest
 from helpers import PRUNE, run
 from safetensors import SafetensorError
 
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import staged
 from corp_deploy.exporters.tensorrt_engine import build_missing
-from corp_deploy.fsio import staged
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
@@ -55,7 +55,7 @@ def test_prune_whose_safetensors_write_fails_on_a_full_disk(tmp_path, capsys, mo
     def full(*_args, **_kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr("corp_deploy.artifact.save_model", full)
+    monkeypatch.setattr("corp_deploy.formats.artifact.save_model", full)
     out = tmp_path / "run"
     _one_error(*run([*PRUNE, "--calib", "synthetic", "--out", str(out)], capsys)[::2], out)
     assert list(tmp_path.iterdir()) == []

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_batches, tiny_vit
-from helpers import PRUNE, run
+from helpers import PRUNE, run, tiny_batches, tiny_vit
 
 from corp_deploy.bench.backends import MODELS, RunFolder, compile_model, cuda_step, select, torch_forward
 from corp_deploy.bench.measure import Method
 from corp_deploy.bench.run import benchmark
 from corp_deploy.cli import main
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from corp_deploy import speed
 from corp_deploy.families import structure
+from corp_deploy.plan import speed
 from tools.gpu_suite.core import Context, Plan
 from tools.gpu_suite.record import BEGIN, END, ingest
 from tools.gpu_suite.registry import SECTIONS

@@ -1,5 +1,6 @@
 """Pruned text artifacts as folders ``transformers`` and ``sentence-transformers`` load WITHOUT corp-deploy
-(``corp_deploy.hf_folder``): the standard form (uniform MLP pruning: the family's own config, no ``auto_map``) and
+(``corp_deploy.families.hf.folder``):
+the standard form (uniform MLP pruning: the family's own config, no ``auto_map``) and
 the remote-code form (per-layer widths, Q/K narrower than V or V narrower than Q/K: ``auto_map`` +
 ``modeling_corp.py``).
 
@@ -38,12 +39,12 @@ from transformers import (  # noqa: E402
     OPTForCausalLM,
 )
 
-from corp_deploy import hf  # noqa: E402
-from corp_deploy.artifact import build, load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.errors import CorpError  # noqa: E402
+from corp_deploy.base.errors import CorpError  # noqa: E402
+from corp_deploy.core.pruner import PruneConfig, calibrate, check_standard, prune_model  # noqa: E402
 from corp_deploy.families import get, structure  # noqa: E402
-from corp_deploy.hf_folder import MODELING_FILE, REMOTE, STANDARD  # noqa: E402
-from corp_deploy.pruner import PruneConfig, calibrate, check_standard, prune_model  # noqa: E402
+from corp_deploy.families.hf import hub as hf  # noqa: E402
+from corp_deploy.families.hf.folder import MODELING_FILE, REMOTE, STANDARD  # noqa: E402
+from corp_deploy.formats.artifact import build, load_pruned, read_meta, save_pruned  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(40)]
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]

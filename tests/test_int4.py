@@ -18,14 +18,12 @@ import torch
 import torch.nn.functional as F
 from helpers import run, tiny_llama_folder
 
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
 
 pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from corp_deploy import hf  # noqa: E402
-from corp_deploy.artifact import load_pruned  # noqa: E402
 from corp_deploy.exporters.int4 import (  # noqa: E402
     MINS,
     DecoderTolerance,
@@ -37,6 +35,8 @@ from corp_deploy.exporters.int4 import (  # noqa: E402
     minmax_int4,
 )
 from corp_deploy.exporters.text_onnx import export_text_onnx  # noqa: E402
+from corp_deploy.families.hf import hub as hf  # noqa: E402
+from corp_deploy.formats.artifact import load_pruned  # noqa: E402
 
 SEQ = 16
 

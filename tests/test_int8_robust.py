@@ -126,7 +126,7 @@ def test_smoothing_is_exact_and_lets_a_planted_outlier_pass_with_every_gemm_in_i
 def test_a_smoothed_graph_that_still_misses_keeps_gemms_float_ranked_on_the_smoothed_graph(tmp_path) -> None:
     """A gate INT8 cannot meet even smoothed: the fallback ranks the smoothed graph's GEMMs, keeps the worst float,
     and stops in one line when one GEMM would be left in INT8."""
-    from corp_deploy.errors import CorpError
+    from corp_deploy.base.errors import CorpError
 
     src = _outlier_mlp(tmp_path / "mlp.onnx")
     said: list[str] = []
@@ -305,7 +305,7 @@ def test_text_int8_without_text_is_one_line_and_writes_nothing(case, text_graph,
 
 
 def test_the_library_refuses_a_text_graph_without_text(text_graph, tmp_path) -> None:
-    from corp_deploy.errors import CorpError
+    from corp_deploy.base.errors import CorpError
 
     with pytest.raises(CorpError, match="is a text encoder: its INT8 calibrates on text documents"):
         quantize_graphs([(text_graph["onnx"], tmp_path / "m.int8.onnx")], "synthetic", INT8)

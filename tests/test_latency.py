@@ -14,18 +14,29 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import TINY_CLI_ARGS, tiny_batches, tiny_vit
-from helpers import FIXED_S, block_s, fake_time, fake_timer, run, tiny_text_folder
+from helpers import (
+    FIXED_S,
+    TINY_CLI_ARGS,
+    block_s,
+    fake_time,
+    fake_timer,
+    run,
+    tiny_batches,
+    tiny_text_folder,
+    tiny_vit,
+)
 
-from corp_deploy import api, hf, latency, speed
-from corp_deploy.allocation import allocate, plan_budget, widths_of
+from corp_deploy import api
+from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.backends import BACKENDS
-from corp_deploy.errors import CorpError
+from corp_deploy.core.pruner import PruneConfig, calibrate
 from corp_deploy.families import structure as block_widths
-from corp_deploy.latency import LatencyTable, Shape, Timing
-from corp_deploy.pruner import PruneConfig, calibrate
-from corp_deploy.report import format_report
-from corp_deploy.text import synthetic_text_batches
+from corp_deploy.families.hf import hub as hf
+from corp_deploy.formats.text import synthetic_text_batches
+from corp_deploy.plan import latency, speed
+from corp_deploy.plan.allocation import allocate, plan_budget, widths_of
+from corp_deploy.plan.latency import LatencyTable, Shape, Timing
+from corp_deploy.plan.report import format_report
 
 
 def table_key(batch: int = 8, backend: str = "ort-cpu-fp32") -> dict:
@@ -376,7 +387,7 @@ def test_prune_export_with_a_speedup_records_the_check(tmp_path, capsys, cache, 
 @pytest.mark.e2e
 def test_recovery_runs_after_the_closed_loop_and_keeps_its_widths(tmp_path, capsys, cache, monkeypatch) -> None:
     """The loop times CORP's weights and fixes the widths; recovery trains after the last timing, on those widths."""
-    from corp_deploy.recover import Objective
+    from corp_deploy.core.recover import Objective
 
     events, loss = [], Objective.__call__
 

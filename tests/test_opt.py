@@ -16,21 +16,21 @@ import pytest
 import torch
 from helpers import SPECIAL, VOCAB, WORDS, documents, opt_folders, run, tiny_opt, token_batches, tokenizer
 
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
 
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 
 from transformers import OPTForCausalLM  # noqa: E402
 
-from corp_deploy import hf  # noqa: E402
-from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.calibration import text_calibration_data  # noqa: E402
+from corp_deploy.core.pruner import PruneConfig, calibrate, check_parts, prune_model  # noqa: E402
+from corp_deploy.core.stats import QKStats  # noqa: E402
 from corp_deploy.families import adapter_for, get  # noqa: E402
-from corp_deploy.hf_modeling import PrunedOptAttention  # noqa: E402
-from corp_deploy.perplexity import perplexity  # noqa: E402
-from corp_deploy.pruner import PruneConfig, calibrate, check_parts, prune_model  # noqa: E402
-from corp_deploy.stats import QKStats  # noqa: E402
-from corp_deploy.text import Document, packed_sequences, read_documents, shuffled, split_documents  # noqa: E402
+from corp_deploy.families.hf import hub as hf  # noqa: E402
+from corp_deploy.families.hf.modeling import PrunedOptAttention  # noqa: E402
+from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
+from corp_deploy.formats.calibration import text_calibration_data  # noqa: E402
+from corp_deploy.formats.perplexity import perplexity  # noqa: E402
+from corp_deploy.formats.text import Document, packed_sequences, read_documents, shuffled, split_documents  # noqa: E402
 
 # ------------------------------------------------------------------------------------- causal Q/K moments
 

@@ -67,7 +67,15 @@ def test_the_wheel_installs_one_package(tmp_path) -> None:
         names = z.namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"corp_deploy"}, top
-    for module in ("exporters/pipeline.py", "bench/run.py", "sweep.py", "real.py", "cli/__init__.py"):
+    for module in (
+        "exporters/pipeline.py",
+        "bench/run.py",
+        "apps/sweep.py",
+        "apps/real.py",
+        "core/pruner.py",
+        "families/hf/modeling.py",
+        "cli/__init__.py",
+    ):
         assert f"corp_deploy/{module}" in names, module
     packages = [p.parent.relative_to(project) for p in (project / "corp_deploy").rglob("__init__.py")]
     missing = [str(p) for p in packages if f"{p.as_posix()}/__init__.py" not in names]
@@ -90,7 +98,7 @@ def test_an_offline_editable_install_maps_the_folders(tmp_path) -> None:
         z.extractall(site)
     code = (
         "import site, sys; site.addsitedir(sys.argv[1]); sys.path.append(sys.argv[2]); "
-        "import corp_deploy.exporters.pipeline as p, corp_deploy.bench.run as r, corp_deploy.version as v; "
+        "import corp_deploy.exporters.pipeline as p, corp_deploy.bench.run as r, corp_deploy.base.version as v; "
         "print(p.__file__); print(r.__file__); print(v.__file__)"
     )
     done = subprocess.run(
@@ -102,4 +110,8 @@ def test_an_offline_editable_install_maps_the_folders(tmp_path) -> None:
     )
     assert done.returncode == 0, done.stderr
     files = [Path(line) for line in done.stdout.split()]
-    assert files == [project / "exporters/pipeline.py", project / "bench/run.py", project / "corp_deploy/version.py"]
+    assert files == [
+        project / "exporters/pipeline.py",
+        project / "bench/run.py",
+        project / "corp_deploy/base/version.py",
+    ]

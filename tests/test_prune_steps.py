@@ -12,15 +12,15 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_batches, tiny_vit
-from helpers import PRUNE, run
+from helpers import PRUNE, run, tiny_batches, tiny_vit
 from PIL import Image
 
-from corp_deploy import api, pruner
-from corp_deploy.data import split
-from corp_deploy.errors import CorpError
-from corp_deploy.pruner import PruneConfig, Widths, calibrate, plan_widths, prune_model
-from corp_deploy.ranking import global_widths, kept_width
+from corp_deploy import api
+from corp_deploy.base.errors import CorpError
+from corp_deploy.core import pruner
+from corp_deploy.core.pruner import PruneConfig, Widths, calibrate, plan_widths, prune_model
+from corp_deploy.core.ranking import global_widths, kept_width
+from corp_deploy.formats.data import split
 
 
 def _never_read():

@@ -6,14 +6,14 @@ import copy
 
 import pytest
 import torch
-from conftest import pruned_copy, tiny_batches, tiny_vit
+from helpers import pruned_copy, tiny_batches, tiny_vit
 from timm.models.deit import VisionTransformerDistilled
 
 import corp_deploy
-from corp_deploy.calibration import Heldout
-from corp_deploy.errors import CorpError
-from corp_deploy.pruner import PruneConfig
-from corp_deploy.surgery import PrunedAttention, fill_attention
+from corp_deploy.base.errors import CorpError
+from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.families.timm.modules import PrunedAttention, fill_attention
+from corp_deploy.formats.calibration import Heldout
 
 
 @torch.no_grad()

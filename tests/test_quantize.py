@@ -7,12 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY_CLI_ARGS, pruned_copy, tiny_vit
-from helpers import run
+from helpers import TINY_CLI_ARGS, pruned_copy, run, tiny_vit
 from PIL import Image
 
 from corp_deploy.bench.backends import RunFolder, select
-from corp_deploy.data import folder_counts, list_images, sample
+from corp_deploy.core.pruner import PruneConfig
 from corp_deploy.exporters.compare import INT8, compare
 from corp_deploy.exporters.onnx_export import load_onnx, onnx_files, read_metadata
 from corp_deploy.exporters.pipeline import export_verified
@@ -27,8 +26,8 @@ from corp_deploy.exporters.quantize import (
 )
 from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.exporters.tensorrt_engine import FLAVOURS, VERIFIED, flavour_missing
-from corp_deploy.pruner import PruneConfig
-from corp_deploy.sources import describe
+from corp_deploy.formats.data import folder_counts, list_images, sample
+from corp_deploy.formats.sources import describe
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")

@@ -1,4 +1,5 @@
-"""Label-free recovery (``corp_deploy.recover``) on tiny models built in the test: it lowers the error it optimizes,
+"""Label-free recovery (``corp_deploy.core.recover``) on
+tiny models built in the test: it lowers the error it optimizes,
 never changes widths, trains on the calibration batches only (never the held-out ones), its record round-trips
 through JSON, and bad budgets are one line. Through the CLI (``--recover-*`` on prune and prune-export): recorded in
 corp.json and printed, the widths of CORP alone, the exported graphs hold the recovered weights, a ViT, a text
@@ -12,16 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PRUNE, run, tiny_llama_folder, tiny_text_folder
+from helpers import PRUNE, pruned_copy, run, tiny_batches, tiny_llama_folder, tiny_text_folder, tiny_vit
 from safetensors.torch import load_file
 
 import corp_deploy
-from corp_deploy import calibration
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
+from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.recover import Kept, Objective, Recovery, RecoveryRecord, lr_factor, recover
 from corp_deploy.families import adapter_for, structure
-from corp_deploy.pruner import PruneConfig
-from corp_deploy.recover import Kept, Objective, Recovery, RecoveryRecord, lr_factor, recover
-from tests.conftest import pruned_copy, tiny_batches, tiny_vit
+from corp_deploy.formats import calibration
 
 HALF = PruneConfig(sparsity=0.5, target="mlp,qk,v", compensation="none")
 

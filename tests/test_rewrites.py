@@ -7,17 +7,16 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_CLI_ARGS, pruned_copy, tiny_vit
-from helpers import run
+from helpers import TINY_CLI_ARGS, pruned_copy, run, tiny_vit
 
-from corp_deploy import speed
+from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.backends import BACKENDS, rewrites_on
-from corp_deploy.errors import CorpError
+from corp_deploy.core.pruner import PruneConfig
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.exporters.rewrites import PATCH_LINEAR, LinearPatchEmbed, parse_rewrites, rewritten
-from corp_deploy.pruner import PruneConfig
-from corp_deploy.sources import describe
+from corp_deploy.formats.sources import describe
+from corp_deploy.plan import speed
 
 
 @pytest.mark.parametrize("patch", [4, 8])

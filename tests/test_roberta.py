@@ -15,11 +15,11 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 
 from transformers import RobertaConfig, RobertaModel  # noqa: E402
 
-from corp_deploy import sources  # noqa: E402
-from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.families.hf_text import max_positions  # noqa: E402
-from corp_deploy.hf_modeling import PrunedSelfAttention  # noqa: E402
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
+from corp_deploy.families.hf.adapter import max_positions  # noqa: E402
+from corp_deploy.families.hf.modeling import PrunedSelfAttention  # noqa: E402
+from corp_deploy.formats import sources  # noqa: E402
+from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
 
 VOCAB, PAD = 30, 1  # RoBERTa pads with id 1; its positions start at PAD + 1
 

@@ -16,16 +16,15 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_CLI_ARGS, tiny_batches, tiny_vit
-from helpers import PRUNE, run
+from helpers import PRUNE, TINY_CLI_ARGS, run, tiny_batches, tiny_vit
 from safetensors.torch import save_file
 from timm.models.vision_transformer import Attention
 
 import corp_deploy
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model
-from corp_deploy.ranking import RANKERS, mlp_scores, split_top
-from corp_deploy.stats import ACTIVE_EPS, CalibrationStats, MlpStats, QKStats
-from corp_deploy.surgery import PrunedAttention
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.ranking import RANKERS, mlp_scores, split_top
+from corp_deploy.core.stats import ACTIVE_EPS, CalibrationStats, MlpStats, QKStats
+from corp_deploy.families.timm.modules import PrunedAttention
 
 
 def test_split_top_keeps_the_highest_scores_in_index_order() -> None:

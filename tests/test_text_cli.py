@@ -43,7 +43,7 @@ def test_export_a_transformers_folder_fp32_and_fp16_self_describing(folder, tmp_
         assert record["seq_len"] == 24 and record["max_positions"] == 40 and record["verify"]["batches"] == [1, 4]
     assert fp16["verify"]["tolerance"]["min_cosine"] == 0.999 and fp16["precision"] == "fp16"
     # Both axes are dynamic: a shape and padding never traced (batch 3, 37 tokens) runs and matches PyTorch.
-    from corp_deploy.hf import load
+    from corp_deploy.families.hf.hub import load
 
     model, _ = load(str(folder))
     ids, mask = example_inputs(model.config.vocab_size, 3, 37, seed=5)
@@ -185,8 +185,8 @@ def test_text_int8_without_text_and_an_image_graph_with_a_sequence_range_are_ref
     before = sorted(p.name for p in onnx.parent.iterdir())
     code, _, stderr = run(["quantize", str(onnx)], capsys)
     assert code == 1 and "no calibration text" in stderr and "Traceback" not in stderr
+    from corp_deploy.base.errors import CorpError
     from corp_deploy.cli.options import for_graph
-    from corp_deploy.errors import CorpError
     from corp_deploy.exporters.tensorrt_engine import BuildOptions, Profile
 
     ranged = BuildOptions(sequence=Profile(1, 8, 16))
@@ -200,10 +200,10 @@ def test_text_int8_without_text_and_an_image_graph_with_a_sequence_range_are_ref
 @pytest.mark.e2e
 def test_macs_are_counted_at_the_runs_seq_len_and_recorded(folder, tmp_path, capsys) -> None:
     from corp_deploy import load_pruned
-    from corp_deploy.artifact import read_meta
-    from corp_deploy.families.hf_text import count_macs_at
-    from corp_deploy.hf import load
-    from corp_deploy.report import model_size
+    from corp_deploy.families.hf.adapter import count_macs_at
+    from corp_deploy.families.hf.hub import load
+    from corp_deploy.formats.artifact import read_meta
+    from corp_deploy.plan.report import model_size
 
     reports = {}
     for seq_len in (16, 32):

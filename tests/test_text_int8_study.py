@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
 from studies.text_int8_study import declared_pooling, figures, pool
 
 

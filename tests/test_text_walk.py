@@ -16,18 +16,20 @@ import pytest
 import torch
 from helpers import launch, run, run_here
 
-from corp_deploy import api, blockwise, calibration
-from corp_deploy.pruner import PruneConfig, calibrate
-from corp_deploy.sensitivity import measure
-from corp_deploy.stats import MlpStats, PairStats
+from corp_deploy import api
+from corp_deploy.core import blockwise
+from corp_deploy.core.pruner import PruneConfig, calibrate
+from corp_deploy.core.stats import MlpStats, PairStats
+from corp_deploy.formats import calibration
+from corp_deploy.plan.sensitivity import measure
 
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 
 from helpers import opt_folders, padded_batches, tiny_bert, tiny_llama, tiny_opt, token_batches, tokenizer  # noqa: E402
 
-from corp_deploy.artifact import read_meta  # noqa: E402
 from corp_deploy.families import adapter_for  # noqa: E402
-from corp_deploy.text import packed_sequences, read_documents, shuffled, split_documents  # noqa: E402
+from corp_deploy.formats.artifact import read_meta  # noqa: E402
+from corp_deploy.formats.text import packed_sequences, read_documents, shuffled, split_documents  # noqa: E402
 
 FAMILIES = {
     # name: (model, calibration batches, held-out batches, the stack whose last hidden state is compared, target)

@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_batches, tiny_vit
-from helpers import PRUNE, run
+from helpers import PRUNE, run, tiny_batches, tiny_vit
 
 import corp_deploy
-from corp_deploy import compensation as C
-from corp_deploy.errors import CorpError
-from corp_deploy.pruner import PruneConfig, calibrate, plan_widths, prune_model
-from corp_deploy.surgery import PrunedAttention, pad_qk
+from corp_deploy.base.errors import CorpError
+from corp_deploy.core import compensation as C
+from corp_deploy.core.pruner import PruneConfig, calibrate, plan_widths, prune_model
+from corp_deploy.families.timm.modules import PrunedAttention, pad_qk
 
 DIM, HEADS, D = 64, 4, 16
 MANY = tiny_batches(n=480, batch=96)
@@ -301,7 +300,7 @@ def test_onnx_of_equal_width_and_padded_models_matches_pytorch(variants, tmp_pat
     from corp_deploy.exporters.compare import FP32, image_inputs, verify
     from corp_deploy.exporters.pipeline import export_verified
     from corp_deploy.exporters.runners import OrtRunner, TorchRunner
-    from corp_deploy.sources import describe
+    from corp_deploy.formats.sources import describe
 
     sizes = {}
     for name in ("qk_pruned", "equal_width", "qk_padded"):

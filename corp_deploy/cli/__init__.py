@@ -12,11 +12,11 @@ import warnings
 
 import click
 
-from corp_deploy import distributed
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import FREE_SPACE, no_space
 from corp_deploy.cli import bench, export, prune, tools
 from corp_deploy.cli.options import SMOKE_IMAGES
-from corp_deploy.errors import CorpError
-from corp_deploy.fsio import FREE_SPACE, no_space
+from corp_deploy.core import distributed
 
 __all__ = ["SMOKE_IMAGES", "cli", "main"]
 

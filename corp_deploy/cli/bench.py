@@ -11,8 +11,18 @@ from typing import Any
 import click
 import torch
 
-from corp_deploy import calibration, evaluation, hf, latency, sources, speed
-from corp_deploy.artifact import META_FILE, read_meta
+from corp_deploy.apps.sweep import (
+    DEFAULT_SPARSITIES,
+    Speedups,
+    format_sweep,
+    parse_sparsities,
+    parse_speedups,
+    plot_sweep,
+)
+from corp_deploy.apps.sweep import sweep as run_sweep
+from corp_deploy.base.env import device_name
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import atomic_file, check_writable
 from corp_deploy.bench import gate
 from corp_deploy.bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
 from corp_deploy.bench.backends import RunFolder, rewrites_on
@@ -37,14 +47,13 @@ from corp_deploy.cli.options import (
     quiet_option,
     timing_group,
 )
-from corp_deploy.env import device_name
-from corp_deploy.errors import CorpError
-from corp_deploy.families.hf_text import max_positions
-from corp_deploy.fsio import atomic_file, check_writable
-from corp_deploy.models import create_model, parse_model_args, resolve_name
-from corp_deploy.sweep import DEFAULT_SPARSITIES, Speedups, format_sweep, parse_sparsities, parse_speedups, plot_sweep
-from corp_deploy.sweep import sweep as run_sweep
-from corp_deploy.text import read_documents
+from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf.adapter import max_positions
+from corp_deploy.families.timm.models import create_model, parse_model_args, resolve_name
+from corp_deploy.formats import calibration, evaluation, sources
+from corp_deploy.formats.artifact import META_FILE, read_meta
+from corp_deploy.formats.text import read_documents
+from corp_deploy.plan import latency, speed
 
 
 @click.command()

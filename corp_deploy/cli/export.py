@@ -11,8 +11,10 @@ from typing import Any
 import click
 from torch import nn
 
-from corp_deploy import api, calibration, evaluation, hf, sources, surgery
-from corp_deploy.artifact import META_FILE
+from corp_deploy import api
+from corp_deploy.base.env import versions
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import atomic_dir, check_writable, staged
 from corp_deploy.bench.backends import rewrites_on
 from corp_deploy.cli import genai
 from corp_deploy.cli.options import (
@@ -37,9 +39,6 @@ from corp_deploy.cli.options import (
     verify_options,
 )
 from corp_deploy.cli.prune import pruned, say_folder
-from corp_deploy.data import SYNTHETIC
-from corp_deploy.env import versions
-from corp_deploy.errors import CorpError
 from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.genai import CONFIG, GENAI_SUFFIX, GRAPH, NEW_TOKENS, write_genai_folder
 from corp_deploy.exporters.int4 import INT4_SUFFIX, Scheme, decoder_graph, format_int4, int4_graphs
@@ -58,10 +57,14 @@ from corp_deploy.exporters.pipeline import (
 from corp_deploy.exporters.quantize import Data, quantize_graphs
 from corp_deploy.exporters.rewrites import parse_rewrites
 from corp_deploy.exporters.tensorrt_engine import PRECISIONS, build_missing, require_precision, select_flavour
-from corp_deploy.fsio import atomic_dir, check_writable, staged
-from corp_deploy.models import parse_model_args
-from corp_deploy.report import format_report
-from corp_deploy.text import int8_feeds
+from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.timm import modules as surgery
+from corp_deploy.families.timm.models import parse_model_args
+from corp_deploy.formats import calibration, evaluation, sources
+from corp_deploy.formats.artifact import META_FILE
+from corp_deploy.formats.data import SYNTHETIC
+from corp_deploy.formats.text import int8_feeds
+from corp_deploy.plan.report import format_report
 
 
 def _pad_qk(model: nn.Module, description: dict, enabled: bool) -> dict:

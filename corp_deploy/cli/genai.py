@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from corp_deploy.artifact import META_FILE, read_meta
+from corp_deploy.base.errors import CorpError
 from corp_deploy.cli.options import ONNX_EXPORT, needs
-from corp_deploy.errors import CorpError
 from corp_deploy.exporters.genai import NEW_TOKENS
 from corp_deploy.families import decoders, for_model_type, get
-from corp_deploy.families.hf_text import max_positions
-from corp_deploy.hf import HUB_PREFIX
+from corp_deploy.families.hf.adapter import max_positions
+from corp_deploy.families.hf.hub import HUB_PREFIX
+from corp_deploy.formats.artifact import META_FILE, read_meta
 
 PURPOSE = "a decoder's onnxruntime-genai folder"
 

@@ -10,15 +10,19 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from corp_deploy import api, calibration, distributed, hf, speed
+from corp_deploy import api
+from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.backends import Backend
 from corp_deploy.cli.options import CALIB_IMAGES, SMOKE_IMAGES, TEXT_SEQUENCES, calibration_source
-from corp_deploy.data import SYNTHETIC
-from corp_deploy.errors import CorpError
-from corp_deploy.families.hf_text import count_macs_at
-from corp_deploy.latency import LatencyTable, Timing, format_table, workload
-from corp_deploy.models import create_model, parse_model_args, resolve_name
-from corp_deploy.text import read_documents
+from corp_deploy.core import distributed
+from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf.adapter import count_macs_at
+from corp_deploy.families.timm.models import create_model, parse_model_args, resolve_name
+from corp_deploy.formats import calibration
+from corp_deploy.formats.data import SYNTHETIC
+from corp_deploy.formats.text import read_documents
+from corp_deploy.plan import speed
+from corp_deploy.plan.latency import LatencyTable, Timing, format_table, workload
 
 
 class Inputs(NamedTuple):

@@ -18,11 +18,23 @@ from typing import Any
 
 import click
 
+from corp_deploy.base.deps import missing
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import check_writable
 from corp_deploy.bench.measure import Method
-from corp_deploy.compensation import DEPTH_FITS
-from corp_deploy.data import SYNTHETIC
-from corp_deploy.deps import missing
-from corp_deploy.errors import CorpError
+from corp_deploy.core.compensation import DEPTH_FITS
+from corp_deploy.core.pruner import (
+    COMPENSATIONS,
+    CRITERIA,
+    DEFAULT_RIDGE,
+    LAYOUTS,
+    SELECTIONS,
+    Budget,
+    PruneConfig,
+    parse_budget,
+)
+from corp_deploy.core.ranking import RANKERS
+from corp_deploy.core.recover import KEPT_INPUTS, TARGETS, Recovery
 from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance
 from corp_deploy.exporters.genai import GRAPHS
 from corp_deploy.exporters.int4 import (
@@ -50,20 +62,8 @@ from corp_deploy.exporters.tensorrt_engine import (
     parse_compute_capabilities,
     parse_profile,
 )
-from corp_deploy.fsio import check_writable
-from corp_deploy.models import WEIGHTS
-from corp_deploy.pruner import (
-    COMPENSATIONS,
-    CRITERIA,
-    DEFAULT_RIDGE,
-    LAYOUTS,
-    SELECTIONS,
-    Budget,
-    PruneConfig,
-    parse_budget,
-)
-from corp_deploy.ranking import RANKERS
-from corp_deploy.recover import KEPT_INPUTS, TARGETS, Recovery
+from corp_deploy.families.timm.models import WEIGHTS
+from corp_deploy.formats.data import SYNTHETIC
 
 CALIB_IMAGES = 4000
 SMOKE_IMAGES = 64  # noise only has to exercise the pass: enough for the statistics, minutes not hours on a CPU

@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 import click
 from torch import nn
 
-from corp_deploy import api, distributed, hf, speed
-from corp_deploy.artifact import read_meta
+from corp_deploy import api
+from corp_deploy.base.errors import CorpError
 from corp_deploy.cli.inputs import inputs, latency_loop, latency_table
 from corp_deploy.cli.options import (
     out_options,
@@ -22,11 +22,14 @@ from corp_deploy.cli.options import (
     recovery_setup,
     typed,
 )
-from corp_deploy.errors import CorpError
+from corp_deploy.core import distributed
+from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.recover import Kept
 from corp_deploy.families import adapter_for
-from corp_deploy.pruner import PruneConfig
-from corp_deploy.recover import Kept
-from corp_deploy.report import format_report
+from corp_deploy.families.hf import hub as hf
+from corp_deploy.formats.artifact import read_meta
+from corp_deploy.plan import speed
+from corp_deploy.plan.report import format_report
 
 
 class Pruned(NamedTuple):
@@ -61,7 +64,7 @@ def say_folder(path: str | Path) -> None:
     """A text artifact's one line on how it loads without corp-deploy (and why it needs remote code, if it does)."""
     folder = read_meta(path).get("folder")
     if folder:
-        from corp_deploy.hf_folder import describe
+        from corp_deploy.families.hf.folder import describe
 
         click.echo(f"{path}/ {describe(folder)}")
 

@@ -7,7 +7,6 @@ and are a registration, not code: see ``mistral.py`` and ``qwen2.py``.
 """
 
 from corp_deploy.families.base import Adapter, BlockCall
-from corp_deploy.families.hf_text import dense_head
 from corp_deploy.families.registry import adapter_for, decoders, for_model_type, get, register, structure, supported
 
 __all__ = [
@@ -15,7 +14,6 @@ __all__ = [
     "BlockCall",
     "adapter_for",
     "decoders",
-    "dense_head",
     "for_model_type",
     "get",
     "register",

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
 
 QKHook = Callable[[Tensor, Tensor], None]
 """Called with (q, k), each (batch, tokens, heads, d), once per forward of an attention."""

@@ -1,9 +1,9 @@
 """The family registry: name -> ``Adapter``, filled by the family modules themselves.
 
 A family module ends with ``register(ItsAdapter())``; this module never imports one by name (no arrow from the
-core to a family, no import loop). The built-in families are the other modules of this package, imported the
-first time a model or an artifact asks: adding one is adding its file. A third-party family registers from its
-own package the same way.
+core to a family, no import loop). The built-in families are the modules of this package's subpackages
+(``timm/``, ``hf/``) other than their shared machinery, imported the first time a model or an artifact asks:
+adding one is adding its file. A third-party family registers from its own package the same way.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import Any
 
 from torch import nn
 
-from corp_deploy.errors import CorpError
+from corp_deploy.base.errors import CorpError
 from corp_deploy.families.base import Adapter
 
-INFRASTRUCTURE = frozenset({"base", "registry", "hf_text"})
-"""Modules of ``corp_deploy.families`` that hold no family; every other one registers one."""
+INFRASTRUCTURE = frozenset({"adapter", "folder", "hub", "modeling", "models", "modules"})
+"""Modules of the family subpackages that hold no family (a subpackage's shared machinery: importing ``modeling``
+would import ``transformers``); every other one registers one."""
 _FAMILIES: dict[str, Adapter] = {}
 _loaded = False
 
@@ -38,9 +39,13 @@ def families() -> Iterator[Adapter]:
     if not _loaded:
         _loaded = True
         package = importlib.import_module(__package__)
-        for module in pkgutil.iter_modules(package.__path__):
-            if module.name not in INFRASTRUCTURE:
-                importlib.import_module(f"{__package__}.{module.name}")
+        for sub in pkgutil.iter_modules(package.__path__):
+            if not sub.ispkg:
+                continue
+            path = importlib.import_module(f"{__package__}.{sub.name}").__path__
+            for module in pkgutil.iter_modules(path):
+                if module.name not in INFRASTRUCTURE:
+                    importlib.import_module(f"{__package__}.{sub.name}.{module.name}")
     yield from list(_FAMILIES.values())
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from corp_deploy.tables import markdown_table
+from corp_deploy.base.tables import markdown_table
 from tools.gpu_suite.core import DTYPES, Context, measure, precision_mode, sync
 
 SDPA_OPS = {

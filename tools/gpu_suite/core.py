@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from corp_deploy.env import module_versions
+from corp_deploy.base.env import module_versions
 
 SCHEMA = "corp-deploy/gpu-suite"
 SCHEMA_VERSION = 2

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from corp_deploy.tables import markdown_table
+from corp_deploy.base.tables import markdown_table
 from tools.gpu_suite.core import Context
 
 
@@ -101,10 +101,10 @@ def _pipeline(ctx: Context, flavour: str) -> list[dict[str, Any]]:
     from pathlib import Path
 
     import corp_deploy
-    from corp_deploy.errors import CorpError
+    from corp_deploy.base.errors import CorpError
     from corp_deploy.exporters import BuildOptions, Profile, VerifyOptions, convert_fp16, engine_verified, export_onnx
     from corp_deploy.exporters.tensorrt_engine import run_missing
-    from corp_deploy.sources import describe
+    from corp_deploy.formats.sources import describe
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # random weights and noise calibration, on purpose

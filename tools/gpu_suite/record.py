@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from corp_deploy.tables import markdown_table
+from corp_deploy.base.tables import markdown_table
 from tools.gpu_suite.core import SCHEMA, SuiteError
 from tools.gpu_suite.registry import SECTIONS
 

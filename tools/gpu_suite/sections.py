@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from corp_deploy.data import input_size
-from corp_deploy.tables import markdown_table
+from corp_deploy.base.tables import markdown_table
+from corp_deploy.formats.data import input_size
 from tools.gpu_suite.core import (
     DTYPES,
     PRUNED,

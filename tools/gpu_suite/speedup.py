@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from corp_deploy.errors import CorpError
-from corp_deploy.tables import markdown_table
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.tables import markdown_table
 from tools.gpu_suite.core import Context, create, warm_device
 
 LEVERS: dict[str, dict[str, Any]] = {
@@ -42,7 +42,7 @@ graph, deit_base, batch 1) replacing attention alone lowered the floor only from
 def run_speedup(ctx: Context) -> dict[str, Any]:
     """Per lever and (batch, goal) of the plan: the latency-budgeted prune, its prediction and its measured speedup;
     the whole section skipped, with the reason, where the plan's backend cannot run."""
-    from corp_deploy import speed  # after suite.check_installed: see there
+    from corp_deploy.plan import speed  # after suite.check_installed: see there
 
     name, backend_name, goals = ctx.plan.speedup
     try:
@@ -87,7 +87,9 @@ def _budgeted(
     """One latency-budgeted prune of ``model`` (dense, timm ``name``) to ``goal`` at ``batch``, closed loop on
     ``backend``: its record. The latency table is the cached one for its key, else measured now."""
     import corp_deploy
-    from corp_deploy import api, calibration, speed
+    from corp_deploy import api
+    from corp_deploy.formats import calibration
+    from corp_deploy.plan import speed
 
     threads = torch.get_num_threads()
     config = corp_deploy.PruneConfig(budget=f"latency={1 / goal!r}", **fields)

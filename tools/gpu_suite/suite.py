@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from corp_deploy.errors import first_line
+from corp_deploy.base.errors import first_line
 from tools.gpu_suite import __doc__ as DOC
 from tools.gpu_suite.core import SCHEMA, SCHEMA_VERSION, Context, Plan, SuiteError, environment, write_json
 from tools.gpu_suite.record import ingest, summary_markdown

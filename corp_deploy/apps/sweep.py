@@ -1,0 +1,277 @@
+"""Sparsity sweep: calibrate once, prune at every sparsity, export, bench; the paper's Table-10 rows.
+
+CORP's statistics do not depend on the sparsity, so one calibration pass serves all of them. Each
+sparsity gets a run folder (``s0.50/``: pruned artifact, dense and pruned ONNX, ``bench.json``)
+benched dense-vs-pruned in its own interleaved run, so every speedup has its own same-run baseline.
+
+A sweep of speed targets (``Speedups``, ``corp-deploy sweep --speedups 1.5,2,2.5``) gets ``x2.00/`` folders
+instead: one latency table, one calibration, each target's widths allocated from the same statistics and,
+with the closed loop, timed against the dense model on the latency backend and corrected while they miss.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from corp_deploy import api
+from corp_deploy.api import LatencyLoop, check_loop, check_widths
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import atomic_dir, atomic_file, check_writable
+from corp_deploy.base.tables import text_table
+from corp_deploy.bench.backends import RunFolder, select
+from corp_deploy.bench.measure import Method
+from corp_deploy.bench.run import benchmark, pairs
+from corp_deploy.core.pruner import Budget, PruneConfig, plan_widths
+from corp_deploy.exporters.pipeline import export_verified
+from corp_deploy.formats.calibration import Heldout
+from corp_deploy.plan.latency import LatencyTable
+from corp_deploy.plan.report import model_size
+
+DEFAULT_SPARSITIES = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7"
+
+
+def parse_sparsities(text: str) -> list[float]:
+    try:
+        values = sorted({float(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        values = []
+    if not values or not all(0 <= s < 1 for s in values):
+        raise CorpError(f"--sparsities takes a comma-separated list in [0, 1) (e.g. 0,0.3,0.5), got {text!r}")
+    return values
+
+
+def parse_speedups(text: str) -> list[float]:
+    try:
+        values = sorted({float(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        values = []
+    if not values or not all(s >= 1 for s in values):
+        raise CorpError(f"--speedups takes a comma-separated list of speedups >= 1 (e.g. 1.5,2,2.5), got {text!r}")
+    return values
+
+
+@dataclass(frozen=True)
+class Speedups:
+    """A sweep over speed targets instead of sparsities: each is a latency budget (``latency=1/S``) allocated
+    against the one ``table`` from the one calibration's statistics; ``loop`` (the closed loop) times each model
+    against the dense one and corrects it, else the speedup is predicted only."""
+
+    targets: Sequence[float]
+    table: LatencyTable
+    heldout: Heldout | None = None
+    loop: LatencyLoop | None = None
+
+
+def _configs(
+    model: nn.Module, config: PruneConfig, sparsities: Sequence[float], speedups: Speedups | None
+) -> dict[str, tuple[dict[str, float], PruneConfig]]:
+    """Folder name -> (what the row is for, its config); every one checked before the calibration pass."""
+    if speedups is None:
+        out = {
+            f"s{s:.2f}": (
+                {"sparsity": s},
+                replace(config, sparsity=s, mlp_sparsity=None, qk_sparsity=None, v_sparsity=None),
+            )
+            for s in sparsities
+        }
+        for _, c in out.values():
+            plan_widths(model, c)
+        return out
+    out = {f"x{t:.2f}": ({"speedup": t}, replace(config, budget=Budget("latency", 1 / t))) for t in speedups.targets}
+    for _, c in out.values():
+        check_widths(model, c, model_size(model)["macs"], speedups.table)  # a speedup no widths reach: one line
+        if speedups.loop is not None:
+            check_loop(c, None, 1)
+    return out
+
+
+def _pruned(
+    calib: api.Calibrated,
+    configs: dict[str, tuple[dict[str, float], PruneConfig]],
+    speedups: Speedups | None,
+) -> Iterator[tuple[str, dict[str, float], api.PruneResult]]:
+    """(folder, label, result with its model on the CPU) per config, from the one calibration: speed targets share
+    one planner and, with the closed loop, are each timed against the dense model (``api.Calibrated``)."""
+    table, loop = (None, None) if speedups is None else (speedups.table, speedups.loop)
+    for name, (label, c) in configs.items():
+        result = calib.prune(c, table, loop)
+        result.model = result.model.to("cpu")
+        yield name, label, result
+
+
+def sweep(
+    model: nn.Module,
+    description: dict[str, Any],
+    batches: Iterable[tuple[Tensor, int]],
+    sparsities: Sequence[float],
+    config: PruneConfig,
+    out: Path,
+    backends: str = "auto",
+    batch_sizes: Sequence[int] = (1, 32),
+    method: Method | None = None,
+    device: torch.device | str = "cpu",
+    total: int | None = None,
+    progress: Callable[[str], None] = lambda line: None,
+    overwrite: bool = False,
+    speedups: Speedups | None = None,
+    rewrites: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Write ``out/s<sparsity>/`` per sparsity (or ``out/x<speedup>/`` per speed target, ``speedups``) and
+    ``out/sweep.json``; return the sweep record. ``rewrites`` go into every exported graph (``exporters.rewrites``).
+
+    An existing ``out`` is refused unless ``overwrite``; then the files of the same names are replaced.
+    """
+    check_writable(out, overwrite)
+    configs = _configs(model, config, sparsities, speedups)  # every row must be possible before calibrating
+    heldout = None if speedups is None else speedups.heldout
+    calib = api.calibrated(model, batches, config, device, total, progress=total is not None, heldout=heldout)
+    model = model.to("cpu")
+    out.mkdir(parents=True, exist_ok=True)
+    dense_onnx = out / "dense.onnx"
+    with atomic_file(dense_onnx, overwrite=True) as tmp:  # never reuse a dense graph from an earlier sweep
+        export_verified(model, tmp, description, rewrites=rewrites)
+    rows = []
+    for name, label, result in _pruned(calib, configs, speedups):
+        pruned, report = result.model, result.report
+        size, dense_size = report["pruned"], calib.dense_size
+        folder = out / name
+        with atomic_dir(folder, overwrite=True) as tmp:
+            api.save(
+                result,
+                tmp / "pruned",
+                description["model"],
+                description["model_args"],
+                weights=description["weights"],
+            )
+            export_verified(pruned, tmp / "pruned.onnx", {**description, "weights": "corp-pruned"}, rewrites=rewrites)
+            for f in out.glob(f"{dense_onnx.name}*"):  # the graph, its sidecar and external weights, if any
+                shutil.copyfile(f, tmp / f.name)  # not linked: onnx refuses external data with several hard links
+        run = RunFolder.open(folder)
+        chosen, skipped = select(backends, run)
+        progress(f"{name}: params {size['params'] / 1e6:.2f}M, MACs {size['macs'] / 1e9:.3f}G")
+        record = benchmark(run, chosen, batch_sizes, method, skipped=skipped, progress=progress)
+        (folder / "bench.json").write_text(json.dumps(record, indent=2) + "\n")
+        rows.append(
+            {
+                **label,
+                "params": size["params"],
+                "macs": size["macs"],
+                "flop_ideal_speedup": dense_size["macs"] / size["macs"],
+                "bench": pairs(record),
+                **({"latency": _latency_row(report)} if speedups is not None else {}),
+            }
+        )
+    result = {
+        "model": description["model"],
+        "dense": calib.dense_size,
+        "rows": rows,
+        "method": (method or Method()).as_dict(),
+        "rewrites": list(rewrites),
+    }
+    (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _latency_row(report: dict[str, Any]) -> dict[str, Any]:
+    """A speed target's row: predicted speedup, and (closed loop) the measured one with its band and verdict."""
+    planned = report["allocation"]["latency"]
+    row = {"backend": planned["backend"], "batch": planned["batch"], "predicted_speedup": planned["predicted_speedup"]}
+    if check := report.get("latency"):
+        row |= {k: check[k] for k in ("predicted_speedup", "measured_speedup", "spread", "rounds", "met")}
+    return row
+
+
+def _label(row: dict[str, Any]) -> str:
+    return f"{row['sparsity']:.2f}" if "sparsity" in row else f"{row['speedup']:.2f}x"
+
+
+def format_sweep(result: dict[str, Any]) -> str:
+    """Table 10 of the paper: one line per sparsity (or speed target) and backend; batch 1 latency, largest-batch
+    throughput. A sweep of speed targets adds their predicted and measured speedups on the latency backend."""
+    header = (
+        "sparsity" if "sparsity" in result["rows"][0] else "target",
+        "params",
+        "MACs",
+        "backend",
+        "p50 b1 ms",
+        "b1 speedup",
+        "img/s (batch)",
+        "speedup",
+        "FLOP ideal",
+    )
+    lines = [header]
+    for row in result["rows"]:
+        for backend in sorted({p["backend"] for p in row["bench"]}):
+            mine = sorted((p for p in row["bench"] if p["backend"] == backend), key=lambda p: p["batch"])
+            small, large = mine[0], mine[-1]
+            lines.append(
+                (
+                    _label(row),
+                    f"{row['params'] / 1e6:.2f}M",
+                    f"{row['macs'] / 1e9:.3f}G",
+                    backend,
+                    f"{small['pruned_p50_ms']:.2f}",
+                    f"{small['p50_speedup']:.2f}x",
+                    f"{large['pruned_throughput']:.1f} ({large['batch']})",
+                    f"{large['throughput_ratio']:.2f}x",
+                    f"{row['flop_ideal_speedup']:.2f}x",
+                )
+            )
+    tables = [text_table(lines)]
+    if any("latency" in row for row in result["rows"]):
+        tables.append(_format_targets(result["rows"]))
+    return "\n".join(tables)
+
+
+def _format_targets(rows: list[dict[str, Any]]) -> str:
+    """Per speed target: predicted and (closed loop) measured speedup on the latency backend, band, verdict."""
+    lines = [("target", "latency on (batch)", "predicted", "measured", "band", "rounds", "verdict")]
+    for row in rows:
+        t = row["latency"]
+        measured = "measured_speedup" in t
+        lines.append(
+            (
+                _label(row),
+                f"{t['backend']} ({t['batch']})",
+                f"{t['predicted_speedup']:.2f}x",
+                f"{t['measured_speedup']:.2f}x" if measured else "-",
+                f"+-{t['spread']:.1%}" if measured else "-",
+                str(t["rounds"]) if measured else "-",
+                ("met" if t["met"] else "MISSED") if measured else "predicted only",
+            )
+        )
+    return text_table(lines)
+
+
+def plot_sweep(result: dict[str, Any], path: Path) -> None:
+    """Measured largest-batch throughput ratio vs sparsity, per backend, beside the FLOP-ideal line."""
+    from corp_deploy.bench.report import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    x = "sparsity" if "sparsity" in result["rows"][0] else "speedup"
+    xs = [r[x] for r in result["rows"]]
+    ax.plot(xs, [r["flop_ideal_speedup"] for r in result["rows"]], "k--", label="FLOP ideal (dense MACs / pruned)")
+    for backend in sorted({p["backend"] for r in result["rows"] for p in r["bench"]}):
+        points = [  # a backend skipped at some sparsity has no point there
+            (r[x], max(mine, key=lambda p: p["batch"])["throughput_ratio"])
+            for r in result["rows"]
+            if (mine := [p for p in r["bench"] if p["backend"] == backend])
+        ]
+        ax.plot(*zip(*points, strict=True), "o-", label=f"{backend} (largest batch)")
+    ax.set_xlabel("sparsity" if x == "sparsity" else "target speedup")
+    ax.set_ylabel("pruned / dense throughput")
+    ax.set_title(f"{result['model']}: speedup vs {x if x == 'sparsity' else 'target speedup'}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, format="png")
+    plt.close(fig)

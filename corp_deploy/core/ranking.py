@@ -1,0 +1,107 @@
+"""Which channels to keep: importance scores and the kept-width rule (pure functions)."""
+
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+
+import torch
+from torch import Tensor
+
+from corp_deploy.base.errors import CorpError
+from corp_deploy.core.stats import MlpStats
+
+RANKERS = ("energy", "magnitude", "combined", "active", "variance")
+"""MLP and V channel rankers (paper sec. 3.3, appendix E). ``combined`` = energy x magnitude is the paper's
+default; ``variance`` (centred second moment) is VBP's criterion."""
+
+
+def nearest_steps(units: float, round_to: int) -> int:
+    """``units / round_to`` rounded to the nearest integer, an exact half rounded UP (keep more).
+
+    One rule for every width: Python's ``round`` sends exact halves to even (80 dims at 0.35 sparsity
+    would keep 48 = 60%, at 0.65 float noise gives 3.5000000000000004 steps), so the quotient is taken in
+    decimal from the shortest repr of ``units`` (the number as typed), where 6.5 is exactly 6.5.
+    """
+    return math.floor(Decimal(repr(units)) / round_to + Decimal("0.5"))
+
+
+def kept_width(width: int, sparsity: float, round_to: int, what: str) -> int:
+    """Channels kept out of ``width`` at ``sparsity``, rounded to a multiple of ``round_to``.
+
+    Rounding goes to the nearest multiple, exact halves up (``nearest_steps``), so 50% of 64 stays 32, and
+    never above ``width``; a result of zero is an error rather than a silent bump, since the user asked
+    for that sparsity.
+    """
+    kept_units = Decimal(width) - Decimal(repr(sparsity)) * width  # (1 - s) * width, exact in decimal
+    kept = min(nearest_steps(float(kept_units), round_to) * round_to, width)
+    if kept <= 0:
+        raise CorpError(
+            f"sparsity {sparsity:g} leaves 0 of {width} {what} (with --round-to {round_to}); "
+            "lower the sparsity or --round-to"
+        )
+    return kept
+
+
+def mlp_scores(ranker: str, energy: Tensor, active_rate: Tensor, fc2_weight: Tensor, mean: Tensor) -> Tensor:
+    """Importance of each hidden channel; higher is kept.
+
+    energy = E[x_i^2], active_rate = P(|x_i| > eps), magnitude = ||W2[:, i]||_2, variance = E[x_i^2] - E[x_i]^2
+    (VBP: a channel's mean is what mean-shift compensation restores, so only its spread is lost).
+    """
+    magnitude = fc2_weight.double().norm(dim=0)
+    if ranker == "energy":
+        return energy
+    if ranker == "variance":
+        return (energy - mean.double().square()).clamp_min(0)
+    if ranker == "magnitude":
+        return magnitude
+    if ranker == "combined":
+        return energy * magnitude
+    if ranker == "active":
+        return active_rate
+    raise CorpError(f"unknown ranker {ranker!r}; choose one of {', '.join(RANKERS)}")
+
+
+def channel_scores(ranker: str, s: MlpStats, weight: Tensor) -> Tensor:
+    """``mlp_scores`` from the sums of a Linear's input (fc2: MLP channels; proj: V channels) and its weight."""
+    return mlp_scores(ranker, s.second_moment().diagonal(), s.active / s.count, weight, s.mean())
+
+
+def qk_scores(ranker: str, logit_energy: Tensor, wq: Tensor, wk: Tensor) -> Tensor:
+    """Importance of each Q/K dimension per head, (heads, head_dim); higher is kept.
+
+    Every data-driven ranker uses the paper's logit energy ``E[||q_j||^2 ||k_j||^2]``, the only
+    attention score the paper defines; ``magnitude`` is the data-free ``||Wq_j|| * ||Wk_j||``.
+    ``wq``/``wk`` are the query/key weights as (heads, head_dim, in_features).
+    """
+    if ranker == "magnitude":
+        return wq.double().norm(dim=-1) * wk.double().norm(dim=-1)
+    if ranker not in RANKERS:
+        raise CorpError(f"unknown ranker {ranker!r}; choose one of {', '.join(RANKERS)}")
+    return logit_energy
+
+
+def split_top(scores: Tensor, kept: int) -> tuple[Tensor, Tensor]:
+    """Indices (kept, pruned), each in ascending order, of the ``kept`` highest scores (last dim).
+
+    A stable sort makes ties deterministic, so the same statistics always give the same model.
+    """
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return order[..., :kept].sort(dim=-1).values, order[..., kept:].sort(dim=-1).values
+
+
+def global_widths(scores: list[Tensor], sparsity: float, round_to: int) -> list[int]:
+    """VBP's network-wide selection: one threshold over every block's channel scores removes ``sparsity`` of all
+    channels; each block keeps the channels above it, rounded to the nearest multiple of ``round_to``
+    (``nearest_steps``), at least ``round_to`` and at most its width, so no block is emptied.
+
+    The threshold is the score of the last channel kept in a stable descending sort of all scores
+    (ties broken by block, then channel order), so the counts are deterministic.
+    """
+    flat = torch.cat([s.double().flatten() for s in scores])
+    keep_total = max(1, int(nearest_steps(float((1 - Decimal(repr(sparsity))) * flat.numel()), 1)))
+    order = torch.sort(flat, descending=True, stable=True).indices[:keep_total]
+    owner = torch.repeat_interleave(torch.arange(len(scores)), torch.tensor([s.numel() for s in scores]))
+    counts = torch.bincount(owner[order], minlength=len(scores)).tolist()
+    return [min(max(nearest_steps(n, round_to), 1) * round_to, s.numel()) for n, s in zip(counts, scores, strict=True)]
