@@ -264,7 +264,8 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[2])
 from helpers import tiny_batches, tiny_vit
-from corp_deploy import api, distributed
+from corp_deploy import api
+from corp_deploy.core import distributed
 from corp_deploy.core.pruner import PruneConfig
 
 world, _ = distributed.init(torch.device("cpu"), 120)

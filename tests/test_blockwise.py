@@ -258,7 +258,8 @@ sys.path[:0] = [{root!r}, {tests!r}]
 import torch
 from safetensors.torch import save_file
 from helpers import tiny_batches, tiny_vit
-from corp_deploy import api, distributed
+from corp_deploy import api
+from corp_deploy.core import distributed
 from corp_deploy.core.pruner import PruneConfig
 
 world = distributed.SINGLE_PROCESS
