@@ -43,7 +43,7 @@ from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for
 from corp_deploy.formats.artifact import save_pruned
 from corp_deploy.formats.calibration import Heldout, resolve_device
-from corp_deploy.plan.allocation import check_budget, error_curves, plan_budget, widths_of
+from corp_deploy.plan.allocation import budget_limit, error_curves, plan_budget, widths_of
 from corp_deploy.plan.latency import LatencyTable, Timing
 from corp_deploy.plan.report import model_size, peak_memory
 from corp_deploy.plan.sensitivity import measure, split_heldout
@@ -105,7 +105,7 @@ def check_widths(
     """
     if config.budget is not None:
         check_parts(model, config)
-        check_budget(model, config, dense_macs, table)
+        budget_limit(model, config, dense_macs, table)
         return None
     if config.selection == "global":
         plan_widths(model, replace(config, selection="per-layer"))  # every other width, and the blocks

@@ -22,7 +22,7 @@ from corp_deploy.families import structure
 from corp_deploy.families.timm.modules import AffineBranch, replace_branch
 from corp_deploy.formats.artifact import load_pruned, save_pruned
 from corp_deploy.plan import latency, speed
-from corp_deploy.plan.allocation import MODULE_KEYS, check_budget, error_curves, plan_budget
+from corp_deploy.plan.allocation import MODULE_KEYS, budget_limit, error_curves, plan_budget
 from corp_deploy.plan.latency import LatencyTable
 from corp_deploy.plan.sensitivity import measure
 
@@ -209,10 +209,10 @@ def test_latency_table_learns_blocks_with_a_module_replaced() -> None:
 
 
 def _floor(table: LatencyTable, depth: str) -> float:
-    """The smallest model's share of dense latency that ``check_budget`` reports for ``depth``."""
+    """The smallest model's share of dense latency that ``budget_limit`` reports for ``depth``."""
     config = PruneConfig(budget="latency=0.01", target="mlp,qk,v", depth=depth, round_to=4)
     with pytest.raises(CorpError, match="below the smallest model") as e:
-        check_budget(tiny_vit(), config, 0, table)
+        budget_limit(tiny_vit(), config, 0, table)
     return float(str(e.value).split("(")[1].split(" of the dense")[0])
 
 
@@ -225,7 +225,7 @@ def test_the_smallest_model_keeps_a_module_whose_replacement_costs_more() -> Non
     assert both <= attn_only
     assert _floor(table, "attn,mlp") < attn_only  # where the stand-in is cheap, replacing the MLP lowers the floor
     just_above = PruneConfig(budget=f"latency={attn_only + 0.002}", target="mlp,qk,v", depth="attn,mlp", round_to=4)
-    assert check_budget(tiny_vit(), just_above, 0, slow_stand_in) > 0
+    assert budget_limit(tiny_vit(), just_above, 0, slow_stand_in) > 0
 
 
 def plan_with(weight: float) -> tuple[list[Widths], dict]:

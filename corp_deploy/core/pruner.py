@@ -153,7 +153,7 @@ class PruneConfig:
         if self.round_to < 1:
             raise CorpError(f"--round-to must be >= 1, got {self.round_to}")
         if self.budget is not None:
-            self._check_budget()
+            self._check_budgeted()
         if self.selection == "global" and "mlp" not in self.target:
             raise CorpError("--selection global chooses MLP channels across blocks; add mlp to --target")
         if self.depth:
@@ -184,7 +184,7 @@ class PruneConfig:
         if self.sequential:
             raise CorpError("--depth fits replacements from one calibration pass; drop --sequential or --depth")
 
-    def _check_budget(self) -> None:
+    def _check_budgeted(self) -> None:
         """A budget chooses every width, so nothing else may fix one; it ranks widths by CORP's error."""
         fixed = [
             n

@@ -84,7 +84,7 @@ class RecoveryRecord:
         return cls(**{**d, "history": [tuple(h) for h in d.get("history", [])]})
 
 
-def check_budget(steps: int | None, minutes: float | None, lr: float = 1.0) -> dict[str, float]:
+def recovery_budget(steps: int | None, minutes: float | None, lr: float = 1.0) -> dict[str, float]:
     """``{"steps": N}`` or ``{"minutes": M}``; one line when both, neither or a non-positive one is given."""
     if (steps is None) == (minutes is None):
         raise CorpError("recovery needs exactly one budget: --recover-steps N or --recover-minutes M")
@@ -119,7 +119,7 @@ class Recovery:
     target: str = "blocks"
 
     def __post_init__(self) -> None:
-        check_budget(self.steps, self.minutes, self.lr)
+        recovery_budget(self.steps, self.minutes, self.lr)
         check_choices(self.target)
 
     def run(
@@ -267,7 +267,7 @@ def recover(
 ) -> RecoveryRecord:
     """Train ``pruned`` in place towards ``dense`` on ``batches`` (inputs, or (inputs, skipped) pairs as the
     calibration batches come) within ``steps`` or ``minutes``; the record of what it did (see the module doc)."""
-    budget = check_budget(steps, minutes, lr)
+    budget = recovery_budget(steps, minutes, lr)
     check_choices(target, optimizer, trained)
     data, held = [inputs_of(b) for b in batches], [inputs_of(b) for b in check or []]
     if not data:

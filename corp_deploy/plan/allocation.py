@@ -218,7 +218,7 @@ def allocate(
     while total > limit:
         steps = [s for k in curves if (s := down(k)) is not None]
         if not steps:
-            raise CorpError(f"the budget of {limit:g} is below the smallest allowed widths")  # check_budget first
+            raise CorpError(f"the budget of {limit:g} is below the smallest allowed widths")  # budget_limit first
         key, to, _, gain = min(steps, key=lambda t: t[2] / t[3])
         move(key, to)
         total -= gain
@@ -321,7 +321,7 @@ def budget_cost(model: nn.Module, config: PruneConfig, dense_macs: int, table: L
     return latency_cost(model, table, config.target, config.depth)
 
 
-def check_budget(model: nn.Module, config: PruneConfig, dense_macs: int, table: LatencyTable | None = None) -> float:
+def budget_limit(model: nn.Module, config: PruneConfig, dense_macs: int, table: LatencyTable | None = None) -> float:
     """Data-free: the limit of ``config.budget`` (MACs or seconds); a budget no allowed widths can meet fails here.
 
     Call it before calibrating. The smallest model keeps ``round_to`` channels of every targeted part.
@@ -371,7 +371,7 @@ def plan_budget(
     ``curves``: ``error_curves`` already computed (a study planning several budgets from one calibration).
     ``table``: the latency table a ``latency=`` budget is predicted with.
     """
-    limit = check_budget(model, config, dense_macs, table)
+    limit = budget_limit(model, config, dense_macs, table)
     parts = config.target
     curves = error_curves(model, stats, config, parts) if curves is None else curves
     if config.budget.kind == "latency":
