@@ -13,7 +13,8 @@ whose covariance is H, so the error of the folded layer on those inputs is the S
 
 i.e. ``compensation.mlp_output_error`` on the moments (mean, second + lam I) with ``mlp_affine``'s B at alpha 0 on
 them (the same B the ridge fit gives on the plain moments). At lam = 0 it is compensation's error itself, exactly.
-Its lam-terms over the clean error are ``lam (||W_P||^2 + ||W_P B||^2)``: the ridge penalty, and the removed weights.
+On clean inputs the same fold errs by ``E_lam(S) - lam ||W_P B||^2 - lam ||W_P||^2``: E_lam adds the ridge penalty
+and the noise of the removed channels, so it is the ridge problem's own objective, not a proxy.
 
 The greedy step. Let K = H_SS^-1 and W' = the folded weights on the current kept set. The residual of x_P is
 H-orthogonal to x_S (the normal equations), so errors add, and removing a unit Q of S from the layer ``W' x_S`` is
@@ -46,15 +47,15 @@ JITTERS = (1e-10, 1e-8, 1e-6, 1e-4, 1e-2)
 """Relative damping tried in turn when alpha is too small for a Cholesky (dead or duplicated channels)."""
 
 
-def damped_inverse(cov: Tensor, alpha: float) -> tuple[Tensor, float]:
-    """``(Sigma + lam I)^-1`` via Cholesky and the absolute lam used: ``alpha * mean(diag(Sigma))``, raised to the
-    first of ``JITTERS`` above alpha that makes the system positive definite when alpha alone does not."""
+def damped_inverse(cov: Tensor, alpha: float) -> Tensor:
+    """``(Sigma + lam I)^-1`` via Cholesky, ``lam = alpha * mean(diag(Sigma))``, alpha raised to the first of
+    ``JITTERS`` above it that makes the system positive definite when alpha alone does not."""
     scale = float(cov.diagonal().mean().clamp_min(torch.finfo(cov.dtype).tiny))
     eye = torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
     for rel in (alpha, *(j for j in JITTERS if j > alpha)):
         chol, info = torch.linalg.cholesky_ex(cov + rel * scale * eye)
         if not info:
-            return torch.cholesky_solve(eye, chol), rel * scale  # cholesky_inverse is 20x slower on CPU
+            return torch.cholesky_solve(eye, chol)  # cholesky_inverse is 20x slower on CPU
     raise CorpError("the calibration statistics are not finite (NaN or inf activations); check the model and inputs")
 
 
@@ -72,6 +73,7 @@ def greedy_removal(kinv: Tensor, gram: Tensor, units: Tensor, heads: Tensor, laz
     """
     k0, a0, cols = kinv.clone(), gram.clone(), units.clone()
     n_units, g = units.shape
+    lazy = max(lazy, g)
     vs, bs, r = k0.new_zeros(k0.shape[0], lazy), k0.new_zeros(k0.shape[0], lazy), 0  # the pending factors' columns
     idx = (cols[:, :, None], cols[:, None, :])
     kq, aq = k0[idx], a0[idx]  # K_QQ and A_QQ of every unit, kept current
@@ -139,7 +141,7 @@ def removal_order(
     n = mean.numel()
     units = torch.arange(n, device=mean.device)[:, None] if units is None else units
     heads = torch.zeros(units.shape[0], dtype=torch.long, device=mean.device) if heads is None else heads
-    kinv, _ = damped_inverse(second - torch.outer(mean, mean), alpha)
+    kinv = damped_inverse(second - torch.outer(mean, mean), alpha)
     order, gains = greedy_removal(kinv, w.T @ w, units, heads)
     return order, gains.cumsum(0)
 

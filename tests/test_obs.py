@@ -91,7 +91,7 @@ def test_every_step_is_the_brute_force_greedy_step(lazy: int) -> None:
     """Each step removes the channel whose removal (with a fresh fit of the rest) costs least, and its gain is that
     cost: the downdated inverse and Gram (applied every step with lazy=1, deferred otherwise) are the fresh ones."""
     _, w, mean, second = layer(2, n=10, out=6)
-    kinv, _ = obs.damped_inverse(second - torch.outer(mean, mean), 0.0)
+    kinv = obs.damped_inverse(second - torch.outer(mean, mean), 0.0)
     units = torch.arange(10)[:, None]
     order, gains = obs.greedy_removal(kinv, w.T @ w, units, torch.zeros(10, dtype=torch.long), lazy=lazy)
     removed: list[int] = []
