@@ -155,7 +155,9 @@ method_options = group(
         type=click.Choice(RANKERS),
         default="combined",
         show_default=True,
-        help="Channel score: energy, magnitude, combined (the paper's), active or variance (VBP's).",
+        help="Channel score: energy, magnitude, combined (the paper's), active, variance (VBP's) or obs (greedy "
+        "Optimal Brain Surgeon on the error CORP's compensation leaves; MLP and V channels, Q/K keep the logit "
+        "energy).",
     ),
     click.option(
         "--compensation",

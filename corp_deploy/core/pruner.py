@@ -17,7 +17,15 @@ from torch import Tensor, nn
 from corp_deploy.base.env import exact_fp32
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
-from corp_deploy.core.ranking import RANKERS, channel_scores, global_widths, kept_width, qk_scores, split_top
+from corp_deploy.core.ranking import (
+    RANKERS,
+    channel_scores,
+    global_widths,
+    kept_width,
+    qk_scores,
+    split_top,
+    value_scores,
+)
 from corp_deploy.core.stats import BranchStats, CalibrationStats, MlpStats, PairStats, QKStats, collect, empty_stats
 from corp_deploy.families import Adapter, adapter_for
 from corp_deploy.families.timm import modules as surgery
@@ -156,6 +164,12 @@ class PruneConfig:
             self._check_budgeted()
         if self.selection == "global" and "mlp" not in self.target:
             raise CorpError("--selection global chooses MLP channels across blocks; add mlp to --target")
+        obs_parts = self.ranker == "obs" and (self.prunes("mlp") or self.prunes("v"))
+        if obs_parts and (self.compensation != "corp" or self.selection != "per-layer"):
+            raise CorpError(
+                "--ranker obs orders each block's channels by the error CORP's compensation leaves: "
+                "use --compensation corp and --selection per-layer, or another ranker"
+            )
         if self.depth:
             self._check_depth()
         if self.layout == "standard":
@@ -477,7 +491,7 @@ def _prune_mlp(adapter: Adapter, block: nn.Module, s: MlpStats, kept: int, confi
     t = time.perf_counter()
     out = adapter.mlp_out(block)
     w2, b2 = linear_float64(out, s.sum.device)
-    keep, prune = split_top(channel_scores(config.ranker, s, w2), kept)
+    keep, prune = split_top(channel_scores(config.ranker, s, w2, config.ridge), kept)
     t = timer.add("ranking", t)
     new_w2, new_b2, errors = _compensate(s, w2, b2, keep, prune, config)
     dtype, wdev = out.weight.dtype, out.weight.device
@@ -504,7 +518,7 @@ def _prune_v(adapter: Adapter, block: nn.Module, s: MlpStats, kept: int, config:
     dev = s.sum.device
     proj = adapter.proj(block)
     w, b = linear_float64(proj, dev)
-    keep_g, _ = split_top(channel_scores(config.ranker, s, w).view(heads // group, group, d).sum(1), kept)
+    keep_g, _ = split_top(value_scores(config.ranker, s, w, heads, group, config.ridge), kept)
     keep, prune = C.head_channels(keep_g.repeat_interleave(group, 0), d)
     t = timer.add("ranking", t)
     new_w, new_b, info["rel_error"] = _compensate(s, w, b, keep, prune, config)

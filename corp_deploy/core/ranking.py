@@ -9,11 +9,13 @@ import torch
 from torch import Tensor
 
 from corp_deploy.base.errors import CorpError
+from corp_deploy.core import obs
 from corp_deploy.core.stats import MlpStats
 
-RANKERS = ("energy", "magnitude", "combined", "active", "variance")
+RANKERS = ("energy", "magnitude", "combined", "active", "variance", "obs")
 """MLP and V channel rankers (paper sec. 3.3, appendix E). ``combined`` = energy x magnitude is the paper's
-default; ``variance`` (centred second moment) is VBP's criterion."""
+default; ``variance`` (centred second moment) is VBP's criterion; ``obs`` is greedy Optimal Brain Surgeon on the
+error CORP's compensation leaves (``obs``; Q/K keep the logit energy)."""
 
 
 def nearest_steps(units: float, round_to: int) -> int:
@@ -63,9 +65,27 @@ def mlp_scores(ranker: str, energy: Tensor, active_rate: Tensor, fc2_weight: Ten
     raise CorpError(f"unknown ranker {ranker!r}; choose one of {', '.join(RANKERS)}")
 
 
-def channel_scores(ranker: str, s: MlpStats, weight: Tensor) -> Tensor:
-    """``mlp_scores`` from the sums of a Linear's input (fc2: MLP channels; proj: V channels) and its weight."""
+def channel_scores(ranker: str, s: MlpStats, weight: Tensor, ridge: float = 0.0) -> Tensor:
+    """``mlp_scores`` from the sums of a Linear's input (fc2: MLP channels; proj: V channels) and its weight.
+
+    ``obs``: the step at which greedy OBS removes each channel (``obs.removal_order`` damped by ``ridge``), so the
+    top k are its kept set at width k, and the sets at all widths are nested as every ranker's."""
+    if ranker == "obs":
+        return obs.rank_scores(obs.removal_order(s.mean(), s.second_moment(), weight, ridge)[0])
     return mlp_scores(ranker, s.second_moment().diagonal(), s.active / s.count, weight, s.mean())
+
+
+def value_scores(ranker: str, s: MlpStats, weight: Tensor, heads: int, group: int, ridge: float = 0.0) -> Tensor:
+    """V channel scores per K/V head, (heads // group, head_dim), from proj's input sums and weight.
+
+    Query heads that share a V head (``group`` of them) keep the same channels: ranked by their summed scores, or
+    for ``obs`` removed together as one unit, one per K/V head per round (``obs.value_units``)."""
+    d = weight.shape[1] // heads
+    if ranker == "obs":
+        units, owner = (t.to(weight.device) for t in obs.value_units(heads, group, d))
+        order = obs.removal_order(s.mean(), s.second_moment(), weight, ridge, units, owner)[0]
+        return obs.rank_scores(order).view(heads // group, d)
+    return channel_scores(ranker, s, weight).view(heads // group, group, d).sum(1)
 
 
 def qk_scores(ranker: str, logit_energy: Tensor, wq: Tensor, wk: Tensor) -> Tensor:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
 from corp_deploy.core.pruner import MODULES, PARTS, PruneConfig, Widths, fit_branch
-from corp_deploy.core.ranking import channel_scores, qk_scores
+from corp_deploy.core.ranking import channel_scores, qk_scores, value_scores
 from corp_deploy.core.stats import CalibrationStats, MlpStats, QKStats
 from corp_deploy.families import adapter_for
 from corp_deploy.families.timm.modules import linear_float64
@@ -143,7 +143,7 @@ def error_curves(
         if "mlp" in parts:
             s = stats.mlp[i]
             w, b = linear_float64(adapter.mlp_out(block), s.sum.device)
-            order = torch.sort(channel_scores(config.ranker, s, w), descending=True, stable=True).indices
+            order = torch.sort(channel_scores(config.ranker, s, w, config.ridge), descending=True, stable=True).indices
             widths = candidate_widths(w.shape[1], config.round_to)
             curves[(i, "mlp")] = (widths, affine_curve(s, w, b, order, widths))
         if "qk" in parts:
@@ -155,12 +155,11 @@ def error_curves(
             widths = candidate_widths(s.head_dim, config.round_to)
             curves[(i, "qk")] = (widths, logit_curve(s, scores, widths, config.ridge))
         if "v" in parts:
-            s, heads = stats.proj[i], adapter.heads(block)
+            s, heads, group = stats.proj[i], adapter.heads(block), adapter.value_groups(block)
             w, b = linear_float64(adapter.proj(block), s.sum.device)
             d = w.shape[1] // heads
-            ranks = torch.sort(
-                channel_scores(config.ranker, s, w).view(heads, d), dim=-1, descending=True, stable=True
-            ).indices
+            scores = value_scores(config.ranker, s, w, heads, group, config.ridge).repeat_interleave(group, 0)
+            ranks = torch.sort(scores, dim=-1, descending=True, stable=True).indices
             order = (ranks + d * torch.arange(heads, device=ranks.device)[:, None]).T.flatten()  # rank-major
             widths = candidate_widths(d, config.round_to)
             curves[(i, "v")] = (widths, affine_curve(s, w, b, order, [k * heads for k in widths]))
