@@ -42,6 +42,7 @@ APPS = (
     "corp_deploy.__main__",
     "corp_deploy.demo",
     "corp_deploy.sweep",
+    "corp_deploy.floor",
     "corp_deploy.real",
     "corp_deploy.speed",
     *SCRIPTS,
