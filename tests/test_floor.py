@@ -276,3 +276,36 @@ def test_max_drop_chooses_or_refuses_in_one_line_writing_nothing(tmp_path, capsy
     assert all(p["passes"] for p in candidates) and record["floor"]["metric"] == "agreement"
     assert record["floor"]["chosen"]["speedup"] == max(p["speedup"] for p in candidates)
     assert (out / record["floor"]["file"]).is_file() and f"chose {record['floor']['file']}" in stdout
+
+
+@pytest.mark.e2e
+def test_sweep_of_a_decoder_reads_perplexity_on_held_out_windows(tmp_path, capsys) -> None:
+    """A decoder's frontier: perplexity (lower is better: drop = ratio - 1) recomputed here from the dense graph's
+    logits on the evaluation documents' windows, which calibration never reads."""
+    from helpers import tiny_llama_folder
+
+    from corp_deploy.exporters.runners import OrtRunner
+    from corp_deploy.hf import load_tokenizer
+
+    folder, text = tiny_llama_folder(tmp_path, layers=1, documents=80)
+    out = tmp_path / "sw"
+    argv = ["sweep", str(folder), "--calib-dir", str(text), *SWEEP, "--target", "mlp,v", "--sparsities", "0.5"]
+    code, _, err = run([*argv, "--frontier", "--heldout-num", "6", "--out", str(out)], capsys)
+    assert code == 0, err
+    record = json.loads((out / "frontier.json").read_text())
+    assert record["accuracy"]["metric"] == "perplexity" and record["accuracy"]["higher_is_better"] is False
+    tokenizer = load_tokenizer(folder, 300)
+    from corp_deploy.text import packed_sequences, read_documents, shuffled, split_documents
+
+    docs = split_documents(read_documents(text)).evaluation
+    ids = packed_sequences(tokenizer, shuffled(docs, 0), 32, 6).numpy()
+    logits = torch.from_numpy(
+        OrtRunner(out / "dense.onnx", "cpu")({"input_ids": ids, "attention_mask": np.ones_like(ids)})
+    )
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).double(), torch.from_numpy(ids[:, 1:]).flatten()
+    )
+    dense = _find(record["points"], "dense", "dense", "fp32")
+    assert dense["perplexity"] == pytest.approx(float(nll.exp()), rel=1e-6)
+    corp = _find(record["points"], "s0.50", "corp", "fp32")
+    assert corp["drop"] == pytest.approx(corp["perplexity"] / dense["perplexity"] - 1)

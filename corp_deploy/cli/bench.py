@@ -41,7 +41,6 @@ from corp_deploy.cli.options import (
 )
 from corp_deploy.env import device_name
 from corp_deploy.errors import CorpError
-from corp_deploy.families import adapter_for
 from corp_deploy.families.hf_text import max_positions
 from corp_deploy.families.registry import get as get_family
 from corp_deploy.fsio import atomic_dir, atomic_file, check_writable
@@ -287,7 +286,8 @@ def sweep(
     **flags: Any,
 ) -> None:
     """Calibrate MODEL once, then prune, export and bench it at every sparsity (the paper's Table 10), or at
-    every speed target (--speedups, with --latency-on); MODEL a timm ViT or a transformers folder (text too).
+    every speed target (--speedups, with --latency-on); MODEL a timm ViT or a transformers folder (a text encoder,
+    or a decoder: timed as the full-sequence forward of its logits graph, prefill; decode ms/token is bench's).
 
     With --frontier or --max-drop, also the held-out drop of every row in FP32 and INT8, of plain removal and of the
     dense model quantized: the accuracy-speed frontier, and the fastest configuration within --max-drop."""
@@ -311,8 +311,6 @@ def sweep(
     seq_len = flags["seq_len"] if text else None
     loop = None if backend is None else latency_loop(backend, latency["latency_batch"], latency_rounds, say, seq_len)
     got = inputs(**flags, hold_out=config.heldout_images, transformers=True)
-    if text and adapter_for(got.net).causal:
-        raise CorpError("sweep times encoders and ViTs; for a decoder use prune-export and bench (prefill and decode)")
     description = sources.describe(got.net, got.name, got.args, got.weights, *([seq_len] if text else []))
     accuracy = None
     if measured:
