@@ -420,7 +420,7 @@ def _write_frontier(result: dict[str, Any], out: Path, max_drop: float | None) -
     (out / "frontier.json").write_text(json.dumps(record, indent=2) + "\n")
     click.echo(format_frontier(points, metric, chosen))
     try:
-        title = f"{result['model']}: held-out {metric} drop vs speed ({floor.SPEED_ON}, largest batch)"
+        title = f"{Path(result['model']).name}: held-out {metric} drop vs speed ({floor.SPEED_ON}, largest batch)"
         plot_frontier(points, out / "frontier.png", title, metric, max_drop)
     except CorpError as e:
         click.echo(f"no frontier plot: {e}")
