@@ -54,9 +54,9 @@ SPEED_ON = "ort-cpu-fp32"
 """The backend every frontier speed is read on: its dense FP32 throughput is the 1.0 of every point."""
 INT8_ON = "ort-cpu-int8"
 HELDOUT_NUM = 256
+"""Held-out images or documents (a decoder: windows) scored per model by default."""
 DEFAULT_SEQ_LEN = 128
 """Tokens per held-out document unless told (the calibration default, ``--seq-len``), within the positions."""
-"""Held-out images or documents (a decoder: windows) scored per model by default."""
 
 
 # ----------------------------------------------------------------------------------- held-out inputs

@@ -246,6 +246,11 @@ def test_sweep_of_a_tiny_bert_writes_the_frontier_with_pareto_flags(tmp_path, ca
     assert all("accuracy" in row for row in sweep["rows"]) and (out / "s0.75" / "pruned.int8.onnx").is_file()
     corp, removal = (_find(points, "s0.75", m, "fp32") for m in ("corp", "removal"))
     assert corp["speedup"] == removal["speedup"]  # the same widths
+    code, _, err = run(["eval", str(out / "s0.75"), "--text", str(docs), "--seq-len", "32"], capsys)  # a run folder
+    assert code == 0, err
+    results = json.loads((out / "s0.75" / "eval.json").read_text())[-1]["results"]
+    assert {"pruned ort-cpu-fp32", "pruned ort-cpu-int8", "dense ort-cpu-int8"} <= set(results)
+    assert results["pruned ort-cpu-fp32"]["cosine"] == pytest.approx(corp["cosine"], abs=1e-5)  # the same inputs
 
 
 @pytest.mark.e2e
