@@ -43,37 +43,24 @@ STYLE = {"dense": ("k", "s"), "corp": ("tab:blue", "o"), "removal": ("tab:red", 
 
 
 def plot_frontier(points: list[dict[str, Any]], path: Path, title: str, metric: str, max_drop: float | None) -> None:
-    """Held-out drop against measured speedup, one series per method and precision, the frontier joined."""
+    """Held-out drop against measured speedup: one marker per method and precision (INT8 hollow), each pruned point
+    labelled with its row, the frontier joined."""
     from corp_deploy.bench.report import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for method, (color, marker) in STYLE.items():
         for precision, fill in (("fp32", color), ("int8", "none")):
-            mine = sorted(
-                (p for p in points if p["method"] == method and p["precision"] == precision), key=lambda p: p["speedup"]
-            )
+            mine = [p for p in points if p["method"] == method and p["precision"] == precision]
             if mine:
+                xs, ys = [p["speedup"] for p in mine], [p["drop"] for p in mine]
                 ax.plot(
-                    [p["speedup"] for p in mine],
-                    [p["drop"] for p in mine],
-                    marker,
-                    color=color,
-                    markerfacecolor=fill,
-                    linestyle="-" if method == "corp" else "none",
-                    alpha=0.8,
-                    label=f"{method} {precision}",
+                    xs, ys, marker, color=color, markerfacecolor=fill, linestyle="none", label=f"{method} {precision}"
                 )
+            for p in mine if method != "dense" else ():
+                ax.annotate(p["row"], (p["speedup"], p["drop"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
     front = sorted((p for p in points if p["pareto"]), key=lambda p: p["speedup"])
     ax.plot([p["speedup"] for p in front], [p["drop"] for p in front], ":", color="0.4", label="frontier (Pareto)")
-    for p in front:
-        ax.annotate(
-            f"{_name(p)} {p['precision']}",
-            (p["speedup"], p["drop"]),
-            fontsize=6,
-            xytext=(3, 3),
-            textcoords="offset points",
-        )
     if max_drop is not None:
         ax.axhline(max_drop, color="tab:green", linestyle="--", label=f"--max-drop {max_drop:g}")
     ax.set_xlabel("measured speedup over dense FP32 (same run)")
