@@ -314,3 +314,8 @@ def test_sweep_of_a_decoder_reads_perplexity_on_held_out_windows(tmp_path, capsy
     assert dense["perplexity"] == pytest.approx(float(nll.exp()), rel=1e-6)
     corp = _find(record["points"], "s0.50", "corp", "fp32")
     assert corp["drop"] == pytest.approx(corp["perplexity"] / dense["perplexity"] - 1)
+    argv = ["eval", str(out / "s0.50"), "--text", str(text), "--seq-len", "32", "--num", "2", "--quiet"]
+    code, stdout, err = run(argv, capsys)  # a run folder, not only its artifact
+    assert code == 0 and "pruned: perplexity" in stdout and "dense: perplexity" in stdout, err
+    code, _, err = run(["eval", str(out / "s0.50")], capsys)
+    assert code == 1 and "holds a decoder: pass --text DIR" in err

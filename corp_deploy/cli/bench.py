@@ -500,17 +500,18 @@ def eval_command(
 
 
 def _text_run(run_dir: str, text: str | None) -> bool:
-    """Whether RUN_DIR holds a text encoder (its family, read from corp.json); one line when it comes without
-    --text (an image option would not fit it)."""
+    """Whether RUN_DIR holds a text encoder (its family, read from corp.json); one line when a text run comes
+    without --text (an image option would not fit it)."""
     try:
         family = get_family(read_meta(floor.artifact_of(run_dir))["family"])
     except CorpError:
         return False  # a transformers folder or hf:NAME (decoders), or an error eval's own paths report
-    if family is None or family.modality != "text" or family.causal:
+    if family is None or family.modality != "text":
         return False
     if text is None:
-        raise CorpError(f"{run_dir} holds a text encoder: pass --text DIR, a .txt/.jsonl folder of held-out text")
-    return True
+        kind = "decoder" if family.causal else "text encoder"
+        raise CorpError(f"{run_dir} holds a {kind}: pass --text DIR, a .txt/.jsonl folder of held-out text")
+    return not family.causal
 
 
 def _encoder_eval(run_dir: str, text: str, seq_len: int | None, all_text: bool, kwargs: dict[str, Any]) -> None:
