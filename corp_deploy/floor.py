@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -53,6 +54,7 @@ from corp_deploy.text import packed_sequences, read_documents, shuffled, split_d
 SPEED_ON = "ort-cpu-fp32"
 """The backend every frontier speed is read on: its dense FP32 throughput is the 1.0 of every point."""
 INT8_ON = "ort-cpu-int8"
+DENSE_INT8 = "dense.int8.onnx"
 HELDOUT_NUM = 256
 """Held-out images or documents (a decoder: windows) scored per model by default."""
 DEFAULT_SEQ_LEN = 128
@@ -237,6 +239,7 @@ class Accuracy:
     removal: bool = True
     _dense: Outputs | None = field(default=None, repr=False)
     _record: dict[str, Any] = field(default_factory=dict, repr=False)
+    _dense_int8: Path | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_metric(self.metric, self.heldout)
@@ -253,13 +256,15 @@ class Accuracy:
         v = value(self.metric, self._dense, self._dense, self.heldout)
         self._record = {"dense": {"fp32": {self.metric: v, "drop": 0.0}}}
         if self.int8:
-            path = dynamic_int8(dense_onnx, dense_onnx.with_name("dense.int8.onnx"))
-            self._record["dense"]["int8"] = self._score(OrtRunner(path, "cpu"))
+            self._dense_int8 = dynamic_int8(dense_onnx, dense_onnx.with_name(DENSE_INT8))
+            self._record["dense"]["int8"] = self._score(OrtRunner(self._dense_int8, "cpu"))
 
     def quantize(self, pruned_onnx: Path) -> None:
-        """``pruned.int8.onnx`` beside a row's pruned graph (timed by bench's ort-cpu-int8, scored by ``score``)."""
+        """``pruned.int8.onnx`` beside a row's pruned graph, and a copy of ``dense.int8.onnx``: bench's ort-cpu-int8
+        times the pair in the row's folder; ``score`` scores the pruned one."""
         if self.int8:
             dynamic_int8(pruned_onnx, pruned_onnx.with_name("pruned.int8.onnx"))
+            shutil.copyfile(self._dense_int8, pruned_onnx.with_name(DENSE_INT8))
 
     def score(self, folder: Path, calib: api.Calibrated, config: PruneConfig, result: api.PruneResult) -> dict:
         """One row's held-out figures: CORP's graphs as exported, removal's model at CORP's widths."""

@@ -161,7 +161,7 @@ def sweep(
             export_verified(pruned, tmp / "pruned.onnx", {**description, "weights": "corp-pruned"}, rewrites=rewrites)
             if accuracy is not None:
                 accuracy.quantize(tmp / "pruned.onnx")
-            for f in out.glob("dense.*"):  # the graphs, their sidecars and external weights, if any
+            for f in out.glob(f"{dense_onnx.name}*"):  # the graph, its sidecar and external weights, if any
                 shutil.copyfile(f, tmp / f.name)  # not linked: onnx refuses external data with several hard links
         run = RunFolder.open(folder)
         chosen, skipped = select(backends, run)
