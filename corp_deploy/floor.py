@@ -184,6 +184,13 @@ def heldout_for(
     folder = heldout_dir or calib_source
     if folder == "synthetic":
         raise CorpError("--calib synthetic has no held-out inputs to measure a drop on: pass --heldout-dir DIR")
+    if heldout_dir and calib_source != "synthetic":
+        held, calib = Path(heldout_dir).resolve(), Path(calib_source).resolve()
+        if held.is_relative_to(calib) or calib.is_relative_to(held):
+            raise CorpError(
+                f"--heldout-dir {heldout_dir} overlaps the calibration folder {calib_source}: pass a folder "
+                "calibration never reads, or leave --heldout-dir out to score the part of it calibration never reads"
+            )
     if kind_of(model) == "image":
         exclude = frozenset() if heldout_dir else calibration_sample(calib_source, num_calib, seed)
         return image_heldout(model, folder, num, seed=seed, exclude=exclude)

@@ -170,6 +170,9 @@ def test_heldout_inputs_are_never_calibrated_on(tmp_path, image_dir, monkeypatch
     assert calib_texts and held_texts and len(held) == len(held_texts)
     assert not set(calib_texts) & set(held_texts)
     assert held.labels is not None and set(held.labels.tolist()) == {0, 1}  # class folders are labels
+    for overlapping in (docs, docs / "a", docs.parent):
+        with pytest.raises(CorpError, match="overlaps the calibration folder"):
+            floor.heldout_for(net, tokenizer, str(docs), 1000, 0, str(overlapping), 10, 32)
 
 
 LARGE_INIT = {"initializer_range": 0.3}
