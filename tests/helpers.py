@@ -261,15 +261,16 @@ TEXT_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "news", "mark
 """A word-level vocabulary for tiny text encoders (BERT's special tokens first: [PAD] is id 0)."""
 
 
-def tiny_text_folder(root, family: str = "bert", positions: int = 40):
-    """A tiny random BERT-family encoder (2 layers, 4 heads of 16, FFN 128) saved as a ``transformers`` folder
-    with a word-level tokenizer: what ``hf:NAME`` or a downloaded model folder gives, without a hub."""
+def tiny_text_folder(root, family: str = "bert", positions: int = 40, **overrides):
+    """A tiny random BERT-family encoder (2 layers, 4 heads of 16, FFN 128; ``overrides`` of its config) saved as a
+    ``transformers`` folder with a word-level tokenizer: what ``hf:NAME`` or a downloaded model folder gives, without a
+    hub."""
     import transformers
 
     config_class = {"bert": transformers.BertConfig, "roberta": transformers.RobertaConfig}[family]
     torch.manual_seed(0)
     size = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
-    config = config_class(vocab_size=len(TEXT_VOCAB), max_position_embeddings=positions, **size)
+    config = config_class(vocab_size=len(TEXT_VOCAB), max_position_embeddings=positions, **size, **overrides)
     folder = root / f"tiny-{family}"
     transformers.AutoModel.from_config(config).save_pretrained(folder)
     transformers.BertTokenizerFast(vocab={w: i for i, w in enumerate(TEXT_VOCAB)}).save_pretrained(folder)

@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +34,9 @@ from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.formats.calibration import Heldout
 from corp_deploy.plan.latency import LatencyTable
 from corp_deploy.plan.report import model_size
+
+if TYPE_CHECKING:
+    from corp_deploy.apps.floor import Accuracy
 
 DEFAULT_SPARSITIES = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7"
 
@@ -123,9 +126,11 @@ def sweep(
     overwrite: bool = False,
     speedups: Speedups | None = None,
     rewrites: Sequence[str] = (),
+    accuracy: Accuracy | None = None,
 ) -> dict[str, Any]:
     """Write ``out/s<sparsity>/`` per sparsity (or ``out/x<speedup>/`` per speed target, ``speedups``) and
     ``out/sweep.json``; return the sweep record. ``rewrites`` go into every exported graph (``exporters.rewrites``).
+    ``accuracy`` (``floor.Accuracy``) adds each row's held-out drop and INT8 graphs, for the frontier.
 
     An existing ``out`` is refused unless ``overwrite``; then the files of the same names are replaced.
     """
@@ -138,6 +143,8 @@ def sweep(
     dense_onnx = out / "dense.onnx"
     with atomic_file(dense_onnx, overwrite=True) as tmp:  # never reuse a dense graph from an earlier sweep
         export_verified(model, tmp, description, rewrites=rewrites)
+    if accuracy is not None:
+        accuracy.start(dense_onnx)
     rows = []
     for name, label, result in _pruned(calib, configs, speedups):
         pruned, report = result.model, result.report
@@ -152,6 +159,8 @@ def sweep(
                 weights=description["weights"],
             )
             export_verified(pruned, tmp / "pruned.onnx", {**description, "weights": "corp-pruned"}, rewrites=rewrites)
+            if accuracy is not None:
+                accuracy.quantize(tmp / "pruned.onnx")
             for f in out.glob(f"{dense_onnx.name}*"):  # the graph, its sidecar and external weights, if any
                 shutil.copyfile(f, tmp / f.name)  # not linked: onnx refuses external data with several hard links
         run = RunFolder.open(folder)
@@ -167,6 +176,7 @@ def sweep(
                 "flop_ideal_speedup": dense_size["macs"] / size["macs"],
                 "bench": pairs(record),
                 **({"latency": _latency_row(report)} if speedups is not None else {}),
+                **({"accuracy": accuracy.score(folder, calib, configs[name][1], result)} if accuracy else {}),
             }
         )
     result = {
@@ -175,6 +185,7 @@ def sweep(
         "rows": rows,
         "method": (method or Method()).as_dict(),
         "rewrites": list(rewrites),
+        **({"accuracy": accuracy.record()} if accuracy is not None else {}),
     }
     (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -11,6 +11,7 @@ from typing import Any
 import click
 import torch
 
+from corp_deploy.apps import floor
 from corp_deploy.apps.sweep import (
     DEFAULT_SPARSITIES,
     Speedups,
@@ -22,13 +23,15 @@ from corp_deploy.apps.sweep import (
 from corp_deploy.apps.sweep import sweep as run_sweep
 from corp_deploy.base.env import device_name
 from corp_deploy.base.errors import CorpError
-from corp_deploy.base.fsio import atomic_file, check_writable
+from corp_deploy.base.fsio import atomic_dir, atomic_file, check_writable
 from corp_deploy.bench import gate
 from corp_deploy.bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
 from corp_deploy.bench.backends import RunFolder, rewrites_on
 from corp_deploy.bench.backends import select as select_backends
 from corp_deploy.bench.decode import NEW_TOKENS, PROMPTS, decode_benchmark, parse_prompts
 from corp_deploy.bench.decode import select as select_decoders
+from corp_deploy.bench.drop import METRICS, declared_pooling, default_metric
+from corp_deploy.bench.frontier import format_frontier, mark_pareto, plot_frontier
 from corp_deploy.bench.measure import Method
 from corp_deploy.bench.report import format_markdown, format_table, skipped_lines, to_csv
 from corp_deploy.bench.report import plot as draw
@@ -49,6 +52,7 @@ from corp_deploy.cli.options import (
 )
 from corp_deploy.families.hf import hub as hf
 from corp_deploy.families.hf.adapter import max_positions
+from corp_deploy.families.registry import get as get_family
 from corp_deploy.families.timm.models import create_model, parse_model_args, resolve_name
 from corp_deploy.formats import calibration, evaluation, sources
 from corp_deploy.formats.artifact import META_FILE, read_meta
@@ -246,6 +250,32 @@ def _text_eval(
 @click.option("--min-seconds", default=2.0, show_default=True, help="Timed seconds per model and batch, at least.")
 @click.option("--out", required=True, type=click.Path(), help="Sweep folder (s0.50/, ..., sweep.json, sweep.png).")
 @click.option("--overwrite", is_flag=True, help="Write into --out even if it exists (same-name files are replaced).")
+@click.option(
+    "--frontier",
+    is_flag=True,
+    help="Also measure each row's held-out drop (CORP FP32 and INT8, plain removal at the same widths) and the dense "
+    "model quantized by onnxruntime (quantize_dynamic, per-channel QInt8): frontier.json and frontier.png, the points "
+    "no other point beats marked.",
+)
+@click.option(
+    "--max-drop",
+    type=float,
+    help="Choose the fastest configuration (row x precision) whose held-out drop stays within this (--metric; "
+    "implies --frontier); none within it: one line, nothing written.",
+)
+@click.option(
+    "--metric",
+    type=click.Choice(("cosine", "agreement", "perplexity", "accuracy")),
+    help="Held-out metric [cosine (encoders: pooled embedding, ViTs: final features); decoders: perplexity]. "
+    "Drop: dense - value (perplexity: value / dense - 1).",
+)
+@click.option(
+    "--heldout-dir",
+    type=click.Path(),
+    help="Held-out inputs calibration never reads (all of them) [default: the --calib-dir part calibration never "
+    "reads: a text folder's evaluation documents, the images outside the calibration sample].",
+)
+@click.option("--heldout-num", default=256, show_default=True, help="Held-out images, documents or windows scored.")
 def sweep(
     pruning: dict[str, Any],
     quiet: bool,
@@ -258,10 +288,19 @@ def sweep(
     min_seconds: float,
     out: str,
     overwrite: bool,
+    frontier: bool,
+    max_drop: float | None,
+    metric: str | None,
+    heldout_dir: str | None,
+    heldout_num: int,
     **flags: Any,
 ) -> None:
     """Calibrate MODEL once, then prune, export and bench it at every sparsity (the paper's Table 10), or at
-    every speed target (--speedups, with --latency-on)."""
+    every speed target (--speedups, with --latency-on); MODEL a timm ViT or a transformers folder (a text encoder,
+    or a decoder: timed as the full-sequence forward of its logits graph, prefill; decode ms/token is bench's).
+
+    With --frontier or --max-drop, also the held-out drop of every row in FP32 and INT8, of plain removal and of the
+    dense model quantized: the accuracy-speed frontier, and the fastest configuration within --max-drop."""
     if latency["speedup"] is not None:
         raise CorpError("sweep takes --speedups (a comma list), not --speedup")
     if sparsities is not None and speedups is not None:
@@ -275,13 +314,85 @@ def sweep(
     check_writable(out, overwrite)
     needs("sweep", *ONNX_EXPORT)
     say = (lambda line: None) if quiet else click.echo
-    loop = None if backend is None else latency_loop(backend, latency["latency_batch"], latency_rounds, say)
-    got = inputs(**flags, hold_out=config.heldout_images)
-    description = sources.describe(got.net, got.name, got.args, got.weights)
+    if max_drop is not None and max_drop < 0:
+        raise CorpError(f"--max-drop must be >= 0, got {max_drop}")
+    measured = frontier or max_drop is not None or metric is not None
+    text = hf.modality(flags["model"]) == "text"
+    seq_len = flags["seq_len"] if text else None
+    loop = None if backend is None else latency_loop(backend, latency["latency_batch"], latency_rounds, say, seq_len)
+    got = inputs(**flags, hold_out=config.heldout_images, transformers=True)
+    description = sources.describe(got.net, got.name, got.args, got.weights, *([seq_len] if text else []))
+    accuracy = None
+    if measured:
+        tokenizer = hf.load_tokenizer(flags["model"], got.net.config.vocab_size) if text else None
+        num_calib = got.total + (got.heldout.images.shape[0] if got.heldout is not None and not text else 0)
+        held = floor.heldout_for(
+            got.net,
+            tokenizer,
+            got.source,
+            num_calib,
+            flags["seed"],
+            heldout_dir,
+            heldout_num,
+            flags["seq_len"],
+            declared_pooling(flags["model"]) if text and Path(flags["model"]).is_dir() else None,
+        )
+        accuracy = floor.Accuracy(held, metric or default_metric(held.kind))
+        say(f"held-out {accuracy.metric} ({METRICS[accuracy.metric].what}) on {held.source}")
     plan = None
     if backend is not None:
-        plan = Speedups(targets, latency_table(got, backend, latency, say), got.heldout, loop)
+        plan = Speedups(targets, latency_table(got, backend, latency, say, seq_len=seq_len), got.heldout, loop)
     method = Method(warmup_iters=3, min_iters=5, min_seconds=min_seconds)  # large batches: seconds dominate
+    if max_drop is not None:  # nothing is written unless a configuration passes
+        with atomic_dir(out, overwrite) as tmp:
+            result = _sweep_run(
+                got, description, values, config, tmp, backends, sizes, method, quiet, plan, latency, accuracy
+            )
+            _write_frontier(result, tmp, max_drop)
+    else:
+        result = _sweep_run(
+            got,
+            description,
+            values,
+            config,
+            Path(out),
+            backends,
+            sizes,
+            method,
+            quiet,
+            plan,
+            latency,
+            accuracy,
+            overwrite,
+        )
+        if accuracy is not None:
+            _write_frontier(result, Path(out), None)
+    try:
+        plot_sweep(result, Path(out) / "sweep.png")
+    except CorpError as e:
+        click.echo(f"no plot: {e}")
+    click.echo(
+        f"wrote {out}/ ({'x' if targets else 's'}*/ run folders with bench.json, sweep.json, sweep.png"
+        + (", frontier.json, frontier.png)" if accuracy is not None else ")")
+    )
+
+
+def _sweep_run(
+    got: Any,
+    description: dict[str, Any],
+    values: list[float],
+    config: Any,
+    out: Path,
+    backends: str,
+    sizes: list[int],
+    method: Method,
+    quiet: bool,
+    plan: Speedups | None,
+    latency: dict[str, Any],
+    accuracy: floor.Accuracy | None,
+    overwrite: bool = True,
+) -> dict[str, Any]:
+    """``sweep.sweep`` with the command's settings; prints its table."""
     result = run_sweep(
         got.net,
         description,
@@ -298,13 +409,36 @@ def sweep(
         overwrite,
         plan,
         rewrites_on(latency["latency_on"]),
+        accuracy,
     )
     click.echo(format_sweep(result))
+    return result
+
+
+def _write_frontier(result: dict[str, Any], out: Path, max_drop: float | None) -> None:
+    """frontier.json (every point, Pareto flags, the floor's choice and every candidate's pass/fail) and
+    frontier.png in ``out``; with ``max_drop``, the choice, or one line (``floor.choose``) when none passes."""
+    metric = result["accuracy"]["metric"]
+    points = mark_pareto(floor.candidates(result))
+    chosen = None
+    if max_drop is not None:
+        points = [p | ({"passes": p["drop"] <= max_drop} if p["candidate"] else {}) for p in points]
+        chosen = floor.choose(points, max_drop, metric)
+    record = {"model": result["model"], "accuracy": result["accuracy"], "speed_on": floor.SPEED_ON, "points": points}
+    if max_drop is not None:
+        record["floor"] = {"max_drop": max_drop, "metric": metric, "chosen": chosen, "file": floor.file_of(chosen)}
+    (out / "frontier.json").write_text(json.dumps(record, indent=2) + "\n")
+    click.echo(format_frontier(points, metric, chosen))
     try:
-        plot_sweep(result, Path(out) / "sweep.png")
+        title = f"{Path(result['model']).name}: held-out {metric} drop vs speed ({floor.SPEED_ON}, largest batch)"
+        plot_frontier(points, out / "frontier.png", title, metric, max_drop)
     except CorpError as e:
-        click.echo(f"no plot: {e}")
-    click.echo(f"wrote {out}/ ({'x' if targets else 's'}*/ run folders with bench.json, sweep.json, sweep.png)")
+        click.echo(f"no frontier plot: {e}")
+    if chosen is not None:
+        click.echo(
+            f"chose {floor.file_of(chosen)}: {chosen['speedup']:.2f}x, {metric} drop {chosen['drop']:.4g} "
+            f"<= {max_drop:g}"
+        )
 
 
 @click.command("eval")
@@ -326,7 +460,12 @@ def sweep(
     help="auto (torch-cpu-fp32, ort-cpu-fp32, ort-cpu-int8, tensorrt-fp32/fp16/int8: what the folder holds and "
     "this machine runs), or a comma list of bench's backends (eager ones: torch-cuda-fp16, ort-cuda-fp32...).",
 )
-@click.option("--text", type=click.Path(), help="Decoders: perplexity on this .txt/.jsonl folder's evaluation part.")
+@click.option(
+    "--text",
+    type=click.Path(),
+    help="Text runs: this .txt/.jsonl folder's evaluation part (decoders: perplexity; encoders: pooled embedding "
+    "cosine to the dense model, and accuracy by a probe when the documents come from class folders).",
+)
 @click.option("--seq-len", type=int, help="With --text: tokens per window [default: the positions, at most 2048].")
 @click.option("--all-text", is_flag=True, help="With --text: every document (calibration never read this folder).")
 @click.option("--checkpoint", type=click.Path(dir_okay=False), help="The dense weights, if the recorded ones moved.")
@@ -338,15 +477,20 @@ def eval_command(
 ) -> None:
     """Accuracy of dense and pruned models from RUN_DIR on every backend that can run; appended to RUN_DIR/eval.json.
 
-    With --text, RUN_DIR is a decoder (a prune artifact, a transformers folder or hf:NAME) and the measure is
-    its perplexity (SparseGPT's protocol); for an artifact, the dense model it was pruned from too, when it loads.
+    With --text, RUN_DIR is a text run (a prune-export or sweep folder, a prune artifact; a decoder also a
+    transformers folder or hf:NAME). A decoder's measure is its perplexity (SparseGPT's protocol), for an artifact the
+    dense model it was pruned from too, when it loads; an encoder's the held-out drop (``bench.drop``): the pooled
+    embedding cosine to the dense model (and a probe's accuracy with class folders), on every model the run holds.
     """
+    encoder = _text_run(run_dir, text)
     if text is not None:
         if kwargs["data_dir"] or kwargs["images"] or kwargs["probe_train"]:
-            raise CorpError(
-                "--text measures a decoder's perplexity; --data-dir, --images and --probe-train are image sets"
-            )
-        _text_eval(run_dir, text, seq_len, all_text, kwargs["batch_size"] or 1, kwargs["num"], quiet)
+            raise CorpError("--text measures a text model; --data-dir, --images and --probe-train are image sets")
+        if encoder:
+            _encoder_eval(run_dir, text, seq_len, all_text, kwargs)
+            return
+        source = str(floor.artifact_of(run_dir)) if Path(run_dir, "pruned", META_FILE).is_file() else run_dir
+        _text_eval(source, text, seq_len, all_text, kwargs["batch_size"] or 1, kwargs["num"], quiet)
         return
     kwargs["batch_size"] = kwargs["batch_size"] or 32
     check_writable(Path(run_dir) / "eval.json", overwrite=True)
@@ -362,6 +506,31 @@ def eval_command(
         + (f"; linear probe fit on {probe['train_images']} dense features (ridge {probe['ridge']:g})" if probe else "")
     )
     click.echo(format_evaluation(Evaluation(record["reference"], record["results"]), header))
+    click.echo(f"appended to {append_evaluation(run_dir, record)}")
+
+
+def _text_run(run_dir: str, text: str | None) -> bool:
+    """Whether RUN_DIR holds a text encoder (its family, read from corp.json); one line when a text run comes
+    without --text (an image option would not fit it)."""
+    try:
+        family = get_family(read_meta(floor.artifact_of(run_dir))["family"])
+    except CorpError:
+        return False  # a transformers folder or hf:NAME (decoders), or an error eval's own paths report
+    if family is None or family.modality != "text":
+        return False
+    if text is None:
+        kind = "decoder" if family.causal else "text encoder"
+        raise CorpError(f"{run_dir} holds a {kind}: pass --text DIR, a .txt/.jsonl folder of held-out text")
+    return not family.causal
+
+
+def _encoder_eval(run_dir: str, text: str, seq_len: int | None, all_text: bool, kwargs: dict[str, Any]) -> None:
+    """``eval --text`` of a text encoder's run: ``floor.evaluate_text``, printed and appended to eval.json."""
+    num = min(kwargs["num"], floor.HELDOUT_NUM * 4)
+    record = floor.evaluate_text(run_dir, text, (), all_text, num, seq_len, kwargs["batch_size"] or 16, kwargs["seed"])
+    record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": device_name(torch.device("cpu"))}
+    click.echo(f"held-out: {record['heldout']}")
+    click.echo(floor.format_scores(record))
     click.echo(f"appended to {append_evaluation(run_dir, record)}")
 
 
