@@ -43,7 +43,7 @@ from corp_deploy.errors import CorpError
 from corp_deploy.families import adapter_for
 from corp_deploy.latency import LatencyTable, Timing
 from corp_deploy.pruner import Budget, PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
-from corp_deploy.recover import Recovery, RecoveryRecord
+from corp_deploy.recover import Interrupted, Recovery, RecoveryRecord
 from corp_deploy.report import model_size, peak_memory
 from corp_deploy.sensitivity import measure, split_heldout
 from corp_deploy.stats import CalibrationStats
@@ -507,6 +507,9 @@ def recover_pruned(
     dense.to(device)
     try:
         record = recovery.run(result.model, dense, batches, None if heldout is None else [heldout.images], say)
+    except Interrupted as e:  # the model holds CORP's weights again; its report says the recovery did not finish
+        result.report["recovery_interrupted"] = {"steps": e.steps, "budget": e.budget, "kept": "corp"}
+        raise
     finally:
         dense.to(home)
     result.report["recovery"] = record.to_dict()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -237,6 +239,12 @@ def _text_eval(
 @click.option("--min-seconds", default=2.0, show_default=True, help="Timed seconds per model and batch, at least.")
 @click.option("--out", required=True, type=click.Path(), help="Sweep folder (s0.50/, ..., sweep.json, sweep.png).")
 @click.option("--overwrite", is_flag=True, help="Write into --out even if it exists (same-name files are replaced).")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue a sweep that stopped in --out: its finished points (with bench.json) are kept, the rest made "
+    "(calibrating again); what a stopped sweep says to run.",
+)
 def sweep(
     pruning: dict[str, Any],
     quiet: bool,
@@ -249,10 +257,14 @@ def sweep(
     min_seconds: float,
     out: str,
     overwrite: bool,
+    resume: bool,
     **flags: Any,
 ) -> None:
     """Calibrate MODEL once, then prune, export and bench it at every sparsity (the paper's Table 10), or at
-    every speed target (--speedups, with --latency-on)."""
+    every speed target (--speedups, with --latency-on).
+
+    A sweep that stops (Ctrl-C, a failed point) keeps its finished points whole and says the command that
+    continues it: the same one with --resume."""
     if latency["speedup"] is not None:
         raise CorpError("sweep takes --speedups (a comma list), not --speedup")
     if sparsities is not None and speedups is not None:
@@ -263,7 +275,12 @@ def sweep(
     speedup = None if targets is None else max(targets)  # checked as --speedup; each target replaces its budget
     config = prune_config(pruning, latency | {"speedup": speedup}, **({} if targets else {"sparsity": max(values)}))
     backend = None if targets is None else speed.check_backend(latency["latency_on"])
-    check_writable(out, overwrite)
+    if Path(out).is_dir() and not (resume or overwrite):
+        raise CorpError(
+            f"output {out} already exists; pass --resume to continue its sweep, or --overwrite, or another --out"
+        )
+    if not resume:
+        check_writable(out, overwrite)
     needs("sweep", *ONNX_EXPORT)
     say = (lambda line: None) if quiet else click.echo
     loop = None if backend is None else latency_loop(backend, latency["latency_batch"], latency_rounds, say)
@@ -289,6 +306,7 @@ def sweep(
         overwrite,
         plan,
         rewrites_on(latency["latency_on"]),
+        _resumed(),
     )
     click.echo(format_sweep(result))
     try:
@@ -296,6 +314,13 @@ def sweep(
     except CorpError as e:
         click.echo(f"no plot: {e}")
     click.echo(f"wrote {out}/ ({'x' if targets else 's'}*/ run folders with bench.json, sweep.json, sweep.png)")
+
+
+def _resumed() -> str:
+    """The running command line with ``--resume`` (and without ``--overwrite``): what continues it."""
+    given = click.get_current_context().find_root().obj
+    argv = [a for a in (sys.argv[1:] if given is None else given) if a != "--overwrite"]
+    return shlex.join(["corp-deploy", *argv, *([] if "--resume" in argv else ["--resume"])])
 
 
 @click.command("eval")
