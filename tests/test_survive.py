@@ -282,3 +282,19 @@ def test_a_recovery_says_about_ten_lines_whatever_its_steps() -> None:
     record = recover(pruned, dense, tiny_batches(n=16), steps=40, lr=1e-4, say=lines.append)
     assert record.steps == 40 and len(record.history) == 40  # the record keeps every step
     assert len(lines) == 10 and lines[-1].startswith("recovery step 40: loss ")
+
+
+def test_third_party_info_logging_is_silenced_unless_verbose(capsys, monkeypatch) -> None:
+    """onnxruntime's INT4 quantizer sets the root logger to INFO when imported; torch.export's ONNX passes then log
+    54 INFO lines for a tiny ViT through onnxscript and onnx_ir. The CLI sets those two to WARNING."""
+    import logging
+
+    from corp_deploy.cli import QUIET_LOGGERS
+
+    assert QUIET_LOGGERS == ("onnxscript", "onnx_ir")
+    for name in QUIET_LOGGERS:
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    assert run(["--verbose", "prune", "--help"], capsys)[0] == 0
+    assert {logging.getLogger(n).level for n in QUIET_LOGGERS} == {logging.NOTSET}
+    assert run(["prune", "--help"], capsys)[0] == 0
+    assert {logging.getLogger(n).level for n in QUIET_LOGGERS} == {logging.WARNING}

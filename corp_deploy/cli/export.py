@@ -460,12 +460,15 @@ def prune_export(
 ) -> None:
     """Prune MODEL, export dense and pruned to ONNX, build TensorRT engines; verify every step that can run.
 
-    Writes --out/{pruned/, dense.onnx, pruned.onnx, *.fp16.onnx, *.plan, export.json}. Engines
+    Writes --out/{pruned/, dense.onnx, pruned.onnx, *.fp16.onnx, *.plan, export.json}: pruned/ as soon as the
+    prune is done, then each file as it is verified, export.json last. A step that fails or is interrupted keeps
+    pruned/ and the finished files, and names the corp-deploy commands that make the rest. Engines
     built ahead of time by TensorRT-RTX without a supported GPU are marked built, not executed.
     With --speedup S (or --budget latency=F) the pruned model is timed against the dense one on --latency-on
     before anything is written, and re-allocated from the same statistics while it misses (--latency-rounds).
-    A decoder with --precision int4 also gets dense/pruned.int4.onnx (weight-only MatMulNBits), verified on
-    --int4-windows held-out windows of the --calib-dir text.
+    A decoder gets dense-genai/ and pruned-genai/ (onnxruntime-genai folders) and, with --precision int4,
+    dense-genai-int4/ and pruned-genai-int4/ (weight-only MatMulNBits), verified on --int4-windows held-out
+    windows of the --calib-dir text.
     """
     started = time.perf_counter()
     precisions_ = precisions(precision)
