@@ -298,3 +298,18 @@ def test_third_party_info_logging_is_silenced_unless_verbose(capsys, monkeypatch
     assert {logging.getLogger(n).level for n in QUIET_LOGGERS} == {logging.NOTSET}
     assert run(["prune", "--help"], capsys)[0] == 0
     assert {logging.getLogger(n).level for n in QUIET_LOGGERS} == {logging.WARNING}
+
+
+def test_a_ctrl_c_inside_a_held_block_waits_for_its_end(tmp_path) -> None:
+    """A real SIGINT, raised where ``check_writable`` makes and removes its probe folder (where a Ctrl-C once left
+    ``.dense.onnx.check-*`` in a MiniLM run folder): the block finishes, then the interrupt arrives."""
+    from corp_deploy.fsio import held_interrupt
+
+    probe, done = tmp_path / ".probe", []
+    with pytest.raises(KeyboardInterrupt), held_interrupt():
+        probe.mkdir()
+        signal.raise_signal(signal.SIGINT)
+        probe.rmdir()
+        done.append(True)
+    assert done and list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

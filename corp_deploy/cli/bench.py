@@ -242,8 +242,8 @@ def _text_eval(
 @click.option(
     "--resume",
     is_flag=True,
-    help="Continue a sweep that stopped in --out: its finished points (with bench.json) are kept, the rest made "
-    "(calibrating again); what a stopped sweep says to run.",
+    help="Continue a sweep that stopped in --out, with the same command and flags: its finished points (with "
+    "bench.json) are kept, the rest made (calibrating again); what a stopped sweep says to run.",
 )
 def sweep(
     pruning: dict[str, Any],

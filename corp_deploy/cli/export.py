@@ -583,41 +583,32 @@ def _finisher(
 ) -> Callable[[], str]:
     """The commands that make what a stopped ``prune-export`` left unwritten, each with the flags this one was
     given that it takes; made now (while the command's options are at hand), read when a step stops."""
-    artifact = out / "pruned"
-    sources_ = {"dense": model, "pruned": str(artifact)}
-    made: list[tuple[tuple[Path, ...], list[str]]] = []
+    sources_ = {"dense": model, "pruned": str(out / "pruned")}
     not_for_artifact = ("weights", "checkpoint", "model_arg")
+    quantize_flags = _given(quantize, ("tol_cosine", "tol_rel"))  # prune-export's tolerances are its FP32 gates
+    made: list[tuple[tuple[Path, ...], list[str]]] = []  # (what a command writes, the command)
     for stem, source in sources_.items():
         graphs = (out / f"{stem}.onnx", *((out / f"{stem}.fp16.onnx",) if "fp16" in engines else ()))
-        skip = (*not_for_artifact,) if stem == "pruned" else ()
-        fp16 = ["--fp16"] if "fp16" in engines else []
-        made.append((graphs, ["export", source, *_given(export, skip), *fp16, "--out", str(graphs[0])]))
+        flags = [
+            *_given(export, not_for_artifact if stem == "pruned" else ()),
+            *(["--fp16"] if len(graphs) > 1 else []),
+        ]
+        made.append((graphs, ["export", source, *flags, "--out", str(graphs[0])]))
     if int8:
-        made.append(
-            (
-                tuple(out / f"{s}.int8.onnx" for s in sources_),
-                ["quantize", str(out), *_given(quantize, ("tol_cosine", "tol_rel"))],
-            )
-        )
+        made.append((tuple(out / f"{s}.int8.onnx" for s in sources_), ["quantize", str(out), *quantize_flags]))
     for stem, source in sources_.items() if decoder else ():
         folder = out / f"{stem}{GENAI_SUFFIX}"
         skip = ("fp16", "pad_qk", "simplify", "rewrites", *(not_for_artifact if stem == "pruned" else ()))
         made.append(((folder,), ["export", source, *_given(export, skip), "--out", str(folder)]))
     if "int4" in precisions_:
         int4_out = tuple(out / f"{s}{GENAI_SUFFIX}{INT4_SUFFIX}" for s in sources_)
-        made.append(
-            (int4_out, ["quantize", str(out), "--precision", "int4", *_given(quantize, ("tol_cosine", "tol_rel"))])
-        )
+        made.append((int4_out, ["quantize", str(out), "--precision", "int4", *quantize_flags]))
     for precision in engines if buildable else ():
         for stem in sources_:
             plan = out / f"{stem}.{precision}.plan"
             graph = out / (f"{stem}.int8.onnx" if precision == "int8" else f"{stem}.onnx")
-            made.append(
-                (
-                    (plan,),
-                    ["build-engine", str(graph), "--precision", precision, *_given(build_engine), "--out", str(plan)],
-                )
-            )
+            argv = ["build-engine", str(graph), "--precision", precision, *_given(build_engine), "--out", str(plan)]
+            made.append(((plan,), argv))
 
     def finish() -> str:
         todo = [  # a command whose outputs are partly there replaces them: they are remade together
