@@ -305,11 +305,15 @@ def test_a_ctrl_c_inside_a_held_block_waits_for_its_end(tmp_path) -> None:
     ``.dense.onnx.check-*`` in a MiniLM run folder): the block finishes, then the interrupt arrives."""
     from corp_deploy.fsio import held_interrupt
 
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python starts, even in a background job
     probe, done = tmp_path / ".probe", []
-    with pytest.raises(KeyboardInterrupt), held_interrupt():
-        probe.mkdir()
-        signal.raise_signal(signal.SIGINT)
-        probe.rmdir()
-        done.append(True)
+    try:
+        with pytest.raises(KeyboardInterrupt), held_interrupt():
+            probe.mkdir()
+            signal.raise_signal(signal.SIGINT)
+            probe.rmdir()
+            done.append(True)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert done and list(tmp_path.iterdir()) == []
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
