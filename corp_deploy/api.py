@@ -38,7 +38,7 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.core import blockwise
 from corp_deploy.core.distributed import SINGLE_PROCESS, World, all_reduce_stats
 from corp_deploy.core.pruner import Budget, PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
-from corp_deploy.core.recover import Recovery, RecoveryRecord
+from corp_deploy.core.recover import Interrupted, Recovery, RecoveryRecord
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for
 from corp_deploy.formats.artifact import save_pruned
@@ -507,6 +507,9 @@ def recover_pruned(
     dense.to(device)
     try:
         record = recovery.run(result.model, dense, batches, None if heldout is None else [heldout.images], say)
+    except Interrupted as e:  # the model holds CORP's weights again; its report says the recovery did not finish
+        result.report["recovery_interrupted"] = {"steps": e.steps, "budget": e.budget, "kept": "corp"}
+        raise
     finally:
         dense.to(home)
     result.report["recovery"] = record.to_dict()

@@ -54,6 +54,66 @@ PROMPT_LENGTHS = (5, 11)
 TOKENIZER_SAMPLE = "The market rallied on Tuesday as the bank cut its price forecast."
 
 
+SPECIAL = ("bos", "eos", "pad")
+"""The special tokens genai's config names by id."""
+
+
+def _tokenizer_ids(folder: Path) -> dict[str, int]:
+    """The special tokens' ids a tokenizer folder names (``tokenizer_config.json``'s tokens, looked up in
+    ``tokenizer.json``'s added tokens and vocabulary), read as JSON: no tokenizer library needed."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        core = json.loads((folder / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    ids = {t["content"]: t["id"] for t in core.get("added_tokens", [])}
+    vocab = core.get("model", {}).get("vocab")
+    ids |= vocab if isinstance(vocab, dict) else {}
+    found = {}
+    for kind in SPECIAL:
+        token = config.get(f"{kind}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if token in ids:
+            found[kind] = ids[token]
+    return found
+
+
+def fill_special_ids(model: nn.Module, folder: Path | None) -> str | None:
+    """Give ``model`` the BOS/EOS/pad ids its config leaves null (``Qwen2Config()``'s defaults do) from
+    ``folder``'s ``generation_config.json``, else its tokenizer: genai's config takes numbers only, and
+    ``transformers``' ``generate`` must stop and pad as genai does. A null BOS with an EOS becomes the EOS (Qwen2's
+    own configs use one token for both). Returns the line that says what was filled, or None; one line when no EOS
+    is found: without one genai cannot stop."""
+    config, generation = model.config, getattr(model, "generation_config", None)
+    try:
+        given = json.loads((folder / "generation_config.json").read_text()) if folder else {}
+    except (OSError, ValueError):
+        given = {}
+    from_tokenizer = _tokenizer_ids(folder) if folder else {}
+    filled = []
+    for kind in ("eos", "bos", "pad"):  # the EOS first: a null BOS may take it
+        name = f"{kind}_token_id"
+        if getattr(config, name) is not None:
+            continue
+        value, where = given.get(name), "generation_config.json"
+        if value is None:
+            value, where = from_tokenizer.get(kind), "the tokenizer"
+        if value is None and kind == "bos" and config.eos_token_id is not None:
+            value, where = config.eos_token_id, "the EOS id"
+        if value is None:
+            continue
+        setattr(config, name, value)
+        if generation is not None:
+            setattr(generation, name, value)
+        filled.append(f"{name} {value} from {where}")
+    if config.eos_token_id is None:
+        raise CorpError(
+            "the model names no eos_token_id (config.json, generation_config.json or its tokenizer) and genai needs "
+            "one to stop generating; set eos_token_id in its config.json"
+        )
+    return f"the config leaves them null: {', '.join(filled)}" if filled else None
+
+
 def genai_config(step: DecodeStep, config: Any, layout: CacheLayout) -> dict[str, Any]:
     """``genai_config.json`` for the graph: names, the cache's heads and (largest) width, greedy search.
 
@@ -213,6 +273,8 @@ def write_genai_folder(
     """
     check_opset(opset)
     require("onnxruntime_genai", "a decoder's genai folder")
+    filled = fill_special_ids(model, tokenizer_dir)
+    description = description | ({"special_ids_filled": filled} if filled else {})  # recorded with the graph
     tokenizer = [tokenizer_dir / n for n in TOKENIZER_FILES if tokenizer_dir and (tokenizer_dir / n).is_file()]
     writer, why = choose_graph(model, graph, tokenizer)
     check = {"model": model, "prompt_ids": prompt_ids, "tol": tol, "steps": steps}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 from torch import nn
 
 from corp_deploy.base.errors import CorpError
-from corp_deploy.base.fsio import staged
+from corp_deploy.base.fsio import atomic_file, staged
 from corp_deploy.base.tables import text_table
 from corp_deploy.exporters.compare import (
     FP16,
@@ -221,6 +222,7 @@ def export_run(
     quantize: Callable[[list[tuple[Path, Path]]], list[dict[str, Any]]] | None = None,
     rewrites: Sequence[str] = (),
     no_engines: str | None = None,
+    step: Callable[[str], AbstractContextManager] = lambda what: nullcontext(),
 ) -> dict[str, Any]:
     """ONNX for every model (FP16 and INT8 too when asked), then an engine per model and precision, unless
     ``no_engines`` says why not (recorded as the skip reason).
@@ -231,17 +233,27 @@ def export_run(
     (FP32 graph, INT8 file) pairs into verified INT8 graphs (``corp_deploy.exporters.quantize.quantize_graphs``
     bound to calibration images); INT8 engines need it. Engines are skipped, with the reason
     recorded, where no TensorRT flavour can build them, unless ``require_engines``.
+
+    Every file is staged on its own into ``out`` (an existing folder), so a run that stops keeps each file that
+    finished, whole; ``step`` wraps each phase (``corp_deploy.base.steps.Steps``: it announces, times, and turns a stop
+    into one line).
     """
     if "int8" in precisions and quantize is None:
         raise CorpError("INT8 engines are built from INT8 Q/DQ graphs: quantize with calibration images first")
     record: dict[str, Any] = {"onnx": [], "engines": [], "engines_skipped": None}
-    for stem, (model, description) in models.items():
-        fp32 = out / f"{stem}.onnx"
-        record["onnx"].append(export_verified(model, fp32, description, opset, simplify, opts, rewrites))
-        if "fp16" in precisions:
-            record["onnx"].append(convert_verified(fp32, out / f"{stem}.fp16.onnx", opts))
+    with step(f"ONNX export and verification ({', '.join(models)})"):
+        for stem, (model, description) in models.items():
+            fp32 = out / f"{stem}.onnx"
+            with staged(fp32) as stage:
+                record["onnx"].append(
+                    export_verified(model, stage / fp32.name, description, opset, simplify, opts, rewrites)
+                )
+            if "fp16" in precisions:
+                with staged(out / f"{stem}.fp16.onnx") as stage:
+                    record["onnx"].append(convert_verified(fp32, stage / f"{stem}.fp16.onnx", opts))
     if quantize is not None:
-        record["onnx"] += quantize([(out / f"{stem}.onnx", out / f"{stem}.int8.onnx") for stem in models])
+        with step("INT8 quantization"):
+            record["onnx"] += quantize([(out / f"{stem}.onnx", out / f"{stem}.int8.onnx") for stem in models])
     build = build or BuildOptions()
     reason = no_engines or build_missing(build)
     if reason:
@@ -249,12 +261,13 @@ def export_run(
             raise CorpError(f"--require-engines: cannot build TensorRT engines here: {reason}")
         record["engines_skipped"] = reason
         return record
-    for precision in precisions:
-        for stem in models:
-            source = out / (f"{stem}.onnx" if precision == "fp32" else f"{stem}.{precision}.onnx")
-            options = replace(build, precision=precision)
-            engine = out / f"{stem}.{precision}.plan"
-            record["engines"].append({"file": engine.name, **engine_verified(source, engine, options, opts)})
+    with step("TensorRT engines"):
+        for precision in precisions:
+            for stem in models:
+                source = out / (f"{stem}.onnx" if precision == "fp32" else f"{stem}.{precision}.onnx")
+                options = replace(build, precision=precision)
+                engine = out / f"{stem}.{precision}.plan"
+                record["engines"].append({"file": engine.name, **engine_verified(source, engine, options, opts)})
     return record
 
 
@@ -267,7 +280,8 @@ def write_export_record(
     recovered = {"recovery": report["recovery"]} if "recovery" in report else {}
     record = {"model": model, "prune_config": report["config"], **recovered, "size": sizes, **record}
     record["versions"] = versions
-    (out / "export.json").write_text(json.dumps(record, indent=2) + "\n")
+    with atomic_file(out / "export.json", overwrite=True) as tmp:  # last: a run folder with it is whole
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 

@@ -240,7 +240,9 @@ def build_engine(
     builder = trt.Builder(log)
     network = builder.create_network(_strongly_typed_flag(trt))
     parser = trt.OnnxParser(network, log)
-    if not parser.parse_from_file(str(onnx_path)):
+    parsed = parser.parse_from_file(str(onnx_path))
+    log.resume()
+    if not parsed:
         errors = "; ".join(str(parser.get_error(i).desc()) for i in range(parser.num_errors))
         raise CorpError(f"{flavour.label} cannot parse {onnx_path}: {errors}")
     config = builder.create_builder_config()
@@ -261,6 +263,7 @@ def build_engine(
 
     start = time.perf_counter()
     serialized = builder.build_serialized_network(network, config)
+    log.resume()
     seconds = time.perf_counter() - start
     if serialized is None:
         why = log.last_error or "no error logged; try a larger --workspace-gib or a smaller max batch"
@@ -340,14 +343,23 @@ def _build_log(trt, flavour: Flavour):
             trt.ILogger.__init__(self)
             self.layer_lists: list[str] = []
             self.last_error: str | None = None
+            self.interrupted = False
 
         def log(self, severity, msg: str) -> None:
-            if "LayerType:" in msg:
-                self.layer_lists.append(msg)
-            elif severity <= trt.ILogger.ERROR:
-                self.last_error = " ".join(msg.split())
-            elif severity == trt.ILogger.WARNING:
-                warnings.warn(f"{flavour.label}: {' '.join(msg.split())}", stacklevel=2)
+            try:
+                if "LayerType:" in msg:
+                    self.layer_lists.append(msg)
+                elif severity <= trt.ILogger.ERROR:
+                    self.last_error = " ".join(msg.split())
+                elif severity == trt.ILogger.WARNING:
+                    warnings.warn(f"{flavour.label}: {' '.join(msg.split())}", stacklevel=2)
+            except KeyboardInterrupt:  # raised into TensorRT's C++ caller, which swallows it: kept for ``resume``
+                self.interrupted = True
+
+        def resume(self) -> None:
+            """After a TensorRT call: a Ctrl-C that landed in this logger is raised now."""
+            if self.interrupted:
+                raise KeyboardInterrupt
 
         def attention(self) -> dict[str, Any]:
             if not self.layer_lists:

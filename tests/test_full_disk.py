@@ -64,8 +64,9 @@ def test_prune_whose_safetensors_write_fails_on_a_full_disk(tmp_path, capsys, mo
 def test_prune_export_whose_onnx_write_fails_on_a_full_disk(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(onnx, "save", disk_full)  # a failed write names no file: OSError.filename is None
     out = tmp_path / "run"
-    _one_error(*run([*TINY_EXPORT, "--out", str(out)], capsys)[::2], out)
-    assert list(tmp_path.iterdir()) == []
+    line = _one_error(*run([*TINY_EXPORT, "--out", str(out)], capsys)[::2], out / "dense.onnx")
+    assert f"{out}/ holds pruned/ (all whole); to finish: corp-deploy export " in line  # the prune is kept
+    assert [p.name for p in tmp_path.iterdir()] == ["run"] and [p.name for p in out.iterdir()] == ["pruned"]
 
 
 def _source(run_dir: Path, folder: Path) -> Path:

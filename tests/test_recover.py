@@ -22,6 +22,7 @@ from corp_deploy.core.pruner import PruneConfig
 from corp_deploy.core.recover import Kept, Objective, Recovery, RecoveryRecord, lr_factor, recover
 from corp_deploy.families import adapter_for, structure
 from corp_deploy.formats import calibration
+from corp_deploy.formats.artifact import load_pruned, read_meta
 
 HALF = PruneConfig(sparsity=0.5, target="mlp,qk,v", compensation="none")
 
@@ -278,7 +279,7 @@ def test_recovery_under_torchrun_is_refused_before_any_work(tmp_path, capsys, mo
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("command", ["prune", "prune-export"])
-def test_an_interrupt_during_recovery_leaves_no_artifact(command, tmp_path, capsys, monkeypatch) -> None:
+def test_an_interrupt_during_recovery_keeps_the_corp_result_and_says_so(command, tmp_path, capsys, monkeypatch) -> None:
     loss, calls = Objective.__call__, []
 
     def interrupted(self, key, inputs):  # the second training step is interrupted
@@ -293,8 +294,21 @@ def test_an_interrupt_during_recovery_leaves_no_artifact(command, tmp_path, caps
     code, _, stderr = run(
         [command, *PRUNE[1:], "--calib", "synthetic", "--recover-steps", "5", "--out", str(out)], capsys
     )
-    assert code == 130 and "interrupted; nothing was written" in stderr and len(calls) == 2
-    assert list(tmp_path.iterdir()) == []
+    assert code == 130 and "Traceback" not in stderr and len(calls) == 2
+    (line,) = stderr.splitlines()
+    artifact = out if command == "prune" else out / "pruned"
+    assert line.startswith(f"error: recovery interrupted after 1 of 5 steps; wrote {artifact}/ with CORP's weights")
+    assert f"to recover, run corp-deploy {command} " in line and line.endswith("--overwrite")
+    assert command == "prune" or f"to export it: corp-deploy export {PRUNE[1]} " in line
+    report = read_meta(artifact)["report"]
+    assert report["recovery_interrupted"] == {"steps": 1, "budget": {"steps": 5}, "kept": "corp"}
+    assert "recovery" not in report
+    assert command == "prune" or sorted(p.name for p in out.iterdir()) == ["pruned"]
+    monkeypatch.undo()
+    code, _, stderr = run([*PRUNE, "--calib", "synthetic", "--out", str(tmp_path / "corp")], capsys)
+    assert code == 0, stderr
+    corp, kept = load_pruned(tmp_path / "corp").state_dict(), load_pruned(artifact).state_dict()
+    assert all(torch.equal(corp[k], kept[k]) for k in corp)  # CORP's weights, not half-trained ones
 
 
 @pytest.mark.e2e

@@ -15,6 +15,7 @@ import json
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,18 +26,23 @@ from corp_deploy import api
 from corp_deploy.api import LatencyLoop, check_loop, check_widths
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir, atomic_file, check_writable
+from corp_deploy.base.steps import Steps
 from corp_deploy.base.tables import text_table
 from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.bench.measure import Method
 from corp_deploy.bench.run import benchmark, pairs
 from corp_deploy.core.pruner import Budget, PruneConfig, plan_widths
 from corp_deploy.exporters.pipeline import export_verified
+from corp_deploy.formats.artifact import read_meta
 from corp_deploy.formats.calibration import Heldout
 from corp_deploy.plan.latency import LatencyTable
-from corp_deploy.plan.report import model_size
+from corp_deploy.plan.report import model_size, verdict
 
 if TYPE_CHECKING:
     from corp_deploy.apps.floor import Accuracy
+
+ACCURACY_FILE = "accuracy.json"
+"""A sweep point's held-out figures (``floor.Accuracy.score``), written before ``bench.json``."""
 
 DEFAULT_SPARSITIES = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7"
 
@@ -126,69 +132,133 @@ def sweep(
     overwrite: bool = False,
     speedups: Speedups | None = None,
     rewrites: Sequence[str] = (),
+    resume: str | None = None,
     accuracy: Accuracy | None = None,
 ) -> dict[str, Any]:
     """Write ``out/s<sparsity>/`` per sparsity (or ``out/x<speedup>/`` per speed target, ``speedups``) and
     ``out/sweep.json``; return the sweep record. ``rewrites`` go into every exported graph (``exporters.rewrites``).
-    ``accuracy`` (``floor.Accuracy``) adds each row's held-out drop and INT8 graphs, for the frontier.
 
-    An existing ``out`` is refused unless ``overwrite``; then the files of the same names are replaced.
+    An existing ``out`` is refused unless ``overwrite`` (the files of the same names are replaced) or ``resume``
+    (the command that continues it, said when a point stops): then its finished points (``bench.json`` written,
+    last) are kept and read back, the others made again. A point that stops leaves the finished ones whole.
+    ``accuracy`` (``floor.Accuracy``) adds each row's held-out drop and INT8 graphs, for the frontier; a resumed
+    point keeps the figures it wrote (``accuracy.json``, before ``bench.json``).
     """
-    check_writable(out, overwrite)
+    if resume is None or not out.is_dir():
+        check_writable(out, overwrite)
     configs = _configs(model, config, sparsities, speedups)  # every row must be possible before calibrating
+    finished = {name for name in configs if resume is not None and (out / name / "bench.json").is_file()}
+    steps = Steps(out, lambda: resume or "run the same command again with --resume", progress)
+    if finished:
+        progress(f"resuming {out}: {', '.join(sorted(finished))} finished, kept")
     heldout = None if speedups is None else speedups.heldout
-    calib = api.calibrated(model, batches, config, device, total, progress=total is not None, heldout=heldout)
-    model = model.to("cpu")
-    out.mkdir(parents=True, exist_ok=True)
-    dense_onnx = out / "dense.onnx"
-    with atomic_file(dense_onnx, overwrite=True) as tmp:  # never reuse a dense graph from an earlier sweep
-        export_verified(model, tmp, description, rewrites=rewrites)
+    dense_size = model_size(model)
+    rows = {
+        name: _row(label, out / name, dense_size, speedups, accuracy is not None)
+        for name, (label, _) in configs.items()
+        if name in finished
+    }
+    todo = {name: value for name, value in configs.items() if name not in finished}
+    if todo:
+        calib = api.calibrated(model, batches, config, device, total, progress=total is not None, heldout=heldout)
+        model = model.to("cpu")
+        out.mkdir(parents=True, exist_ok=True)
+        dense_onnx = out / "dense.onnx"
+        with steps("dense ONNX"), atomic_file(dense_onnx, overwrite=True) as tmp:  # never a graph of an earlier run
+            export_verified(model, tmp, description, rewrites=rewrites)
     if accuracy is not None:
-        accuracy.start(dense_onnx)
-    rows = []
-    for name, label, result in _pruned(calib, configs, speedups):
-        pruned, report = result.model, result.report
-        size, dense_size = report["pruned"], calib.dense_size
-        folder = out / name
-        with atomic_dir(folder, overwrite=True) as tmp:
-            api.save(
-                result,
-                tmp / "pruned",
-                description["model"],
-                description["model_args"],
-                weights=description["weights"],
-            )
-            export_verified(pruned, tmp / "pruned.onnx", {**description, "weights": "corp-pruned"}, rewrites=rewrites)
-            if accuracy is not None:
-                accuracy.quantize(tmp / "pruned.onnx")
-            for f in out.glob(f"{dense_onnx.name}*"):  # the graph, its sidecar and external weights, if any
-                shutil.copyfile(f, tmp / f.name)  # not linked: onnx refuses external data with several hard links
-        run = RunFolder.open(folder)
-        chosen, skipped = select(backends, run)
-        progress(f"{name}: params {size['params'] / 1e6:.2f}M, MACs {size['macs'] / 1e9:.3f}G")
-        record = benchmark(run, chosen, batch_sizes, method, skipped=skipped, progress=progress)
-        (folder / "bench.json").write_text(json.dumps(record, indent=2) + "\n")
-        rows.append(
-            {
-                **label,
-                "params": size["params"],
-                "macs": size["macs"],
-                "flop_ideal_speedup": dense_size["macs"] / size["macs"],
-                "bench": pairs(record),
-                **({"latency": _latency_row(report)} if speedups is not None else {}),
-                **({"accuracy": accuracy.score(folder, calib, configs[name][1], result)} if accuracy else {}),
-            }
-        )
+        with steps("dense held-out reference"):
+            accuracy.start(out / "dense.onnx")
+    if todo:
+        points = _pruned(calib, todo, speedups)
+        for name, (label, cfg) in todo.items():
+            with steps(f"sweep point {name}"):
+                _, _, result = next(points)
+                score = None if accuracy is None else partial(accuracy.score, calib=calib, config=cfg, result=result)
+                _point(
+                    result,
+                    out / name,
+                    dense_onnx,
+                    description,
+                    rewrites,
+                    backends,
+                    batch_sizes,
+                    method,
+                    progress,
+                    accuracy,
+                    score,
+                )
+            rows[name] = _row(label, out / name, dense_size, speedups, accuracy is not None)
     result = {
         "model": description["model"],
-        "dense": calib.dense_size,
-        "rows": rows,
+        "dense": dense_size,
+        "rows": [rows[name] for name in configs],
         "method": (method or Method()).as_dict(),
         "rewrites": list(rewrites),
         **({"accuracy": accuracy.record()} if accuracy is not None else {}),
     }
-    (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
+    with atomic_file(out / "sweep.json", overwrite=True) as tmp:
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _point(
+    result: api.PruneResult,
+    folder: Path,
+    dense_onnx: Path,
+    description: dict[str, Any],
+    rewrites: Sequence[str],
+    backends: str,
+    batch_sizes: Sequence[int],
+    method: Method | None,
+    progress: Callable[[str], None],
+    accuracy: Accuracy | None = None,
+    score: Callable[[Path], dict[str, Any]] | None = None,
+) -> None:
+    """One point's run folder: pruned artifact and graphs (staged as one; with ``accuracy`` its INT8 graph too), then
+    its held-out figures (``score``: ``accuracy.json``), then its bench, ``bench.json`` last (the finished mark)."""
+    with atomic_dir(folder, overwrite=True) as tmp:
+        api.save(
+            result, tmp / "pruned", description["model"], description["model_args"], weights=description["weights"]
+        )
+        export_verified(result.model, tmp / "pruned.onnx", {**description, "weights": "corp-pruned"}, rewrites=rewrites)
+        if accuracy is not None:
+            accuracy.quantize(tmp / "pruned.onnx")
+        for f in dense_onnx.parent.glob(f"{dense_onnx.name}*"):  # the graph, its sidecar and external weights
+            shutil.copyfile(f, tmp / f.name)  # not linked: onnx refuses external data with several hard links
+    if score is not None:
+        with atomic_file(folder / ACCURACY_FILE, overwrite=True) as tmp:
+            tmp.write_text(json.dumps(score(folder), indent=2) + "\n")
+    run = RunFolder.open(folder)
+    chosen, skipped = select(backends, run)
+    size = result.report["pruned"]
+    progress(f"{folder.name}: params {size['params'] / 1e6:.2f}M, MACs {size['macs'] / 1e9:.3f}G")
+    record = benchmark(run, chosen, batch_sizes, method, skipped=skipped, progress=progress)
+    with atomic_file(folder / "bench.json", overwrite=True) as tmp:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _row(
+    label: dict[str, float], folder: Path, dense_size: dict[str, Any], speedups: Speedups | None, scored: bool
+) -> dict:
+    """A finished point's row of the sweep table, read back from its folder (prune report, ``bench.json`` and, when
+    ``scored``, ``accuracy.json``)."""
+    report = read_meta(folder / "pruned")["report"]
+    size = report["pruned"]
+    if scored and not (folder / ACCURACY_FILE).is_file():
+        raise CorpError(
+            f"{folder} was swept without held-out figures (--frontier/--max-drop); resume it with the flags it was "
+            "started with, or start again with --overwrite"
+        )
+    return {
+        **label,
+        "params": size["params"],
+        "macs": size["macs"],
+        "flop_ideal_speedup": dense_size["macs"] / size["macs"],
+        "bench": pairs(json.loads((folder / "bench.json").read_text())),
+        **({"latency": _latency_row(report)} if speedups is not None else {}),
+        **({"accuracy": json.loads((folder / ACCURACY_FILE).read_text())} if scored else {}),
+    }
 
 
 def _latency_row(report: dict[str, Any]) -> dict[str, Any]:
@@ -256,7 +326,7 @@ def _format_targets(rows: list[dict[str, Any]]) -> str:
                 f"{t['measured_speedup']:.2f}x" if measured else "-",
                 f"+-{t['spread']:.1%}" if measured else "-",
                 str(t["rounds"]) if measured else "-",
-                ("met" if t["met"] else "MISSED") if measured else "predicted only",
+                verdict({**t, "target_speedup": row["speedup"]}) if measured else "predicted only",
             )
         )
     return text_table(lines)

@@ -11,7 +11,9 @@ import errno
 import hashlib
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -77,9 +79,28 @@ def check_writable(out: str | Path, overwrite: bool) -> None:
     while not ancestor.exists():
         ancestor = ancestor.parent
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.check-", dir=ancestor))
+        with held_interrupt():  # made and removed: never left behind by a Ctrl-C between the two
+            os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.check-", dir=ancestor))
     except OSError as e:
         raise CorpError(f"cannot write {out}: {e.strerror} ({ancestor})") from None
+
+
+@contextmanager
+def held_interrupt() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) until the block is done, then deliver it: a folder made and then removed, or made
+    and handed to the ``try`` that removes it, is never left behind by an interrupt landing between the two.
+    Only the main thread handles signals; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)
 
 
 @contextmanager
@@ -96,8 +117,10 @@ def staged(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     out = Path(out)
     check_writable(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    stage = None
     try:
+        with held_interrupt():  # an interrupt once the folder exists lands inside the try, which removes it
+            stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         yield stage
         if not (stage / out.name).exists():
             raise RuntimeError(f"staged output {out.name} was not written")
@@ -107,11 +130,12 @@ def staged(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     except Exception as e:
         if isinstance(e, NoSpace):  # from a stage inside this one: name the outer destination, the one asked for
             raise NoSpace(out, e.cause) from None
-        if no_space(e) or _full(stage):
+        if no_space(e) or _full(out.parent):
             raise NoSpace(out, first_line(e)) from None
         raise
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
 
 
 def _full(folder: Path) -> bool:

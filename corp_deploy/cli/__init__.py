@@ -7,13 +7,16 @@ and a non-zero exit code, never a traceback; outputs appear only when complete.
 
 from __future__ import annotations
 
+import logging
 import sys
+import traceback
 import warnings
 
 import click
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import FREE_SPACE, no_space
+from corp_deploy.base.steps import Stopped
 from corp_deploy.cli import bench, export, prune, tools
 from corp_deploy.cli.options import SMOKE_IMAGES
 from corp_deploy.core import distributed
@@ -21,10 +24,17 @@ from corp_deploy.core import distributed
 __all__ = ["SMOKE_IMAGES", "cli", "main"]
 
 
+QUIET_LOGGERS = ("onnxscript", "onnx_ir")
+"""Libraries whose INFO logging (torch.export's ONNX passes: about 120 lines for a tiny decoder) is not the user's."""
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="corp-deploy")
-def cli() -> None:
+@click.option("--verbose", is_flag=True, help="Show the INFO logging of onnxscript and onnx_ir (silenced otherwise).")
+def cli(verbose: bool) -> None:
     """Prune transformers with CORP (timm ViTs; BERT-family, OPT, Llama via transformers) and export them."""
+    for name in () if verbose else QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 for command in (
@@ -52,6 +62,11 @@ def main(argv: list[str] | None = None) -> None:
     warnings.formatwarning = _one_line_warning
     try:
         code = cli.main(args=argv, prog_name="corp-deploy", standalone_mode=False, obj=argv)
+    except Stopped as e:  # a step after finished results: they stay, the line says how to finish
+        if e.bug is not None:  # not the user's to fix: the traceback is for the report, the line for the user
+            traceback.print_exception(e.bug)
+        click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
     except CorpError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
@@ -59,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"error: {e.format_message()} (see corp-deploy --help)", err=True)
         sys.exit(e.exit_code)
     except (KeyboardInterrupt, click.exceptions.Abort):
-        click.echo("error: interrupted; nothing was written", err=True)
+        click.echo("error: interrupted; unfinished outputs were removed (each appears only when complete)", err=True)
         sys.exit(130)
     except OSError as e:
         if no_space(e):  # a writer outside ``fsio.staged``: a failed write names no file

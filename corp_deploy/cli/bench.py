@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -276,6 +278,12 @@ def _text_eval(
     "reads: a text folder's evaluation documents, the images outside the calibration sample].",
 )
 @click.option("--heldout-num", default=256, show_default=True, help="Held-out images, documents or windows scored.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue a sweep that stopped in --out, with the same command and flags: its finished points (with "
+    "bench.json) are kept, the rest made (calibrating again); what a stopped sweep says to run.",
+)
 def sweep(
     pruning: dict[str, Any],
     quiet: bool,
@@ -293,6 +301,7 @@ def sweep(
     metric: str | None,
     heldout_dir: str | None,
     heldout_num: int,
+    resume: bool,
     **flags: Any,
 ) -> None:
     """Calibrate MODEL once, then prune, export and bench it at every sparsity (the paper's Table 10), or at
@@ -300,7 +309,10 @@ def sweep(
     or a decoder: timed as the full-sequence forward of its logits graph, prefill; decode ms/token is bench's).
 
     With --frontier or --max-drop, also the held-out drop of every row in FP32 and INT8, of plain removal and of the
-    dense model quantized: the accuracy-speed frontier, and the fastest configuration within --max-drop."""
+    dense model quantized: the accuracy-speed frontier, and the fastest configuration within --max-drop.
+
+    A sweep that stops (Ctrl-C, a failed point) keeps its finished points whole and says the command that
+    continues it: the same one with --resume."""
     if latency["speedup"] is not None:
         raise CorpError("sweep takes --speedups (a comma list), not --speedup")
     if sparsities is not None and speedups is not None:
@@ -311,7 +323,12 @@ def sweep(
     speedup = None if targets is None else max(targets)  # checked as --speedup; each target replaces its budget
     config = prune_config(pruning, latency | {"speedup": speedup}, **({} if targets else {"sparsity": max(values)}))
     backend = None if targets is None else speed.check_backend(latency["latency_on"])
-    check_writable(out, overwrite)
+    if Path(out).is_dir() and not (resume or overwrite):
+        raise CorpError(
+            f"output {out} already exists; pass --resume to continue its sweep, or --overwrite, or another --out"
+        )
+    if not resume:
+        check_writable(out, overwrite)
     needs("sweep", *ONNX_EXPORT)
     say = (lambda line: None) if quiet else click.echo
     if max_drop is not None and max_drop < 0:
@@ -364,6 +381,7 @@ def sweep(
             latency,
             accuracy,
             overwrite,
+            _resumed(),
         )
         if accuracy is not None:
             _write_frontier(result, Path(out), None)
@@ -391,6 +409,7 @@ def _sweep_run(
     latency: dict[str, Any],
     accuracy: floor.Accuracy | None,
     overwrite: bool = True,
+    resume: str | None = None,
 ) -> dict[str, Any]:
     """``sweep.sweep`` with the command's settings; prints its table."""
     result = run_sweep(
@@ -409,7 +428,8 @@ def _sweep_run(
         overwrite,
         plan,
         rewrites_on(latency["latency_on"]),
-        accuracy,
+        resume=resume,
+        accuracy=accuracy,
     )
     click.echo(format_sweep(result))
     return result
@@ -439,6 +459,13 @@ def _write_frontier(result: dict[str, Any], out: Path, max_drop: float | None) -
             f"chose {floor.file_of(chosen)}: {chosen['speedup']:.2f}x, {metric} drop {chosen['drop']:.4g} "
             f"<= {max_drop:g}"
         )
+
+
+def _resumed() -> str:
+    """The running command line with ``--resume`` (and without ``--overwrite``): what continues it."""
+    given = click.get_current_context().find_root().obj
+    argv = [a for a in (sys.argv[1:] if given is None else given) if a != "--overwrite"]
+    return shlex.join(["corp-deploy", *argv, *([] if "--resume" in argv else ["--resume"])])
 
 
 @click.command("eval")

@@ -4,6 +4,8 @@ pruning (``prune-export``). The files and their records are written by ``exporte
 from __future__ import annotations
 
 import functools
+import shlex
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from corp_deploy import api
 from corp_deploy.base.env import versions
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir, check_writable, staged
+from corp_deploy.base.steps import Steps, Stopped
 from corp_deploy.bench.backends import rewrites_on
 from corp_deploy.cli import genai
 from corp_deploy.cli.options import (
@@ -38,7 +41,7 @@ from corp_deploy.cli.options import (
     verify_group,
     verify_options,
 )
-from corp_deploy.cli.prune import pruned, say_folder
+from corp_deploy.cli.prune import again, pruned, say_folder
 from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.genai import CONFIG, GENAI_SUFFIX, GRAPH, NEW_TOKENS, write_genai_folder
 from corp_deploy.exporters.int4 import INT4_SUFFIX, Scheme, decoder_graph, format_int4, int4_graphs
@@ -232,6 +235,8 @@ def _genai_export(
     model, description = sources.load_source(source, "pretrained", None, {}, seq_len)
     with atomic_dir(out, overwrite) as tmp:
         record = write_genai_folder(model, tmp, description, folder, opset, ids, opts.fp32, graph=decode_graph)
+    if line := genai.filled(record, out.name):
+        click.echo(line)
     click.echo(genai.summary(record, out.name, folder))
     click.echo(f"wrote {out}/ ({GRAPH}, {GRAPH}.json, {CONFIG}, tokenizer files): onnxruntime_genai.Model('{out}')")
 
@@ -458,13 +463,17 @@ def prune_export(
 ) -> None:
     """Prune MODEL, export dense and pruned to ONNX, build TensorRT engines; verify every step that can run.
 
-    Writes --out/{pruned/, dense.onnx, pruned.onnx, *.fp16.onnx, *.plan, export.json}. Engines
+    Writes --out/{pruned/, dense.onnx, pruned.onnx, *.fp16.onnx, *.plan, export.json}: pruned/ as soon as the
+    prune is done, then each file as it is verified, export.json last. A step that fails or is interrupted keeps
+    pruned/ and the finished files, and names the corp-deploy commands that make the rest. Engines
     built ahead of time by TensorRT-RTX without a supported GPU are marked built, not executed.
     With --speedup S (or --budget latency=F) the pruned model is timed against the dense one on --latency-on
     before anything is written, and re-allocated from the same statistics while it misses (--latency-rounds).
-    A decoder with --precision int4 also gets dense/pruned.int4.onnx (weight-only MatMulNBits), verified on
-    --int4-windows held-out windows of the --calib-dir text.
+    A decoder gets dense-genai/ and pruned-genai/ (onnxruntime-genai folders) and, with --precision int4,
+    dense-genai-int4/ and pruned-genai-int4/ (weight-only MatMulNBits), verified on --int4-windows held-out
+    windows of the --calib-dir text.
     """
+    started = time.perf_counter()
     precisions_ = precisions(precision)
     text = hf.modality(prune_args["model"]) == "text"
     decoder = text and genai.is_decoder(prune_args["model"])
@@ -504,6 +513,7 @@ def prune_export(
     run = pruned(config, **prune_args, keep_dense=True, transformers=True, latency_rounds=rounds, rewrites=rewrites_)
     if run is None:
         return
+    prune_seconds = time.perf_counter() - started  # the model, the data, any latency table, the prune, a recovery
     click.echo(format_report(run.result.report))
     seq_len = prune_args["seq_len"]
     models = {
@@ -515,41 +525,123 @@ def prune_export(
             ),
         ),
     }
-    with atomic_dir(out, overwrite) as tmp:
+    run_dir = Path(out)
+    with atomic_dir(run_dir, overwrite) as tmp:  # first, alone: a later step that stops leaves the prune
         api.save(run.result, tmp / "pruned", run.name, run.args, weights=run.weights)
-        engines = tuple(p for p in precisions_ if p != "int4")
-        record = export_run(
-            models, tmp, engines, opset, simplify, opts, build, require_engines, quantize, rewrites_, no_engines
+    engines = tuple(p for p in precisions_ if p != "int4")
+    buildable = no_engines is None and not build_missing(build)
+    finish = _finisher(run_dir, prune_args["model"], engines, quantize is not None, decoder, precisions_, buildable)
+    if run.stopped:
+        raise Stopped(
+            f"{run.stopped}; wrote {run_dir}/pruned/ with CORP's weights, not recovered (its corp.json says so); "
+            f"to export it: {finish()}; to recover, run {again()}",
+            interrupted=True,
         )
-        genai_records = {
-            stem: write_genai_folder(
-                model,
-                tmp / f"{stem}{GENAI_SUFFIX}",
-                description,
-                tmp / "pruned",
-                opset,
-                None,
-                opts.fp32,
-                graph=decode_graph,
-            )
-            for stem, (model, description) in (models.items() if decoder else ())
-        }
-        if genai_records:  # each folder's model.onnx.json has it all; export.json names the folders and their checks
-            record["genai"] = {f"{stem}{GENAI_SUFFIX}": _genai_brief(r) for stem, r in genai_records.items()}
-        if "int4" in precisions_:
+    click.echo(f"wrote {run_dir}/pruned/ (the pruned model); now the exports")
+    steps = Steps(run_dir, finish, click.echo)
+    record = export_run(
+        models, run_dir, engines, opset, simplify, opts, build, require_engines, quantize, rewrites_, no_engines, steps
+    )
+    genai_records = {}
+    if decoder:
+        with steps("genai folders (dense, pruned)"):
+            for stem, (model, description) in models.items():
+                with atomic_dir(run_dir / f"{stem}{GENAI_SUFFIX}") as folder:
+                    genai_records[stem] = write_genai_folder(
+                        model, folder, description, run_dir / "pruned", opset, None, opts.fp32, graph=decode_graph
+                    )
+                if line := genai.filled(genai_records[stem], f"{stem}{GENAI_SUFFIX}"):
+                    click.echo(line)
+        # each folder's model.onnx.json has it all; export.json names the folders and their checks
+        record["genai"] = {f"{stem}{GENAI_SUFFIX}": _genai_brief(r) for stem, r in genai_records.items()}
+    if "int4" in precisions_:
+        with steps("INT4 quantization"):
             data, seed = calibration_source(prune_args["calib_dir"], prune_args["calib"]), prune_args["seed"]
             vocab = run.dense.config.vocab_size
             windows = _int4_windows(prune_args["model"], data, vocab, int4, seed)
-            pairs = [(tmp / f"{stem}{GENAI_SUFFIX}", tmp / f"{stem}{GENAI_SUFFIX}{INT4_SUFFIX}") for stem in models]
+            pairs = [(run_dir / f"{s}{GENAI_SUFFIX}", run_dir / f"{s}{GENAI_SUFFIX}{INT4_SUFFIX}") for s in models]
             scheme, tol = int4_setup(int4)
             calibration = _int4_calibration(prune_args["model"], data, vocab, int4, seed, scheme)
             record["int4"] = int4_graphs(pairs, windows, tol, scheme, {"text": data, "seed": seed}, **calibration)
-        record = write_export_record(tmp, run.name, run.result.report, record, versions())
+    record = write_export_record(run_dir, run.name, run.result.report, record, versions())
     click.echo(format_summary(record, {k: v["params"] for k, v in record["size"].items()}))
     if "int4" in record:
         click.echo(format_int4(record["int4"]))
     for stem, genai_record in genai_records.items():
-        click.echo(genai.summary(genai_record, f"{stem}{GENAI_SUFFIX}", Path(out, "pruned")))
+        click.echo(genai.summary(genai_record, f"{stem}{GENAI_SUFFIX}", run_dir / "pruned"))
     folders = ", ".join(f"{stem}{GENAI_SUFFIX}/" for stem in genai_records)
     click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json{', ' + folders if folders else ''})")
-    say_folder(Path(out) / "pruned")
+    say_folder(run_dir / "pruned")
+    click.echo(steps.wall_time(time.perf_counter() - started, {"prune (model, data, tables, recovery)": prune_seconds}))
+
+
+def _finisher(
+    out: Path,
+    model: str,
+    engines: tuple[str, ...],
+    int8: bool,
+    decoder: bool,
+    precisions_: tuple[str, ...],
+    buildable: bool,
+) -> Callable[[], str]:
+    """The commands that make what a stopped ``prune-export`` left unwritten, each with the flags this one was
+    given that it takes; made now (while the command's options are at hand), read when a step stops."""
+    sources_ = {"dense": model, "pruned": str(out / "pruned")}
+    not_for_artifact = ("weights", "checkpoint", "model_arg")
+    quantize_flags = _given(quantize, ("tol_cosine", "tol_rel"))  # prune-export's tolerances are its FP32 gates
+    made: list[tuple[tuple[Path, ...], list[str]]] = []  # (what a command writes, the command)
+    for stem, source in sources_.items():
+        graphs = (out / f"{stem}.onnx", *((out / f"{stem}.fp16.onnx",) if "fp16" in engines else ()))
+        flags = [
+            *_given(export, not_for_artifact if stem == "pruned" else ()),
+            *(["--fp16"] if len(graphs) > 1 else []),
+        ]
+        made.append((graphs, ["export", source, *flags, "--out", str(graphs[0])]))
+    if int8:
+        made.append((tuple(out / f"{s}.int8.onnx" for s in sources_), ["quantize", str(out), *quantize_flags]))
+    for stem, source in sources_.items() if decoder else ():
+        folder = out / f"{stem}{GENAI_SUFFIX}"
+        skip = ("fp16", "pad_qk", "simplify", "rewrites", *(not_for_artifact if stem == "pruned" else ()))
+        made.append(((folder,), ["export", source, *_given(export, skip), "--out", str(folder)]))
+    if "int4" in precisions_:
+        int4_out = tuple(out / f"{s}{GENAI_SUFFIX}{INT4_SUFFIX}" for s in sources_)
+        made.append((int4_out, ["quantize", str(out), "--precision", "int4", *quantize_flags]))
+    for precision in engines if buildable else ():
+        for stem in sources_:
+            plan = out / f"{stem}.{precision}.plan"
+            graph = out / (f"{stem}.int8.onnx" if precision == "int8" else f"{stem}.onnx")
+            argv = ["build-engine", str(graph), "--precision", precision, *_given(build_engine), "--out", str(plan)]
+            made.append(((plan,), argv))
+
+    def finish() -> str:
+        todo = [  # a command whose outputs are partly there replaces them: they are remade together
+            [*argv, *(["--overwrite"] if any(p.exists() for p in outputs) else [])]
+            for outputs, argv in made
+            if not all(p.exists() for p in outputs)
+        ]
+        if not todo:
+            return "every file is written; only export.json, the record of a whole run, is missing"
+        return " && ".join(shlex.join(["corp-deploy", *argv]) for argv in todo)
+
+    return finish
+
+
+def _given(command: click.Command, skip: tuple[str, ...] = ()) -> list[str]:
+    """The options of the running command that came from its command line and that ``command`` takes too (but
+    ``skip``, ``--out``, ``--overwrite``, ``--precision``), as flags again: a follow-up command that does what it
+    would have done."""
+    ctx = click.get_current_context()
+    takes = {p.name for p in command.params if isinstance(p, click.Option)}
+    flags: list[str] = []
+    for p in ctx.command.params:
+        if not isinstance(p, click.Option) or p.name not in takes or p.name in (*skip, "out", "overwrite", "precision"):
+            continue
+        if ctx.get_parameter_source(p.name) is not click.core.ParameterSource.COMMANDLINE:
+            continue
+        value = ctx.params[p.name]
+        if p.is_flag:
+            flags += [p.opts[0]] if value else list(p.secondary_opts[:1])
+        else:
+            for v in value if p.multiple else (value,):
+                flags += [p.opts[0], str(v)]
+    return flags

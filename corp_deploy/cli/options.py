@@ -496,11 +496,12 @@ def out_options(what: str) -> Callable:
 
 
 def out_path(out: str | None, model: str, config: PruneConfig, overwrite: bool) -> str:
-    """--out, or ``runs/<model>-s<percent>`` (``runs/deit_base-s50``; ``-macs40`` under ``--budget macs=0.4``);
-    checked writable before any work."""
+    """--out, or ``runs/<model>-s<percent>`` (``runs/deit_base-s50``; ``-macs40`` under ``--budget macs=0.4``; a
+    model given by a path is named by its last part); checked writable before any work."""
     budget = config.budget
     tag = f"s{100 * config.sparsity:g}" if budget is None else f"{budget.kind}{100 * budget.fraction:g}"
-    out = out or f"runs/{re.sub(r'[^A-Za-z0-9_.-]+', '_', model)}-{tag}"
+    name = Path(model.rstrip("/")).name or model  # a folder (or org/name): its last part, not the whole path
+    out = out or f"runs/{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}-{tag}"
     check_writable(out, overwrite)
     return out
 

@@ -4,6 +4,9 @@ reuses."""
 from __future__ import annotations
 
 import copy
+import shlex
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -13,6 +16,7 @@ from torch import nn
 
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
+from corp_deploy.base.steps import Stopped
 from corp_deploy.cli.inputs import inputs, latency_loop, latency_table
 from corp_deploy.cli.options import (
     out_options,
@@ -24,7 +28,7 @@ from corp_deploy.cli.options import (
 )
 from corp_deploy.core import distributed
 from corp_deploy.core.pruner import PruneConfig
-from corp_deploy.core.recover import Kept
+from corp_deploy.core.recover import Interrupted, Kept
 from corp_deploy.families import adapter_for
 from corp_deploy.families.hf import hub as hf
 from corp_deploy.formats.artifact import read_meta
@@ -38,6 +42,8 @@ class Pruned(NamedTuple):
     args: dict
     weights: str
     dense: nn.Module | None
+    stopped: str | None = None
+    """Why a recovery did not finish (Ctrl-C): the result holds CORP's weights and its report says so."""
 
 
 @click.command()
@@ -49,15 +55,26 @@ def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
     With --speedup S (or --budget latency=F) the widths are allocated against a latency table measured on
     --latency-on at --latency-batch (cached); the speed is predicted, not checked (prune-export checks it).
     """
+    started = time.perf_counter()
     config = prune_config(kwargs.pop("pruning"), kwargs["latency"])
     out = out_path(out, kwargs["model"], config, overwrite)
     run = pruned(config, **kwargs, transformers=True)
     if run is None:  # a data-parallel rank other than 0: its shard is merged, rank 0 writes
         return
     path = api.save(run.result, out, run.name, run.args, weights=run.weights, overwrite=overwrite)
+    if run.stopped:
+        raise Stopped(
+            f"{run.stopped}; wrote {path}/ with CORP's weights, not recovered (its corp.json says so); to recover, "
+            f"run {again()}",
+            interrupted=True,
+        )
     click.echo(format_report(run.result.report))
     click.echo(f"wrote {path}/ (model.safetensors, corp.json); load it with corp_deploy.load_pruned({str(path)!r})")
     say_folder(path)
+    click.echo(
+        f"wall time {time.perf_counter() - started:.1f} s (the time above plus loading the model and data, any "
+        "latency table, any recovery, and writing)"
+    )
 
 
 def say_folder(path: str | Path) -> None:
@@ -134,9 +151,20 @@ def pruned(
     )
     if result is None:
         return None
+    stopped = None
     if recover is not None:
-        api.recover_pruned(result, dense, batches.batches, recover, got.heldout, say)
+        try:
+            api.recover_pruned(result, dense, batches.batches, recover, got.heldout, say)
+        except Interrupted as e:
+            stopped = str(e)
     result.report["calibration"] |= {"source": got.source, "seed": flags["seed"]}
     if seq_len is not None:
         result.report["calibration"]["seq_len"] = seq_len
-    return Pruned(result, got.name, got.args, got.weights, dense)
+    return Pruned(result, got.name, got.args, got.weights, dense, stopped)
+
+
+def again() -> str:
+    """The running command line, to run again over what it wrote (``--overwrite`` added)."""
+    given = click.get_current_context().find_root().obj
+    argv = ["corp-deploy", *(sys.argv[1:] if given is None else given)]
+    return shlex.join(argv + ([] if "--overwrite" in argv else ["--overwrite"]))

@@ -84,6 +84,16 @@ class RecoveryRecord:
         return cls(**{**d, "history": [tuple(h) for h in d.get("history", [])]})
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a recovery, after ``steps`` of its ``budget``: still an interrupt to every caller, and it says
+    how far the recovery went (``Recovery.run`` puts CORP's weights back first)."""
+
+    def __init__(self, steps: int, budget: dict[str, float]) -> None:
+        asked = f"{budget['steps']:g} steps" if "steps" in budget else f"{budget['minutes']:g} minutes"
+        super().__init__(f"recovery interrupted after {steps} of {asked}")
+        self.steps, self.budget = steps, budget
+
+
 def recovery_budget(steps: int | None, minutes: float | None, lr: float = 1.0) -> dict[str, float]:
     """``{"steps": N}`` or ``{"minutes": M}``; one line when both, neither or a non-positive one is given."""
     if (steps is None) == (minutes is None):
@@ -133,17 +143,21 @@ class Recovery:
         """``recover``, then CORP's weights back where the held-out objective (``check``) came out higher than it
         went in: a recovery that drifted off its start on data it never trained on is not shipped (``kept``)."""
         start = {k: v.detach().clone() for k, v in pruned.state_dict().items()}  # one more copy of the pruned model
-        record = recover(
-            pruned,
-            dense,
-            batches,
-            steps=self.steps,
-            minutes=self.minutes,
-            lr=self.lr,
-            target=self.target,
-            check=check,
-            say=say,
-        )
+        try:
+            record = recover(
+                pruned,
+                dense,
+                batches,
+                steps=self.steps,
+                minutes=self.minutes,
+                lr=self.lr,
+                target=self.target,
+                check=check,
+                say=say,
+            )
+        except Interrupted:  # half-trained weights are nobody's result: CORP's go back
+            pruned.load_state_dict(start)
+            raise
         if record.check_after is not None and record.check_after > record.check_before:
             pruned.load_state_dict(start)
             record.kept = "corp"
@@ -287,29 +301,36 @@ def recover(
     check_before = objective.mean(held, offset=len(data)) if held else None
     seconds = budget.get("minutes", 0) * 60
     order = torch.Generator().manual_seed(seed)
-    done, history, queue = 0, [], []
-    while True:
-        progress = done / budget["steps"] if "steps" in budget else (time.perf_counter() - start) / seconds
-        if progress >= 1:
-            break
-        if not queue:
-            queue = torch.randperm(len(data), generator=order).tolist()
-        i = queue.pop()
-        for group in opt.param_groups:
-            group["lr"] = lr * lr_factor(progress, warmup)
-        loss = objective(i, data[i])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        opt.step()
-        done += 1
-        if done % log_every == 0:
-            history.append((done, loss.item()))
-            if say:
-                say(f"recovery step {done}: loss {loss.item():.4g} ({time.perf_counter() - start:.0f} s)")
-    for p in pruned.parameters():
-        p.requires_grad_(True)
+    done, history, queue, said = 0, [], [], 0
+    try:
+        while True:
+            progress = done / budget["steps"] if "steps" in budget else (time.perf_counter() - start) / seconds
+            if progress >= 1:
+                break
+            if not queue:
+                queue = torch.randperm(len(data), generator=order).tolist()
+            i = queue.pop()
+            for group in opt.param_groups:
+                group["lr"] = lr * lr_factor(progress, warmup)
+            loss = objective(i, data[i])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+            done += 1
+            if done % log_every == 0:
+                history.append((done, loss.item()))
+            elapsed = time.perf_counter() - start
+            tenth = int(10 * (done / budget["steps"] if "steps" in budget else elapsed / seconds))
+            if say and tenth > said:  # about ten lines, whatever the budget
+                said = tenth
+                say(f"recovery step {done}: loss {loss.item():.4g} ({elapsed:.0f} s)")
+    except KeyboardInterrupt:
+        raise Interrupted(done, budget) from None
+    finally:
+        for p in pruned.parameters():
+            p.requires_grad_(True)
     record = RecoveryRecord(
         target=target,
         optimizer=optimizer,

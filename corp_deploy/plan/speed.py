@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -311,9 +312,10 @@ def table_for(
         return table
     n = len(latency.grid(shape_of(dense), backend.equal_heads, removals(table_key)[0]))
     say(f"latency table: measuring {n} uniform-width models on {backend.name} at {latency.workload(table_key)}")
+    start = time.perf_counter()
     table = build_table(dense, table_key, backend, timer=timer)
     latency.write(table, latency.cache_path(table_key))
-    say(f"latency table: cached {latency.cache_path(table_key)}")
+    say(f"latency table: measured in {time.perf_counter() - start:.1f} s; cached {latency.cache_path(table_key)}")
     return table
 
 

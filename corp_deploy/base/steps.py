@@ -1,0 +1,76 @@
+"""The steps after a finished result (a prune's exports, a sweep's points): each says when it starts and how long it
+took, and one that stops keeps what finished.
+
+A step that fails or is interrupted becomes one ``Stopped`` line: what stopped and why, what the output folder
+holds now (only whole files: every writer is staged, ``fsio.staged``, so an unfinished one left nothing), and the
+command that finishes the job. A finished prune is minutes of work; the export that follows it must not take it
+down with it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from corp_deploy.base.errors import CorpError, first_line
+
+INTERRUPTED = 130
+"""The exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it."""
+
+
+class Stopped(CorpError):
+    """A step stopped after earlier results were written: the CLI prints it as its one line and exits with
+    ``exit_code``; ``bug`` is the unexpected exception behind it, if any (its traceback is printed first)."""
+
+    def __init__(self, message: str, interrupted: bool, bug: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.exit_code = INTERRUPTED if interrupted else 1
+        self.bug = bug
+
+
+def holds(folder: Path) -> str:
+    """What ``folder`` holds, by name (staging folders, dot-named, are not results): for a ``Stopped`` line."""
+    names = sorted(f"{p.name}/" if p.is_dir() else p.name for p in folder.iterdir() if not p.name.startswith("."))
+    return f"{folder}/ holds {', '.join(names)}" if names else f"{folder}/ is empty"
+
+
+class Steps:
+    """The named steps of one run writing into ``folder``: ``with steps("ONNX export"): ...``.
+
+    ``finish`` gives, when a step stops, the command(s) that make what is still missing (it looks at the folder
+    then). ``seconds`` records each finished step's time for the run's summary.
+    """
+
+    def __init__(self, folder: Path, finish: Callable[[], str], say: Callable[[str], None] = print) -> None:
+        self.folder, self.finish, self.say = Path(folder), finish, say
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, what: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            self.say(f"{what}...")  # inside: an interrupt as soon as it is said is the step's
+            yield
+        except Stopped:
+            raise
+        except KeyboardInterrupt:
+            raise self.stopped(f"interrupted during {what}", True) from None
+        except Exception as e:
+            cause = first_line(e) if isinstance(e, CorpError) else f"{type(e).__name__}: {first_line(e)}"
+            bug = None if isinstance(e, CorpError) else e
+            raise self.stopped(f"{what} failed: {cause}", False, bug) from None
+        self.seconds[what] = time.perf_counter() - start
+        self.say(f"{what}: done in {self.seconds[what]:.1f} s")
+
+    def wall_time(self, total: float, before: dict[str, float]) -> str:
+        """One line whose parts add up to ``total`` (seconds since the command started): ``before`` (what ran before
+        the steps, e.g. ``{"prune": 12.0}``: loading, data, any latency table and the prune), each step, the rest."""
+        parts = {**before, **self.seconds}
+        parts["the rest"] = max(0.0, total - sum(parts.values()))
+        return f"wall time {total:.1f} s = " + " + ".join(f"{what} {s:.1f} s" for what, s in parts.items())
+
+    def stopped(self, what: str, interrupted: bool, bug: BaseException | None = None) -> Stopped:
+        """``what`` stopped: the line that says so, what the folder holds (all whole), and how to finish."""
+        return Stopped(f"{what}; {holds(self.folder)} (all whole); to finish: {self.finish()}", interrupted, bug)
