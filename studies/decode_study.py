@@ -36,7 +36,9 @@ from corp_deploy.bench.backends import RunFolder
 from corp_deploy.bench.decode import DECODE_BACKENDS, PHASES, TorchSession, decode_benchmark, rows
 from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.exporters.genai import write_genai_folder
-from corp_deploy.exporters.int4 import CALIB_WINDOWS, INT4, INT4_SUFFIX, Scheme, int4_graphs
+from corp_deploy.exporters.int4 import INT4_SUFFIX, int4_graphs
+from corp_deploy.exporters.int4_gate import INT4
+from corp_deploy.exporters.int4_quant import CALIB_WINDOWS, Scheme
 from corp_deploy.hf import load
 from corp_deploy.offline.gguf_folder import convert_gguf, smollm2_gguf
 from corp_deploy.pruner import PruneConfig, calibrate, prune_model
