@@ -19,13 +19,15 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from corp_deploy.bench.measure import Method, interleaved
 from corp_deploy.deps import require
+from corp_deploy.env import cpu_features, cpu_model
 from corp_deploy.errors import CorpError
 from corp_deploy.exporters.int4_gate import INT4, DecoderTolerance, compare_decoders
 from corp_deploy.exporters.int4_quant import (
@@ -42,21 +44,35 @@ from corp_deploy.tables import text_table
 
 INT4_SUFFIX = "-int4"
 """A genai folder's INT4 copy: ``pruned-genai/`` -> ``pruned-genai-int4/``."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One of genai's builder int4 recipes."""
+
+    options: dict[str, str]
+    """Its ``--extra_options`` (``block_size`` and ``accuracy_level`` come from the scheme)."""
+    lm_head: str
+    what: str
+
+
 RECIPES = {
-    "builder": (
+    "builder": Recipe(
         {},
+        "int4",
         "onnxruntime-genai's builder -p int4 as shipped: round to nearest, symmetric, every MatMul (the LM head "
         "too) in 4 bits",
     ),
-    "builder-asym": ({"is_symmetric": "false"}, "the builder's round to nearest with a uint4 zero point per block"),
-    "builder-k_quant_mixed": (
+    "builder-asym": Recipe(
+        {"is_symmetric": "false"}, "int4", "the builder's round to nearest with a uint4 zero point per block"
+    ),
+    "builder-k_quant_mixed": Recipe(
         {"algo_config": "k_quant_mixed"},
+        "int8",
         "the builder's k-quant (llama.cpp's search of scale and zero point), the LM head and llama.cpp's sensitive "
         "layers (first and last eighth, every third qkv/v/down) in 8 bits",
     ),
 }
-"""genai's builder recipes: its ``--extra_options`` (with ``block_size`` and ``accuracy_level`` from the scheme),
-and what each does."""
 DEFAULT_SCHEME = Scheme()
 AUTO = "auto"
 """``--int4-method auto``: every builder recipe and the project's scheme, the fastest passing one chosen."""
@@ -78,30 +94,32 @@ def recipes(method: str, scheme: Scheme) -> tuple[str, ...]:
 
 def builder_scheme(recipe: str, scheme: Scheme) -> dict[str, Any]:
     """The sidecar's ``int4_scheme`` for a builder recipe (the keys ``Scheme.describe`` writes)."""
-    options, what = RECIPES[recipe]
+    r = RECIPES[recipe]
     return {
         "format": f"{QUANTIZED_OP} (onnxruntime contrib op), weight only",
         "bits": 4,
         "method": recipe,
         "block_size": scheme.block_size,
-        "symmetric": options.get("is_symmetric", "true") == "true",
+        "symmetric": r.options.get("is_symmetric", "true") == "true",
         "accuracy_level": scheme.accuracy_level,
-        "lm_head": "int8" if "k_quant_mixed" in options.get("algo_config", "") else "int4",
-        "quantizer": f"onnxruntime-genai model builder: {what}",
+        "lm_head": r.lm_head,
+        "quantizer": f"onnxruntime-genai model builder: {r.what}",
         "extra_options": builder_options(recipe, scheme),
     }
 
 
 def builder_options(recipe: str, scheme: Scheme) -> list[str]:
     """The builder's ``--extra_options`` for ``recipe`` at the scheme's block size and accuracy level."""
-    options = {"block_size": str(scheme.block_size), "accuracy_level": str(scheme.accuracy_level), **RECIPES[recipe][0]}
+    options = {
+        "block_size": str(scheme.block_size),
+        "accuracy_level": str(scheme.accuracy_level),
+        **RECIPES[recipe].options,
+    }
     return [f"{k}={v}" for k, v in options.items()]
 
 
 def cpu_record() -> dict[str, Any]:
     """The CPU a timing is tied to: its model and the instruction sets MatMulNBits' kernels pick their path by."""
-    from corp_deploy.env import cpu_features, cpu_model
-
     return {"cpu": cpu_model(), "flags": cpu_features()}
 
 
@@ -111,10 +129,7 @@ TIMING_TOKENS = 16
 every ``TIMING_TOKENS``."""
 
 
-def _timing():
-    from corp_deploy.bench.measure import Method
-
-    return Method(warmup_iters=8, warmup_seconds=0.5, min_iters=48, min_seconds=1.5, round_iters=4)
+TIMING = Method(warmup_iters=8, warmup_seconds=0.5, min_iters=48, min_seconds=1.5, round_iters=4)
 
 
 def decode_ms(folders: dict[str, Path]) -> dict[str, float]:
@@ -123,7 +138,6 @@ def decode_ms(folders: dict[str, Path]) -> dict[str, float]:
     choice rests on, not an absolute figure."""
     og = require("onnxruntime_genai", "timing INT4 candidates")
     from corp_deploy.bench.decode import GenaiSession
-    from corp_deploy.bench.measure import interleaved
     from corp_deploy.exporters.genai import CONFIG
 
     steps = {}
@@ -131,7 +145,7 @@ def decode_ms(folders: dict[str, Path]) -> dict[str, float]:
         vocab = json.loads((folder / CONFIG).read_text())["model"]["vocab_size"]
         session = GenaiSession(og, og.Model(str(folder)), vocab, 1, TIMING_PROMPT, TIMING_TOKENS)
         steps[name] = session.decode
-    times = interleaved(steps, _timing())
+    times = interleaved(steps, TIMING)
     return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
 
 
@@ -146,7 +160,7 @@ def calibration_record(calibration: np.ndarray, info: dict | None = None) -> dic
     } | (info or {})
 
 
-def _refusal(out: Path, src: Path, outcomes: dict[str, dict], tol: DecoderTolerance, windows: int, scheme) -> str:
+def _refusal(out: Path, src: Path, outcomes: dict[str, dict], tol: DecoderTolerance, windows: int) -> str:
     """One line: every candidate's figures (or why it was not built), the bounds, what to try."""
     figures = ", ".join(
         f"{name} x{o['verify']['ppl_ratio']:.3f} / {o['verify']['agreement']:.3f}"
@@ -191,7 +205,7 @@ def quantize_int4_verified(
     seconds = time.perf_counter() - start
     c = compare_decoders(src, out, windows)
     if not c.within(tol):
-        raise CorpError(_refusal(out, src, {scheme.method: {"verify": c.as_dict()}}, tol, c.windows, scheme))
+        raise CorpError(_refusal(out, src, {scheme.method: {"verify": c.as_dict()}}, tol, c.windows))
     record = _record(src, out, c.as_dict(), tol, windows, info, seconds)
     if scheme.calibrated:
         record["calibration"] = calibration_record(calibration, calibration_info)
@@ -306,7 +320,7 @@ def int4_genai_folder(
         outcomes[name] |= {"bytes": onnx_bytes(folder / GRAPH), "verify": c.as_dict(), "passed": c.within(tol)}
     passing = [name for name, o in outcomes.items() if o.get("passed")]
     if not passing:
-        raise CorpError(_refusal(out, src, outcomes, tol, len(windows), scheme))
+        raise CorpError(_refusal(out, src, outcomes, tol, len(windows)))
     timed = timer({name: folders[name] for name in passing}) if len(passing) > 1 else {}
     for name, o in outcomes.items():
         o["decode_ms_per_token"] = round(timed[name], 3) if name in timed else None
@@ -324,7 +338,7 @@ def int4_genai_folder(
         "chosen": chosen,
         "why": _why(chosen, outcomes, forced=candidates is not None and len(names) == 1),
         "candidates": list(outcomes.values()),
-        "timing": {"batch": 1, "prompt": TIMING_PROMPT, "runtime": "onnxruntime-genai CPU", **_timing().as_dict()}
+        "timing": {"batch": 1, "prompt": TIMING_PROMPT, "runtime": "onnxruntime-genai CPU", **TIMING.as_dict()}
         if timed
         else None,
         **cpu_record(),
