@@ -307,14 +307,14 @@ def int4_genai_folder(
                 _builder_candidate(name, src, folder, scheme, source)
             else:
                 _project_candidate(src, folder, scheme, calibration)
-        except CorpError as e:
+            seconds = time.perf_counter() - start
+            c = compare_decoders(src / GRAPH, folder / GRAPH, windows)
+        except CorpError as e:  # e.g. the builder without the model, or a graph onnxruntime cannot load
             if len(names) == 1:
                 raise
             shutil.rmtree(folder, ignore_errors=True)
             outcomes[name] = {"recipe": name, "error": str(e)}
             continue
-        seconds = time.perf_counter() - start
-        c = compare_decoders(src / GRAPH, folder / GRAPH, windows)
         scheme_record = builder_scheme(name, scheme) if name in RECIPES else scheme.describe()
         outcomes[name] = {"recipe": name, "int4_scheme": scheme_record, "seconds": round(seconds, 2)}
         outcomes[name] |= {"bytes": onnx_bytes(folder / GRAPH), "verify": c.as_dict(), "passed": c.within(tol)}

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from corp_deploy.deps import require
-from corp_deploy.errors import CorpError
+from corp_deploy.errors import CorpError, first_line
 
 LOGITS = "logits"
 
@@ -91,7 +91,10 @@ def compare_decoders(reference: str | Path, candidate: str | Path, windows: np.n
     """Both graphs on every window (one at a time: a window's logits are sequence x vocabulary): the negative
     log-likelihood of each true next token, summed in float64, and top-1 agreement."""
     ort = require("onnxruntime", "decoder verification")
-    sessions = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (reference, candidate)]
+    try:
+        sessions = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (reference, candidate)]
+    except Exception as e:  # onnxruntime's load errors are of many pybind types; an invalid graph is one line
+        raise CorpError(f"onnxruntime cannot load {Path(candidate).name}: {first_line(e)}") from None
     nll, same, count = np.zeros(2), 0, 0
     for window in windows:
         ids = window[None]

@@ -150,3 +150,26 @@ def test_the_sidecar_round_trips_and_the_method_option_names_the_candidates(fuse
     assert recipes("builder-asym", SCHEME) == ("builder-asym",) and recipes("rtn", Scheme(method="rtn")) == ("rtn",)
     with pytest.raises(CorpError, match="--int4-method"):
         recipes("gptq", SCHEME)
+
+
+def test_a_candidate_graph_onnxruntime_cannot_load_is_recorded_and_the_others_still_compete(
+    fused, tmp_path, monkeypatch
+) -> None:
+    # genai 0.18's builder writes such a graph for SmolLM2 (tied embeddings) with is_symmetric=false: a
+    # GatherBlockQuantized without its scales; here a builder graph with one node's input dropped stands in for it
+    from corp_deploy.exporters import int4
+
+    real = int4._builder_candidate
+
+    def broken(recipe, src, folder, scheme, source):
+        real(recipe, src, folder, scheme, source)
+        proto = onnx.load(str(folder / GRAPH))
+        node = next(n for n in proto.graph.node if n.op_type == "MatMulNBits")
+        del node.input[2:]
+        onnx.save(proto, str(folder / GRAPH))
+
+    monkeypatch.setattr(int4, "_builder_candidate", broken)
+    record = _choose(fused, tmp_path / "dense-genai-int4", LOOSE, FakeTimer({}), candidates=("builder", "minmax"))
+    choice = record["int4_choice"]
+    assert choice["chosen"] == "minmax" and "builder not built: onnxruntime cannot load model.onnx" in choice["why"]
+    assert [p.name for p in tmp_path.iterdir()] == ["dense-genai-int4"]
