@@ -72,11 +72,19 @@ def sliding_window(config: Any) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
-def build_fused(model: nn.Module, folder: Path, metadata: dict[str, Any], tokenizer: Sequence[Path]) -> None:
-    """Write ``model``'s FP32 decode step with genai's builder into ``folder`` (``model.onnx`` + ``.data``,
-    ``genai_config.json``, the ``tokenizer`` files, which the builder reads). The graph gets corp-deploy's metadata
-    and concrete cache widths (the builder leaves them symbolic; genai and the INT4 gate read them from the
-    graph). The builder's own printing is swallowed; its failure is one line."""
+def build_fused(
+    model: nn.Module,
+    folder: Path,
+    metadata: dict[str, Any],
+    tokenizer: Sequence[Path],
+    precision: str = "fp32",
+    options: Sequence[str] = (),
+) -> None:
+    """Write ``model``'s decode step with genai's builder into ``folder`` (``model.onnx`` + ``.data``,
+    ``genai_config.json``, the ``tokenizer`` files, which the builder reads): FP32, or ``precision`` int4 with the
+    builder's weight-only ``options`` (its ``--extra_options``: ``exporters.int4.RECIPES``). The graph gets
+    corp-deploy's metadata and concrete cache widths (the builder leaves them symbolic; genai and the INT4 gate read
+    them from the graph). The builder's own printing is swallowed; its failure is one line."""
     if why := unsupported(model, tokenizer):
         raise CorpError(f"genai's model builder cannot write this model: {why}")
     builder = require("onnxruntime_genai.models.builder", "a fused decode-step graph")
@@ -85,11 +93,11 @@ def build_fused(model: nn.Module, folder: Path, metadata: dict[str, Any], tokeni
         save_pruned(model, source, {"model": {"name": str(source), "args": {}}})  # the artifact is the HF folder
         for f in tokenizer:
             shutil.copy2(f, source / f.name)
-        args = (None, str(source), str(folder), "fp32", "cpu", str(Path(tmp) / "cache"))
+        args = (None, str(source), str(folder), precision, "cpu", str(Path(tmp) / "cache"))
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                options = builder.parse_extra_options(*args, ["hf_token=false", "hf_remote=true"])
-                builder.create_model(*args, **options)
+                parsed = builder.parse_extra_options(*args, ["hf_token=false", "hf_remote=true", *options])
+                builder.create_model(*args, **parsed)
         except Exception as e:  # the builder raises bare Exceptions of every kind
             raise CorpError(f"onnxruntime-genai's model builder failed: {type(e).__name__}: {first_line(e)}") from None
     _finish(folder / "model.onnx", model, metadata)

@@ -236,6 +236,11 @@ def check_tokenizer(folder: Path) -> dict[str, Any] | None:
     return {"sample": TOKENIZER_SAMPLE, "tokens": want}
 
 
+def tokenizer_files(folder: Path | None) -> list[Path]:
+    """``TOKENIZER_FILES`` present in ``folder`` (none without one): what a genai folder and the builder read."""
+    return [folder / n for n in TOKENIZER_FILES if folder and (folder / n).is_file()]
+
+
 GRAPHS = ("auto", "fused", "export")
 """``--decode-graph``: genai's builder (``fused``, ``exporters.fused_decoder``), ``torch.export``
 (``export``, ``exporters.kv_cache``: any widths), or ``auto`` (fused where the builder takes the model)."""
@@ -275,7 +280,7 @@ def write_genai_folder(
     require("onnxruntime_genai", "a decoder's genai folder")
     filled = fill_special_ids(model, tokenizer_dir)
     description = description | ({"special_ids_filled": filled} if filled else {})  # recorded with the graph
-    tokenizer = [tokenizer_dir / n for n in TOKENIZER_FILES if tokenizer_dir and (tokenizer_dir / n).is_file()]
+    tokenizer = tokenizer_files(tokenizer_dir)
     writer, why = choose_graph(model, graph, tokenizer)
     check = {"model": model, "prompt_ids": prompt_ids, "tol": tol, "steps": steps}
     if writer == "fused":

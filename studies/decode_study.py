@@ -37,7 +37,9 @@ from corp_deploy.bench.decode import DECODE_BACKENDS, PHASES, TorchSession, deco
 from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.exporters.genai import write_genai_folder
-from corp_deploy.exporters.int4 import CALIB_WINDOWS, INT4, INT4_SUFFIX, Scheme, int4_graphs
+from corp_deploy.exporters.int4 import INT4_SUFFIX, int4_graphs
+from corp_deploy.exporters.int4_gate import INT4
+from corp_deploy.exporters.int4_quant import CALIB_WINDOWS, Scheme
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats.artifact import save_pruned
 from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf

@@ -24,16 +24,9 @@ pytest.importorskip("transformers", reason="text models need transformers (pip i
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from corp_deploy.exporters.int4 import (  # noqa: E402
-    MINS,
-    DecoderTolerance,
-    Scheme,
-    calibration_record,
-    dequantize,
-    int4_graphs,
-    matmul_errors,
-    minmax_int4,
-)
+from corp_deploy.exporters.int4 import calibration_record, int4_graphs  # noqa: E402
+from corp_deploy.exporters.int4_gate import DecoderTolerance  # noqa: E402
+from corp_deploy.exporters.int4_quant import MINS, Scheme, dequantize, matmul_errors, minmax_int4  # noqa: E402
 from corp_deploy.exporters.text_onnx import export_text_onnx  # noqa: E402
 from corp_deploy.families.hf import hub as hf  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned  # noqa: E402

@@ -36,6 +36,22 @@ def cpu_model() -> str:
     return cpu_name()
 
 
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+"""The instruction sets onnxruntime's CPU kernels choose their INT8/INT4 paths by (``/proc/cpuinfo`` names)."""
+
+
+def cpu_features() -> list[str]:
+    """Which of ``CPU_FEATURES`` the CPU has (``/proc/cpuinfo``'s flags; empty where the OS does not say): a CPU
+    timing of quantized kernels depends on them as much as on the model name."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    return [f for f in CPU_FEATURES if f in flags]
+
+
 def device_name(device: Any) -> str:
     """``cuda (<GPU>)`` or ``cpu (<processor>, <n> threads)``: where a pruning run computed."""
     import torch

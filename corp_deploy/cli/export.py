@@ -25,6 +25,7 @@ from corp_deploy.cli.options import (
     calibration_source,
     engine_group,
     for_graph,
+    int4_candidates,
     int4_options,
     int4_setup,
     int8_options,
@@ -43,8 +44,9 @@ from corp_deploy.cli.options import (
 )
 from corp_deploy.cli.prune import again, pruned, say_folder
 from corp_deploy.exporters.compare import INT8
-from corp_deploy.exporters.genai import CONFIG, GENAI_SUFFIX, GRAPH, NEW_TOKENS, write_genai_folder
-from corp_deploy.exporters.int4 import INT4_SUFFIX, Scheme, decoder_graph, format_int4, int4_graphs
+from corp_deploy.exporters.genai import CONFIG, GENAI_SUFFIX, GRAPH, NEW_TOKENS, tokenizer_files, write_genai_folder
+from corp_deploy.exporters.int4 import INT4_SUFFIX, format_int4, int4_graphs
+from corp_deploy.exporters.int4_quant import Scheme, decoder_graph
 from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import (
     VerifyOptions,
@@ -385,7 +387,8 @@ def _quantize_int4(source: Path, data: str, int4: dict[str, Any], seed: int, ove
         raise CorpError(f"{pairs[0][0]} records no vocab_size; export it with `corp-deploy export` or `prune-export`")
     windows = _int4_windows(tokenizer, data, vocab, int4, seed)
     calibration = _int4_calibration(tokenizer, data, vocab, int4, seed, scheme)
-    records = int4_graphs(pairs, windows, tol, scheme, {"text": data, "seed": seed}, overwrite, **calibration)
+    info, candidates = {"text": data, "seed": seed}, int4_candidates(int4, scheme)
+    records = int4_graphs(pairs, windows, tol, scheme, info, overwrite, **calibration, candidates=candidates)
     click.echo(format_int4(records))
     click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
 
@@ -562,7 +565,11 @@ def prune_export(
             pairs = [(run_dir / f"{s}{GENAI_SUFFIX}", run_dir / f"{s}{GENAI_SUFFIX}{INT4_SUFFIX}") for s in models]
             scheme, tol = int4_setup(int4)
             calibration = _int4_calibration(prune_args["model"], data, vocab, int4, seed, scheme)
-            record["int4"] = int4_graphs(pairs, windows, tol, scheme, {"text": data, "seed": seed}, **calibration)
+            inputs = [(model, tokenizer_files(run_dir / "pruned")) for model, _ in models.values()]
+            info, candidates = {"text": data, "seed": seed}, int4_candidates(int4, scheme)
+            record["int4"] = int4_graphs(
+                pairs, windows, tol, scheme, info, **calibration, candidates=candidates, sources=inputs
+            )
     record = write_export_record(run_dir, run.name, run.result.report, record, versions())
     click.echo(format_summary(record, {k: v["params"] for k, v in record["size"].items()}))
     if "int4" in record:

@@ -37,17 +37,17 @@ from corp_deploy.core.ranking import RANKERS
 from corp_deploy.core.recover import KEPT_INPUTS, TARGETS, Recovery
 from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance
 from corp_deploy.exporters.genai import GRAPHS
-from corp_deploy.exporters.int4 import (
+from corp_deploy.exporters.int4 import AUTO, RECIPES, recipes
+from corp_deploy.exporters.int4_gate import INT4, DecoderTolerance
+from corp_deploy.exporters.int4_quant import (
     ACCURACY_LEVEL,
     BLOCK_SIZE,
     CALIB_WINDOWS,
     DEFAULT_LM_HEAD,
     DEFAULT_METHOD,
-    INT4,
     LM_HEAD,
     METHODS,
     OUTLIERS_DB,
-    DecoderTolerance,
     Scheme,
 )
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET
@@ -400,10 +400,13 @@ int4_options = group(
     click.option("--int4-seq-len", default=128, show_default=True, help="INT4: tokens per verification window."),
     click.option(
         "--int4-method",
-        type=click.Choice(tuple(METHODS)),
-        default=DEFAULT_METHOD,
+        type=click.Choice((AUTO, *METHODS, *RECIPES)),
+        default=AUTO,
         show_default=True,
-        help="INT4: onnxruntime's quantizer (hqq: float zero point per block; gptq: calibrated; rtn, k_quant).",
+        help=f"INT4: {AUTO}: the fastest that passes the gate of genai's builder recipes ({', '.join(RECIPES)}) and "
+        f"the project's scheme ({DEFAULT_METHOD}, or the method named); or one forced: the project's {DEFAULT_METHOD} "
+        "or onnxruntime's quantizers (hqq: float zero point per block; gptq: calibrated; rtn, k_quant), or a "
+        "builder recipe.",
     ),
     click.option("--int4-block-size", default=BLOCK_SIZE, show_default=True, help="INT4: input channels per scale."),
     click.option(
@@ -463,7 +466,7 @@ def int4_setup(int4: dict[str, Any]) -> tuple[Scheme, DecoderTolerance]:
         block_size=int4["int4_block_size"],
         symmetric=False if int4["int4_asymmetric"] else None,
         accuracy_level=int4["int4_accuracy_level"],
-        method=int4["int4_method"],
+        method=int4["int4_method"] if int4["int4_method"] in METHODS else DEFAULT_METHOD,
         lm_head=int4["int4_lm_head"],
         keep_float=int4["int4_keep_float"],
         int8_outliers_db=_outliers_db(int4["int4_int8_outliers_db"]),
@@ -475,6 +478,11 @@ def int4_setup(int4: dict[str, Any]) -> tuple[Scheme, DecoderTolerance]:
         INT4.max_ppl_ratio if ratio is None else ratio, INT4.min_agreement if agreement is None else agreement
     )
     return scheme, tol
+
+
+def int4_candidates(int4: dict[str, Any], scheme: Scheme) -> tuple[str, ...]:
+    """The INT4 recipes ``--int4-method`` asks for (``exporters.int4.recipes``)."""
+    return recipes(int4["int4_method"], scheme)
 
 
 timing_group = group(
