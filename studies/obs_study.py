@@ -29,13 +29,20 @@ from typing import Any
 
 import torch
 
+from corp_deploy.base.tables import markdown_table
+from corp_deploy.core.pruner import PruneConfig, Timer, calibrate, prune_model
 from corp_deploy.families import adapter_for
-from corp_deploy.hf import load
-from corp_deploy.offline.gguf_folder import convert_gguf, smollm2_gguf
-from corp_deploy.perplexity import perplexity
-from corp_deploy.pruner import PruneConfig, Timer, calibrate, prune_model
-from corp_deploy.tables import markdown_table
-from corp_deploy.text import packed_batches, packed_sequences, read_documents, shuffled, split_documents, text_batches
+from corp_deploy.families.hf.hub import load
+from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
+from corp_deploy.formats.perplexity import perplexity
+from corp_deploy.formats.text import (
+    packed_batches,
+    packed_sequences,
+    read_documents,
+    shuffled,
+    split_documents,
+    text_batches,
+)
 from studies.text_recover_study import parts
 from studies.text_study import cosine, embed, package_folder
 
