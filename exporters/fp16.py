@@ -4,7 +4,10 @@ TensorRT 11 builds exactly the types in the graph (no FP16 builder flag), so pre
 here. onnxconverter-common's converter does the rewrite; the ops in ``KEEP_FP32`` stay in FP32
 (beside the converter's own block list; the graph's ``fp16_kept_fp32_ops`` records both) because
 their accumulations (mean/variance, exp-sum) lose accuracy in half precision, and casts around them
-are cheap next to the matmuls that FP16 speeds up.
+are cheap next to the matmuls that FP16 speeds up. A decoder's rotary embedding stays FP32 too
+(``ROTARY_SCOPE``): its angles are position x frequency, and FP16 holds whole numbers exactly only up to
+2048, so longer prompts would rotate by wrong angles (the converter also mistypes its int -> float Cast, which
+``onnx.checker`` refuses: Qwen2).
 """
 
 from __future__ import annotations
@@ -26,6 +29,18 @@ KEEP_FP32 = (
     "Pow",
     "Sqrt",
 )
+ROTARY_SCOPE = "rotary_emb"
+"""The module name (``transformers``' ``*RotaryEmbedding``) whose nodes stay FP32, found through the exporter's
+``namespace`` metadata."""
+
+
+def rotary_nodes(proto) -> list[str]:
+    """Names of the nodes the exporter attributes to a rotary embedding module."""
+    return [
+        n.name
+        for n in proto.graph.node
+        if any(p.key == "namespace" and ROTARY_SCOPE in p.value for p in n.metadata_props)
+    ]
 
 
 def convert_fp16(src: str | Path, out: str | Path) -> Path:
@@ -33,13 +48,17 @@ def convert_fp16(src: str | Path, out: str | Path) -> Path:
     float16 = require("onnxconverter_common.float16", "FP16 ONNX")
     proto = load_onnx(src)
     blocked = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(KEEP_FP32))
+    rotary = rotary_nodes(proto)
     try:
         with warnings.catch_warnings():  # one warning per weight below FP16's range: noise, not news
             warnings.simplefilter("ignore")
-            half = float16.convert_float_to_float16(proto, keep_io_types=True, op_block_list=blocked)
+            half = float16.convert_float_to_float16(
+                proto, keep_io_types=True, op_block_list=blocked, node_block_list=rotary
+            )
     except Exception as e:
         raise CorpError(f"FP16 conversion of {src} failed: {str(e).splitlines()[0]}") from None
-    add_metadata(half, {"precision": "fp16", "fp16_kept_fp32_ops": blocked})
+    kept = {"fp16_kept_fp32_ops": blocked} | ({"fp16_kept_fp32_nodes": f"{len(rotary)} rotary"} if rotary else {})
+    add_metadata(half, {"precision": "fp16", **kept})
     import onnx
 
     onnx.save(half, str(out))

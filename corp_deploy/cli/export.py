@@ -239,7 +239,7 @@ def _genai_export(
         record = write_genai_folder(model, tmp, description, folder, opset, ids, opts.fp32, graph=decode_graph)
     if line := genai.filled(record, out.name):
         click.echo(line)
-    click.echo(genai.summary(record, out.name, folder))
+    click.echo(genai.summary(record, out.name, folder if prompts else None))
     click.echo(f"wrote {out}/ ({GRAPH}, {GRAPH}.json, {CONFIG}, tokenizer files): onnxruntime_genai.Model('{out}')")
 
 
@@ -575,7 +575,7 @@ def prune_export(
     if "int4" in record:
         click.echo(format_int4(record["int4"]))
     for stem, genai_record in genai_records.items():
-        click.echo(genai.summary(genai_record, f"{stem}{GENAI_SUFFIX}", run_dir / "pruned"))
+        click.echo(genai.summary(genai_record, f"{stem}{GENAI_SUFFIX}", None))  # random-token prompts
     folders = ", ".join(f"{stem}{GENAI_SUFFIX}/" for stem in genai_records)
     click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json{', ' + folders if folders else ''})")
     say_folder(run_dir / "pruned")

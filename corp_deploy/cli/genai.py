@@ -90,7 +90,10 @@ def prompt_ids(folder: Path, texts: tuple[str, ...]) -> list[list[int]] | None:
 
 
 def summary(record: dict[str, Any], name: str, folder: Path | None) -> str:
-    """What the terminal shows of a genai folder: the check, the cache layout and each prompt's continuation."""
+    """What the terminal shows of a genai folder: the check, the cache layout and, with ``folder`` (the tokenizer's),
+    each prompt's continuation. Pass a folder only for prompts a user wrote: the default prompts are random tokens
+    (equality with transformers is the test, not fluency), whose continuations read as a broken model; they stay in
+    the folder's ``model.onnx.json``."""
     pad, genai = record["kv_cache"]["padding"], record["genai"]
     worst = max(record["verify"]["max_rel_error_per_step"])
     lines = [
