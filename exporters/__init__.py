@@ -17,6 +17,7 @@ corp_deploy.exporters.runners          PyTorch and onnxruntime runners
 corp_deploy.exporters.compare          comparators and tolerances
 corp_deploy.exporters.pipeline         the verified steps and the ``prune-export`` run
 """
+
 from corp_deploy.exporters.compare import FP16, FP32, Comparison, Tolerance, compare, verify
 from corp_deploy.exporters.fp16 import convert_fp16
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, export_onnx, load_onnx, read_metadata

@@ -258,10 +258,8 @@ def _builder_candidate(recipe: str, src: Path, folder: Path, scheme: Scheme, sou
 def _why(chosen: str, outcomes: dict[str, dict], forced: bool) -> str:
     """One line: which recipe, and why it and not the others."""
     timed = {n: o["decode_ms_per_token"] for n, o in outcomes.items() if o.get("decode_ms_per_token") is not None}
-    failed = [
-        f"{n} x{o['verify']['ppl_ratio']:.3f} / {o['verify']['agreement']:.3f}"
-        if "verify" in o
-        else f"{n} not built: {o['error']}"
+    failed = [  # why a candidate was not built is in its record: onnxruntime's reasons run to paragraphs
+        f"{n} x{o['verify']['ppl_ratio']:.3f} / {o['verify']['agreement']:.3f}" if "verify" in o else f"{n} not built"
         for n, o in outcomes.items()
         if not o.get("passed")
     ]
