@@ -5,6 +5,7 @@ vocabularies, tokenizer, batches and folders, and a made-up latency for tables m
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,6 +52,11 @@ def pruned_copy(model: torch.nn.Module, config: PruneConfig, batches=None) -> tu
 def tf32_state() -> tuple[bool, bool, str]:
     """torch's three TF32 settings: CUDA matmuls, cuDNN convolutions, the float32 matmul precision."""
     return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+
+
+def channel_sums(energy: torch.Tensor, active_rate: torch.Tensor, mean: torch.Tensor) -> SimpleNamespace:
+    """What a diagonal ranker reads of ``MlpStats``, made by hand: E[x_i^2] on the diagonal, P(|x_i| > eps), E[x_i]."""
+    return SimpleNamespace(second_moment=lambda: torch.diag(energy), mean=lambda: mean, active=active_rate, count=1)
 
 
 PRUNE = [

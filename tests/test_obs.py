@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import TEXT_VOCAB, TINY, run, tiny_batches, tiny_text_folder, tiny_vit
+from helpers import TEXT_VOCAB, TINY, channel_sums, run, tiny_batches, tiny_text_folder, tiny_vit
 from torch import Tensor
 
 import corp_deploy
@@ -17,7 +17,7 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
 from corp_deploy.core import obs
 from corp_deploy.core.pruner import PruneConfig, Widths, calibrate, prune_model
-from corp_deploy.core.ranking import mlp_scores, split_top, value_scores
+from corp_deploy.core.ranking import channel_scores, split_top, value_scores
 from corp_deploy.core.stats import MlpStats
 from corp_deploy.plan.allocation import error_curves
 
@@ -133,7 +133,7 @@ def test_beats_the_diagonal_ranker_on_random_layers() -> None:
         greedy = compensated(
             mean, second, w, *split_top(obs.rank_scores(obs.removal_order(mean, second, w, 0.0)[0]), 5)
         )
-        diag_scores = mlp_scores("combined", second.diagonal(), torch.ones(8, dtype=F64), w, mean)
+        diag_scores = channel_scores("combined", channel_sums(second.diagonal(), torch.ones(8, dtype=F64), mean), w)
         diagonal = compensated(mean, second, w, *split_top(diag_scores, 5))
         ratio_obs.append(greedy / best)
         ratio_diag.append(diagonal / best)

@@ -16,13 +16,13 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import PRUNE, TINY_CLI_ARGS, run, tiny_batches, tiny_vit
+from helpers import PRUNE, TINY_CLI_ARGS, channel_sums, run, tiny_batches, tiny_vit
 from safetensors.torch import save_file
 from timm.models.vision_transformer import Attention
 
 import corp_deploy
 from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
-from corp_deploy.core.ranking import RANKERS, mlp_scores, split_top
+from corp_deploy.core.ranking import RANKERS, channel_scores, split_top
 from corp_deploy.core.stats import ACTIVE_EPS, CalibrationStats, MlpStats, QKStats
 from corp_deploy.families.timm.modules import PrunedAttention
 
@@ -52,10 +52,10 @@ def test_mlp_rankers_score_as_documented() -> None:
     w2 = w2 / w2.norm(dim=0) * magnitude
     active = torch.tensor(ACTIVE, dtype=torch.float64) / 10
     for ranker, kept in MLP_KEPT.items():
-        scores = mlp_scores(ranker, energy, active, w2, torch.zeros(8, dtype=torch.float64))
+        scores = channel_scores(ranker, channel_sums(energy, active, torch.zeros(8, dtype=torch.float64)), w2)
         assert split_top(scores, 4)[0].tolist() == kept, ranker
     mean = torch.tensor([1.9, 0, 0, 0, 2.8, 0, 3.9, 5.65], dtype=torch.float64)  # var 0.39, .16, .79, .0775
-    assert split_top(mlp_scores("variance", energy, active, w2, mean), 4)[0].tolist() == [1, 2, 5, 6]
+    assert split_top(channel_scores("variance", channel_sums(energy, active, mean), w2), 4)[0].tolist() == [1, 2, 5, 6]
     assert split_top(energy / magnitude, 4)[0].tolist() == WRONG_COMBINED  # the test can tell them apart
 
 

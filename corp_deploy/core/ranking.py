@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from decimal import Decimal
 
 import torch
@@ -11,11 +12,6 @@ from torch import Tensor
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import obs
 from corp_deploy.core.stats import MlpStats
-
-RANKERS = ("energy", "magnitude", "combined", "active", "variance", "obs")
-"""MLP and V channel rankers (paper sec. 3.3, appendix E). ``combined`` = energy x magnitude is the paper's
-default; ``variance`` (centred second moment) is VBP's criterion; ``obs`` is greedy Optimal Brain Surgeon on the
-error CORP's compensation leaves (``obs``; Q/K keep the logit energy)."""
 
 
 def nearest_steps(units: float, round_to: int) -> int:
@@ -45,34 +41,70 @@ def kept_width(width: int, sparsity: float, round_to: int, what: str) -> int:
     return kept
 
 
-def mlp_scores(ranker: str, energy: Tensor, active_rate: Tensor, fc2_weight: Tensor, mean: Tensor) -> Tensor:
-    """Importance of each hidden channel; higher is kept.
+Ranker = Callable[[MlpStats, Tensor, float], Tensor]
+"""(the sums CORP gathered of a Linear's input, its weight (out, in) in float64, the ridge) -> one score per input
+channel (fc2: MLP channels; proj: V channels); higher is kept. Nested kept sets across widths come free: the top k."""
+RANKERS: dict[str, Ranker] = {}
+"""MLP and V channel rankers by name (paper sec. 3.3, appendix E): a new ranker is a function and a ``register``.
+``combined`` = energy x magnitude is the paper's default; ``variance`` (centred second moment) is VBP's criterion;
+``obs`` is greedy Optimal Brain Surgeon on the error CORP's compensation leaves (Q/K keep the logit energy)."""
 
-    energy = E[x_i^2], active_rate = P(|x_i| > eps), magnitude = ||W2[:, i]||_2, variance = E[x_i^2] - E[x_i]^2
-    (VBP: a channel's mean is what mean-shift compensation restores, so only its spread is lost).
-    """
-    magnitude = fc2_weight.double().norm(dim=0)
-    if ranker == "energy":
-        return energy
-    if ranker == "variance":
-        return (energy - mean.double().square()).clamp_min(0)
-    if ranker == "magnitude":
-        return magnitude
-    if ranker == "combined":
-        return energy * magnitude
-    if ranker == "active":
-        return active_rate
-    raise CorpError(f"unknown ranker {ranker!r}; choose one of {', '.join(RANKERS)}")
+
+def register(name: str) -> Callable[[Ranker], Ranker]:
+    def add(ranker: Ranker) -> Ranker:
+        RANKERS[name] = ranker
+        return ranker
+
+    return add
+
+
+def _magnitude(weight: Tensor) -> Tensor:
+    return weight.double().norm(dim=0)
+
+
+@register("energy")
+def energy(s: MlpStats, weight: Tensor, ridge: float) -> Tensor:
+    """E[x_i^2]."""
+    return s.second_moment().diagonal()
+
+
+@register("magnitude")
+def magnitude(s: MlpStats, weight: Tensor, ridge: float) -> Tensor:
+    """||W[:, i]||_2: data-free."""
+    return _magnitude(weight)
+
+
+@register("combined")
+def combined(s: MlpStats, weight: Tensor, ridge: float) -> Tensor:
+    """E[x_i^2] ||W[:, i]||_2: the paper's default."""
+    return energy(s, weight, ridge) * _magnitude(weight)
+
+
+@register("active")
+def active(s: MlpStats, weight: Tensor, ridge: float) -> Tensor:
+    """P(|x_i| > eps)."""
+    return s.active / s.count
+
+
+@register("variance")
+def variance(s: MlpStats, weight: Tensor, ridge: float) -> Tensor:
+    """E[x_i^2] - E[x_i]^2 (VBP: a channel's mean is what mean-shift compensation restores, so only its spread is
+    lost)."""
+    return (energy(s, weight, ridge) - s.mean().double().square()).clamp_min(0)
+
+
+@register("obs")
+def obs_order(s: MlpStats, weight: Tensor, ridge: float) -> Tensor:
+    """The step at which greedy OBS removes each channel (``obs.removal_order`` damped by ``ridge``), so the top k
+    are its kept set at width k, and the sets at all widths are nested as every ranker's."""
+    return obs.rank_scores(obs.removal_order(s.mean(), s.second_moment(), weight, ridge)[0])
 
 
 def channel_scores(ranker: str, s: MlpStats, weight: Tensor, ridge: float = 0.0) -> Tensor:
-    """``mlp_scores`` from the sums of a Linear's input (fc2: MLP channels; proj: V channels) and its weight.
-
-    ``obs``: the step at which greedy OBS removes each channel (``obs.removal_order`` damped by ``ridge``), so the
-    top k are its kept set at width k, and the sets at all widths are nested as every ranker's."""
-    if ranker == "obs":
-        return obs.rank_scores(obs.removal_order(s.mean(), s.second_moment(), weight, ridge)[0])
-    return mlp_scores(ranker, s.second_moment().diagonal(), s.active / s.count, weight, s.mean())
+    """``ranker``'s scores of a Linear's input channels (``RANKERS``)."""
+    if ranker not in RANKERS:
+        raise CorpError(f"unknown ranker {ranker!r}; choose one of {', '.join(RANKERS)}")
+    return RANKERS[ranker](s, weight, ridge)
 
 
 def value_scores(ranker: str, s: MlpStats, weight: Tensor, heads: int, group: int, ridge: float = 0.0) -> Tensor:
