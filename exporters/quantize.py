@@ -465,18 +465,32 @@ def quantize_verified(
             say(f"{out.name}: keeping {gemm} float ({why})")
     seconds = time.perf_counter() - start
     check(comparisons, tol, f"INT8 ONNX {out.name} against {src.name} on held-out {_unit(held_out)}")
-    proto = load_onnx(out, weights=False)
-    meta = read_metadata(proto)
-    verify = {"reference": f"{src.name} ({reference.name})", "runtime": candidate.name, **summary(comparisons)}
+    record = int8_record(src, out, comparisons, held_out, tol, seconds, reference.name, candidate.name)
+    write_sidecar(out, record)
+    return record
+
+
+def int8_record(
+    src: Path,
+    out: Path,
+    comparisons: Sequence[Comparison],
+    held_out: HeldOut,
+    tol: Tolerance,
+    seconds: float,
+    reference: str = "ort-cpu",
+    runtime: str = "ort-cpu",
+) -> dict[str, Any]:
+    """The sidecar record of the INT8 graph ``out`` quantized from ``src``: its metadata, size, and its check on the
+    held-out data (``comparisons``, from ``compare_on``)."""
+    verify = {"reference": f"{src.name} ({reference})", "runtime": runtime, **summary(comparisons)}
     if isinstance(held_out, dict):
         verify |= {"sequences": samples(held_out), "tokens": comparisons[-1].batch}
     else:
         verify |= {"images": comparisons[-1].batch}
     verify |= {"tolerance": asdict(tol)}
-    record = {**meta, "file": out.name, "bytes": onnx_bytes(out), "seconds": round(seconds, 2)}
-    record |= {"verify": verify, "quantized_from": src.name, "source_sha256": onnx_sha256(src)}
-    write_sidecar(out, record)
-    return record
+    record = {**read_metadata(load_onnx(out, weights=False)), "file": out.name, "bytes": onnx_bytes(out)}
+    record |= {"seconds": round(seconds, 2), "verify": verify, "quantized_from": src.name}
+    return record | {"source_sha256": onnx_sha256(src)}
 
 
 def _unit(held_out: HeldOut) -> str:
@@ -508,18 +522,28 @@ def quantize_graphs(
     text: Callable[[Any], Data] | None = None,
     say: Callable[[str], None] = print,
     smooth_alpha: float = SMOOTH_ALPHA,
+    recipes: Sequence[str] = ("static",),
+    batch: int = 32,
+    timer: Callable | None = None,
+    baseline: bool = False,
 ) -> list[dict[str, Any]]:
     """Quantize each (FP32 graph, INT8 file) pair, verified; every graph is checked before any data is read.
 
     Images are decoded once for graphs with the same preprocessing (dense and pruned of one model). A text
     encoder's graph needs ``text``: graph -> its ``Data`` (tokenized by the caller: the tokenizer is the model's,
     which this library does not load). Each INT8 file and its ``.json`` record appear only when verified.
+    ``recipes`` (``int8_recipes``: ``auto`` or names) are the candidates, the fastest that passes is kept, timed at
+    ``batch`` by ``timer`` (onnxruntime CPU by default). ``baseline``: also the quantize-only baseline of the pair
+    whose graph is ``dense.onnx`` (``int8_recipes.baseline_int8``), and every INT8 graph timed beside it.
     """
+    from corp_deploy.exporters.int8_recipes import BASELINE, Job, baseline_int8, choose_int8, int8_speed
+
     protos = [float_graph(src) for src, _ in pairs]
     for (src, _), proto in zip(pairs, protos, strict=True):
         if text is None and read_metadata(proto).get("modality") == "text":
             raise CorpError(f"{src} is a text encoder: its INT8 calibrates on text documents, which were not given")
-    for _, out in pairs:
+    dense = [out.with_name(f"{BASELINE}.int8.onnx") for src, out in pairs if baseline and src.name == "dense.onnx"]
+    for out in [out for _, out in pairs] + dense:
         check_writable(out, overwrite)
     info = {"source": str(source), "seed": seed}
     data: dict[str, Data] = {}
@@ -529,8 +553,14 @@ def quantize_graphs(
         if key not in data:
             load = text or (lambda p: calibration_data(source, p, num_calib, num_verify, seed, workers))
             data[key] = load(proto)
+        calib, held, folders = data[key]
+        job = Job(calib, held, tol, method, info | {"folders": folders}, smooth_alpha, say)
         with staged(out, overwrite) as stage:
-            calib, held, folders = data[key]
-            info_ = info | {"folders": folders}
-            records.append(quantize_verified(src, stage / out.name, calib, held, tol, method, info_, say, smooth_alpha))
+            records.append(choose_int8(src, stage / out.name, job, recipes, batch, timer))
+        if dense and src.name == "dense.onnx":
+            with staged(dense[0], overwrite) as stage:
+                base = baseline_int8(src, stage / dense[0].name, job)
+    if dense:
+        records.append(base)  # last: the reference row beside dense and pruned
+        int8_speed([*(src for src, _ in pairs), *(out for _, out in pairs), *dense], records, batch, timer, say)
     return records
