@@ -44,6 +44,7 @@ from corp_deploy.exporters.quantize import (
     _quiet_logging,
     _unit,
     compare_on,
+    counted,
     int8_record,
     quantize_verified,
 )
@@ -105,10 +106,10 @@ def _static(src: Path, out: Path, job: Job) -> None:
     quantize_verified(src, out, job.calibration, job.held_out, job.tol, job.method, job.info, job.say, job.smooth_alpha)
 
 
-def dynamic_int8(src: Path, out: Path, per_channel: bool, smoothing: dict[str, Any] | None = None) -> None:
+def dynamic_int8(src: Path, out: Path, per_channel: bool, metadata: dict[str, Any] | None = None) -> None:
     """onnxruntime's ``quantize_dynamic`` with its defaults (what a user's one line does): INT8 weights (per output
     channel or per tensor), activations quantized at run time per tensor (``DynamicQuantizeLinear``,
-    ``MatMulInteger``/``DynamicQuantizeMatMul``); the scheme recorded in the graph."""
+    ``MatMulInteger``/``DynamicQuantizeMatMul``); the scheme, and ``metadata``, recorded in the graph."""
     q = require("onnxruntime.quantization", "INT8 quantization")
     external = len(onnx_files(src)) > 1
     try:
@@ -132,18 +133,27 @@ def dynamic_int8(src: Path, out: Path, per_channel: bool, smoothing: dict[str, A
         "weights": f"int8 symmetric, per {'channel' if per_channel else 'tensor'}",
         "quantizer": "onnxruntime.quantization.quantize_dynamic",
     }
-    add_metadata(proto, {"precision": "int8", "int8_scheme": scheme, "int8_smoothing": smoothing or {}})
+    add_metadata(proto, {"precision": "int8", "int8_scheme": scheme, "int8_smoothing": {}, **(metadata or {})})
     onnx.save(proto, str(out))
+
+
+def calibration(job: Job, method: str) -> dict[str, Any]:
+    """``int8_calibration`` of a recipe that is not calibrated the static way: the data the choice had (the
+    calibration sample, and the held-out one its gate read, per folder) and what ``method`` made of it."""
+    return {"int8_calibration": {**counted(job.calibration), "method": method, **job.info}}
+
+
+DYNAMIC = "none: activation ranges are taken at run time (the calibration sample is not read)"
 
 
 @register("dynamic")
 def _dynamic(src: Path, out: Path, job: Job) -> None:
-    dynamic_int8(src, out, per_channel=True)
+    dynamic_int8(src, out, per_channel=True, metadata=calibration(job, DYNAMIC))
 
 
 @register("dynamic-per-tensor")
 def _dynamic_per_tensor(src: Path, out: Path, job: Job) -> None:
-    dynamic_int8(src, out, per_channel=False)
+    dynamic_int8(src, out, per_channel=False, metadata=calibration(job, DYNAMIC))
 
 
 @register("smooth-dynamic")
@@ -155,7 +165,9 @@ def _smooth_dynamic(src: Path, out: Path, job: Job) -> None:
         raise CorpError("smoothing is off (--smooth-alpha 0)")
     smoothed = out.with_name(f"smoothed-{out.name}")
     inputs = smooth(src, smoothed, job.calibration, job.smooth_alpha)
-    dynamic_int8(smoothed, out, per_channel=True, smoothing={"alpha": job.smooth_alpha, "inputs": inputs})
+    smoothing = {"int8_smoothing": {"alpha": job.smooth_alpha, "inputs": inputs}}
+    method = "smoothing: each GEMM input's channel max |x| over the calibration sample; activations at run time"
+    dynamic_int8(smoothed, out, per_channel=True, metadata=calibration(job, method) | smoothing)
     for f in onnx_files(smoothed):
         f.unlink()
 
@@ -277,7 +289,7 @@ class Candidate:
         if not self.comparisons:
             return self.error or "not run"
         cosine, rel = min(c.cosine for c in self.comparisons), max(c.rel_error for c in self.comparisons)
-        return f"cosine {cosine:.4f}, relative error {rel:.3f}"
+        return f"cosine {cosine:.6f}, relative error {rel:.3f}"
 
     def as_dict(self, tol: Tolerance) -> dict[str, Any]:
         figures = {}
@@ -330,10 +342,10 @@ def choose_int8(
         passing = [c for c in candidates if c.passed(job.tol)]
         if not passing:
             tried = "; ".join(f"{c.name}: {c.miss()}" for c in candidates)
+            gate = f"cosine (min {job.tol.min_cosine}), relative error (max {job.tol.max_rel_error:g})"
             raise CorpError(
                 f"INT8 ONNX {out.name} against {src.name} on held-out {_unit(job.held_out)}: no INT8 recipe passes "
-                f"the gate (min cosine {job.tol.min_cosine}, max relative error {job.tol.max_rel_error:g}): {tried}; "
-                "if this is expected, loosen --tol-cosine/--tol-rel"
+                f"the gate, {gate}: {tried}; if this is expected, loosen --tol-cosine/--tol-rel"
             )
         feed = timing_feed(load_onnx(src, weights=False), batch)
         if len(passing) > 1:
@@ -395,7 +407,7 @@ def baseline_int8(src: Path, out: Path, job: Job) -> dict[str, Any]:
     from onnxruntime in one line without pruning (``BASELINE_WHAT``), the reference every pruned INT8 graph is held
     to. Its gate figures are recorded, not enforced: it is the alternative, not an artifact of ours."""
     start = time.perf_counter()
-    dynamic_int8(src, out, per_channel=True)
+    dynamic_int8(src, out, per_channel=True, metadata=calibration(job, DYNAMIC))
     comparisons = compare_on(OrtRunner(src, "cpu"), OrtRunner(out, "cpu"), job.held_out)
     passes = all(c.within(job.tol) for c in comparisons)
     import onnx

@@ -268,7 +268,7 @@ def quantize_int8(
 
     quantized = load_onnx(out, weights=False)  # weights in external data stay where the quantizer wrote them
     float_elsewhere(quantized)
-    calibrated = {"samples" if isinstance(batches[0], dict) else "images": sum(samples(x) for x in batches)}
+    calibrated = counted(batches)
     add_metadata(
         quantized,
         {
@@ -285,6 +285,11 @@ def quantize_int8(
     onnx.save(quantized, str(out))
     check_onnx(out)
     return Path(out)
+
+
+def counted(batches: Sequence[Feed]) -> dict[str, int]:
+    """``{"images": n}`` or, for text feeds, ``{"samples": n}``: how much calibration data a record names."""
+    return {"samples" if isinstance(batches[0], dict) else "images": sum(samples(x) for x in batches)}
 
 
 def float_elsewhere(proto) -> None:
