@@ -297,9 +297,8 @@ class Candidate:
             figures = {"cosine": min(c.cosine for c in self.comparisons)}
             figures["rel_error"] = max(c.rel_error for c in self.comparisons)
         error = {"error": self.error} if self.error else {}
-        return {"recipe": self.recipe, "graph": self.graph, "passed": self.passed(tol), **figures, **error} | {
-            "p50_ms": self.p50_ms
-        }
+        record = {"recipe": self.recipe, "graph": self.graph, "passed": self.passed(tol), **figures, **error}
+        return record | {"p50_ms": self.p50_ms}
 
 
 def _run(recipe: Recipe, src: Path, candidate: Candidate, job: Job, reference: OrtRunner) -> Candidate:
@@ -326,7 +325,7 @@ def choose_int8(
     """Write the fastest of ``recipes``' INT8 graphs of ``src`` that passes the gate to ``out`` (callers stage it),
     with its sidecar; return its record. Refuses, in one line naming every candidate's miss, where none passes."""
     start = time.perf_counter()
-    names = parse_recipes(",".join(recipes)) if tuple(recipes) != (AUTO,) else tuple(RECIPES)
+    names = parse_recipes(",".join(recipes))
     reference = OrtRunner(src, "cpu")
     with tempfile.TemporaryDirectory(prefix=".int8-recipes-", dir=out.parent) as tmp:
         graphs: dict[str, Path] = {"plain": src}
