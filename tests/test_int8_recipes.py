@@ -245,3 +245,14 @@ def test_prune_export_int8_then_bench_show_and_gate_the_quantize_only_baseline(t
     assert json.loads((tmp_path / "c").read_text())["quantize_only_baseline"].startswith("made by bench")
     code, _, err = run([*bench, "--gate", "quantize-only", "--baseline", str(tmp_path / "b")], capsys)
     assert code == 1 and "without --baseline" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_int8_engine_is_refused_from_a_graph_of_another_recipe(vits, tmp_path, capsys) -> None:
+    src = _copy(vits["pruned"], tmp_path)
+    out = tmp_path / "pruned.int8.onnx"
+    choose_int8(src, out, _job(), ("dynamic",), 4, FakeTimer({}))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, _, err = run(["build-engine", str(out), "--precision", "int8", "--out", str(tmp_path / "e.plan")], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert "is not a Q/DQ graph (INT8 recipe dynamic)" in err and "--int8-recipe static" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

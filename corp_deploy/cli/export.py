@@ -275,12 +275,12 @@ def build_engine(
     plan = Path(out) if out else source.with_name(f"{stem}.{precision}.plan")
     check_writable(plan, overwrite)
     if precision == "int8":  # made by `quantize`, never converted here: it needs calibration images
-        require_precision(proto, source, precision)
-        if meta.get("int8_scheme", {}).get("format") != "QDQ":
+        if meta.get("precision") == "int8" and meta.get("int8_scheme", {}).get("format") != "QDQ":
             raise CorpError(
                 f"{source} is not a Q/DQ graph (INT8 recipe {meta.get('int8_recipe', {}).get('chosen', 'unknown')}); "
                 "TensorRT builds INT8 engines from Q/DQ only: quantize with --int8-recipe static"
             )
+        require_precision(proto, source, precision)
     select_flavour(options)  # fail before converting anything
     if precision == "fp16" and graph_precision(proto) == "fp32":
         source = fp16_graph(source, source.with_name(f"{stem}.fp16.onnx"), opts, click.echo)
