@@ -9,12 +9,14 @@ temporary folder (seconds). ``bench --gate quantize-only`` holds pruned INT8 to 
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from corp_deploy.bench.backends import Backend, RunFolder, cpu_step, inputs_for
 from corp_deploy.bench.measure import Step
 from corp_deploy.exporters.int8_recipes import BASELINE, BASELINE_WHAT, dynamic_int8
+from corp_deploy.exporters.onnx_export import onnx_files
 
 Loader = Callable[[RunFolder, str, bool, "int | None"], Callable[[int], Step]]
 
@@ -29,8 +31,10 @@ def baseline_graph(run: RunFolder, tmp: Path) -> tuple[Path, str]:
     kept = run.onnx(BASELINE, "int8")
     if kept.is_file():
         return kept, f"{kept.name} of the run folder ({BASELINE_WHAT})"
+    for f in onnx_files(run.onnx("dense")):  # a copy: onnxruntime's quantizer writes beside the graph it reads
+        shutil.copy(f, tmp / f.name)
     made = tmp / kept.name
-    dynamic_int8(run.onnx("dense"), made, per_channel=True)
+    dynamic_int8(tmp / "dense.onnx", made, per_channel=True)
     return made, f"made by bench from dense.onnx: {BASELINE_WHAT}"
 
 
