@@ -1,9 +1,11 @@
 """The latency regression gate: this run against a baseline record.
 
-Two modes. ``absolute`` compares each (backend, model, batch) p50 with the baseline's: right for a
+Three modes. ``absolute`` compares each (backend, model, batch) p50 with the baseline's: right for a
 dedicated CI machine. ``ratio`` compares each (backend, batch) pruned/dense p50 speedup: both
 models are measured interleaved in the same run, so a shared or throttled machine slows both and
-the ratio holds; what it catches is the pruned model losing its advantage.
+the ratio holds; what it catches is the pruned model losing its advantage. ``quantize-only`` needs no baseline
+record: in this run, pruned INT8 against the dense model quantized the runtime's own way (``bench.baseline``),
+timed in the same loop; pruned slower than it by more than the limit fails (``--max-regression 0``: it must win).
 
 A change equal to the limit passes ("beyond 5%" fails); every baseline measurement must be in this
 run, since a gate that quietly checks less is no gate.
@@ -20,7 +22,8 @@ from typing import Any
 from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.run import SCHEMA, SCHEMA_VERSION, label, measurement, pairs
 
-MODES = ("absolute", "ratio")
+MODES = ("absolute", "ratio", "quantize-only")
+QUANTIZE_ONLY = "quantize-only"
 TIE = 1e-9
 """Changes this close to the limit equal it: 10 -> 10.5 ms is 5%, not float division's 5.0000000000000044%."""
 
@@ -84,8 +87,8 @@ def regressed(change: float, limit: float) -> bool:
 
 def compare(current: dict[str, Any], baseline: dict[str, Any], max_regression: float, mode: str) -> list[Check]:
     """One check per baseline measurement; this run must hold every one of them."""
-    if mode not in MODES:
-        raise CorpError(f"--gate must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in MODES or mode == QUANTIZE_ONLY:
+        raise CorpError(f"a baseline record is compared with --gate absolute or ratio, got {mode!r}")
     if mode == "absolute":  # keyed (model, backend, batch[, phase, prompt length]): a decoder's phases apart
         base = {(r["model"], *measurement(r)): r["p50_ms"] for r in baseline["results"]}
         now = {(r["model"], *measurement(r)): r["p50_ms"] for r in current["results"]}
@@ -126,3 +129,20 @@ def format_checks(checks: list[Check], max_regression: float, mode: str) -> str:
             f"  {mark:9s} {c.key}: baseline {c.baseline:.3f}, now {c.current:.3f} ({abs(c.change):.1%} {direction})"
         )
     return "\n".join(lines)
+
+
+def against_quantize_only(record: dict[str, Any], max_regression: float) -> list[Check]:
+    """One check per INT8 (backend, batch) of this run timed beside the quantize-only baseline: pruned's p50 against
+    the baseline's (``current`` pruned, ``baseline`` the baseline's p50)."""
+    rows = [p for p in pairs(record) if p["precision"] == "int8" and "baseline_p50_ms" in p]
+    if not rows:
+        raise CorpError(
+            "--gate quantize-only needs pruned INT8 timed beside the quantize-only baseline: run the ort-cpu-int8 "
+            "backend on a folder with pruned.int8.onnx (prune-export --int8, or corp-deploy quantize)"
+        )
+    checks = []
+    for p in rows:
+        change = p["pruned_p50_ms"] / p["baseline_p50_ms"] - 1
+        key = label(measurement(p)) + " pruned vs quantize-only baseline p50 ms"
+        checks.append(Check(key, p["baseline_p50_ms"], p["pruned_p50_ms"], change, regressed(change, max_regression)))
+    return checks

@@ -50,14 +50,24 @@ DECODE_COLUMNS = (
 p50's (batch / p50), a prefill row's batch x prompt / p50."""
 
 
+BASELINE_COLUMNS = (
+    ("baseline_p50_ms", "quantize-only p50 ms", "{:.2f}"),
+    ("pruned_vs_baseline", "pruned vs quantize-only", "{:.2f}x"),
+)
+"""Where the quantize-only baseline was timed (``bench.baseline``): its p50 and pruned's speed against it."""
+
+
 def _columns(record: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
     if any("phase" in r for r in record["results"]):
         return DECODE_COLUMNS
-    return TEXT_COLUMNS if any("seq_len" in r for r in record["results"]) else COLUMNS
+    columns = TEXT_COLUMNS if any("seq_len" in r for r in record["results"]) else COLUMNS
+    return columns + (BASELINE_COLUMNS if any(r["model"] == "baseline" for r in record["results"]) else ())
 
 
 def _rows(record: dict[str, Any]) -> list[list[str]]:
-    return [[fmt.format(p[key]) for key, _, fmt in _columns(record)] for p in pairs(record)]
+    """One row per backend and batch; a cell the row has no figure for (the baseline beside torch) is empty."""
+    columns = _columns(record)
+    return [[fmt.format(p[key]) if key in p else "" for key, _, fmt in columns] for p in pairs(record)]
 
 
 def skipped_lines(skipped: dict[str, str]) -> list[str]:

@@ -13,6 +13,7 @@ from corp_deploy.base import env
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.bench.backends import BACKENDS, MODELS, Backend, RunFolder
 from corp_deploy.bench.measure import Method, interleaved, median_of_repeats, summarize
+from corp_deploy.exporters.int8_recipes import BASELINE
 from corp_deploy.exporters.tensorrt_engine import FLAVOURS
 
 SCHEMA = "corp-deploy/bench"
@@ -79,11 +80,16 @@ def benchmark(
     threads: int | None = None,
     skipped: dict[str, str] | None = None,
     progress: Callable[[str], None] = lambda line: None,
+    baseline: Callable | None = None,
 ) -> dict[str, Any]:
     """Measure; return the record that ``--json`` writes and the gate compares.
 
     A text run's results also hold ``seq_len`` (tokens per sequence); their throughput is sentences/s.
+    ``baseline``: the quantize-only baseline's loader (``bench.baseline.loader``), timed as a third model,
+    ``baseline``, in the same loop as dense and pruned on the onnxruntime CPU backends.
     """
+    from corp_deploy.bench.baseline import runs_beside
+
     method = method or Method()
     record = new_record(run, method, repeats, threads, skipped, include_copies=include_copies)
     tokens = {} if run.text is None else {"seq_len": run.text.seq_len}
@@ -91,6 +97,8 @@ def benchmark(
     for backend in backends:
         try:
             loaders = {m: backend.load(run, m, include_copies, threads) for m in MODELS}
+            if baseline is not None and runs_beside(backend):
+                loaders[BASELINE] = baseline(run, BASELINE, include_copies, threads)
         except (torch.cuda.OutOfMemoryError, CorpError) as e:  # this backend cannot run: the others still do
             record["skipped"][backend.name] = first_line(e)
             progress(f"{backend.name:{WIDTH}s} skipped ({first_line(e)})")
@@ -98,13 +106,14 @@ def benchmark(
         device = record["environment"]["gpu"] if backend.device == "cuda" else "cpu"
         for batch in batch_sizes:
             try:
-                steps = {m: loaders[m](batch) for m in MODELS}
+                steps = {m: loaders[m](batch) for m in loaders}
                 repeats_ = [interleaved(steps, method, warm_up=i == 0) for i in range(repeats)]
             except (torch.cuda.OutOfMemoryError, CorpError) as e:
                 record["skipped"][f"{backend.name}@{batch}"] = first_line(e)
                 progress(f"{backend.name:{WIDTH}s} batch {batch:4d}{shape}: skipped ({first_line(e)})")
                 continue
-            for m in MODELS:
+            measured = {}
+            for m in loaders:
                 stats = median_of_repeats([summarize(r[m], batch) for r in repeats_])
                 record["results"].append(
                     {
@@ -117,10 +126,12 @@ def benchmark(
                         **asdict(stats),
                     }
                 )
-            dense, pruned = record["results"][-2], record["results"][-1]
+                measured[m] = stats.p50_ms
+            dense, pruned = measured["dense"], measured["pruned"]
+            base = f", quantize-only baseline {measured[BASELINE]:8.2f} ms" if BASELINE in measured else ""
             progress(
-                f"{backend.name:{WIDTH}s} batch {batch:4d}{shape}: p50 dense {dense['p50_ms']:8.2f} ms, "
-                f"pruned {pruned['p50_ms']:8.2f} ms ({dense['p50_ms'] / pruned['p50_ms']:.2f}x)"
+                f"{backend.name:{WIDTH}s} batch {batch:4d}{shape}: p50 dense {dense:8.2f} ms, "
+                f"pruned {pruned:8.2f} ms ({dense / pruned:.2f}x){base}"
             )
         del loaders
         if torch.cuda.is_available():
@@ -148,7 +159,7 @@ def pairs(record: dict[str, Any]) -> list[dict[str, Any]]:
         by_key.setdefault(measurement(r), {})[r["model"]] = r
     out = []
     for (backend, batch, *_), models in by_key.items():
-        if set(models) != set(MODELS):
+        if not set(MODELS) <= set(models):
             continue
         d, p = models["dense"], models["pruned"]
         tokens = d.get("seq_len")
@@ -170,6 +181,15 @@ def pairs(record: dict[str, Any]) -> list[dict[str, Any]]:
                 "pruned_throughput": p["throughput"],
                 "throughput_ratio": p["throughput"] / d["throughput"],
                 **text,
+                **_beside_baseline(models),
             }
         )
     return out
+
+
+def _beside_baseline(models: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The quantize-only baseline's p50 and pruned's speed against it, where it was measured in this loop."""
+    if BASELINE not in models:
+        return {}
+    base = models[BASELINE]["p50_ms"]
+    return {"baseline_p50_ms": base, "pruned_vs_baseline": base / models["pruned"]["p50_ms"]}

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from corp_deploy.base.deps import require
-from corp_deploy.base.env import cpu_features, cpu_model
+from corp_deploy.base.env import cpu_features
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable, staged
 from corp_deploy.base.tables import text_table
@@ -120,7 +120,8 @@ def builder_options(recipe: str, scheme: Scheme) -> list[str]:
 
 def cpu_record() -> dict[str, Any]:
     """The CPU a timing is tied to: its model and the instruction sets MatMulNBits' kernels pick their path by."""
-    return {"cpu": cpu_model(), "flags": cpu_features()}
+    cpu = cpu_features()
+    return {"cpu": cpu["model"], "flags": cpu["flags"]}
 
 
 TIMING_PROMPT = 32

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from corp_deploy.base.env import describe_cpu
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_file, staged
 from corp_deploy.base.tables import text_table
@@ -289,11 +290,13 @@ def format_summary(record: dict[str, Any], params: dict[str, int] | None = None)
     """What ``prune-export`` prints: the ONNX files with their verification, then the engines."""
     params = params or {}
     rows = [("file", "precision", "MB", "params", "reference", "runtime", "max-abs", "cosine", "top-1", "seconds")]
+    timed = any("speed" in r for r in record["onnx"])
+    rows[0] += ("p50 ms", "vs quantize-only") if timed else ()
     for r in record["onnx"]:
         v, stem = r["verify"], r["file"].split(".")[0]
         rows.append(
             (
-                r["file"],
+                r["file"] + (" (quantize-only baseline)" if "int8_baseline" in r else ""),
                 r["precision"],
                 f"{r['bytes'] / 2**20:.1f}",
                 _millions(params.get(stem)),
@@ -304,8 +307,15 @@ def format_summary(record: dict[str, Any], params: dict[str, int] | None = None)
                 f"{v['top1']:.2f}",
                 f"{r['seconds']:.1f}",
             )
+            + (_speed(r.get("speed")) if timed else ())
         )
     lines = [text_table(rows)] if record["onnx"] else []
+    if timed:
+        speed = next(r["speed"] for r in record["onnx"] if "speed" in r)
+        lines.append(
+            f"p50: {speed['runtime']}, {speed['shape']}, {describe_cpu(speed['cpu'])}, every graph interleaved in one "
+            "run: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in speed["graphs_p50_ms"].items())
+        )
     if rewritten_graphs := [f"{r['file']} ({', '.join(r['rewrites'])})" for r in record["onnx"] if r.get("rewrites")]:
         lines.append(f"exact rewrites (verified above): {'; '.join(rewritten_graphs)}")
     if record["engines"]:
@@ -337,6 +347,13 @@ def format_engines(engines: Sequence[dict[str, Any]]) -> str:
         )
     notes = sorted({r["status"] for r in engines if r["status"] != VERIFIED})
     return "\n".join([text_table(rows), *(f"engines {note}" for note in notes)])
+
+
+def _speed(speed: dict[str, Any] | None) -> tuple[str, str]:
+    """An INT8 graph's p50 and its speed against the quantize-only baseline (``int8_recipes.int8_speed``)."""
+    if speed is None:
+        return "", ""
+    return f"{speed['p50_ms']:.1f}", f"{speed['vs_baseline']:.2f}x" if speed["vs_baseline"] else ""
 
 
 def _millions(n: int | None) -> str:

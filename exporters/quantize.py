@@ -32,7 +32,6 @@ hidden state at real tokens only.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import tempfile
 import time
@@ -46,7 +45,6 @@ import numpy as np
 
 from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError
-from corp_deploy.base.fsio import check_writable, staged
 from corp_deploy.exporters.compare import Comparison, Feed, Runner, Tolerance, check, compare_runners, summary
 from corp_deploy.exporters.onnx_export import (
     add_metadata,
@@ -268,7 +266,7 @@ def quantize_int8(
 
     quantized = load_onnx(out, weights=False)  # weights in external data stay where the quantizer wrote them
     float_elsewhere(quantized)
-    calibrated = {"samples" if isinstance(batches[0], dict) else "images": sum(samples(x) for x in batches)}
+    calibrated = counted(batches)
     add_metadata(
         quantized,
         {
@@ -285,6 +283,11 @@ def quantize_int8(
     onnx.save(quantized, str(out))
     check_onnx(out)
     return Path(out)
+
+
+def counted(batches: Sequence[Feed]) -> dict[str, int]:
+    """``{"images": n}`` or, for text feeds, ``{"samples": n}``: how much calibration data a record names."""
+    return {"samples" if isinstance(batches[0], dict) else "images": sum(samples(x) for x in batches)}
 
 
 def float_elsewhere(proto) -> None:
@@ -465,18 +468,32 @@ def quantize_verified(
             say(f"{out.name}: keeping {gemm} float ({why})")
     seconds = time.perf_counter() - start
     check(comparisons, tol, f"INT8 ONNX {out.name} against {src.name} on held-out {_unit(held_out)}")
-    proto = load_onnx(out, weights=False)
-    meta = read_metadata(proto)
-    verify = {"reference": f"{src.name} ({reference.name})", "runtime": candidate.name, **summary(comparisons)}
+    record = int8_record(src, out, comparisons, held_out, tol, seconds, reference.name, candidate.name)
+    write_sidecar(out, record)
+    return record
+
+
+def int8_record(
+    src: Path,
+    out: Path,
+    comparisons: Sequence[Comparison],
+    held_out: HeldOut,
+    tol: Tolerance,
+    seconds: float,
+    reference: str = "ort-cpu",
+    runtime: str = "ort-cpu",
+) -> dict[str, Any]:
+    """The sidecar record of the INT8 graph ``out`` quantized from ``src``: its metadata, size, and its check on the
+    held-out data (``comparisons``, from ``compare_on``)."""
+    verify = {"reference": f"{src.name} ({reference})", "runtime": runtime, **summary(comparisons)}
     if isinstance(held_out, dict):
         verify |= {"sequences": samples(held_out), "tokens": comparisons[-1].batch}
     else:
         verify |= {"images": comparisons[-1].batch}
     verify |= {"tolerance": asdict(tol)}
-    record = {**meta, "file": out.name, "bytes": onnx_bytes(out), "seconds": round(seconds, 2)}
-    record |= {"verify": verify, "quantized_from": src.name, "source_sha256": onnx_sha256(src)}
-    write_sidecar(out, record)
-    return record
+    record = {**read_metadata(load_onnx(out, weights=False)), "file": out.name, "bytes": onnx_bytes(out)}
+    record |= {"seconds": round(seconds, 2), "verify": verify, "quantized_from": src.name}
+    return record | {"source_sha256": onnx_sha256(src)}
 
 
 def _unit(held_out: HeldOut) -> str:
@@ -493,44 +510,3 @@ def calibration_data(
         folders = {"calibration": {SYNTHETIC: num_calib}, "verification": {SYNTHETIC: num_verify}}
         return noise_batches(num_calib, shape, seed), noise_batches(num_verify, shape, seed + 1), folders
     return folder_split(source, proto, num_calib, num_verify, seed, workers)
-
-
-def quantize_graphs(
-    pairs: Sequence[tuple[Path, Path]],
-    source: str | Path,
-    tol: Tolerance,
-    num_calib: int = 256,
-    num_verify: int = 64,
-    seed: int = 0,
-    method: str = "minmax",
-    workers: int = 0,
-    overwrite: bool = False,
-    text: Callable[[Any], Data] | None = None,
-    say: Callable[[str], None] = print,
-    smooth_alpha: float = SMOOTH_ALPHA,
-) -> list[dict[str, Any]]:
-    """Quantize each (FP32 graph, INT8 file) pair, verified; every graph is checked before any data is read.
-
-    Images are decoded once for graphs with the same preprocessing (dense and pruned of one model). A text
-    encoder's graph needs ``text``: graph -> its ``Data`` (tokenized by the caller: the tokenizer is the model's,
-    which this library does not load). Each INT8 file and its ``.json`` record appear only when verified.
-    """
-    protos = [float_graph(src) for src, _ in pairs]
-    for (src, _), proto in zip(pairs, protos, strict=True):
-        if text is None and read_metadata(proto).get("modality") == "text":
-            raise CorpError(f"{src} is a text encoder: its INT8 calibrates on text documents, which were not given")
-    for _, out in pairs:
-        check_writable(out, overwrite)
-    info = {"source": str(source), "seed": seed}
-    data: dict[str, Data] = {}
-    records = []
-    for (src, out), proto in zip(pairs, protos, strict=True):
-        key = json.dumps([str(proto.graph.input), read_metadata(proto).get("preprocessing")])
-        if key not in data:
-            load = text or (lambda p: calibration_data(source, p, num_calib, num_verify, seed, workers))
-            data[key] = load(proto)
-        with staged(out, overwrite) as stage:
-            calib, held, folders = data[key]
-            info_ = info | {"folders": folders}
-            records.append(quantize_verified(src, stage / out.name, calib, held, tol, method, info_, say, smooth_alpha))
-    return records

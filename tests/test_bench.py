@@ -290,6 +290,7 @@ def test_real_bench_run_writes_every_output_and_gates(run_dir, tmp_path, capsys)
     pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install '.[bench]')")
     outputs = {k: tmp_path / f"b.{k}" for k in ("json", "csv", "md", "png")}
     argv = ["bench", str(run_dir), "--batch-sizes", "1,2", "--backends", "torch-cpu-fp32,ort-cpu-fp32", *FAST]
+    argv += ["--no-quantize-only"]  # dense and pruned only (the baseline beside them: test_int8_recipes.py)
     argv += ["--json", str(outputs["json"]), "--csv", str(outputs["csv"]), "--markdown", str(outputs["md"])]
     code, stdout, stderr = run([*argv, "--plot", str(outputs["png"])], capsys)
     assert code == 0, stderr

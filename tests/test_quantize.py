@@ -194,7 +194,9 @@ def test_quantize_a_run_folder_then_bench_and_eval_its_int8_graphs(tmp_path, cap
     assert run(argv, capsys)[0] == 0
     _, skipped = select("auto", RunFolder.open(run_dir))
     assert "corp-deploy quantize" in skipped["ort-cpu-int8"]
-    code, out, err = run(["quantize", str(run_dir), "--calib-dir", str(images), "--int8-calib", "12"], capsys)
+    code, out, err = run(
+        ["quantize", str(run_dir), "--calib-dir", str(images), "--int8-calib", "12", "--int8-recipe", "static"], capsys
+    )
     assert code == 0, err
     assert "dense.int8.onnx" in out and "pruned.int8.onnx" in out and "int8" in out
     for m in ("dense", "pruned"):
@@ -207,7 +209,9 @@ def test_quantize_a_run_folder_then_bench_and_eval_its_int8_graphs(tmp_path, cap
     assert run([*bench, *fast], capsys)[0] == 0
     points = json.loads((tmp_path / "b").read_text())["results"]
     assert {(p["backend"], p["model"], p["batch"]) for p in points} == {
-        ("ort-cpu-int8", m, b) for m in ("dense", "pruned") for b in (1, 2)
+        ("ort-cpu-int8", m, b)
+        for m in ("dense", "pruned", "baseline")
+        for b in (1, 2)  # + the quantize-only baseline
     }
     code, out, err = run(
         ["eval", str(run_dir), "--images", str(images), "--backends", "ort-cpu-fp32,ort-cpu-int8", "--quiet"], capsys
@@ -227,7 +231,7 @@ def test_prune_export_int8_writes_verified_int8_graphs(tmp_path, capsys) -> None
     assert code == 0, err
     record = json.loads((out / "export.json").read_text())
     int8 = [r for r in record["onnx"] if r["precision"] == "int8"]
-    assert [r["file"] for r in int8] == ["dense.int8.onnx", "pruned.int8.onnx"]
+    assert [r["file"] for r in int8] == ["dense.int8.onnx", "pruned.int8.onnx", "baseline.int8.onnx"]
     assert all(r["verify"]["cosine"] >= INT8.min_cosine for r in int8)
     assert "pruned.int8.onnx" in stdout
 
@@ -252,7 +256,7 @@ def test_int8_graphs_with_external_data_from_prune_export_are_read_by_bench_and_
     fast = ["--min-iters", "1", "--min-seconds", "0", "--warmup-iters", "0", "--warmup-seconds", "0"]
     bench = ["bench", str(out), "--batch-sizes", "2", "--backends", "ort-cpu-int8", "--json", str(tmp_path / "b")]
     assert run([*bench, *fast], capsys)[0] == 0
-    assert len(json.loads((tmp_path / "b").read_text())["results"]) == 2
+    assert len(json.loads((tmp_path / "b").read_text())["results"]) == 3  # dense, pruned and the quantize-only baseline
 
 
 def _leftovers(folder: Path) -> set[str]:

@@ -92,6 +92,7 @@ FAST = ["--warmup-iters", "1", "--warmup-seconds", "0", "--min-iters", "2", "--m
 def test_bench_times_dense_and_pruned_text_in_sentences_and_tokens(text_run, tmp_path, capsys) -> None:
     out = tmp_path / "bench.json"
     argv = ["bench", str(text_run), "--backends", "ort-cpu-fp32,torch-cpu-fp32", "--batch-sizes", "1,3", *FAST]
+    argv += ["--no-quantize-only"]  # dense and pruned only (the baseline beside them: test_int8_recipes.py)
     code, stdout, stderr = run([*argv, "--seq-len", "20", "--json", str(out)], capsys)
     assert code == 0, stderr
     record = json.loads(out.read_text())

@@ -29,8 +29,8 @@ from corp_deploy.bench.report import skipped_lines
 from corp_deploy.bench.run import benchmark, pairs
 from corp_deploy.core.pruner import COMPENSATIONS, PruneConfig
 from corp_deploy.exporters.compare import INT8
+from corp_deploy.exporters.int8_recipes import quantize_graphs
 from corp_deploy.exporters.pipeline import export_verified
-from corp_deploy.exporters.quantize import quantize_graphs
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.formats import calibration, sources
 from corp_deploy.formats.offline import datasets, img_focus

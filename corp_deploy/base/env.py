@@ -8,6 +8,7 @@ when a function runs, not when this module is imported: it is a room that import
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
@@ -36,20 +37,26 @@ def cpu_model() -> str:
     return cpu_name()
 
 
-CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
-"""The instruction sets onnxruntime's CPU kernels choose their INT8/INT4 paths by (``/proc/cpuinfo`` names)."""
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+"""The x86 features onnxruntime's INT8 kernels dispatch on (VNNI dot products, AMX tiles): an INT8 speed figure
+means little without them."""
 
 
-def cpu_features() -> list[str]:
-    """Which of ``CPU_FEATURES`` the CPU has (``/proc/cpuinfo``'s flags; empty where the OS does not say): a CPU
-    timing of quantized kernels depends on them as much as on the model name."""
+def cpu_features() -> dict[str, Any]:
+    """The CPU's model and which of ``CPU_FLAGS`` it has (``/proc/cpuinfo``); ``flags`` is None where the OS does not
+    say (not Linux): unknown, not absent."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    flags = set(line.partition(":")[2].split())
-    return [f for f in CPU_FEATURES if f in flags]
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+        flags: list[str] | None = [f for f in CPU_FLAGS if f in line.partition(":")[2].split()]
+    except (OSError, StopIteration):
+        flags = None
+    return {"model": cpu_model(), "flags": flags, "cores": os.cpu_count()}
+
+
+def describe_cpu(features: dict[str, Any]) -> str:
+    """``cpu_features`` in words: ``AMD EPYC (avx2, avx512f, avx512_vnni)``."""
+    flags = features["flags"]
+    return f"{features['model']} ({'flags unknown' if flags is None else ', '.join(flags) or 'no AVX2, AVX-512, AMX'})"
 
 
 def device_name(device: Any) -> str:
@@ -114,6 +121,7 @@ def environment(threads: int, gpu_modules: Mapping[str, str] | None = None) -> d
 
     env: dict[str, Any] = {
         "cpu": cpu_name(),
+        "cpu_features": cpu_features(),
         "torch_threads": threads,
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -6,6 +6,7 @@ import functools
 import json
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ from corp_deploy.bench import gate
 from corp_deploy.bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
 from corp_deploy.bench.backends import RunFolder, rewrites_on
 from corp_deploy.bench.backends import select as select_backends
+from corp_deploy.bench.baseline import baseline_graph, runs_beside
+from corp_deploy.bench.baseline import loader as baseline_loader
 from corp_deploy.bench.decode import NEW_TOKENS, PROMPTS, decode_benchmark, parse_prompts
 from corp_deploy.bench.decode import select as select_decoders
 from corp_deploy.bench.drop import METRICS, declared_pooling, default_metric
@@ -104,7 +107,14 @@ from corp_deploy.plan import latency, speed
     type=click.Choice(gate.MODES),
     default="absolute",
     show_default=True,
-    help="absolute (p50) or ratio (speedup).",
+    help="absolute (p50) or ratio (speedup) against --baseline; quantize-only: pruned INT8 against the dense model "
+    "quantized by onnxruntime's quantize_dynamic, timed in this run (no --baseline).",
+)
+@click.option(
+    "--no-quantize-only",
+    is_flag=True,
+    help="Leave out the quantize-only baseline (the dense graph through onnxruntime's quantize_dynamic), otherwise "
+    "timed beside dense and pruned on the onnxruntime CPU backends.",
 )
 def bench(
     run_dir: str,
@@ -124,6 +134,7 @@ def bench(
     baseline: str | None,
     max_regression: str,
     gate_mode: str,
+    no_quantize_only: bool,
 ) -> None:
     """Time dense against pruned from a prune-export RUN_DIR on every backend this machine has.
 
@@ -140,6 +151,12 @@ def bench(
     prompts = parse_prompts(prompt_lens, run.graph.get("max_positions", 0), new_tokens) if run.decoder else []
     method = bench_method(timing)
     limit = gate.parse_fraction(max_regression)
+    quantize_only = gate_mode == gate.QUANTIZE_ONLY
+    if quantize_only and (baseline or no_quantize_only or run.decoder):
+        raise CorpError(
+            "--gate quantize-only gates this run's pruned INT8 against the quantize-only baseline timed beside it: "
+            "an encoder or image run, without --baseline and --no-quantize-only"
+        )
     reference = gate.load_baseline(baseline) if baseline else None
     for path in (json_out, csv_out, markdown, plot):
         if path:
@@ -158,7 +175,13 @@ def bench(
             f"method: {method.describe()}; {repeats} repeat(s); inputs on the device"
             + (" (host copies timed)" if include_copies else " (copies not timed)")
         )
-        record = benchmark(run, chosen, sizes, method, repeats, include_copies, threads, skipped, click.echo)
+        with tempfile.TemporaryDirectory(prefix="corp-bench-baseline-") as tmp:
+            base = None if no_quantize_only else _quantize_only(run, chosen, Path(tmp), skipped)
+            record = benchmark(
+                run, chosen, sizes, method, repeats, include_copies, threads, skipped, click.echo, base and base[0]
+            )
+        if base:
+            record["quantize_only_baseline"] = base[1]
     env = record["environment"]
     click.echo(
         f"{record['model']} | cpu {env['cpu']} ({env['torch_threads']} threads)"
@@ -181,12 +204,28 @@ def bench(
     if plot:
         with atomic_file(plot, overwrite=True) as tmp:
             draw(record, tmp)
-    if reference is not None:
-        checks = gate.compare(record, reference, limit, gate_mode)
+    if reference is not None or quantize_only:
+        checks = (
+            gate.against_quantize_only(record, limit)
+            if quantize_only
+            else gate.compare(record, reference, limit, gate_mode)
+        )
         click.echo(gate.format_checks(checks, limit, gate_mode))
         bad = sum(c.regressed for c in checks)
         if bad:
             raise CorpError(f"latency regression: {bad} of {len(checks)} checks beyond {limit:.1%} ({gate_mode} gate)")
+
+
+def _quantize_only(run: RunFolder, backends: list, tmp: Path, skipped: dict[str, str]) -> tuple | None:
+    """(the quantize-only baseline's loader, where its graph came from) when an onnxruntime CPU backend runs and the
+    run folder has dense.onnx; else None, the reason in ``skipped``."""
+    if not any(runs_beside(b) for b in backends):
+        return None
+    if not run.onnx("dense").is_file():
+        skipped["quantize-only baseline"] = f"no dense.onnx in {run.root} to quantize"
+        return None
+    graph, origin = baseline_graph(run, tmp)
+    return baseline_loader(graph), origin
 
 
 def _text_eval(

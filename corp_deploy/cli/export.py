@@ -47,6 +47,7 @@ from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.genai import CONFIG, GENAI_SUFFIX, GRAPH, NEW_TOKENS, tokenizer_files, write_genai_folder
 from corp_deploy.exporters.int4 import INT4_SUFFIX, format_int4, int4_graphs
 from corp_deploy.exporters.int4_quant import Scheme, decoder_graph
+from corp_deploy.exporters.int8_recipes import parse_recipes, quantize_graphs
 from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import (
     VerifyOptions,
@@ -59,7 +60,7 @@ from corp_deploy.exporters.pipeline import (
     is_text,
     write_export_record,
 )
-from corp_deploy.exporters.quantize import Data, quantize_graphs
+from corp_deploy.exporters.quantize import Data
 from corp_deploy.exporters.rewrites import parse_rewrites
 from corp_deploy.exporters.tensorrt_engine import PRECISIONS, build_missing, require_precision, select_flavour
 from corp_deploy.families.hf import hub as hf
@@ -284,6 +285,11 @@ def build_engine(
     plan = Path(out) if out else source.with_name(f"{stem}.{precision}.plan")
     check_writable(plan, overwrite)
     if precision == "int8":  # made by `quantize`, never converted here: it needs calibration images
+        if meta.get("precision") == "int8" and meta.get("int8_scheme", {}).get("format") != "QDQ":
+            raise CorpError(
+                f"{source} is not a Q/DQ graph (INT8 recipe {meta.get('int8_recipe', {}).get('chosen', 'unknown')}); "
+                "TensorRT builds INT8 engines from Q/DQ only: quantize with --int8-recipe static"
+            )
         require_precision(proto, source, precision)
     select_flavour(options)  # fail before converting anything
     if precision == "fp16" and graph_precision(proto) == "fp32":
@@ -324,6 +330,8 @@ def quantize(
     int8_verify: int,
     calib_method: str,
     smooth_alpha: float,
+    int8_recipe: str,
+    int8_batch: int,
     int4: dict[str, Any],
     tol_cosine: float | None,
     tol_rel: float | None,
@@ -343,6 +351,7 @@ def quantize(
         _quantize_int4(Path(source), calibration_source(calib_dir, calib, True), int4, seed, overwrite)
         return
     pairs = _int8_pairs(Path(source))
+    recipes = parse_recipes(int8_recipe)
     metas = [read_metadata(load_onnx(g, weights=False)) for g, _ in pairs]
     data = calibration_source(calib_dir, calib, any(is_text(m) for m in metas))
     for _, out in pairs:
@@ -367,9 +376,12 @@ def quantize(
         text,
         click.echo,
         smooth_alpha,
+        recipes,
+        int8_batch,
+        baseline=True,
     )
     click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}))
-    click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
+    click.echo(f"wrote {', '.join(str(out.parent / r['file']) for r in records)} (each with a .json record)")
 
 
 def _quantize_int4(source: Path, data: str, int4: dict[str, Any], seed: int, overwrite: bool) -> None:
@@ -459,6 +471,8 @@ def prune_export(
     int8_verify: int,
     calib_method: str,
     smooth_alpha: float,
+    int8_recipe: str,
+    int8_batch: int,
     int4: dict[str, Any],
     out: str | None,
     overwrite: bool,
@@ -478,6 +492,7 @@ def prune_export(
     """
     started = time.perf_counter()
     precisions_ = precisions(precision)
+    recipes = parse_recipes(int8_recipe, engines="int8" in precisions_)
     text = hf.modality(prune_args["model"]) == "text"
     decoder = text and genai.is_decoder(prune_args["model"])
     _int4_refused(precisions_, decoder)
@@ -511,6 +526,9 @@ def prune_export(
             workers=prune_args["workers"] or 0,
             text=feeds,
             say=click.echo,
+            recipes=recipes,
+            batch=int8_batch,
+            baseline=True,
         )
     rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
     run = pruned(config, **prune_args, keep_dense=True, transformers=True, latency_rounds=rounds, rewrites=rewrites_)

@@ -391,6 +391,21 @@ int8_options = group(
         help="When INT8 misses its gate, SmoothQuant moves this much of each GEMM input's range into its "
         "weights before any GEMM is kept float (0: never).",
     ),
+    click.option(
+        "--int8-recipe",
+        default="auto",
+        show_default=True,
+        help="auto: every INT8 recipe (static Q/DQ, onnxruntime's dynamic per channel / per tensor, smoothed "
+        "dynamic; on the plain and the verified fused graph) is gated and the fastest that passes kept; only static "
+        "where INT8 engines are built. Or a comma list of them (corp_deploy.exporters.int8_recipes).",
+    ),
+    click.option(
+        "--int8-batch",
+        default=32,
+        show_default=True,
+        type=click.IntRange(1),
+        help="The batch INT8 recipes are timed at on onnxruntime CPU (text: x the exported --seq-len tokens).",
+    ),
 )
 
 int4_options = group(

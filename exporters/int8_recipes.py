@@ -1,0 +1,512 @@
+"""INT8 recipes, and the choice among them: the fastest INT8 graph that passes the gate on this CPU (issue 43).
+
+A user's one-line alternative to the project's INT8 is onnxruntime's own ``quantize_dynamic``; on MiniLM it is faster
+than the static Q/DQ graph (docs/BENCHMARKS.md, "INT8 recipes"), on a ViT it is not, and which recipe is fastest
+depends on the CPU's INT8 instructions (AVX-512 VNNI, AMX). So no recipe is chosen once for all: each is a small
+function registered by name (``RECIPES``, ``register``), and ``choose_int8`` runs every candidate on the graph, gates
+each against the FP32 graph on the held-out data (the existing INT8 gate, ``quantize.compare_on``), times those that
+pass on onnxruntime's CPU provider at the batch the graph is exported for (interleaved, repeated, ``ort_timer``), and
+keeps the fastest. The choice, every candidate's gate figures and timing, and the CPU's features are written into the
+graph's metadata (``int8_recipe``) and its sidecar; one line per graph says what was chosen and why.
+
+Fusions: the FP32 graph is also put through onnxruntime's transformer optimizer (``fuse``: SkipLayerNormalization,
+BiasGelu; ``bert`` for text encoders, ``vit`` for images) and the fused graph kept only where it matches the FP32
+graph within the FP32 tolerance on the held-out data; each fusable recipe is then a candidate on both graphs, so a
+fusion ships only where it is verified and faster. The optimizer fuses no ``Attention`` in our exported graphs: its
+attention patterns expect the mask as ``(1 - mask) * -10000`` added to the scores and Q K^T scaled after the MatMul,
+while torch's exported SDPA scales Q and K each by sqrt(scale) and masks with ``Where`` (docs/BENCHMARKS.md).
+
+TensorRT parses Q/DQ graphs only: INT8 engines are built from the ``static`` recipe (``ENGINE_RECIPES``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from corp_deploy.base.deps import require
+from corp_deploy.base.env import cpu_features, describe_cpu
+from corp_deploy.base.errors import CorpError, first_line
+from corp_deploy.base.fsio import check_writable, staged
+from corp_deploy.bench.measure import Method, interleaved
+from corp_deploy.exporters.compare import FP32, Comparison, Feed, Tolerance
+from corp_deploy.exporters.onnx_export import add_metadata, input_shape, load_onnx, onnx_files, read_metadata
+from corp_deploy.exporters.quantize import (
+    Data,
+    HeldOut,
+    _inferred_copy_removed,
+    _quiet_logging,
+    _unit,
+    calibration_data,
+    compare_on,
+    counted,
+    float_graph,
+    int8_record,
+    quantize_verified,
+)
+from corp_deploy.exporters.runners import OrtRunner
+from corp_deploy.exporters.smooth import SMOOTH_ALPHA, smooth
+
+TIME_BATCH = 32
+"""The batch INT8 candidates are timed at (``--int8-batch``); a text graph's at its exported sequence length."""
+TIME_METHOD = Method(warmup_iters=2, warmup_seconds=0.2, min_iters=5, min_seconds=0.5, round_iters=1)
+TIME_REPEATS = 3
+BASELINE = "baseline"
+"""The stem of the quantize-only baseline, ``baseline.int8.onnx``: the dense graph as onnxruntime quantizes it."""
+BASELINE_WHAT = "onnxruntime.quantization.quantize_dynamic(dense.onnx, per_channel=True, weight_type=QInt8)"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every recipe may read: the calibration and held-out data of one FP32 graph, and the gate."""
+
+    calibration: list[Feed]
+    held_out: HeldOut
+    tol: Tolerance
+    method: str = "minmax"
+    info: dict[str, Any] = field(default_factory=dict)
+    smooth_alpha: float = SMOOTH_ALPHA
+    say: Callable[[str], None] = print
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    write: Callable[[Path, Path, Job], None]
+    """(FP32 graph, INT8 file, job): writes the INT8 graph with its ``int8_scheme`` metadata; raises ``CorpError``
+    where it cannot (the static recipe when its own fallbacks still miss the gate)."""
+    fusable: bool
+    """Also a candidate on the fused FP32 graph (onnxruntime contrib ops: not a graph TensorRT parses)."""
+    qdq: bool
+    """Writes Q/DQ: TensorRT builds INT8 engines from it."""
+
+
+RECIPES: dict[str, Recipe] = {}
+AUTO = "auto"
+
+
+def register(name: str, fusable: bool = True, qdq: bool = False) -> Callable:
+    """Add a recipe to ``RECIPES`` under ``name`` (``--int8-recipe``); ``auto`` tries them all."""
+
+    def add(write: Callable[[Path, Path, Job], None]) -> Callable[[Path, Path, Job], None]:
+        RECIPES[name] = Recipe(name, write, fusable, qdq)
+        return write
+
+    return add
+
+
+@register("static", fusable=False, qdq=True)
+def _static(src: Path, out: Path, job: Job) -> None:
+    """The project's static Q/DQ (``quantize.quantize_verified``): symmetric, GEMM inputs only, SmoothQuant and
+    float GEMMs while it misses the gate."""
+    quantize_verified(src, out, job.calibration, job.held_out, job.tol, job.method, job.info, job.say, job.smooth_alpha)
+
+
+def dynamic_int8(src: Path, out: Path, per_channel: bool, metadata: dict[str, Any] | None = None) -> None:
+    """onnxruntime's ``quantize_dynamic`` with its defaults (what a user's one line does): INT8 weights (per output
+    channel or per tensor), activations quantized at run time per tensor (``DynamicQuantizeLinear``,
+    ``MatMulInteger``/``DynamicQuantizeMatMul``); the scheme, and ``metadata``, recorded in the graph."""
+    q = require("onnxruntime.quantization", "INT8 quantization")
+    external = len(onnx_files(src)) > 1
+    try:
+        with warnings.catch_warnings(), _quiet_logging(), _inferred_copy_removed(src):
+            warnings.simplefilter("ignore")
+            q.quantize_dynamic(
+                str(src),
+                str(out),
+                weight_type=q.QuantType.QInt8,
+                per_channel=per_channel,
+                use_external_data_format=external,
+            )
+    except Exception as e:
+        raise CorpError(f"dynamic INT8 of {src} failed: {type(e).__name__}: {first_line(e)}") from None
+    import onnx
+
+    proto = load_onnx(out, weights=False)
+    scheme = {
+        "format": "QOperator (dynamic)",
+        "activations": "uint8 asymmetric, per tensor, quantized at run time",
+        "weights": f"int8 symmetric, per {'channel' if per_channel else 'tensor'}",
+        "quantizer": "onnxruntime.quantization.quantize_dynamic",
+    }
+    add_metadata(proto, {"precision": "int8", "int8_scheme": scheme, "int8_smoothing": {}, **(metadata or {})})
+    onnx.save(proto, str(out))
+
+
+def calibration(job: Job, method: str) -> dict[str, Any]:
+    """``int8_calibration`` of a recipe that is not calibrated the static way: the data the choice had (the
+    calibration sample, and the held-out one its gate read, per folder) and what ``method`` made of it."""
+    return {"int8_calibration": {**counted(job.calibration), "method": method, **job.info}}
+
+
+DYNAMIC = "none: activation ranges are taken at run time (the calibration sample is not read)"
+
+
+@register("dynamic")
+def _dynamic(src: Path, out: Path, job: Job) -> None:
+    dynamic_int8(src, out, per_channel=True, metadata=calibration(job, DYNAMIC))
+
+
+@register("dynamic-per-tensor")
+def _dynamic_per_tensor(src: Path, out: Path, job: Job) -> None:
+    dynamic_int8(src, out, per_channel=False, metadata=calibration(job, DYNAMIC))
+
+
+@register("smooth-dynamic")
+def _smooth_dynamic(src: Path, out: Path, job: Job) -> None:
+    """SmoothQuant's migration (``smooth``, strength ``--smooth-alpha``) then dynamic INT8: the outlier channels
+    (BERT's channel 99) move into the per-channel weight scales, so the per-tensor run-time activation scale fits
+    the rest (all-MiniLM-L6-v2: worst held-out token 0.965 dynamic, 0.985 smoothed)."""
+    if job.smooth_alpha <= 0:
+        raise CorpError("smoothing is off (--smooth-alpha 0)")
+    smoothed = out.with_name(f"smoothed-{out.name}")
+    inputs = smooth(src, smoothed, job.calibration, job.smooth_alpha)
+    smoothing = {"int8_smoothing": {"alpha": job.smooth_alpha, "inputs": inputs}}
+    method = "smoothing: each GEMM input's channel max |x| over the calibration sample; activations at run time"
+    dynamic_int8(smoothed, out, per_channel=True, metadata=calibration(job, method) | smoothing)
+    for f in onnx_files(smoothed):
+        f.unlink()
+
+
+ENGINE_RECIPES = tuple(name for name, r in RECIPES.items() if r.qdq)
+
+
+def parse_recipes(text: str, engines: bool = False) -> tuple[str, ...]:
+    """``--int8-recipe``: ``auto`` (every recipe; only the Q/DQ ones when INT8 engines are built from the graph) or
+    a comma list of ``RECIPES``' names."""
+    if text == AUTO:
+        return ENGINE_RECIPES if engines else tuple(RECIPES)
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown or not names:
+        raise CorpError(f"--int8-recipe takes auto or a comma list of {', '.join(RECIPES)}, got {text!r}")
+    if engines and (not_qdq := [n for n in names if not RECIPES[n].qdq]):
+        raise CorpError(
+            f"INT8 engines are built from Q/DQ graphs, which --int8-recipe {', '.join(not_qdq)} does not write; "
+            f"use --int8-recipe auto or {', '.join(ENGINE_RECIPES)}"
+        )
+    return names
+
+
+def fuse(src: Path, dst: Path) -> dict[str, int]:
+    """onnxruntime's transformer optimizer on ``src`` (``bert`` for a text encoder, ``vit`` for images; heads and
+    width detected per graph, as a pruned graph's differ per layer) -> ``dst``; returns the fused ops' counts.
+    Unverified: ``fused_graph`` checks it."""
+    optimizer = require("onnxruntime.transformers.optimizer", "INT8 fusions")
+    kind = "bert" if read_metadata(load_onnx(src, weights=False)).get("modality") == "text" else "vit"
+    with warnings.catch_warnings(), _quiet_logging():
+        warnings.simplefilter("ignore")
+        model = optimizer.optimize_model(str(src), model_type=kind, num_heads=0, hidden_size=0, opt_level=0)
+        model.save_model_to_file(str(dst))
+    return {op: n for op, n in model.get_fused_operator_statistics().items() if n}
+
+
+def fused_graph(src: Path, dst: Path, reference: OrtRunner, held_out: HeldOut) -> tuple[Path | None, dict]:
+    """(the fused graph, its record), or (None, why not): kept only where it fuses something and matches ``src``
+    within the FP32 tolerance on the held-out data."""
+    if len(onnx_files(src)) > 1:
+        return None, {"skipped": "the graph keeps its weights in external data (over 2 GB); not fused"}
+    try:
+        fused = fuse(src, dst)
+    except Exception as e:  # the optimizer's pattern matching is not ours to fix: the graph stays unfused
+        return None, {"skipped": f"onnxruntime's transformer optimizer failed: {type(e).__name__}: {first_line(e)}"}
+    if not fused:
+        return None, {"skipped": "onnxruntime's transformer optimizer fused nothing"}
+    comparisons = compare_on(reference, OrtRunner(dst, "cpu"), held_out)
+    worst = min(comparisons, key=lambda c: c.cosine)
+    record = {"fused": fused, "cosine": worst.cosine, "rel_error": max(c.rel_error for c in comparisons)}
+    if not all(c.within(FP32) for c in comparisons):
+        return None, record | {"skipped": f"the fused graph does not match the FP32 graph within {FP32}"}
+    return dst, record
+
+
+Timer = Callable[[dict[str, Path], Feed], dict[str, float]]
+"""(graphs by name, one batch) -> each graph's p50 latency in ms, all measured in the same run."""
+
+
+def ort_timer(threads: int | None = None, method: Method = TIME_METHOD, repeats: int = TIME_REPEATS) -> Timer:
+    """onnxruntime's CPU provider: every graph warmed up, then timed interleaved (``bench.measure.interleaved``),
+    ``repeats`` times; each graph's p50 is the median over the repeats."""
+
+    def time_graphs(graphs: dict[str, Path], feed: Feed) -> dict[str, float]:
+        runners = {name: OrtRunner(path, "cpu", threads) for name, path in graphs.items()}
+        steps = {name: _timed(runner, feed) for name, runner in runners.items()}
+        runs = [interleaved(steps, method, warm_up=i == 0) for i in range(repeats)]
+        return {name: float(np.median([np.median(r[name]) for r in runs]) * 1e3) for name in graphs}
+
+    return time_graphs
+
+
+def _timed(runner: OrtRunner, feed: Feed) -> Callable[[], float]:
+    def step() -> float:
+        start = time.perf_counter()
+        runner(feed)
+        return time.perf_counter() - start
+
+    return step
+
+
+def timing_feed(proto, batch: int) -> Feed:
+    """A batch as the graph is exported for: ``batch`` sequences of its ``seq_len`` tokens (all real), or images."""
+    rng = np.random.default_rng(batch)
+    meta = read_metadata(proto)
+    if meta.get("modality") == "text":
+        ids = rng.integers(0, meta["vocab_size"], (batch, meta["seq_len"]))
+        return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    return rng.standard_normal((batch, *input_shape(proto)), dtype=np.float32)
+
+
+def shape_of(feed: Feed) -> str:
+    """``batch 32 x 128 tokens`` or ``batch 32``."""
+    if isinstance(feed, dict):
+        return f"batch {feed['input_ids'].shape[0]} x {feed['input_ids'].shape[1]} tokens"
+    return f"batch {len(feed)}"
+
+
+@dataclass
+class Candidate:
+    recipe: str
+    graph: str
+    """``plain`` (the FP32 graph as exported) or ``fused`` (``fused_graph``)."""
+    path: Path
+    comparisons: list[Comparison] = field(default_factory=list)
+    error: str | None = None
+    p50_ms: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.recipe if self.graph == "plain" else f"{self.recipe} (fused)"
+
+    def passed(self, tol: Tolerance) -> bool:
+        return self.error is None and bool(self.comparisons) and all(c.within(tol) for c in self.comparisons)
+
+    def miss(self) -> str:
+        """The gate's figures, or why there are none."""
+        if not self.comparisons:
+            return self.error or "not run"
+        cosine, rel = min(c.cosine for c in self.comparisons), max(c.rel_error for c in self.comparisons)
+        return f"cosine {cosine:.6f}, relative error {rel:.3f}"
+
+    def as_dict(self, tol: Tolerance) -> dict[str, Any]:
+        figures = {}
+        if self.comparisons:
+            figures = {"cosine": min(c.cosine for c in self.comparisons)}
+            figures["rel_error"] = max(c.rel_error for c in self.comparisons)
+        error = {"error": self.error} if self.error else {}
+        record = {"recipe": self.recipe, "graph": self.graph, "passed": self.passed(tol), **figures, **error}
+        return record | {"p50_ms": self.p50_ms}
+
+
+def _run(recipe: Recipe, src: Path, candidate: Candidate, job: Job, reference: OrtRunner) -> Candidate:
+    """Write one candidate and gate it; a recipe that raises is a failed candidate, with its gate figures where it
+    wrote a graph (the static recipe writes its last try before it refuses)."""
+    candidate.path.parent.mkdir(parents=True)
+    try:
+        recipe.write(src, candidate.path, job)
+    except CorpError as e:
+        candidate.error = first_line(e)
+    if candidate.path.is_file():
+        candidate.comparisons = compare_on(reference, OrtRunner(candidate.path, "cpu"), job.held_out)
+    return candidate
+
+
+def choose_int8(
+    src: Path,
+    out: Path,
+    job: Job,
+    recipes: Sequence[str] = (AUTO,),
+    batch: int = TIME_BATCH,
+    timer: Timer | None = None,
+) -> dict[str, Any]:
+    """Write the fastest of ``recipes``' INT8 graphs of ``src`` that passes the gate to ``out`` (callers stage it),
+    with its sidecar; return its record. Refuses, in one line naming every candidate's miss, where none passes."""
+    start = time.perf_counter()
+    names = parse_recipes(",".join(recipes))
+    reference = OrtRunner(src, "cpu")
+    with tempfile.TemporaryDirectory(prefix=".int8-recipes-", dir=out.parent) as tmp:
+        graphs: dict[str, Path] = {"plain": src}
+        fusion: dict[str, Any] = {"skipped": "no recipe that reads a fused graph was asked for"}
+        if any(RECIPES[n].fusable for n in names):
+            fused, fusion = fused_graph(src, Path(tmp) / "fused.onnx", reference, job.held_out)
+            graphs |= {"fused": fused} if fused else {}
+        candidates = [
+            _run(RECIPES[n], graphs[g], Candidate(n, g, Path(tmp) / f"{n}.{g}" / out.name), job, reference)
+            for n in names
+            for g in (graphs if RECIPES[n].fusable else ("plain",))
+        ]
+        passing = [c for c in candidates if c.passed(job.tol)]
+        if not passing:
+            tried = "; ".join(f"{c.name}: {c.miss()}" for c in candidates)
+            gate = f"cosine (min {job.tol.min_cosine}), relative error (max {job.tol.max_rel_error:g})"
+            raise CorpError(
+                f"INT8 ONNX {out.name} against {src.name} on held-out {_unit(job.held_out)}: no INT8 recipe passes "
+                f"the gate, {gate}: {tried}; if this is expected, loosen --tol-cosine/--tol-rel"
+            )
+        feed = timing_feed(load_onnx(src, weights=False), batch)
+        if len(passing) > 1:
+            times = (timer or ort_timer())({c.name: c.path for c in passing}, feed)
+            for c in passing:
+                c.p50_ms = times[c.name]
+        best = min(passing, key=lambda c: c.p50_ms or 0.0)
+        choice = _choice(best, candidates, passing, job.tol, feed, fusion, recipes)
+        for f in onnx_files(best.path):
+            os.replace(f, out.parent / f.name)
+    import onnx
+
+    proto = load_onnx(out, weights=False)
+    add_metadata(proto, {"int8_recipe": choice})
+    onnx.save(proto, str(out))
+    job.say(f"{out.name}: INT8 recipe {best.name}: {choice['why']}")
+    record = int8_record(src, out, best.comparisons, job.held_out, job.tol, time.perf_counter() - start)
+    from corp_deploy.exporters.pipeline import write_sidecar
+
+    write_sidecar(out, record)
+    return record
+
+
+def _choice(
+    best: Candidate,
+    candidates: list[Candidate],
+    passing: list[Candidate],
+    tol: Tolerance,
+    feed: Feed,
+    fusion: dict[str, Any],
+    recipes: Sequence[str],
+) -> dict[str, Any]:
+    """The ``int8_recipe`` record: what was chosen and why, every candidate, how they were timed, and the CPU."""
+    cpu = cpu_features()
+    failed = [c for c in candidates if not c.passed(tol)]
+    if len(passing) > 1:
+        others = ", ".join(f"{c.name} {c.p50_ms:.1f} ms" for c in passing if c is not best)
+        why = f"fastest of {len(passing)} passing, {best.p50_ms:.1f} ms against {others}"
+        why += f" ({shape_of(feed)}, onnxruntime CPU, {describe_cpu(cpu)})"
+    else:
+        why = "the only candidate that passes the gate" if len(candidates) > 1 else "the only candidate asked for"
+    if failed:
+        why += "; missed the gate: " + ", ".join(f"{c.name} ({c.miss()})" for c in failed)
+    timing = {"runtime": "onnxruntime CPU", "shape": shape_of(feed), "statistic": "p50 ms, median of repeats"}
+    return {
+        "chosen": best.recipe,
+        "graph": best.graph,
+        "asked": list(recipes),
+        "why": why,
+        "candidates": [c.as_dict(tol) for c in candidates],
+        "fusion": fusion,
+        "timing": timing | {"repeats": TIME_REPEATS, "interleaved": True},
+        "cpu": cpu,
+    }
+
+
+def baseline_int8(src: Path, out: Path, job: Job) -> dict[str, Any]:
+    """Write the quantize-only baseline of the dense graph ``src`` to ``out`` (callers stage it): what a user gets
+    from onnxruntime in one line without pruning (``BASELINE_WHAT``), the reference every pruned INT8 graph is held
+    to. Its gate figures are recorded, not enforced: it is the alternative, not an artifact of ours."""
+    start = time.perf_counter()
+    dynamic_int8(src, out, per_channel=True, metadata=calibration(job, DYNAMIC))
+    comparisons = compare_on(OrtRunner(src, "cpu"), OrtRunner(out, "cpu"), job.held_out)
+    passes = all(c.within(job.tol) for c in comparisons)
+    import onnx
+
+    proto = load_onnx(out, weights=False)
+    add_metadata(proto, {"int8_baseline": {"what": BASELINE_WHAT, "passes_gate": passes}})
+    onnx.save(proto, str(out))
+    record = int8_record(src, out, comparisons, job.held_out, job.tol, time.perf_counter() - start)
+    from corp_deploy.exporters.pipeline import write_sidecar
+
+    write_sidecar(out, record)
+    return record
+
+
+def int8_speed(
+    graphs: Sequence[Path],
+    records: list[dict[str, Any]],
+    batch: int = TIME_BATCH,
+    timer: Timer | None = None,
+    say: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Time ``graphs`` (FP32, INT8 and the quantize-only baseline, by file) in one run and write into each INT8
+    record (by its ``file``) its p50 and its speed against the baseline and the dense FP32 graph; returns the
+    timing. The summary's speed columns read it."""
+    paths = {g.name: g for g in graphs}
+    feed = timing_feed(load_onnx(graphs[0], weights=False), batch)
+    p50 = (timer or ort_timer())(paths, feed)
+    base, dense = p50.get(f"{BASELINE}.int8.onnx"), p50.get("dense.onnx")
+    cpu = cpu_features()
+    timing = {"shape": shape_of(feed), "runtime": "onnxruntime CPU", "graphs_p50_ms": p50, "cpu": cpu}
+    for r in records:
+        if r["file"] in p50:
+            ms = p50[r["file"]]
+            r["speed"] = timing | {
+                "p50_ms": ms,
+                "vs_baseline": base / ms if base else None,
+                "vs_dense_fp32": dense / ms if dense else None,
+            }
+    say(
+        f"p50 ({timing['shape']}, onnxruntime CPU, {describe_cpu(cpu)}, interleaved): "
+        + ", ".join(f"{name} {ms:.1f} ms" for name, ms in p50.items())
+    )
+    return timing
+
+
+def quantize_graphs(
+    pairs: Sequence[tuple[Path, Path]],
+    source: str | Path,
+    tol: Tolerance,
+    num_calib: int = 256,
+    num_verify: int = 64,
+    seed: int = 0,
+    method: str = "minmax",
+    workers: int = 0,
+    overwrite: bool = False,
+    text: Callable[[Any], Data] | None = None,
+    say: Callable[[str], None] = print,
+    smooth_alpha: float = SMOOTH_ALPHA,
+    recipes: Sequence[str] = ("static",),
+    batch: int = 32,
+    timer: Callable | None = None,
+    baseline: bool = False,
+) -> list[dict[str, Any]]:
+    """Quantize each (FP32 graph, INT8 file) pair, verified; every graph is checked before any data is read.
+
+    Images are decoded once for graphs with the same preprocessing (dense and pruned of one model). A text
+    encoder's graph needs ``text``: graph -> its ``Data`` (tokenized by the caller: the tokenizer is the model's,
+    which this library does not load). Each INT8 file and its ``.json`` record appear only when verified.
+    ``recipes`` (``auto`` or names) are the candidates, the fastest that passes is kept, timed at
+    ``batch`` by ``timer`` (onnxruntime CPU by default). ``baseline``: also the quantize-only baseline of the pair
+    whose graph is ``dense.onnx`` (``baseline_int8``), and every INT8 graph timed beside it.
+    """
+    protos = [float_graph(src) for src, _ in pairs]
+    for (src, _), proto in zip(pairs, protos, strict=True):
+        if text is None and read_metadata(proto).get("modality") == "text":
+            raise CorpError(f"{src} is a text encoder: its INT8 calibrates on text documents, which were not given")
+    dense = [out.with_name(f"{BASELINE}.int8.onnx") for src, out in pairs if baseline and src.name == "dense.onnx"]
+    for out in [out for _, out in pairs] + dense:
+        check_writable(out, overwrite)
+    info = {"source": str(source), "seed": seed}
+    data: dict[str, Data] = {}
+    records = []
+    for (src, out), proto in zip(pairs, protos, strict=True):
+        key = json.dumps([str(proto.graph.input), read_metadata(proto).get("preprocessing")])
+        if key not in data:
+            load = text or (lambda p: calibration_data(source, p, num_calib, num_verify, seed, workers))
+            data[key] = load(proto)
+        calib, held, folders = data[key]
+        job = Job(calib, held, tol, method, info | {"folders": folders}, smooth_alpha, say)
+        with staged(out, overwrite) as stage:
+            records.append(choose_int8(src, stage / out.name, job, recipes, batch, timer))
+        if dense and src.name == "dense.onnx":
+            with staged(dense[0], overwrite) as stage:
+                base = baseline_int8(src, stage / dense[0].name, job)
+    if dense:
+        records.append(base)  # last: the reference row beside dense and pruned
+        int8_speed([*(src for src, _ in pairs), *(out for _, out in pairs), *dense], records, batch, timer, say)
+    return records

@@ -1,0 +1,258 @@
+"""INT8 recipe choice, verified fusions and the quantize-only baseline (issue 43), on tiny models; no speed asserted
+(a fake timer decides what is "fastest")."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from helpers import TINY_CLI_ARGS, bench_record, pruned_copy, run, tiny_vit
+
+from corp_deploy.base.errors import CorpError
+from corp_deploy.bench import gate
+from corp_deploy.bench.report import format_table
+from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.exporters.compare import FP32, INT8, Tolerance
+from corp_deploy.exporters.int8_recipes import (
+    RECIPES,
+    Job,
+    Recipe,
+    choose_int8,
+    fused_graph,
+    parse_recipes,
+    quantize_graphs,
+)
+from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
+from corp_deploy.exporters.pipeline import export_verified, format_summary
+from corp_deploy.exporters.quantize import compare_on, noise_batches
+from corp_deploy.exporters.runners import OrtRunner
+from corp_deploy.formats.sources import describe
+from corp_deploy.formats.text import int8_feeds
+
+pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
+pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
+
+UNEQUAL = PruneConfig(target="mlp,qk,v", mlp_sparsity=0.5, qk_sparsity=0.5, v_sparsity=0.25, round_to=4)
+"""Q/K and V pruned by different amounts: every block's Q/K heads narrower than its V heads."""
+
+
+@pytest.fixture(scope="module")
+def vits(tmp_path_factory) -> dict[str, Path]:
+    """A tiny dense ViT and its copy pruned with unequal Q/K and V widths, exported (verified) once."""
+    tmp = tmp_path_factory.mktemp("recipes")
+    dense = tiny_vit()
+    pruned, _ = pruned_copy(dense, UNEQUAL)
+    graphs = {}
+    for name, model in (("dense", dense), ("pruned", pruned)):
+        graphs[name] = tmp / f"{name}.onnx"
+        export_verified(model, graphs[name], describe(model, "tiny", {}, "random"))
+    return graphs
+
+
+def _job(tol: Tolerance = INT8) -> Job:
+    calibration = noise_batches(16, (3, 32, 32), seed=0)
+    return Job(calibration, noise_batches(8, (3, 32, 32), seed=1), tol, say=lambda line: None)
+
+
+def _copy(graph: Path, folder: Path) -> Path:
+    folder.mkdir(exist_ok=True)
+    return Path(shutil.copy(graph, folder / graph.name))
+
+
+def _broken(src: Path, out: Path, job: Job) -> None:
+    """A recipe whose graph misses any gate: the FP32 graph with every weight matrix halved."""
+    proto = load_onnx(src)
+    for t in proto.graph.initializer:
+        if len(t.dims) == 2:
+            t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t) * 0.5, t.name))
+    onnx.save(proto, str(out))
+
+
+class FakeTimer:
+    """p50 by candidate name (default 10 ms); remembers what it was asked to time."""
+
+    def __init__(self, ms: dict[str, float]) -> None:
+        self.ms, self.timed = ms, []
+
+    def __call__(self, graphs: dict[str, Path], feed) -> dict[str, float]:
+        self.timed.append(sorted(graphs))
+        return {name: self.ms.get(name, 10.0) for name in graphs}
+
+
+@pytest.mark.parametrize("fastest", ["static", "dynamic (fused)"])
+def test_the_choice_keeps_the_fastest_passing_candidate_never_a_failing_one(vits, tmp_path, monkeypatch, fastest):
+    monkeypatch.setitem(RECIPES, "broken", Recipe("broken", _broken, fusable=False, qdq=False))
+    src = _copy(vits["pruned"], tmp_path)
+    timer = FakeTimer({"broken": 0.1, fastest: 1.0})  # the broken graph "runs fastest" but must never be chosen
+    record = choose_int8(src, tmp_path / "pruned.int8.onnx", _job(), ("static", "dynamic", "broken"), 4, timer)
+    choice = record["int8_recipe"]
+    by_name = {(c["recipe"], c["graph"]): c for c in choice["candidates"]}
+    assert set(by_name) == {("static", "plain"), ("dynamic", "plain"), ("dynamic", "fused"), ("broken", "plain")}
+    assert not by_name["broken", "plain"]["passed"] and by_name["broken", "plain"]["p50_ms"] is None
+    assert timer.timed == [["dynamic", "dynamic (fused)", "static"]]  # only the passing ones are timed
+    recipe, graph = fastest.split(" (")[0], "fused" if "fused" in fastest else "plain"
+    assert (choice["chosen"], choice["graph"]) == (recipe, graph)
+    assert "broken (cosine" in choice["why"] and "fastest of 3 passing" in choice["why"]
+    assert record["verify"]["cosine"] >= INT8.min_cosine  # the shipped graph's own check, on held-out images
+    out = OrtRunner(tmp_path / "pruned.int8.onnx", "cpu")(noise_batches(4, (3, 32, 32), seed=5)[0])
+    assert out.shape == (4, 10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned.int8.onnx", "pruned.int8.onnx.json", "pruned.onnx"]
+
+
+def test_a_graph_no_recipe_passes_is_refused_in_one_line_and_writes_nothing(vits, tmp_path) -> None:
+    src = _copy(vits["dense"], tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    impossible = Tolerance(min_cosine=0.9999999999, max_rel_error=1e-9)
+    with pytest.raises(CorpError) as e:
+        quantize_graphs(
+            [(src, tmp_path / "dense.int8.onnx")],
+            "synthetic",
+            impossible,
+            num_calib=16,
+            num_verify=8,
+            recipes=("dynamic", "dynamic-per-tensor"),
+            timer=FakeTimer({}),
+            baseline=True,
+            say=lambda line: None,
+        )
+    message = str(e.value)
+    assert len(message.splitlines()) == 1 and "no INT8 recipe passes the gate" in message
+    assert "INT8 ONNX dense.int8.onnx" in message and "dynamic: cosine 0.9" in message
+    assert "dynamic (fused): cosine" in message and "dynamic-per-tensor: cosine" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no INT8 graph, baseline, sidecar or stage
+
+
+def test_the_recorded_choice_round_trips_through_the_graph_and_its_sidecar(vits, tmp_path) -> None:
+    src = _copy(vits["dense"], tmp_path)
+    out = tmp_path / "dense.int8.onnx"
+    record = choose_int8(src, out, _job(), ("static", "dynamic-per-tensor"), 4, FakeTimer({"static": 2.0}))
+    meta = read_metadata(load_onnx(out, weights=False))
+    sidecar = json.loads(Path(f"{out}.json").read_text())
+    assert meta["int8_recipe"] == sidecar["int8_recipe"] == record["int8_recipe"]
+    choice = meta["int8_recipe"]
+    assert choice["chosen"] == "static" and meta["int8_scheme"]["format"] == "QDQ"
+    assert choice["asked"] == ["static", "dynamic-per-tensor"] and choice["timing"]["shape"] == "batch 4"
+    assert isinstance(choice["cpu"]["model"], str) and isinstance(choice["cpu"]["flags"], list | None)
+    for c in choice["candidates"]:
+        assert c["passed"] and c["cosine"] >= INT8.min_cosine and c["rel_error"] <= INT8.max_rel_error
+        assert c["p50_ms"] == (2.0 if c["recipe"] == "static" else 10.0)
+    assert choice["fusion"]["fused"]["SkipLayerNormalization"] > 0  # verified: its figures are recorded
+    assert choice["fusion"]["cosine"] >= FP32.min_cosine
+
+
+def test_fused_graphs_match_the_fp32_graph_on_a_tiny_bert(bert_graph, tmp_path) -> None:
+    src = bert_graph["onnx"]
+    meta = read_metadata(load_onnx(src, weights=False))
+    _, held, _ = int8_feeds(None, "synthetic", meta["vocab_size"], 8, 12, 24, seed=0)
+    fused, record = fused_graph(src, tmp_path / "fused.onnx", OrtRunner(src, "cpu"), held)
+    assert fused is not None, record
+    ops = {n.op_type for n in load_onnx(fused, weights=False).graph.node}
+    assert {"SkipLayerNormalization", "BiasGelu"} <= ops and "Gelu" not in ops
+    assert record["fused"]["SkipLayerNormalization"] == 4  # two blocks, two residual adds each
+    comparisons = compare_on(OrtRunner(src, "cpu"), OrtRunner(fused, "cpu"), held)
+    assert all(c.within(FP32) for c in comparisons)
+
+
+def test_fused_graphs_match_the_fp32_graph_on_a_vit_with_unequal_qk_and_v_widths(vits, tmp_path) -> None:
+    src = vits["pruned"]
+    structure = read_metadata(load_onnx(src, weights=False))["structure"]
+    assert all(b["qk_dim"] < b["v_dim"] < 16 for b in structure)  # tiny ViT heads are 16 wide: both pruned, unequally
+    held = noise_batches(8, (3, 32, 32), seed=3)
+    fused, record = fused_graph(src, tmp_path / "fused.onnx", OrtRunner(src, "cpu"), held)
+    assert fused is not None and record["fused"]["SkipLayerNormalization"] > 0, record
+    assert all(c.within(FP32) for c in compare_on(OrtRunner(src, "cpu"), OrtRunner(fused, "cpu"), held))
+    x = np.random.default_rng(0).standard_normal((3, 3, 32, 32), dtype=np.float32)
+    assert OrtRunner(fused, "cpu")(x).shape == (3, 10)  # the dynamic batch survives the optimizer
+
+
+def test_engines_take_the_qdq_recipe_only() -> None:
+    assert parse_recipes("auto", engines=True) == ("static",)
+    assert set(parse_recipes("auto")) == set(RECIPES)
+    with pytest.raises(CorpError, match="Q/DQ graphs, which --int8-recipe dynamic does not write"):
+        parse_recipes("static,dynamic", engines=True)
+    with pytest.raises(CorpError, match="--int8-recipe takes auto or a comma list"):
+        parse_recipes("fastest")
+
+
+def test_the_baseline_row_appears_in_the_summary_beside_dense_and_pruned(vits, tmp_path) -> None:
+    pairs = [(_copy(vits[m], tmp_path), tmp_path / f"{m}.int8.onnx") for m in ("dense", "pruned")]
+    timer = FakeTimer({"dense.onnx": 40.0, "pruned.onnx": 30.0, "baseline.int8.onnx": 20.0, "pruned.int8.onnx": 10.0})
+    records = quantize_graphs(
+        pairs, "synthetic", INT8, 16, 8, recipes=("dynamic",), timer=timer, baseline=True, say=lambda line: None
+    )
+    assert [r["file"] for r in records] == ["dense.int8.onnx", "pruned.int8.onnx", "baseline.int8.onnx"]
+    baseline = records[-1]
+    assert baseline["int8_baseline"]["what"].startswith("onnxruntime.quantization.quantize_dynamic(dense.onnx")
+    assert baseline["speed"]["vs_baseline"] == 1.0 and records[1]["speed"]["vs_baseline"] == 2.0
+    assert records[1]["speed"]["vs_dense_fp32"] == 4.0
+    summary = format_summary({"onnx": records, "engines": [], "engines_skipped": None})
+    assert "baseline.int8.onnx (quantize-only baseline)" in summary and "vs quantize-only" in summary
+    pruned_row = next(line for line in summary.splitlines() if line.startswith("pruned.int8.onnx"))
+    assert pruned_row.split()[-2:] == ["10.0", "2.00x"]
+    assert "dense.onnx 40.0 ms" in summary.splitlines()[-1]
+
+
+def test_the_quantize_only_gate_reads_the_baseline_beside_pruned_int8() -> None:
+    record = bench_record(
+        {
+            ("ort-cpu-int8", "dense", 8): 10.0,
+            ("ort-cpu-int8", "pruned", 8): 6.0,
+            ("ort-cpu-int8", "baseline", 8): 5.0,
+            ("ort-cpu-fp32", "dense", 8): 20.0,
+            ("ort-cpu-fp32", "pruned", 8): 12.0,
+        }
+    )
+    for r in record["results"]:
+        r["precision"] = r["backend"].rsplit("-", 1)[1]
+    checks = gate.against_quantize_only(record, 0.05)
+    assert len(checks) == 1 and checks[0].regressed and checks[0].change == pytest.approx(0.2)
+    assert not gate.against_quantize_only(record, 0.25)[0].regressed
+    assert "quantize-only p50 ms" in format_table(record) and "0.83x" in format_table(record)
+    del record["results"][2]
+    with pytest.raises(CorpError, match="needs pruned INT8 timed beside the quantize-only baseline"):
+        gate.against_quantize_only(record, 0.05)
+
+
+@pytest.mark.e2e
+def test_prune_export_int8_then_bench_show_and_gate_the_quantize_only_baseline(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
+    argv += ["--calib", "synthetic", "--num-calib", "32", "--precision", "fp32", "--int8", "--int8-calib", "16"]
+    code, stdout, err = run([*argv, "--int8-verify", "8", "--int8-batch", "4", "--out", str(out)], capsys)
+    assert code == 0, err
+    assert "pruned.int8.onnx: INT8 recipe " in stdout and "baseline.int8.onnx (quantize-only baseline)" in stdout
+    record = json.loads((out / "export.json").read_text())
+    assert [r["file"] for r in record["onnx"] if r["precision"] == "int8"][-1] == "baseline.int8.onnx"
+    fast = ["--min-iters", "2", "--min-seconds", "0", "--warmup-iters", "1", "--warmup-seconds", "0"]
+    bench = ["bench", str(out), "--batch-sizes", "2", "--backends", "ort-cpu-fp32,ort-cpu-int8", *fast]
+    code, stdout, err = run(
+        [*bench, "--gate", "quantize-only", "--max-regression", "900%", "--json", str(tmp_path / "b")], capsys
+    )
+    assert code == 0, err
+    assert "quantize-only p50 ms" in stdout and "regression gate (quantize-only" in stdout
+    results = json.loads((tmp_path / "b").read_text())
+    assert {(r["backend"], r["model"]) for r in results["results"]} == {
+        (b, m) for b in ("ort-cpu-fp32", "ort-cpu-int8") for m in ("dense", "pruned", "baseline")
+    }
+    assert "of the run folder" in results["quantize_only_baseline"]
+    (out / "baseline.int8.onnx").unlink()  # bench then quantizes dense.onnx itself
+    code, stdout, err = run([*bench, "--json", str(tmp_path / "c")], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "c").read_text())["quantize_only_baseline"].startswith("made by bench")
+    code, _, err = run([*bench, "--gate", "quantize-only", "--baseline", str(tmp_path / "b")], capsys)
+    assert code == 1 and "without --baseline" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_int8_engine_is_refused_from_a_graph_of_another_recipe(vits, tmp_path, capsys) -> None:
+    src = _copy(vits["pruned"], tmp_path)
+    out = tmp_path / "pruned.int8.onnx"
+    choose_int8(src, out, _job(), ("dynamic",), 4, FakeTimer({}))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, _, err = run(["build-engine", str(out), "--precision", "int8", "--out", str(tmp_path / "e.plan")], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert "is not a Q/DQ graph (INT8 recipe dynamic)" in err and "--int8-recipe static" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
