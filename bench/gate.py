@@ -22,8 +22,10 @@ from typing import Any
 from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.run import SCHEMA, SCHEMA_VERSION, label, measurement, pairs
 
-MODES = ("absolute", "ratio", "quantize-only")
+BASELINE_MODES = ("absolute", "ratio")
+"""The gates that compare this run with a baseline record."""
 QUANTIZE_ONLY = "quantize-only"
+MODES = (*BASELINE_MODES, QUANTIZE_ONLY)
 TIE = 1e-9
 """Changes this close to the limit equal it: 10 -> 10.5 ms is 5%, not float division's 5.0000000000000044%."""
 
@@ -87,7 +89,7 @@ def regressed(change: float, limit: float) -> bool:
 
 def compare(current: dict[str, Any], baseline: dict[str, Any], max_regression: float, mode: str) -> list[Check]:
     """One check per baseline measurement; this run must hold every one of them."""
-    if mode not in MODES or mode == QUANTIZE_ONLY:
+    if mode not in BASELINE_MODES:
         raise CorpError(f"a baseline record is compared with --gate absolute or ratio, got {mode!r}")
     if mode == "absolute":  # keyed (model, backend, batch[, phase, prompt length]): a decoder's phases apart
         base = {(r["model"], *measurement(r)): r["p50_ms"] for r in baseline["results"]}

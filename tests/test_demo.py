@@ -44,7 +44,9 @@ def test_demo_writes_table_plot_and_runs_on_a_tiny_backbone(tmp_path, monkeypatc
     out = tmp_path / "demo"
     result = run_demo(out, config, lines.append, device="cpu")
 
-    assert [line.split("]")[0] for line in lines] == [f"[{i}" for i in range(1, 9)]
+    steps = [line for line in lines if not line.startswith("    ")]  # indented: a step's own report
+    assert [line.split("]")[0] for line in steps] == [f"[{i}" for i in range(1, 9)]
+    assert any("INT8 recipe static" in line for line in lines if line not in steps)
     for name in ("demo.json", "demo.md", "demo.png", "corp/pruned/corp.json", "corp/pruned.onnx", "none/pruned"):
         assert (out / name).exists(), name
     assert json.loads((out / "demo.json").read_text())["dataset"] == "blobs"

@@ -83,7 +83,7 @@ def test_a_bad_baseline_is_refused_when_loaded(tmp_path, record, message) -> Non
         gate.load_baseline(path)
 
 
-@pytest.mark.parametrize("mode", gate.MODES)
+@pytest.mark.parametrize("mode", gate.BASELINE_MODES)
 def test_a_run_missing_baseline_measurements_fails_the_gate(mode) -> None:
     """Fewer checks than the baseline has is not a pass: a skipped backend or batch must be noticed."""
     partial = copy.deepcopy(RECORD)

@@ -13,6 +13,7 @@ from PIL import Image
 from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.core.pruner import PruneConfig
 from corp_deploy.exporters.compare import INT8, compare
+from corp_deploy.exporters.int8_recipes import quantize_graphs
 from corp_deploy.exporters.onnx_export import load_onnx, onnx_files, read_metadata
 from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.exporters.quantize import (
@@ -21,7 +22,6 @@ from corp_deploy.exporters.quantize import (
     activation_gemms,
     compare_on,
     folder_split,
-    quantize_graphs,
     split_images,
 )
 from corp_deploy.exporters.runners import OrtRunner

@@ -87,7 +87,7 @@ def run_demo(
         step("exported dense and CORP-pruned ONNX, verified against PyTorch in onnxruntime")
         graphs = [(tmp / "corp" / f"{m}.onnx", tmp / "corp" / f"{m}.int8.onnx") for m in ("dense", "pruned")]
         try:
-            quantize_graphs(graphs, train_dir, INT8, config.num_calib, seed=config.seed, say=step)
+            quantize_graphs(graphs, train_dir, INT8, config.num_calib, seed=config.seed, say=step.detail)
             step("quantized both to static INT8 (Q/DQ) on CORP's calibration images, verified on held-out ones")
         except CorpError as e:  # a verification the graphs fail is a finding to show, not a reason to stop the demo
             step(f"INT8 left out: {first_line(e)}")
@@ -134,6 +134,10 @@ class _Steps:
     def __call__(self, line: str) -> None:
         self.n += 1
         self.say(f"[{self.n}] {line}  ({time.perf_counter() - self.start:.0f} s)")
+
+    def detail(self, line: str) -> None:
+        """A line within the current step (a library's own report), indented, not numbered."""
+        self.say(f"    {line}")
 
 
 def format_demo(result: dict[str, Any]) -> str:
