@@ -14,7 +14,6 @@ pass's held-out part) or the images outside the seeded calibration sample, or a 
 from __future__ import annotations
 
 import copy
-import logging
 import shutil
 import statistics
 from collections import Counter
@@ -28,7 +27,6 @@ import torch
 from torch import nn
 
 from corp_deploy import api
-from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import text_table
 from corp_deploy.bench.drop import (
@@ -43,6 +41,7 @@ from corp_deploy.bench.drop import (
     value,
 )
 from corp_deploy.core.pruner import PruneConfig, Widths
+from corp_deploy.exporters.int8_recipes import dynamic_int8
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.exporters.text_onnx import graph
 from corp_deploy.families import adapter_for
@@ -202,19 +201,6 @@ def heldout_for(
 # ------------------------------------------------------------------------------------------- INT8
 
 
-def dynamic_int8(src: Path, dst: Path) -> Path:
-    """``src`` quantized as onnxruntime's docs say for transformers: dynamic, per-channel QInt8 weights."""
-    quantization = require("onnxruntime.quantization", "the INT8 frontier points")
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)  # its advice to pre-process is for static quantization
-    try:
-        quantization.quantize_dynamic(str(src), str(dst), weight_type=quantization.QuantType.QInt8, per_channel=True)
-    finally:
-        root.setLevel(level)
-    return dst
-
-
 # ------------------------------------------------------------------------------------ sweep's hook
 
 
@@ -263,14 +249,15 @@ class Accuracy:
         v = value(self.metric, self._dense, self._dense, self.heldout)
         self._record = {"dense": {"fp32": {self.metric: v, "drop": 0.0}}}
         if self.int8:
-            self._dense_int8 = dynamic_int8(dense_onnx, dense_onnx.with_name(DENSE_INT8))
+            self._dense_int8 = dense_onnx.with_name(DENSE_INT8)
+            dynamic_int8(dense_onnx, self._dense_int8, per_channel=True)
             self._record["dense"]["int8"] = self._score(OrtRunner(self._dense_int8, "cpu"))
 
     def quantize(self, pruned_onnx: Path) -> None:
         """``pruned.int8.onnx`` beside a row's pruned graph, and a copy of ``dense.int8.onnx``: bench's ort-cpu-int8
         times the pair in the row's folder; ``score`` scores the pruned one."""
         if self.int8:
-            dynamic_int8(pruned_onnx, pruned_onnx.with_name("pruned.int8.onnx"))
+            dynamic_int8(pruned_onnx, pruned_onnx.with_name("pruned.int8.onnx"), per_channel=True)
             shutil.copyfile(self._dense_int8, pruned_onnx.with_name(DENSE_INT8))
 
     def score(self, folder: Path, calib: api.Calibrated, config: PruneConfig, result: api.PruneResult) -> dict:
