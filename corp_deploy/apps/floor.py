@@ -48,7 +48,12 @@ from corp_deploy.families import adapter_for
 from corp_deploy.families.hf.adapter import max_positions
 from corp_deploy.formats.artifact import META_FILE, read_meta
 from corp_deploy.formats.data import data_config, folder_batches, image_folder, labelled_batches, list_images, sample
-from corp_deploy.formats.text import packed_sequences, read_documents, shuffled, split_documents, tokenize
+from corp_deploy.formats.text import (
+    evaluation_documents,
+    packed_sequences,
+    shuffled,
+    tokenize,
+)
 
 SPEED_ON = "ort-cpu-fp32"
 """The backend every frontier speed is read on: its dense FP32 throughput is the 1.0 of every point."""
@@ -87,13 +92,8 @@ def text_heldout(
     one per sequence, labelled by class folder when there are several; a decoder ``num`` packed windows."""
     if tokenizer is None:
         raise CorpError(f"{folder}: a text model's held-out set needs its tokenizer, and its folder has none")
-    docs = read_documents(folder)
-    chosen = docs if all_text else split_documents(docs).evaluation
-    if not chosen:
-        raise CorpError(
-            f"{folder} holds {len(docs)} documents, too few to keep an evaluation part apart from calibration; "
-            "pass more documents, or a folder calibration never read (--heldout-dir)"
-        )
+    hint = "pass more documents, or a folder calibration never read (--heldout-dir)"
+    chosen, _ = evaluation_documents(folder, all_text, hint)
     part = "all (a folder calibration never read)" if all_text else "evaluation part (never calibrated on)"
     if kind_of(model) == "decoder":
         ids = packed_sequences(tokenizer, shuffled(chosen, seed), seq_len, num, "held-out").numpy()

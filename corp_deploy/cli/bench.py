@@ -399,29 +399,13 @@ def sweep(
     if backend is not None:
         plan = Speedups(targets, latency_table(got, backend, latency, say, seq_len=seq_len), got.heldout, loop)
     method = Method(warmup_iters=3, min_iters=5, min_seconds=min_seconds)  # large batches: seconds dominate
+    settings = (backends, sizes, method, quiet, plan, latency, accuracy)
     if max_drop is not None:  # nothing is written unless a configuration passes
         with atomic_dir(out, overwrite) as tmp:
-            result = _sweep_run(
-                got, description, values, config, tmp, backends, sizes, method, quiet, plan, latency, accuracy
-            )
+            result = _sweep_run(got, description, values, config, tmp, *settings)
             _write_frontier(result, tmp, max_drop)
     else:
-        result = _sweep_run(
-            got,
-            description,
-            values,
-            config,
-            Path(out),
-            backends,
-            sizes,
-            method,
-            quiet,
-            plan,
-            latency,
-            accuracy,
-            overwrite,
-            _resumed(),
-        )
+        result = _sweep_run(got, description, values, config, Path(out), *settings, overwrite, _resumed())
         if accuracy is not None:
             _write_frontier(result, Path(out), None)
     try:

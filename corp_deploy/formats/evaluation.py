@@ -12,7 +12,14 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.families import adapter_for
 from corp_deploy.formats.data import HELDOUT_SEED_OFFSET, SYNTHETIC
 from corp_deploy.formats.perplexity import perplexity
-from corp_deploy.formats.text import check_seq_len, packed_sequences, read_documents, shuffled, split_documents
+from corp_deploy.formats.text import (
+    check_seq_len,
+    evaluation_documents,
+    packed_sequences,
+    read_documents,
+    shuffled,
+    split_documents,
+)
 
 
 def text_perplexity(
@@ -35,13 +42,7 @@ def text_perplexity(
     if tokenizer is None:
         raise CorpError("perplexity needs the model's tokenizer, and its folder has none")
     check_seq_len(seq_len, model.config)
-    docs = read_documents(text)
-    chosen = docs if all_text else split_documents(docs).evaluation
-    if not chosen:
-        raise CorpError(
-            f"{text} holds {len(docs)} documents, too few to keep an evaluation part apart from calibration; "
-            "pass --all-text if calibration never read this folder"
-        )
+    chosen, of_documents = evaluation_documents(text, all_text, "pass --all-text if calibration never read this folder")
     part = "all" if all_text else "evaluation"
     windows = packed_sequences(tokenizer, chosen, seq_len, part=part)
     of_windows, windows = windows.shape[0], windows[:max_windows]
@@ -52,7 +53,7 @@ def text_perplexity(
         "of_windows": of_windows,
         "seq_len": seq_len,
         "documents": len(chosen),
-        "of_documents": len(docs),
+        "of_documents": of_documents,
         "part": part,
         "text": str(text),
     }

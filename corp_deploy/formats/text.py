@@ -113,6 +113,19 @@ def text_batches(
         yield tokenize(tokenizer, [d.text for d in docs[start : start + batch_size]], seq_len), 0
 
 
+def evaluation_documents(folder: str | Path, all_text: bool, hint: str) -> tuple[list[Document], int]:
+    """The documents of ``folder`` no calibration reads: its evaluation part (``split_documents``), or all of them
+    (``all_text``: a folder calibration never read), and how many the folder holds. One line ending in ``hint`` when
+    too few to keep a part apart."""
+    docs = read_documents(folder)
+    chosen = docs if all_text else split_documents(docs).evaluation
+    if not chosen:
+        raise CorpError(
+            f"{folder} holds {len(docs)} documents, too few to keep an evaluation part apart from calibration; {hint}"
+        )
+    return chosen, len(docs)
+
+
 def shuffled(docs: Sequence[Document], seed: int) -> list[Document]:
     """``docs`` in a seeded random order: packing takes windows from the front, which must not be one class."""
     order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed))
