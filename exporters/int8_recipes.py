@@ -12,9 +12,11 @@ graph's metadata (``int8_recipe``) and its sidecar; one line per graph says what
 Fusions: the FP32 graph is also put through onnxruntime's transformer optimizer (``fuse``: SkipLayerNormalization,
 BiasGelu; ``bert`` for text encoders, ``vit`` for images) and the fused graph kept only where it matches the FP32
 graph within the FP32 tolerance on the held-out data; each fusable recipe is then a candidate on both graphs, so a
-fusion ships only where it is verified and faster. The optimizer fuses no ``Attention`` in our exported graphs: its
-attention patterns expect the mask as ``(1 - mask) * -10000`` added to the scores and Q K^T scaled after the MatMul,
-while torch's exported SDPA scales Q and K each by sqrt(scale) and masks with ``Where`` (docs/BENCHMARKS.md).
+fusion ships only where it is verified and faster. The optimizer fuses no ``Attention`` in our exported graphs (its
+patterns expect the mask as ``(1 - mask) * -10000`` added to the scores and Q K^T scaled after the MatMul, while
+torch's exported SDPA scales Q and K each by sqrt(scale) and masks with ``Where``), so ``attention.fuse_attention``
+rewrites each layer's attention as ``MultiHeadAttention`` first; it also keeps ``quantize_dynamic`` from quantizing
+the two activation-by-activation MatMuls of every layer.
 
 TensorRT parses Q/DQ graphs only: INT8 engines are built from the ``static`` recipe (``ENGINE_RECIPES``).
 """
@@ -198,16 +200,23 @@ def parse_recipes(text: str, engines: bool = False) -> tuple[str, ...]:
 
 
 def fuse(src: Path, dst: Path) -> dict[str, int]:
-    """onnxruntime's transformer optimizer on ``src`` (``bert`` for a text encoder, ``vit`` for images; heads and
-    width detected per graph, as a pruned graph's differ per layer) -> ``dst``; returns the fused ops' counts.
+    """Attention as ``MultiHeadAttention`` (``attention.fuse_attention``: per-layer and unequal Q/K and V widths),
+    then onnxruntime's transformer optimizer (``bert`` for a text encoder, ``vit`` for images; heads and width
+    detected per graph, as a pruned graph's differ per layer) -> ``dst``; returns the fused ops' counts.
     Unverified: ``fused_graph`` checks it."""
+    from corp_deploy.exporters.attention import fuse_attention  # onnx's protobuf API, read only here
+
     optimizer = require("onnxruntime.transformers.optimizer", "INT8 fusions")
-    kind = "bert" if read_metadata(load_onnx(src, weights=False)).get("modality") == "text" else "vit"
+    graph = load_onnx(src)
+    kind = "bert" if read_metadata(graph).get("modality") == "text" else "vit"
+    attention = fuse_attention(graph)
+    require("onnx", "INT8 fusions").save(graph, str(dst))
     with warnings.catch_warnings(), _quiet_logging():
         warnings.simplefilter("ignore")
-        model = optimizer.optimize_model(str(src), model_type=kind, num_heads=0, hidden_size=0, opt_level=0)
+        model = optimizer.optimize_model(str(dst), model_type=kind, num_heads=0, hidden_size=0, opt_level=0)
         model.save_model_to_file(str(dst))
-    return {op: n for op, n in model.get_fused_operator_statistics().items() if n}
+    counts = model.get_fused_operator_statistics() | {"MultiHeadAttention": attention}
+    return {op: n for op, n in counts.items() if n}
 
 
 def fused_graph(src: Path, dst: Path, reference: OrtRunner, held_out: HeldOut) -> tuple[Path | None, dict]:

@@ -153,6 +153,7 @@ def test_fused_graphs_match_the_fp32_graph_on_a_tiny_bert(bert_graph, tmp_path) 
     ops = {n.op_type for n in load_onnx(fused, weights=False).graph.node}
     assert {"SkipLayerNormalization", "BiasGelu"} <= ops and "Gelu" not in ops
     assert record["fused"]["SkipLayerNormalization"] == 4  # two blocks, two residual adds each
+    assert record["fused"]["MultiHeadAttention"] == 2 and "Softmax" not in ops  # attention.fuse_attention
     comparisons = compare_on(OrtRunner(src, "cpu"), OrtRunner(fused, "cpu"), held)
     assert all(c.within(FP32) for c in comparisons)
 
