@@ -9,7 +9,8 @@ MatMuls into dynamically quantized ones. ``fuse_attention`` replaces each layer'
 outputs to the merged-heads output, by ``MultiHeadAttention(q, k, v, key_padding_mask)``:
 
 - the heads come from the graph's own reshape (``[B, S, heads, -1]`` or ``[B, S, -1, head_dim]``), the widths from
-  the projections, so per-layer pruned widths and unequal Q/K and V widths (the op's ``v_hidden_size``) fuse alike;
+  the projections (separate, as BERT's, or one packed ``qkv`` split in three, as timm's), so per-layer pruned widths
+  and unequal Q/K and V widths (the op's ``v_hidden_size``) fuse alike;
 - the scale is the product of the scalar factors on the Q and K paths (written explicitly: the op's default is
   1/sqrt(head size), which a pruned Q/K head size would change);
 - the mask is the graph's ``attention_mask`` input as the key padding mask, taken only where the scores' additive
@@ -90,8 +91,12 @@ def _projection(g: _Graph, name: str) -> tuple[str, float, list[NodeProto]]:
 
 
 def _width(g: _Graph, projection: str) -> int | None:
-    """The output width of a projection ``MatMul(x, W) (+ b)`` whose weight is an initializer."""
+    """The output width of a projection ``MatMul(x, W) (+ b)`` whose weight is an initializer, or of one part of
+    a packed projection ``Split`` by constant sizes (timm's ``qkv``)."""
     node = g.producer.get(projection)
+    if node is not None and node.op_type == "Split" and len(node.input) > 1:
+        sizes = g.const(node.input[1])
+        return int(sizes[list(node.output).index(projection)]) if sizes is not None else None
     if node is not None and node.op_type == "Add":
         node = next((g.producer[i] for i in node.input if i in g.producer and g.producer[i].op_type == "MatMul"), None)
     weight = g.initializers.get(node.input[1]) if node is not None and node.op_type == "MatMul" else None
@@ -99,13 +104,18 @@ def _width(g: _Graph, projection: str) -> int | None:
 
 
 def _heads(g: _Graph, reshapes: list[NodeProto], width: int) -> int | None:
-    """Heads from the split reshape's target ``[B, S, heads, -1]`` or ``[B, S, -1, head_dim]``."""
+    """Heads from the split reshape's target ``[B, S, heads, -1]`` or ``[B, S, -1, head_dim]`` (or all constant, as
+    a fixed-size image graph writes it)."""
     for reshape in reshapes:
+        target = g.const(reshape.input[1])
         shape = g.producer.get(reshape.input[1])
-        if shape is None or shape.op_type != "Concat" or len(shape.input) != 4:
+        if target is not None and target.size == 4:
+            heads, head_dim = int(target[2]), int(target[3])
+        elif shape is not None and shape.op_type == "Concat" and len(shape.input) == 4:
+            heads, head_dim = g.scalar(shape.input[2]), g.scalar(shape.input[3])
+        else:
             continue
-        heads, head_dim = g.scalar(shape.input[2]), g.scalar(shape.input[3])
-        if heads is not None and heads > 0 and head_dim == -1:
+        if heads is not None and heads > 0:
             return int(heads)
         if heads == -1 and head_dim is not None and head_dim > 0 and width % int(head_dim) == 0:
             return width // int(head_dim)
@@ -121,8 +131,30 @@ def _merged_output(g: _Graph, name: str) -> str | None:
     return name if passed.count("Transpose") == 1 and passed[-1:] == ["Reshape"] else None
 
 
-def _layers(g: _Graph, has_mask: bool) -> Iterator[NodeProto]:
-    """One ``MultiHeadAttention`` per attention chain that has exactly the exported shape."""
+def _unbound(g: _Graph, name: str) -> tuple[str, int, int, int] | None:
+    """timm's dense attention: ``qkv.reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)``, each part a
+    Slice + Squeeze (or Gather) on axis 0: (the packed projection, the part, H, D), else None."""
+    node = g.producer.get(name)
+    if node is not None and node.op_type == "Squeeze":
+        node = g.producer.get(node.input[0])
+        if node is None or node.op_type != "Slice" or len(node.input) < 4 or g.scalar(node.input[3]) != 0:
+            return None
+    elif node is None or node.op_type != "Gather" or any(a.name == "axis" and a.i != 0 for a in node.attribute):
+        return None
+    part, permute = g.scalar(node.input[1]), g.producer.get(node.input[0])
+    if part is None or permute is None or permute.op_type != "Transpose":
+        return None
+    if list(permute.attribute[0].ints) != [2, 0, 3, 1, 4] or (reshape := g.producer.get(permute.input[0])) is None:
+        return None
+    target = g.const(reshape.input[1]) if reshape.op_type == "Reshape" else None
+    if target is None or target.size != 5 or int(target[2]) != 3 or min(int(target[3]), int(target[4])) < 1:
+        return None
+    return reshape.input[0], int(part), int(target[3]), int(target[4])
+
+
+def _layers(g: _Graph, has_mask: bool, splits: dict[str, int]) -> Iterator[NodeProto]:
+    """One ``MultiHeadAttention`` per attention chain that has exactly the exported shape; a packed projection
+    read through ``unbind`` is recorded in ``splits`` (its name -> one part's width) to be split in three."""
     for softmax in [n for n in g.graph.node if n.op_type == "Softmax"]:
         scores, mask = g.producer.get(softmax.input[0]), ""
         if scores is not None and scores.op_type == "Add":
@@ -142,11 +174,17 @@ def _layers(g: _Graph, has_mask: bool) -> Iterator[NodeProto]:
             _projection(g, scores.input[1]),
             _projection(g, after[0].input[1]),
         )
-        width, v_width, out = _width(g, q), _width(g, v), _merged_output(g, after[0].output[0])
-        if None in (width, v_width, out) or width != _width(g, k) or v_scale != 1.0:
-            continue
-        heads = _heads(g, q_reshapes, width)
-        if heads is None or width % heads or v_width % heads:
+        packed = [_unbound(g, x) for x in (q, k, v)]
+        if all(packed) and len({p[0] for p in packed}) == 1 and [p[1] for p in packed] == [0, 1, 2]:
+            source, _, heads, head_dim = packed[0]
+            splits[source] = heads * head_dim
+            q, k, v = (f"{source}/{part}" for part in "qkv")
+            width = v_width = heads * head_dim
+        else:
+            width, v_width = _width(g, q), _width(g, v)
+            heads = _heads(g, q_reshapes, width) if width is not None and width == _width(g, k) else None
+        out = _merged_output(g, after[0].output[0])
+        if None in (heads, v_width, out) or v_scale != 1.0 or width % heads or v_width % heads:
             continue
         yield helper.make_node(
             "MultiHeadAttention",
@@ -190,11 +228,16 @@ def fuse_attention(model: onnx.ModelProto) -> int:
     many. The nodes only the old chains used, and their initializers, are dropped."""
     g = _Graph(model.graph)
     has_mask = MASK_INPUT in {i.name for i in model.graph.input}
-    fused = list(_layers(g, has_mask))
+    splits: dict[str, int] = {}
+    fused = list(_layers(g, has_mask, splits))
     if not fused:
         return 0
     replaced = {n.output[0] for n in fused}
     kept = [n for n in model.graph.node if not replaced.intersection(n.output)]
+    for source, width in splits.items():
+        sizes = numpy_helper.from_array(np.array([width] * 3, np.int64), f"{source}/split_sizes")
+        model.graph.initializer.append(sizes)
+        kept.append(helper.make_node("Split", [source, sizes.name], [f"{source}/{p}" for p in "qkv"], axis=-1))
     if any(n.input[4] for n in fused):
         kept.append(helper.make_node("Cast", [MASK_INPUT], [MASK_INPUT + "_int32"], to=TensorProto.INT32))
     nodes = _live_sorted(model.graph, kept + fused)

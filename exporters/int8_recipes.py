@@ -18,7 +18,8 @@ torch's exported SDPA scales Q and K each by sqrt(scale) and masks with ``Where`
 rewrites each layer's attention as ``MultiHeadAttention`` first; it also keeps ``quantize_dynamic`` from quantizing
 the two activation-by-activation MatMuls of every layer.
 
-TensorRT parses Q/DQ graphs only: INT8 engines are built from the ``static`` recipe (``ENGINE_RECIPES``).
+TensorRT parses Q/DQ graphs only: an INT8 engine is built where the chosen recipe is ``static`` (``int8_scheme``'s
+format ``QDQ``), and skipped, saying how to get one, where the fastest passing recipe is another.
 """
 
 from __future__ import annotations
@@ -88,25 +89,23 @@ class Recipe:
     where it cannot (the static recipe when its own fallbacks still miss the gate)."""
     fusable: bool
     """Also a candidate on the fused FP32 graph (onnxruntime contrib ops: not a graph TensorRT parses)."""
-    qdq: bool
-    """Writes Q/DQ: TensorRT builds INT8 engines from it."""
 
 
 RECIPES: dict[str, Recipe] = {}
 AUTO = "auto"
 
 
-def register(name: str, fusable: bool = True, qdq: bool = False) -> Callable:
+def register(name: str, fusable: bool = True) -> Callable:
     """Add a recipe to ``RECIPES`` under ``name`` (``--int8-recipe``); ``auto`` tries them all."""
 
     def add(write: Callable[[Path, Path, Job], None]) -> Callable[[Path, Path, Job], None]:
-        RECIPES[name] = Recipe(name, write, fusable, qdq)
+        RECIPES[name] = Recipe(name, write, fusable)
         return write
 
     return add
 
 
-@register("static", fusable=False, qdq=True)
+@register("static", fusable=False)
 def _static(src: Path, out: Path, job: Job) -> None:
     """The project's static Q/DQ (``quantize.quantize_verified``): symmetric, GEMM inputs only, SmoothQuant and
     float GEMMs while it misses the gate."""
@@ -179,23 +178,16 @@ def _smooth_dynamic(src: Path, out: Path, job: Job) -> None:
         f.unlink()
 
 
-ENGINE_RECIPES = tuple(name for name, r in RECIPES.items() if r.qdq)
-
-
-def parse_recipes(text: str, engines: bool = False) -> tuple[str, ...]:
-    """``--int8-recipe``: ``auto`` (every recipe; only the Q/DQ ones when INT8 engines are built from the graph) or
-    a comma list of ``RECIPES``' names."""
+def parse_recipes(text: str) -> tuple[str, ...]:
+    """``--int8-recipe``: ``auto`` (every recipe) or a comma list of ``RECIPES``' names. The ONNX graph's recipe is
+    chosen for onnxruntime, never narrowed for an engine: an INT8 engine is built only from a Q/DQ graph
+    (``pipeline.export_run`` skips it, saying how to get one, where the fastest passing recipe is another)."""
     if text == AUTO:
-        return ENGINE_RECIPES if engines else tuple(RECIPES)
+        return tuple(RECIPES)
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in RECIPES]
     if unknown or not names:
         raise CorpError(f"--int8-recipe takes auto or a comma list of {', '.join(RECIPES)}, got {text!r}")
-    if engines and (not_qdq := [n for n in names if not RECIPES[n].qdq]):
-        raise CorpError(
-            f"INT8 engines are built from Q/DQ graphs, which --int8-recipe {', '.join(not_qdq)} does not write; "
-            f"use --int8-recipe auto or {', '.join(ENGINE_RECIPES)}"
-        )
     return names
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -262,6 +262,12 @@ def export_run(
             raise CorpError(f"--require-engines: cannot build TensorRT engines here: {reason}")
         record["engines_skipped"] = reason
         return record
+    if "int8" in precisions and (not_qdq := _not_qdq(out, models)):
+        precisions = tuple(p for p in precisions if p != "int8")
+        record["engines_skipped"] = (
+            f"int8: {not_qdq}; TensorRT builds INT8 from Q/DQ graphs only: `corp-deploy quantize {out} "
+            "--int8-recipe static` writes them, then `corp-deploy build-engine GRAPH --precision int8`"
+        )
     with step("TensorRT engines"):
         for precision in precisions:
             for stem in models:
@@ -270,6 +276,16 @@ def export_run(
                 engine = out / f"{stem}.{precision}.plan"
                 record["engines"].append({"file": engine.name, **engine_verified(source, engine, options, opts)})
     return record
+
+
+def _not_qdq(out: Path, models: Mapping[str, Any]) -> str:
+    """Which INT8 graphs of ``out`` an engine cannot be built from (their recipe is not Q/DQ), and why; '' if none."""
+    recipes = {stem: read_metadata(load_onnx(out / f"{stem}.int8.onnx", weights=False)) for stem in models}
+    return ", ".join(
+        f"{stem}.int8.onnx is {meta.get('int8_recipe', {}).get('chosen', 'not Q/DQ')} (the fastest passing recipe)"
+        for stem, meta in recipes.items()
+        if meta.get("int8_scheme", {}).get("format") != "QDQ"
+    )
 
 
 def write_export_record(

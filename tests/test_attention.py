@@ -1,8 +1,9 @@
 """``exporters.attention``: each exported attention chain becomes one ``MultiHeadAttention`` computing the same thing.
 
 Pruned encoders are the point: per-layer widths, Q/K narrower or wider than V, a Q/K head size that is no longer the
-one the scale was written for. Every case is compared with the unfused graph on padded batches (what a wrong mask
-would change), and a chain whose mask is not the padding input is left alone.
+one the scale was written for. Every text case is compared with the unfused graph on padded batches (what a wrong
+mask would change), and a chain whose mask is not the padding input is left alone. timm's ViT writes attention two
+ways (dense: one packed ``qkv`` unbound in three; pruned: split by unequal widths): both fuse.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import copy
 import numpy as np
 import onnx
 import pytest
-from helpers import padded_batches, tiny_bert
+from helpers import padded_batches, pruned_copy, tiny_bert, tiny_vit
 
 from corp_deploy.api import prune
 from corp_deploy.core.pruner import PruneConfig, parse_budget
@@ -84,3 +85,23 @@ def test_a_chain_masked_by_anything_but_the_padding_input_is_left_alone(encoder)
     next(i for i in model.graph.input if i.name == "attention_mask").name = "padding"
     assert fuse_attention(model) == 0
     assert not any(n.op_type == "MultiHeadAttention" for n in model.graph.node)
+
+
+def test_timm_vits_dense_and_pruned_with_unequal_widths_fuse_to_the_same_outputs(tmp_path) -> None:
+    from corp_deploy.exporters.pipeline import export_verified
+
+    dense = tiny_vit()
+    pruned, _ = pruned_copy(dense, PruneConfig(target="all", mlp_sparsity=0.5, qk_sparsity=0.5, v_sparsity=0.25))
+    x = np.random.default_rng(0).standard_normal((3, 3, 32, 32), dtype=np.float32)
+    for name, model in (("dense", dense), ("pruned", pruned)):
+        path = tmp_path / f"{name}.onnx"
+        export_verified(model, path, describe(model, "tiny", {}, "random"))
+        plain = onnx.load(str(path))
+        fused = copy.deepcopy(plain)
+        assert fuse_attention(fused) == len(model.blocks), name
+        assert "Softmax" not in {n.op_type for n in fused.graph.node}
+        a, b = (
+            ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"images": x})[0]
+            for m in (plain, fused)
+        )
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)

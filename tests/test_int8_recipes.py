@@ -85,7 +85,7 @@ class FakeTimer:
 
 @pytest.mark.parametrize("fastest", ["static", "dynamic (fused)"])
 def test_the_choice_keeps_the_fastest_passing_candidate_never_a_failing_one(vits, tmp_path, monkeypatch, fastest):
-    monkeypatch.setitem(RECIPES, "broken", Recipe("broken", _broken, fusable=False, qdq=False))
+    monkeypatch.setitem(RECIPES, "broken", Recipe("broken", _broken, fusable=False))
     src = _copy(vits["pruned"], tmp_path)
     timer = FakeTimer({"broken": 0.1, fastest: 1.0})  # the broken graph "runs fastest" but must never be chosen
     record = choose_int8(src, tmp_path / "pruned.int8.onnx", _job(), ("static", "dynamic", "broken"), 4, timer)
@@ -165,16 +165,15 @@ def test_fused_graphs_match_the_fp32_graph_on_a_vit_with_unequal_qk_and_v_widths
     held = noise_batches(8, (3, 32, 32), seed=3)
     fused, record = fused_graph(src, tmp_path / "fused.onnx", OrtRunner(src, "cpu"), held)
     assert fused is not None and record["fused"]["SkipLayerNormalization"] > 0, record
+    assert record["fused"]["MultiHeadAttention"] == len(structure)  # timm's packed qkv, split unequally
     assert all(c.within(FP32) for c in compare_on(OrtRunner(src, "cpu"), OrtRunner(fused, "cpu"), held))
     x = np.random.default_rng(0).standard_normal((3, 3, 32, 32), dtype=np.float32)
     assert OrtRunner(fused, "cpu")(x).shape == (3, 10)  # the dynamic batch survives the optimizer
 
 
-def test_engines_take_the_qdq_recipe_only() -> None:
-    assert parse_recipes("auto", engines=True) == ("static",)
+def test_auto_tries_every_recipe_and_a_list_names_known_ones() -> None:
     assert set(parse_recipes("auto")) == set(RECIPES)
-    with pytest.raises(CorpError, match="Q/DQ graphs, which --int8-recipe dynamic does not write"):
-        parse_recipes("static,dynamic", engines=True)
+    assert parse_recipes("static, dynamic") == ("static", "dynamic")
     with pytest.raises(CorpError, match="--int8-recipe takes auto or a comma list"):
         parse_recipes("fastest")
 
@@ -257,3 +256,25 @@ def test_an_int8_engine_is_refused_from_a_graph_of_another_recipe(vits, tmp_path
     assert code == 1 and len(err.strip().splitlines()) == 1
     assert "is not a Q/DQ graph (INT8 recipe dynamic)" in err and "--int8-recipe static" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_int8_engines_are_skipped_saying_how_where_the_fastest_recipe_is_not_qdq(tmp_path) -> None:
+    """The INT8 ONNX keeps onnxruntime's fastest recipe; the engine step does not narrow it, it skips INT8 engines."""
+    from corp_deploy.exporters.pipeline import export_run
+    from corp_deploy.exporters.tensorrt_engine import FLAVOURS, BuildOptions, Profile, flavour_missing
+
+    if missing := flavour_missing(FLAVOURS["tensorrt-rtx"]):
+        pytest.skip(f"TensorRT-RTX engines: {missing}")
+    dense = tiny_vit()
+    pruned, _ = pruned_copy(dense, UNEQUAL)
+    models = {m: (net, describe(net, "tiny", {}, "random")) for m, net in (("dense", dense), ("pruned", pruned))}
+
+    def quantize(pairs):
+        return [choose_int8(src, dst, _job(), ("dynamic",), 4, FakeTimer({})) for src, dst in pairs]
+
+    build = BuildOptions(profile=Profile(1, 4, 8), workspace_gib=1, runtime="tensorrt-rtx")
+    record = export_run(models, tmp_path, precisions=("fp32", "int8"), quantize=quantize, build=build)
+    assert sorted(e["file"] for e in record["engines"]) == ["dense.fp32.plan", "pruned.fp32.plan"]
+    assert record["engines_skipped"].startswith("int8: dense.int8.onnx is dynamic")
+    assert "--int8-recipe static" in record["engines_skipped"]
+    assert not list(tmp_path.glob("*.int8.plan"))

@@ -492,7 +492,7 @@ def prune_export(
     """
     started = time.perf_counter()
     precisions_ = precisions(precision)
-    recipes = parse_recipes(int8_recipe, engines="int8" in precisions_)
+    recipes = parse_recipes(int8_recipe)
     text = hf.modality(prune_args["model"]) == "text"
     decoder = text and genai.is_decoder(prune_args["model"])
     _int4_refused(precisions_, decoder)
