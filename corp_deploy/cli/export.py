@@ -20,29 +20,27 @@ from corp_deploy.base.fsio import atomic_dir, check_writable, staged
 from corp_deploy.base.steps import Steps, Stopped
 from corp_deploy.bench.backends import rewrites_on
 from corp_deploy.cli import genai
-from corp_deploy.cli.options import (
+from corp_deploy.cli.export_options import (
     build_options,
-    calibration_source,
     engine_group,
     for_graph,
-    int4_candidates,
-    int4_options,
-    int4_setup,
-    int8_options,
-    model_options,
-    needs,
-    onnx_needs,
     onnx_options,
-    out_options,
-    out_path,
-    precisions,
-    prune_config,
-    prune_options,
     tolerance,
     verify_group,
     verify_options,
 )
+from corp_deploy.cli.options import (
+    calibration_source,
+    model_options,
+    needs,
+    onnx_needs,
+    out_options,
+    out_path,
+    precisions,
+)
 from corp_deploy.cli.prune import again, pruned, say_folder
+from corp_deploy.cli.prune_options import prune_config, prune_options
+from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options
 from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.genai import CONFIG, GENAI_SUFFIX, GRAPH, NEW_TOKENS, tokenizer_files, write_genai_folder
 from corp_deploy.exporters.int4 import INT4_SUFFIX, format_int4, int4_graphs
