@@ -55,6 +55,7 @@ from corp_deploy.exporters.quantize import (
 )
 from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.exporters.smooth import SMOOTH_ALPHA, smooth
+from corp_deploy.formats.run_folder import write_sidecar
 
 TIME_BATCH = 32
 """The batch INT8 candidates are timed at (``--int8-batch``); a text graph's at its exported sequence length."""
@@ -367,8 +368,6 @@ def choose_int8(
     onnx.save(proto, str(out))
     job.say(f"{out.name}: INT8 recipe {best.name}: {choice['why']}")
     record = int8_record(src, out, best.comparisons, job.held_out, job.tol, time.perf_counter() - start)
-    from corp_deploy.exporters.pipeline import write_sidecar
-
     write_sidecar(out, record)
     return record
 
@@ -420,8 +419,6 @@ def baseline_int8(src: Path, out: Path, job: Job) -> dict[str, Any]:
     add_metadata(proto, {"int8_baseline": {"what": BASELINE_WHAT, "passes_gate": passes}})
     onnx.save(proto, str(out))
     record = int8_record(src, out, comparisons, job.held_out, job.tol, time.perf_counter() - start)
-    from corp_deploy.exporters.pipeline import write_sidecar
-
     write_sidecar(out, record)
     return record
 

@@ -59,6 +59,7 @@ from corp_deploy.exporters.onnx_export import (
 )
 from corp_deploy.exporters.smooth import SMOOTH_ALPHA, smooth
 from corp_deploy.formats.data import SYNTHETIC, folder_batches, folder_counts, list_images, sample, synthetic_batches
+from corp_deploy.formats.run_folder import write_sidecar
 
 INT8_OPS = ("MatMul", "Gemm", "Conv")
 """Op types quantized where one input is a weight (linear layers, patch embedding)."""
@@ -435,7 +436,6 @@ def quantize_verified(
     is said. Raises (one line, measured cosine and gate) when only one GEMM would be left in INT8; callers stage
     ``out`` so that nothing is left.
     """
-    from corp_deploy.exporters.pipeline import write_sidecar
     from corp_deploy.exporters.runners import OrtRunner
 
     start = time.perf_counter()
