@@ -250,3 +250,15 @@ def test_every_public_name_resolves_to_the_module_that_defines_it() -> None:
     for name in corp_deploy.__all__:
         value = getattr(corp_deploy, name)
         assert name == "__version__" or value.__module__ == corp_deploy._EXPORTS[name], name
+
+
+def test_no_test_module_imports_conftest() -> None:
+    """Builders live in ``helpers``, fixtures in ``conftest``: conftest may use helpers, never the reverse, and no
+    test imports conftest as a module (pytest loads it itself; an import would make a second copy of it)."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [str(path.relative_to(ROOT)) for name in names if name.split(".")[-1] == "conftest"]
+    assert not bad, bad
