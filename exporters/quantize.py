@@ -1,4 +1,5 @@
-"""FP32 ONNX -> static INT8 ONNX in Q/DQ form, calibrated on real images and verified on held-out ones.
+"""FP32 ONNX -> static INT8 ONNX in Q/DQ form, calibrated on real inputs (images, or a text encoder's documents) and
+verified on held-out ones.
 
 The quantizer is onnxruntime's (``onnxruntime.quantization.quantize_static``); nothing here
 computes a scale. Its settings are the ones TensorRT accepts, so ONE graph serves onnxruntime's CPU

@@ -262,3 +262,21 @@ def test_no_test_module_imports_conftest() -> None:
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             bad += [str(path.relative_to(ROOT)) for name in names if name.split(".")[-1] == "conftest"]
     assert not bad, bad
+
+
+def test_the_development_layout_lists_every_module_under_its_folder() -> None:
+    """docs/DEVELOPMENT.md's layout is drawn from the folders: each module on disk is listed under its folder (a
+    package's ``__init__.py`` may be), and nothing listed is gone."""
+    text = (ROOT / "docs" / "DEVELOPMENT.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    listed, folder = set(), ""
+    for line in block.splitlines():
+        name = line.split()[0]
+        if line.startswith(" "):
+            listed.add(folder + name)
+        else:
+            folder = name
+    on_disk = {str(p.relative_to(ROOT)) for p in modules().values()}
+    packages = {p for p in on_disk if p.endswith("__init__.py")}
+    assert sorted(on_disk - packages - listed) == [], "modules missing from the layout"
+    assert sorted(listed - on_disk) == [], "listed in the layout, not on disk"
