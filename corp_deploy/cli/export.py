@@ -23,7 +23,6 @@ from corp_deploy.cli import genai
 from corp_deploy.cli.export_options import (
     build_options,
     engine_group,
-    for_graph,
     onnx_options,
     tolerance,
     verify_group,
@@ -60,7 +59,13 @@ from corp_deploy.exporters.pipeline import (
 )
 from corp_deploy.exporters.quantize import Data
 from corp_deploy.exporters.rewrites import parse_rewrites
-from corp_deploy.exporters.tensorrt_engine import PRECISIONS, build_missing, require_precision, select_flavour
+from corp_deploy.exporters.tensorrt_engine import (
+    PRECISIONS,
+    build_missing,
+    for_graph,
+    require_precision,
+    select_flavour,
+)
 from corp_deploy.families.hf import hub as hf
 from corp_deploy.families.timm import modules as surgery
 from corp_deploy.families.timm.models import parse_model_args
@@ -501,7 +506,7 @@ def prune_export(
     precisions_ = precisions(precision)
     recipes = parse_recipes(int8_recipe, engines="int8" in precisions_)
     text = hf.modality(prune_args["model"]) == "text"
-    decoder = text and genai.is_decoder(prune_args["model"])
+    decoder = text and sources.is_decoder(prune_args["model"])
     _int4_refused(precisions_, decoder)
     int4_setup(int4)  # a bad INT4 flag fails here
     if text:

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ from corp_deploy.exporters.pipeline import VerifyOptions
 from corp_deploy.exporters.tensorrt_engine import (
     RUNTIMES,
     BuildOptions,
-    Profile,
     parse_compute_capabilities,
     parse_profile,
 )
@@ -122,13 +120,3 @@ def build_options(engine: dict[str, Any], precision: str, opts: VerifyOptions) -
     )
     options.profile.covers(opts.batches)
     return options
-
-
-def for_graph(options: BuildOptions, seq_len: int | None) -> BuildOptions:
-    """``options`` for a text encoder of ``seq_len`` tokens (sequence range 1:seq_len:seq_len unless --seq-range
-    gave one), or for an image model (``seq_len`` None), which has no sequence axis to give a range."""
-    if seq_len is None:
-        if options.sequence is not None:
-            raise CorpError("--seq-range is for text encoders' engines; an image graph has no sequence axis")
-        return options
-    return replace(options, sequence=options.sequence or Profile(1, seq_len, seq_len))
