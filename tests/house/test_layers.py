@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {
     "corp_deploy": "corp_deploy",
     "exporters": "corp_deploy.exporters",
