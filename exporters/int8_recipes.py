@@ -55,7 +55,7 @@ from corp_deploy.exporters.quantize import (
 )
 from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.exporters.smooth import SMOOTH_ALPHA, smooth
-from corp_deploy.formats.run_folder import write_sidecar
+from corp_deploy.formats.run_folder import onnx_name, write_sidecar
 
 TIME_BATCH = 32
 """The batch INT8 candidates are timed at (``--int8-batch``); a text graph's at its exported sequence length."""
@@ -436,7 +436,7 @@ def int8_speed(
     paths = {g.name: g for g in graphs}
     feed = timing_feed(load_onnx(graphs[0], weights=False), batch)
     p50 = (timer or ort_timer())(paths, feed)
-    base, dense = p50.get(f"{BASELINE}.int8.onnx"), p50.get("dense.onnx")
+    base, dense = p50.get(onnx_name(BASELINE, "int8")), p50.get(onnx_name("dense"))
     cpu = cpu_features()
     timing = {"shape": shape_of(feed), "runtime": "onnxruntime CPU", "graphs_p50_ms": p50, "cpu": cpu}
     for r in records:
@@ -485,7 +485,9 @@ def quantize_graphs(
     for (src, _), proto in zip(pairs, protos, strict=True):
         if text is None and read_metadata(proto).get("modality") == "text":
             raise CorpError(f"{src} is a text encoder: its INT8 calibrates on text documents, which were not given")
-    dense = [out.with_name(f"{BASELINE}.int8.onnx") for src, out in pairs if baseline and src.name == "dense.onnx"]
+    dense = [
+        out.with_name(onnx_name(BASELINE, "int8")) for src, out in pairs if baseline and src.name == onnx_name("dense")
+    ]
     for out in [out for _, out in pairs] + dense:
         check_writable(out, overwrite)
     info = {"source": str(source), "seed": seed}
@@ -500,7 +502,7 @@ def quantize_graphs(
         job = Job(calib, held, tol, method, info | {"folders": folders}, smooth_alpha, say)
         with staged(out, overwrite) as stage:
             records.append(choose_int8(src, stage / out.name, job, recipes, batch, timer))
-        if dense and src.name == "dense.onnx":
+        if dense and src.name == onnx_name("dense"):
             with staged(dense[0], overwrite) as stage:
                 base = baseline_int8(src, stage / dense[0].name, job)
     if dense:
