@@ -34,7 +34,7 @@ TIMM_FLOOR := $(shell sed -n 's/.*"timm>=\([0-9.]*\).*/\1/p' pyproject.toml)
 test-timm-floor: setup
 	rm -rf .timm-floor && $(BIN)/pip install -q --no-deps --target .timm-floor "timm==$(TIMM_FLOOR)"
 	PYTHONPATH=.timm-floor $(BIN)/python -c "import timm; assert timm.__version__ == '$(TIMM_FLOOR)', timm.__version__"
-	PYTHONPATH=.timm-floor $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_pruning.py tests/test_values.py
+	PYTHONPATH=.timm-floor $(BIN)/python -m pytest -q -p no:cacheprovider tests/core/test_pruning.py tests/core/test_values.py
 	rm -rf .timm-floor
 
 lint: setup

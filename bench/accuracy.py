@@ -24,6 +24,7 @@ from corp_deploy.base.fsio import atomic_file
 from corp_deploy.base.tables import text_table
 from corp_deploy.bench.backends import BACKENDS, CUDA_DTYPES, Backend
 from corp_deploy.exporters.compare import Runner
+from corp_deploy.formats.run_folder import engine_name, onnx_name
 
 Head = Callable[[Tensor], Tensor]
 """Outputs -> class logits: the identity for a classifier, a ``Probe`` for a backbone."""
@@ -227,8 +228,6 @@ def format_evaluation(evaluation: Evaluation, header: str) -> str:
 EVAL_AUTO = ("torch-cpu-fp32", "ort-cpu-fp32", "ort-cpu-int8", "tensorrt-fp32", "tensorrt-fp16", "tensorrt-int8")
 """What ``eval --backends auto`` tries: the PyTorch model and each precision's graph once (bench's names; what the
 run folder holds and this machine can run decides)."""
-ORT_FILES = {"fp32": ".onnx", "int8": ".int8.onnx"}
-"""An onnxruntime backend's precision -> its graph file's suffix (``dense.onnx``, ``pruned.int8.onnx``)."""
 
 
 def eval_backends(backends: str) -> list[Backend]:
@@ -250,9 +249,12 @@ Rebuilding a dense timm model with its weights (hub, checkpoint) is the caller's
 passes ``corp_deploy.api.dense_original``."""
 
 
-def graph_suffix(backend: Backend) -> str:
-    """The file suffix of the graph ``backend`` runs: ``.onnx``, ``.int8.onnx``, ``.fp16.plan``..."""
-    return ORT_FILES[backend.precision] if backend.runtime == "onnxruntime" else f".{backend.precision}.plan"
+def graph_name(which: str, backend: Backend) -> str:
+    """The run folder's file ``backend`` runs for model ``which``: ``pruned.onnx``, ``dense.int8.onnx``,
+    ``pruned.fp16.plan``... (``formats.run_folder``)."""
+    if backend.runtime == "onnxruntime":
+        return onnx_name(which, backend.precision)
+    return engine_name(which, backend.precision)
 
 
 def _graph_runner(backend: Backend, path: Path, threads: int | None) -> tuple[Runner | None, str]:
@@ -305,7 +307,7 @@ def run_runners(
             runners[f"pruned {backend.name}"] = TorchRunner(copy.deepcopy(pruned), backend.device, dtype)
             continue
         for which in ("dense", "pruned"):
-            runner, why = _graph_runner(backend, root / f"{which}{graph_suffix(backend)}", threads)
+            runner, why = _graph_runner(backend, root / graph_name(which, backend), threads)
             if runner is None:
                 skipped[f"{which} {backend.name}"] = why
             else:

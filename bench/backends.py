@@ -29,9 +29,9 @@ from corp_deploy.exporters.onnx_export import image_graph
 from corp_deploy.exporters.rewrites import PATCH_LINEAR, rewritten
 from corp_deploy.exporters.tensorrt_engine import TEXT_ENGINES, run_missing
 from corp_deploy.exporters.text_onnx import graph
-from corp_deploy.formats.artifact import META_FILE, build, load_pruned, read_meta
-
-MODELS = ("dense", "pruned")
+from corp_deploy.formats import run_folder
+from corp_deploy.formats.artifact import build, load_pruned, read_meta
+from corp_deploy.formats.run_folder import ARTIFACT, MODELS, engine_name, onnx_name, read_sidecar
 
 
 class Text(NamedTuple):
@@ -43,7 +43,7 @@ class Text(NamedTuple):
 
 @dataclass(frozen=True)
 class RunFolder:
-    """A ``prune-export`` folder (or a bare prune artifact): the models in every form it holds.
+    """A ``prune-export`` folder (``formats.run_folder``): the models in every form it holds.
 
     ``seq_len``: a text run's tokens per sequence, instead of the one ``prune-export`` recorded.
     """
@@ -55,29 +55,19 @@ class RunFolder:
 
     @classmethod
     def open(cls, path: str | Path, seq_len: int | None = None) -> RunFolder:
-        root = Path(path)
-        if not (root / "pruned" / META_FILE).is_file() and (root / META_FILE).is_file():
-            raise CorpError(f"{root} is a prune artifact; bench a `corp-deploy prune-export` folder (it has ONNX too)")
-        if not (root / "pruned" / META_FILE).is_file():
-            raise CorpError(
-                f"{root} is not a prune-export folder (no pruned/{META_FILE}); run `corp-deploy prune-export`"
-            )
-        run = cls(root, seq_len=seq_len)
+        run = cls(run_folder.check(path), seq_len=seq_len)
         _ = run.text  # a bad --seq-len fails here, before any backend loads
         return run
 
     @cached_property
     def meta(self) -> dict:
-        return read_meta(self.root / "pruned")
+        return read_meta(self.root / ARTIFACT)
 
     @cached_property
     def graph(self) -> dict:
         """What ``prune-export`` recorded beside pruned.onnx (input size, or a text encoder's inputs); empty when
         missing, for torch backends to run without it (``input_size`` then says what is missing)."""
-        try:
-            return json.loads((self.root / "pruned.onnx.json").read_text())
-        except (OSError, ValueError):
-            return {}
+        return read_sidecar(self.onnx("pruned"))
 
     @cached_property
     def text(self) -> Text | None:
@@ -98,9 +88,9 @@ class RunFolder:
         The dense weights are random: values do not change a dense model's latency.
         """
         if which == "pruned":
-            model = load_pruned(self.root / "pruned")
+            model = load_pruned(self.root / ARTIFACT)
         else:
-            model = build(self.meta, self.root / "pruned").eval()
+            model = build(self.meta, self.root / ARTIFACT).eval()
         return graph(model)[0] if self.text is not None else image_graph(model)
 
     @cached_property
@@ -108,7 +98,7 @@ class RunFolder:
         """Whether the run holds a causal LM (its artifact's config.json names one): ``bench`` times it by phase
         (``bench.decode``)."""
         try:
-            config = json.loads((self.root / "pruned" / "config.json").read_text())
+            config = json.loads((self.root / ARTIFACT / "config.json").read_text())
         except (OSError, ValueError):
             return False
         return any(a.endswith("ForCausalLM") for a in config.get("architectures") or [])
@@ -121,10 +111,10 @@ class RunFolder:
         return self.torch_model(which).model
 
     def onnx(self, which: str, precision: str = "fp32") -> Path:
-        return self.root / (f"{which}.onnx" if precision == "fp32" else f"{which}.{precision}.onnx")
+        return self.root / onnx_name(which, precision)
 
     def engine(self, which: str, precision: str) -> Path:
-        return self.root / f"{which}.{precision}.plan"
+        return self.root / engine_name(which, precision)
 
     @cached_property
     def input_size(self) -> tuple[int, int, int]:

@@ -34,7 +34,7 @@ def baseline_graph(run: RunFolder, tmp: Path) -> tuple[Path, str]:
     for f in onnx_files(run.onnx("dense")):  # a copy: onnxruntime's quantizer writes beside the graph it reads
         shutil.copy(f, tmp / f.name)
     made = tmp / kept.name
-    dynamic_int8(tmp / "dense.onnx", made, per_channel=True)
+    dynamic_int8(tmp / run.onnx("dense").name, made, per_channel=True)
     return made, f"made by bench from dense.onnx: {BASELINE_WHAT}"
 
 

@@ -33,6 +33,7 @@ from corp_deploy.bench.backends import MODELS, RunFolder
 from corp_deploy.bench.backends import select as select_backends
 from corp_deploy.bench.measure import Method, Stats, Step, interleaved, median_of_repeats, summarize
 from corp_deploy.bench.run import new_record
+from corp_deploy.formats.run_folder import GENAI_CONFIG, genai_name
 
 PHASES = ("prefill", "decode")
 PROMPTS = "128,512"
@@ -136,14 +137,15 @@ def _torch_cpu(run: RunFolder, which: str, threads: int | None) -> Callable[[int
     return lambda batch, prompt, new_tokens: TorchSession(model, batch, prompt, new_tokens)
 
 
-GENAI_FOLDERS = {"fp32": "-genai", "int4": "-genai-int4"}
+GENAI_PRECISIONS = ("fp32", "int4")
+"""The weight precisions of a run's genai folders (``formats.run_folder.genai_name``)."""
 """Precision -> the suffix of ``prune-export``'s genai folders (``dense-genai/``, ``pruned-genai-int4/``)."""
 
 
 def _genai(precision: str) -> Callable[[RunFolder, str, int | None], Callable[[int, int, int], Session]]:
     def load(run: RunFolder, which: str, threads: int | None) -> Callable[[int, int, int], Session]:
         og = require("onnxruntime_genai", "the genai decoder backends")
-        config = og.Config(str(run.root / f"{which}{GENAI_FOLDERS[precision]}"))
+        config = og.Config(str(run.root / genai_name(which, precision == "int4")))
         if threads:
             config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         model, vocab = og.Model(config), run.graph["vocab_size"]
@@ -156,8 +158,8 @@ def _genai_missing(precision: str) -> Callable[[RunFolder], str | None]:
     def missing(run: RunFolder) -> str | None:
         if absent := uninstalled("onnxruntime_genai"):
             return f"not installed: {absent}"
-        folders = [f"{m}{GENAI_FOLDERS[precision]}" for m in MODELS]
-        if absent := [f for f in folders if not (run.root / f / "genai_config.json").is_file()]:
+        folders = [genai_name(m, precision == "int4") for m in MODELS]
+        if absent := [f for f in folders if not (run.root / f / GENAI_CONFIG).is_file()]:
             flag = " --precision int4" if precision == "int4" else ""
             return f"no {', '.join(absent)} in {run.root} (corp-deploy prune-export{flag} on a decoder writes them)"
         return None
@@ -169,7 +171,7 @@ DECODE_BACKENDS = {
     b.name: b
     for b in (
         DecodeBackend("torch-cpu-fp32", "cpu", "fp32", _torch_cpu, lambda run: None),
-        *(DecodeBackend(f"genai-cpu-{p}", "cpu", p, _genai(p), _genai_missing(p)) for p in GENAI_FOLDERS),
+        *(DecodeBackend(f"genai-cpu-{p}", "cpu", p, _genai(p), _genai_missing(p)) for p in GENAI_PRECISIONS),
     )
 }
 """Every decoder backend; ``auto`` keeps those that can run here."""

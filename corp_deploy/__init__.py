@@ -5,7 +5,7 @@ The folders are the layers, bottom up: ``base`` (errors, files, tables, optional
 ``families`` (what a model is: where it keeps its blocks, how a block is rebuilt), ``core`` (the pruning
 algorithm), ``formats`` (artifacts, inputs, evaluation), ``exporters`` and ``bench`` (ONNX, engines, timing),
 ``plan`` (widths under a budget or a speed), ``api`` (the facade below), then ``apps`` and ``cli``. No module
-imports a floor above its own (``tests/test_layers.py``).
+imports a floor above its own (``tests/house/test_layers.py``).
 
 The public API is re-exported here lazily: ``import corp_deploy`` (or any module of ``corp_deploy.base``) loads
 neither torch nor timm; the first use of a name below imports the module that defines it."""

@@ -35,11 +35,9 @@ from corp_deploy.exporters.kv_cache import (
     verify_decoder_onnx,
 )
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, check_opset, onnx_bytes
+from corp_deploy.formats.run_folder import GENAI_CONFIG as CONFIG
 
 GRAPH = "model.onnx"
-GENAI_SUFFIX = "-genai"
-"""``prune-export`` writes a decoder's genai folders as ``dense-genai/`` and ``pruned-genai/``."""
-CONFIG = "genai_config.json"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

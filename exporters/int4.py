@@ -41,9 +41,7 @@ from corp_deploy.exporters.int4_quant import (
     quiet,
 )
 from corp_deploy.exporters.onnx_export import load_onnx, onnx_bytes, onnx_sha256, read_metadata
-
-INT4_SUFFIX = "-int4"
-"""A genai folder's INT4 copy: ``pruned-genai/`` -> ``pruned-genai-int4/``."""
+from corp_deploy.formats.run_folder import write_sidecar
 
 
 @dataclass(frozen=True)
@@ -199,7 +197,6 @@ def quantize_int4_verified(
 
     Raises one line (measured and allowed) when outside ``tol``; callers stage ``out`` so nothing is left.
     """
-    from corp_deploy.exporters.pipeline import write_sidecar
 
     start = time.perf_counter()
     quantize_int4(src, out, scheme, calibration if scheme.calibrated else None)
@@ -294,7 +291,6 @@ def int4_genai_folder(
     is recorded as such, unless it was the only one asked for. The record (also the sidecar) holds the chosen
     graph's gate figures and ``int4_choice``: every candidate's figures and timing, the CPU, and why."""
     from corp_deploy.exporters.genai import GRAPH
-    from corp_deploy.exporters.pipeline import write_sidecar
 
     names = tuple(candidates or (scheme.method,))
     outcomes: dict[str, dict[str, Any]] = {}

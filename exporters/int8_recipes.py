@@ -58,6 +58,7 @@ from corp_deploy.exporters.quantize import (
 )
 from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.exporters.smooth import SMOOTH_ALPHA, smooth
+from corp_deploy.formats.run_folder import onnx_name, write_sidecar
 
 TIME_BATCH = 32
 """The batch INT8 candidates are timed at (``--int8-batch``); a text graph's at its exported sequence length."""
@@ -368,8 +369,6 @@ def choose_int8(
     onnx.save(proto, str(out))
     job.say(f"{out.name}: INT8 recipe {best.name}: {choice['why']}")
     record = int8_record(src, out, best.comparisons, job.held_out, job.tol, time.perf_counter() - start)
-    from corp_deploy.exporters.pipeline import write_sidecar
-
     write_sidecar(out, record)
     return record
 
@@ -421,8 +420,6 @@ def baseline_int8(src: Path, out: Path, job: Job) -> dict[str, Any]:
     add_metadata(proto, {"int8_baseline": {"what": BASELINE_WHAT, "passes_gate": passes}})
     onnx.save(proto, str(out))
     record = int8_record(src, out, comparisons, job.held_out, job.tol, time.perf_counter() - start)
-    from corp_deploy.exporters.pipeline import write_sidecar
-
     write_sidecar(out, record)
     return record
 
@@ -440,7 +437,7 @@ def int8_speed(
     paths = {g.name: g for g in graphs}
     feed = timing_feed(load_onnx(graphs[0], weights=False), batch)
     p50 = (timer or ort_timer())(paths, feed)
-    base, dense = p50.get(f"{BASELINE}.int8.onnx"), p50.get("dense.onnx")
+    base, dense = p50.get(onnx_name(BASELINE, "int8")), p50.get(onnx_name("dense"))
     cpu = cpu_features()
     timing = {"shape": shape_of(feed), "runtime": "onnxruntime CPU", "graphs_p50_ms": p50, "cpu": cpu}
     for r in records:
@@ -489,7 +486,9 @@ def quantize_graphs(
     for (src, _), proto in zip(pairs, protos, strict=True):
         if text is None and read_metadata(proto).get("modality") == "text":
             raise CorpError(f"{src} is a text encoder: its INT8 calibrates on text documents, which were not given")
-    dense = [out.with_name(f"{BASELINE}.int8.onnx") for src, out in pairs if baseline and src.name == "dense.onnx"]
+    dense = [
+        out.with_name(onnx_name(BASELINE, "int8")) for src, out in pairs if baseline and src.name == onnx_name("dense")
+    ]
     for out in [out for _, out in pairs] + dense:
         check_writable(out, overwrite)
     info = {"source": str(source), "seed": seed}
@@ -504,7 +503,7 @@ def quantize_graphs(
         job = Job(calib, held, tol, method, info | {"folders": folders}, smooth_alpha, say)
         with staged(out, overwrite) as stage:
             records.append(choose_int8(src, stage / out.name, job, recipes, batch, timer))
-        if dense and src.name == "dense.onnx":
+        if dense and src.name == onnx_name("dense"):
             with staged(dense[0], overwrite) as stage:
                 base = baseline_int8(src, stage / dense[0].name, job)
     if dense:

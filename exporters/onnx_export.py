@@ -25,7 +25,7 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import sha256
 
 DEFAULT_OPSET = 20
-"""Verified here: the pruned SDPA decomposes to MatMul/Softmax and matches onnxruntime (tests/test_export.py,
+"""Verified here: the pruned SDPA decomposes to MatMul/Softmax and matches onnxruntime (tests/exporters/test_export.py,
 docs/BENCHMARKS.md "Export")."""
 
 OPSETS = range(18, 24)

@@ -62,6 +62,7 @@ from corp_deploy.exporters.tensorrt_engine import (
     build_missing,
 )
 from corp_deploy.exporters.text_onnx import export_text_onnx, graph
+from corp_deploy.formats.run_folder import RECORD, engine_name, onnx_name, read_sidecar, write_sidecar
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,6 @@ def _verified(reference, candidate, inputs: Inputs, opts: VerifyOptions, tol: To
     comparisons = verify(reference, candidate, inputs, opts.batches)
     check(comparisons, tol, what)
     return {"reference": reference.name, "runtime": candidate.name, **summary(comparisons), "tolerance": asdict(tol)}
-
-
-def write_sidecar(path: Path, record: dict[str, Any]) -> None:
-    Path(f"{path}.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def export_verified(
@@ -200,10 +197,10 @@ def engine_verified(
 def fp16_graph(src: Path, half: Path, opts: VerifyOptions, say: Callable[[str], None] = print) -> Path:
     """``half`` if it was converted from the current ``src`` (its sidecar says so), else a fresh verified conversion."""
     try:
-        if json.loads(Path(f"{half}.json").read_text())["source_sha256"] == onnx_sha256(src):
+        if read_sidecar(half)["source_sha256"] == onnx_sha256(src):
             say(f"using {half} (converted from the current {src.name})")
             return half
-    except (OSError, KeyError, json.JSONDecodeError):
+    except KeyError:
         pass
     with staged(half, overwrite=True) as stage:
         record = convert_verified(src, stage / half.name, opts)
@@ -244,17 +241,17 @@ def export_run(
     record: dict[str, Any] = {"onnx": [], "engines": [], "engines_skipped": None}
     with step(f"ONNX export and verification ({', '.join(models)})"):
         for stem, (model, description) in models.items():
-            fp32 = out / f"{stem}.onnx"
+            fp32 = out / onnx_name(stem)
             with staged(fp32) as stage:
                 record["onnx"].append(
                     export_verified(model, stage / fp32.name, description, opset, simplify, opts, rewrites)
                 )
             if "fp16" in precisions:
-                with staged(out / f"{stem}.fp16.onnx") as stage:
-                    record["onnx"].append(convert_verified(fp32, stage / f"{stem}.fp16.onnx", opts))
+                with staged(out / onnx_name(stem, "fp16")) as stage:
+                    record["onnx"].append(convert_verified(fp32, stage / onnx_name(stem, "fp16"), opts))
     if quantize is not None:
         with step("INT8 quantization"):
-            record["onnx"] += quantize([(out / f"{stem}.onnx", out / f"{stem}.int8.onnx") for stem in models])
+            record["onnx"] += quantize([(out / onnx_name(stem), out / onnx_name(stem, "int8")) for stem in models])
     build = build or BuildOptions()
     reason = no_engines or build_missing(build)
     if reason:
@@ -271,9 +268,9 @@ def export_run(
     with step("TensorRT engines"):
         for precision in precisions:
             for stem in models:
-                source = out / (f"{stem}.onnx" if precision == "fp32" else f"{stem}.{precision}.onnx")
+                source = out / onnx_name(stem, precision)
                 options = replace(build, precision=precision)
-                engine = out / f"{stem}.{precision}.plan"
+                engine = out / engine_name(stem, precision)
                 record["engines"].append({"file": engine.name, **engine_verified(source, engine, options, opts)})
     return record
 
@@ -297,7 +294,7 @@ def write_export_record(
     recovered = {"recovery": report["recovery"]} if "recovery" in report else {}
     record = {"model": model, "prune_config": report["config"], **recovered, "size": sizes, **record}
     record["versions"] = versions
-    with atomic_file(out / "export.json", overwrite=True) as tmp:  # last: a run folder with it is whole
+    with atomic_file(out / RECORD, overwrite=True) as tmp:  # last: a run folder with it is whole
         tmp.write_text(json.dumps(record, indent=2) + "\n")
     return record
 

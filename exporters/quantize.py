@@ -1,4 +1,5 @@
-"""FP32 ONNX -> static INT8 ONNX in Q/DQ form, calibrated on real images and verified on held-out ones.
+"""FP32 ONNX -> static INT8 ONNX in Q/DQ form, calibrated on real inputs (images, or a text encoder's documents) and
+verified on held-out ones.
 
 The quantizer is onnxruntime's (``onnxruntime.quantization.quantize_static``); nothing here
 computes a scale. Its settings are the ones TensorRT accepts, so ONE graph serves onnxruntime's CPU
@@ -21,9 +22,10 @@ of its input and weight (``gemm_errors``, from onnxruntime's ``qdq_loss_debug``)
 the ranges are calibrated once (``calibration_cache_path``), so each step is a re-quantization and a check.
 The GEMMs kept float and why are in the graph's metadata (``int8_float_gemms``) and its record.
 
-Calibration uses the same seeded sample CORP reads (``corp_deploy.formats.data.sample``): the first
-``num_calib`` images of the seeded permutation calibrate, the next ``num_verify`` (never seen by the
-calibrator) verify, so ``--num-calib 256`` calibrates on a subset of a 4000-image CORP calibration.
+Calibration uses the same seeded sample CORP reads (``corp_deploy.formats.data.sample``), read through
+``corp_deploy.formats.calibration.folder_split``: the first ``num_calib`` images of the seeded permutation
+calibrate, the next ``num_verify`` (never seen by the calibrator) verify, so ``--num-calib 256`` calibrates on a
+subset of a 4000-image CORP calibration.
 Text encoders take feeds of ``input_ids`` and ``attention_mask`` instead (built by the caller from the text
 folder's calibration and held-out documents, ``corp_deploy.formats.text.int8_feeds``); their gate compares the last
 hidden state at real tokens only.
@@ -58,7 +60,9 @@ from corp_deploy.exporters.onnx_export import (
     read_metadata,
 )
 from corp_deploy.exporters.smooth import SMOOTH_ALPHA, smooth
-from corp_deploy.formats.data import SYNTHETIC, folder_batches, folder_counts, list_images, sample, synthetic_batches
+from corp_deploy.formats.calibration import ImageSplit, folder_split, noise_split
+from corp_deploy.formats.data import SYNTHETIC
+from corp_deploy.formats.run_folder import write_sidecar
 
 INT8_OPS = ("MatMul", "Gemm", "Conv")
 """Op types quantized where one input is a weight (linear layers, patch embedding)."""
@@ -102,23 +106,6 @@ def is_quantized(proto) -> bool:
     return read_metadata(proto).get("precision") == "int8" or any(n.op_type in QUANTIZED_OPS for n in proto.graph.node)
 
 
-def split_images(files: Sequence[Path], num_calib: int, num_verify: int, seed: int) -> tuple[list[Path], list[Path]]:
-    """(calibration, held-out) files: prefixes of one seeded permutation, as ``data.sample`` draws them.
-
-    With fewer files than asked, a quarter (at least one) is held out so verification never sees a
-    calibration image.
-    """
-    if num_calib < 1 or num_verify < 1:
-        raise CorpError("--num-calib and --num-verify must be >= 1")
-    if len(files) < 2:
-        raise CorpError(f"INT8 needs at least 2 images (calibration and held-out verification), found {len(files)}")
-    held = min(num_verify, max(1, len(files) // 4))
-    calib_num = min(num_calib, len(files) - held)
-    calib = sample(files, calib_num, seed)
-    taken = set(calib)
-    return calib, [f for f in sample(files, calib_num + held, seed) if f not in taken]
-
-
 def data_config(proto) -> dict[str, Any]:
     """The timm eval preprocessing recorded in the graph by ``export``; without it, no calibration."""
     meta = read_metadata(proto)
@@ -128,32 +115,6 @@ def data_config(proto) -> dict[str, Any]:
             "or `prune-export` so calibration images are preprocessed as the model expects"
         )
     return {"input_size": tuple(input_shape(proto)), **meta["preprocessing"]}
-
-
-def image_batches(
-    files: list[Path], config: dict[str, Any], batch_size: int = 32, workers: int = 0
-) -> list[np.ndarray]:
-    """Preprocessed images as NCHW float32 arrays (unreadable files skipped), held in memory: read once."""
-    batches = [x.numpy() for x, _ in folder_batches(files, config, batch_size, workers) if len(x)]
-    if not batches:
-        raise CorpError(f"none of the {len(files)} images could be read; check the image folder")
-    return batches
-
-
-def noise_batches(num: int, size: Sequence[int], seed: int, batch_size: int = 32) -> list[np.ndarray]:
-    """Noise for smoke runs (``--calib synthetic``): exercises quantization, says nothing about accuracy."""
-    return [x.numpy() for x, _ in synthetic_batches(num, batch_size, tuple(size), seed)]
-
-
-def folder_split(
-    folder: str | Path, proto, num_calib: int, num_verify: int, seed: int, workers: int = 0
-) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, dict[str, int]]]:
-    """(calibration, held-out) image batches from ``folder``, preprocessed as the graph's metadata says, and how
-    many of each came from every subfolder (class): the record shows both are drawn across the classes."""
-    calib, held = split_images(list_images(folder), num_calib, num_verify, seed)
-    config = data_config(proto)
-    folders = {"calibration": folder_counts(calib, folder), "verification": folder_counts(held, folder)}
-    return image_batches(calib, config, workers=workers), image_batches(held, config, workers=workers), folders
 
 
 class _Reader:
@@ -435,7 +396,6 @@ def quantize_verified(
     is said. Raises (one line, measured cosine and gate) when only one GEMM would be left in INT8; callers stage
     ``out`` so that nothing is left.
     """
-    from corp_deploy.exporters.pipeline import write_sidecar
     from corp_deploy.exporters.runners import OrtRunner
 
     start = time.perf_counter()
@@ -502,11 +462,10 @@ def _unit(held_out: HeldOut) -> str:
 
 def calibration_data(
     source: str | Path, proto, num_calib: int, num_verify: int, seed: int, workers: int = 0
-) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, dict[str, int]]]:
-    """(calibration, held-out) batches: images of the folder ``source``, or noise for ``synthetic``; and the
-    count of each per folder (``folder_split``)."""
+) -> ImageSplit:
+    """(calibration, held-out) batches for the graph ``proto`` and the count of each per folder: images of the folder
+    ``source`` preprocessed as its metadata says, or noise of its input shape for ``synthetic`` (read by
+    ``formats.calibration``)."""
     if str(source) == SYNTHETIC:
-        shape = input_shape(proto)
-        folders = {"calibration": {SYNTHETIC: num_calib}, "verification": {SYNTHETIC: num_verify}}
-        return noise_batches(num_calib, shape, seed), noise_batches(num_verify, shape, seed + 1), folders
-    return folder_split(source, proto, num_calib, num_verify, seed, workers)
+        return noise_split(input_shape(proto), num_calib, num_verify, seed)
+    return folder_split(source, data_config(proto), num_calib, num_verify, seed, workers)

@@ -22,7 +22,7 @@ import re
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +164,16 @@ class BuildOptions:
         if self.compute_capabilities:
             return [FLAVOURS["tensorrt-rtx"]]
         return list(FLAVOURS.values())
+
+
+def for_graph(options: BuildOptions, seq_len: int | None) -> BuildOptions:
+    """``options`` for a text encoder of ``seq_len`` tokens (sequence range 1:seq_len:seq_len unless --seq-range
+    gave one), or for an image model (``seq_len`` None), which has no sequence axis to give a range."""
+    if seq_len is None:
+        if options.sequence is not None:
+            raise CorpError("--seq-range is for text encoders' engines; an image graph has no sequence axis")
+        return options
+    return replace(options, sequence=options.sequence or Profile(1, seq_len, seq_len))
 
 
 def flavour_missing(flavour: Flavour) -> str | None:

@@ -37,12 +37,13 @@ from corp_deploy.bench.decode import DECODE_BACKENDS, PHASES, TorchSession, deco
 from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
 from corp_deploy.exporters.genai import write_genai_folder
-from corp_deploy.exporters.int4 import INT4_SUFFIX, int4_graphs
+from corp_deploy.exporters.int4 import int4_graphs
 from corp_deploy.exporters.int4_gate import INT4
 from corp_deploy.exporters.int4_quant import CALIB_WINDOWS, Scheme
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats.artifact import save_pruned
 from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
+from corp_deploy.formats.run_folder import GENAI_SUFFIX, INT4_SUFFIX
 from corp_deploy.formats.sources import describe
 from corp_deploy.formats.text import packed_batches, packed_sequences, read_documents, shuffled, split_documents
 from corp_deploy.plan.report import model_size
@@ -74,7 +75,7 @@ def run_folder(root: Path, pruned: torch.nn.Module, dense_folder: Path, seq_len:
     if not (root / "pruned").is_dir():
         save_pruned(pruned, root / "pruned", {"model": {"name": NAME, "args": {}}})
     (root / "pruned.onnx.json").write_text(json.dumps(describe(pruned, NAME, {}, "study", seq_len)))
-    for suffix in ("-genai", "-genai" + INT4_SUFFIX):
+    for suffix in (GENAI_SUFFIX, GENAI_SUFFIX + INT4_SUFFIX):
         link = root / f"dense{suffix}"
         if not link.exists():
             link.symlink_to(os.path.relpath(dense_folder.with_name(f"dense{suffix}"), root))

@@ -5,7 +5,7 @@
 ``to_hf_dinov2`` copies a timm ViT with LayerScale (DINOv2's layout) into a ``transformers`` ``Dinov2Model``
 (q/k/v split from timm's fused ``qkv``); the two compute the same features. Both are calibrated on the same
 images and pruned with the same config; the widths must agree and the pruned features must match (the table:
-dense and pruned [CLS] features of the two, on held-out images). ``tests/test_families.py`` runs the same check
+dense and pruned [CLS] features of the two, on held-out images). ``tests/families/test_families.py`` runs the same check
 on a tiny random model.
 """
 

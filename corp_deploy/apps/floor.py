@@ -48,6 +48,7 @@ from corp_deploy.families import adapter_for
 from corp_deploy.families.hf.adapter import max_positions
 from corp_deploy.formats.artifact import META_FILE, read_meta
 from corp_deploy.formats.data import data_config, folder_batches, image_folder, labelled_batches, list_images, sample
+from corp_deploy.formats.run_folder import ARTIFACT, MODELS, onnx_name
 from corp_deploy.formats.text import (
     evaluation_documents,
     packed_sequences,
@@ -58,7 +59,7 @@ from corp_deploy.formats.text import (
 SPEED_ON = "ort-cpu-fp32"
 """The backend every frontier speed is read on: its dense FP32 throughput is the 1.0 of every point."""
 INT8_ON = "ort-cpu-int8"
-DENSE_INT8 = "dense.int8.onnx"
+DENSE_INT8 = onnx_name("dense", "int8")
 HELDOUT_NUM = 256
 """Held-out images or documents (a decoder: windows) scored per model by default."""
 DEFAULT_SEQ_LEN = 128
@@ -257,14 +258,14 @@ class Accuracy:
         """``pruned.int8.onnx`` beside a row's pruned graph, and a copy of ``dense.int8.onnx``: bench's ort-cpu-int8
         times the pair in the row's folder; ``score`` scores the pruned one."""
         if self.int8:
-            dynamic_int8(pruned_onnx, pruned_onnx.with_name("pruned.int8.onnx"), per_channel=True)
+            dynamic_int8(pruned_onnx, pruned_onnx.with_name(onnx_name("pruned", "int8")), per_channel=True)
             shutil.copyfile(self._dense_int8, pruned_onnx.with_name(DENSE_INT8))
 
     def score(self, folder: Path, calib: api.Calibrated, config: PruneConfig, result: api.PruneResult) -> dict:
         """One row's held-out figures: CORP's graphs as exported, removal's model at CORP's widths."""
-        row = {"corp": {"fp32": self._score(OrtRunner(folder / "pruned.onnx", "cpu"))}}
+        row = {"corp": {"fp32": self._score(OrtRunner(folder / onnx_name("pruned"), "cpu"))}}
         if self.int8:
-            row["corp"]["int8"] = self._score(OrtRunner(folder / "pruned.int8.onnx", "cpu"))
+            row["corp"]["int8"] = self._score(OrtRunner(folder / onnx_name("pruned", "int8"), "cpu"))
         if self.removal:
             plain = replace(config, compensation="none", budget=None)
             removed = calib.prune(plain, widths=widths_of(result.model, config)).model
@@ -357,10 +358,9 @@ def choose(points: list[dict[str, Any]], max_drop: float, metric: str) -> dict[s
 
 def file_of(point: dict[str, Any]) -> str:
     """The graph a point is: ``x2.00/pruned.int8.onnx``, ``dense.onnx``..."""
-    suffix = ".onnx" if point["precision"] == "fp32" else f".{point['precision']}.onnx"
     if point["method"] == "dense":
-        return f"dense{suffix}"
-    return f"{point['row']}/pruned{suffix}"
+        return onnx_name("dense", point["precision"])
+    return f"{point['row']}/{onnx_name('pruned', point['precision'])}"
 
 
 # ------------------------------------------------------------------------------ eval of a run folder
@@ -369,8 +369,8 @@ def file_of(point: dict[str, Any]) -> str:
 def artifact_of(run_dir: str | Path) -> Path:
     """The prune artifact of a run folder: ``RUN/pruned`` of a prune-export or sweep folder, or ``RUN`` itself."""
     root = Path(run_dir)
-    if (root / "pruned" / META_FILE).is_file():
-        return root / "pruned"
+    if (root / ARTIFACT / META_FILE).is_file():
+        return root / ARTIFACT
     if (root / META_FILE).is_file():
         return root
     raise CorpError(f"{root} is neither a prune-export folder nor a prune artifact (no {META_FILE})")
@@ -400,11 +400,11 @@ def evaluate_text(
     held = text_heldout(pruned, tokenizer, text, seq_len, num, batch_size, seed, all_text, declared_pooling(origin))
     metrics = list(metrics) or [default_metric(held.kind), *(["accuracy"] if held.labels is not None else [])]
     runners = {"dense torch-cpu-fp32": runner(dense), "pruned torch-cpu-fp32": runner(pruned)}
-    root = artifact.parent if artifact.name == "pruned" else artifact
-    for which in ("dense", "pruned"):
-        for precision, suffix in (("fp32", ".onnx"), ("int8", ".int8.onnx")):
-            if (root / f"{which}{suffix}").is_file():
-                runners[f"{which} ort-cpu-{precision}"] = OrtRunner(root / f"{which}{suffix}", "cpu")
+    root = artifact.parent if artifact.name == ARTIFACT else artifact
+    for which in MODELS:
+        for precision in ("fp32", "int8"):
+            if (root / onnx_name(which, precision)).is_file():
+                runners[f"{which} ort-cpu-{precision}"] = OrtRunner(root / onnx_name(which, precision), "cpu")
     results = scores(runners, "dense torch-cpu-fp32", held, metrics)
     return {
         "data": str(text),

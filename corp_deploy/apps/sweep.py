@@ -35,6 +35,7 @@ from corp_deploy.core.pruner import Budget, PruneConfig, plan_widths
 from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.formats.artifact import read_meta
 from corp_deploy.formats.calibration import Heldout
+from corp_deploy.formats.run_folder import ARTIFACT, onnx_name
 from corp_deploy.plan.latency import LatencyTable
 from corp_deploy.plan.report import model_size, verdict
 
@@ -163,12 +164,12 @@ def sweep(
         calib = api.calibrated(model, batches, config, device, total, progress=total is not None, heldout=heldout)
         model = model.to("cpu")
         out.mkdir(parents=True, exist_ok=True)
-        dense_onnx = out / "dense.onnx"
+        dense_onnx = out / onnx_name("dense")
         with steps("dense ONNX"), atomic_file(dense_onnx, overwrite=True) as tmp:  # never a graph of an earlier run
             export_verified(model, tmp, description, rewrites=rewrites)
     if accuracy is not None:
         with steps("dense held-out reference"):
-            accuracy.start(out / "dense.onnx")
+            accuracy.start(out / onnx_name("dense"))
     if todo:
         points = _pruned(calib, todo, speedups)
         for name, (label, cfg) in todo.items():
@@ -219,11 +220,13 @@ def _point(
     its held-out figures (``score``: ``accuracy.json``), then its bench, ``bench.json`` last (the finished mark)."""
     with atomic_dir(folder, overwrite=True) as tmp:
         api.save(
-            result, tmp / "pruned", description["model"], description["model_args"], weights=description["weights"]
+            result, tmp / ARTIFACT, description["model"], description["model_args"], weights=description["weights"]
         )
-        export_verified(result.model, tmp / "pruned.onnx", {**description, "weights": "corp-pruned"}, rewrites=rewrites)
+        export_verified(
+            result.model, tmp / onnx_name("pruned"), {**description, "weights": "corp-pruned"}, rewrites=rewrites
+        )
         if accuracy is not None:
-            accuracy.quantize(tmp / "pruned.onnx")
+            accuracy.quantize(tmp / onnx_name("pruned"))
         for f in dense_onnx.parent.glob(f"{dense_onnx.name}*"):  # the graph, its sidecar and external weights
             shutil.copyfile(f, tmp / f.name)  # not linked: onnx refuses external data with several hard links
     if score is not None:
@@ -243,7 +246,7 @@ def _row(
 ) -> dict:
     """A finished point's row of the sweep table, read back from its folder (prune report, ``bench.json`` and, when
     ``scored``, ``accuracy.json``)."""
-    report = read_meta(folder / "pruned")["report"]
+    report = read_meta(folder / ARTIFACT)["report"]
     size = report["pruned"]
     if scored and not (folder / ACCURACY_FILE).is_file():
         raise CorpError(

@@ -46,7 +46,7 @@ FLOORS: dict[str, str] = {
     "sentence-transformers": "6",
 }
 """Distribution -> the oldest release corp-deploy supports: pyproject.toml's ``>=`` for those it lists
-(tests/test_deps_env.py checks they agree)."""
+(tests/base/test_deps_env.py checks they agree)."""
 INDEX_URLS: dict[str, str] = {"tensorrt": "https://pypi.nvidia.com"}
 """Packages whose real wheels are on another index (PyPI's ``tensorrt`` is a placeholder)."""
 

@@ -42,19 +42,8 @@ from corp_deploy.bench.report import format_markdown, format_table, skipped_line
 from corp_deploy.bench.report import plot as draw
 from corp_deploy.bench.run import benchmark, parse_batch_sizes
 from corp_deploy.cli.inputs import inputs, latency_loop, latency_table
-from corp_deploy.cli.options import (
-    ONNX_EXPORT,
-    bench_method,
-    calib_options,
-    group,
-    latency_options,
-    method_options,
-    model_options,
-    needs,
-    prune_config,
-    quiet_option,
-    timing_group,
-)
+from corp_deploy.cli.options import ONNX_EXPORT, calib_options, group, model_options, needs, quiet_option
+from corp_deploy.cli.prune_options import latency_options, method_options, prune_config
 from corp_deploy.families.hf import hub as hf
 from corp_deploy.families.hf.adapter import max_positions
 from corp_deploy.families.registry import get as get_family
@@ -63,6 +52,19 @@ from corp_deploy.formats import calibration, evaluation, sources
 from corp_deploy.formats.artifact import META_FILE, read_meta
 from corp_deploy.formats.text import read_documents
 from corp_deploy.plan import latency, speed
+
+timing_group = group(
+    click.option("--warmup-iters", default=Method.warmup_iters, show_default=True),
+    click.option("--warmup-seconds", default=Method.warmup_seconds, show_default=True),
+    click.option("--min-iters", default=Method.min_iters, show_default=True, help="Timed iterations, at least."),
+    click.option("--min-seconds", default=Method.min_seconds, show_default=True, help="Timed seconds, at least."),
+    into="timing",
+)
+
+
+def bench_method(timing: dict[str, Any]) -> Method:
+    """The timing group as a bench ``Method``."""
+    return Method(**timing)
 
 
 @click.command()

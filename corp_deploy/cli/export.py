@@ -20,32 +20,29 @@ from corp_deploy.base.fsio import atomic_dir, check_writable, staged
 from corp_deploy.base.steps import Steps, Stopped
 from corp_deploy.bench.backends import rewrites_on
 from corp_deploy.cli import genai
-from corp_deploy.cli.options import (
+from corp_deploy.cli.export_options import (
     build_options,
-    calibration_source,
     engine_group,
-    for_graph,
-    int4_candidates,
-    int4_options,
-    int4_setup,
-    int8_options,
-    model_options,
-    needs,
-    onnx_needs,
     onnx_options,
-    out_options,
-    out_path,
-    precisions,
-    prune_config,
-    prune_options,
     tolerance,
     verify_group,
     verify_options,
 )
+from corp_deploy.cli.options import (
+    calibration_source,
+    model_options,
+    needs,
+    onnx_needs,
+    out_options,
+    out_path,
+    precisions,
+)
 from corp_deploy.cli.prune import again, pruned, say_folder
+from corp_deploy.cli.prune_options import prune_config, prune_options
+from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options
 from corp_deploy.exporters.compare import INT8
-from corp_deploy.exporters.genai import CONFIG, GENAI_SUFFIX, GRAPH, NEW_TOKENS, tokenizer_files, write_genai_folder
-from corp_deploy.exporters.int4 import INT4_SUFFIX, format_int4, int4_graphs
+from corp_deploy.exporters.genai import CONFIG, GRAPH, NEW_TOKENS, tokenizer_files, write_genai_folder
+from corp_deploy.exporters.int4 import format_int4, int4_graphs
 from corp_deploy.exporters.int4_quant import Scheme, decoder_graph
 from corp_deploy.exporters.int8_recipes import parse_recipes, quantize_graphs
 from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, read_metadata
@@ -62,13 +59,28 @@ from corp_deploy.exporters.pipeline import (
 )
 from corp_deploy.exporters.quantize import Data
 from corp_deploy.exporters.rewrites import parse_rewrites
-from corp_deploy.exporters.tensorrt_engine import PRECISIONS, build_missing, require_precision, select_flavour
+from corp_deploy.exporters.tensorrt_engine import (
+    PRECISIONS,
+    build_missing,
+    for_graph,
+    require_precision,
+    select_flavour,
+)
 from corp_deploy.families.hf import hub as hf
 from corp_deploy.families.timm import modules as surgery
 from corp_deploy.families.timm.models import parse_model_args
 from corp_deploy.formats import calibration, evaluation, sources
 from corp_deploy.formats.artifact import META_FILE
 from corp_deploy.formats.data import SYNTHETIC
+from corp_deploy.formats.run_folder import (
+    ARTIFACT,
+    GENAI_SUFFIX,
+    INT4_SUFFIX,
+    MODELS,
+    engine_name,
+    genai_name,
+    onnx_name,
+)
 from corp_deploy.formats.text import int8_feeds
 from corp_deploy.plan.report import format_report
 
@@ -360,7 +372,7 @@ def quantize(
     tol = tolerance(INT8, tol_cosine, tol_rel)
     text = None
     if is_text(metas[0]):  # a run folder's graphs are one model's: the tokenizer is its artifact's, or its source's
-        artifact = pairs[0][0].parent / "pruned"
+        artifact = pairs[0][0].parent / ARTIFACT
         tokenizer_from = artifact if (artifact / META_FILE).is_file() else metas[0]["model"]
         text = _text_int8(tokenizer_from, data, int8_calib, int8_verify, seed)
     records = quantize_graphs(
@@ -417,7 +429,7 @@ def _int4_pairs(source: Path) -> list[tuple[Path, Path]]:
 def _fp32_graphs(source: Path) -> list[Path]:
     """A run folder's dense and pruned FP32 graphs, or one .onnx file."""
     if source.is_dir():
-        graphs = [source / f"{m}.onnx" for m in ("dense", "pruned") if (source / f"{m}.onnx").is_file()]
+        graphs = [source / onnx_name(m) for m in MODELS if (source / onnx_name(m)).is_file()]
         if not graphs:
             raise CorpError(
                 f"{source} has no dense.onnx or pruned.onnx; run `corp-deploy prune-export` or pass a .onnx"
@@ -432,7 +444,7 @@ def _fp32_graphs(source: Path) -> list[Path]:
 def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
     """(FP32 graph, INT8 file) for a run folder's dense and pruned graphs, or for one .onnx file."""
     graphs = _fp32_graphs(source)
-    return [(g, g.with_name(f"{g.stem}.int8.onnx")) for g in graphs]
+    return [(g, g.with_name(onnx_name(g.stem, "int8"))) for g in graphs]
 
 
 @click.command("prune-export")
@@ -494,7 +506,7 @@ def prune_export(
     precisions_ = precisions(precision)
     recipes = parse_recipes(int8_recipe)
     text = hf.modality(prune_args["model"]) == "text"
-    decoder = text and genai.is_decoder(prune_args["model"])
+    decoder = text and sources.is_decoder(prune_args["model"])
     _int4_refused(precisions_, decoder)
     int4_setup(int4)  # a bad INT4 flag fails here
     if text:
@@ -548,7 +560,7 @@ def prune_export(
     }
     run_dir = Path(out)
     with atomic_dir(run_dir, overwrite) as tmp:  # first, alone: a later step that stops leaves the prune
-        api.save(run.result, tmp / "pruned", run.name, run.args, weights=run.weights)
+        api.save(run.result, tmp / ARTIFACT, run.name, run.args, weights=run.weights)
     engines = tuple(p for p in precisions_ if p != "int4")
     buildable = no_engines is None and not build_missing(build)
     finish = _finisher(run_dir, prune_args["model"], engines, quantize is not None, decoder, precisions_, buildable)
@@ -567,23 +579,23 @@ def prune_export(
     if decoder:
         with steps("genai folders (dense, pruned)"):
             for stem, (model, description) in models.items():
-                with atomic_dir(run_dir / f"{stem}{GENAI_SUFFIX}") as folder:
+                with atomic_dir(run_dir / genai_name(stem)) as folder:
                     genai_records[stem] = write_genai_folder(
-                        model, folder, description, run_dir / "pruned", opset, None, opts.fp32, graph=decode_graph
+                        model, folder, description, run_dir / ARTIFACT, opset, None, opts.fp32, graph=decode_graph
                     )
-                if line := genai.filled(genai_records[stem], f"{stem}{GENAI_SUFFIX}"):
+                if line := genai.filled(genai_records[stem], genai_name(stem)):
                     click.echo(line)
         # each folder's model.onnx.json has it all; export.json names the folders and their checks
-        record["genai"] = {f"{stem}{GENAI_SUFFIX}": _genai_brief(r) for stem, r in genai_records.items()}
+        record["genai"] = {genai_name(stem): _genai_brief(r) for stem, r in genai_records.items()}
     if "int4" in precisions_:
         with steps("INT4 quantization"):
             data, seed = calibration_source(prune_args["calib_dir"], prune_args["calib"]), prune_args["seed"]
             vocab = run.dense.config.vocab_size
             windows = _int4_windows(prune_args["model"], data, vocab, int4, seed)
-            pairs = [(run_dir / f"{s}{GENAI_SUFFIX}", run_dir / f"{s}{GENAI_SUFFIX}{INT4_SUFFIX}") for s in models]
+            pairs = [(run_dir / genai_name(s), run_dir / genai_name(s, int4=True)) for s in models]
             scheme, tol = int4_setup(int4)
             calibration = _int4_calibration(prune_args["model"], data, vocab, int4, seed, scheme)
-            inputs = [(model, tokenizer_files(run_dir / "pruned")) for model, _ in models.values()]
+            inputs = [(model, tokenizer_files(run_dir / ARTIFACT)) for model, _ in models.values()]
             info, candidates = {"text": data, "seed": seed}, int4_candidates(int4, scheme)
             record["int4"] = int4_graphs(
                 pairs, windows, tol, scheme, info, **calibration, candidates=candidates, sources=inputs
@@ -593,10 +605,10 @@ def prune_export(
     if "int4" in record:
         click.echo(format_int4(record["int4"]))
     for stem, genai_record in genai_records.items():
-        click.echo(genai.summary(genai_record, f"{stem}{GENAI_SUFFIX}", None))  # random-token prompts
-    folders = ", ".join(f"{stem}{GENAI_SUFFIX}/" for stem in genai_records)
+        click.echo(genai.summary(genai_record, genai_name(stem), None))  # random-token prompts
+    folders = ", ".join(f"{genai_name(stem)}/" for stem in genai_records)
     click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json{', ' + folders if folders else ''})")
-    say_folder(run_dir / "pruned")
+    say_folder(run_dir / ARTIFACT)
     click.echo(steps.wall_time(time.perf_counter() - started, {"prune (model, data, tables, recovery)": prune_seconds}))
 
 
@@ -611,30 +623,30 @@ def _finisher(
 ) -> Callable[[], str]:
     """The commands that make what a stopped ``prune-export`` left unwritten, each with the flags this one was
     given that it takes; made now (while the command's options are at hand), read when a step stops."""
-    sources_ = {"dense": model, "pruned": str(out / "pruned")}
+    sources_ = {"dense": model, "pruned": str(out / ARTIFACT)}
     not_for_artifact = ("weights", "checkpoint", "model_arg")
     quantize_flags = _given(quantize, ("tol_cosine", "tol_rel"))  # prune-export's tolerances are its FP32 gates
     made: list[tuple[tuple[Path, ...], list[str]]] = []  # (what a command writes, the command)
     for stem, source in sources_.items():
-        graphs = (out / f"{stem}.onnx", *((out / f"{stem}.fp16.onnx",) if "fp16" in engines else ()))
+        graphs = (out / onnx_name(stem), *((out / onnx_name(stem, "fp16"),) if "fp16" in engines else ()))
         flags = [
             *_given(export, not_for_artifact if stem == "pruned" else ()),
             *(["--fp16"] if len(graphs) > 1 else []),
         ]
         made.append((graphs, ["export", source, *flags, "--out", str(graphs[0])]))
     if int8:
-        made.append((tuple(out / f"{s}.int8.onnx" for s in sources_), ["quantize", str(out), *quantize_flags]))
+        made.append((tuple(out / onnx_name(s, "int8") for s in sources_), ["quantize", str(out), *quantize_flags]))
     for stem, source in sources_.items() if decoder else ():
-        folder = out / f"{stem}{GENAI_SUFFIX}"
+        folder = out / genai_name(stem)
         skip = ("fp16", "pad_qk", "simplify", "rewrites", *(not_for_artifact if stem == "pruned" else ()))
         made.append(((folder,), ["export", source, *_given(export, skip), "--out", str(folder)]))
     if "int4" in precisions_:
-        int4_out = tuple(out / f"{s}{GENAI_SUFFIX}{INT4_SUFFIX}" for s in sources_)
+        int4_out = tuple(out / genai_name(s, int4=True) for s in sources_)
         made.append((int4_out, ["quantize", str(out), "--precision", "int4", *quantize_flags]))
     for precision in engines if buildable else ():
         for stem in sources_:
-            plan = out / f"{stem}.{precision}.plan"
-            graph = out / (f"{stem}.int8.onnx" if precision == "int8" else f"{stem}.onnx")
+            plan = out / engine_name(stem, precision)
+            graph = out / onnx_name(stem, "int8" if precision == "int8" else "fp32")
             argv = ["build-engine", str(graph), "--precision", precision, *_given(build_engine), "--out", str(plan)]
             made.append(((plan,), argv))
 

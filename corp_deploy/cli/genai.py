@@ -3,17 +3,17 @@ work (the ``genai`` extra, the source, the prompts' lengths), and the lines prin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.cli.options import ONNX_EXPORT, needs
 from corp_deploy.exporters.genai import NEW_TOKENS
-from corp_deploy.families import decoders, for_model_type, get
+from corp_deploy.families import decoders, get
 from corp_deploy.families.hf.adapter import max_positions
 from corp_deploy.families.hf.hub import HUB_PREFIX
 from corp_deploy.formats.artifact import META_FILE, read_meta
+from corp_deploy.formats.sources import is_decoder, model_type
 
 PURPOSE = "a decoder's onnxruntime-genai folder"
 
@@ -25,20 +25,6 @@ def folder_is() -> str:
 def needs_genai() -> None:
     """One line, before any work, when onnxruntime-genai (the ``genai`` extra) or the ONNX stack is missing."""
     needs(PURPOSE, *ONNX_EXPORT, "onnxruntime_genai")
-
-
-def model_type(source: str) -> str | None:
-    """The ``model_type`` in a local folder's config.json (None when it has none or it is unreadable)."""
-    try:
-        return json.loads(Path(source, "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def is_decoder(source: str) -> bool:
-    """Whether a prune MODEL (a local transformers folder) is a decoder with a genai decode graph."""
-    family = for_model_type(model_type(source))
-    return family is not None and family.genai_type is not None
 
 
 def decoder_folder(source: str) -> Path:

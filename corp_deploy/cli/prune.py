@@ -18,14 +18,8 @@ from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.steps import Stopped
 from corp_deploy.cli.inputs import inputs, latency_loop, latency_table
-from corp_deploy.cli.options import (
-    out_options,
-    out_path,
-    prune_config,
-    prune_options,
-    recovery_setup,
-    typed,
-)
+from corp_deploy.cli.options import out_options, out_path, typed
+from corp_deploy.cli.prune_options import prune_config, prune_options, recovery_setup
 from corp_deploy.core import distributed
 from corp_deploy.core.pruner import PruneConfig
 from corp_deploy.core.recover import Interrupted, Kept

@@ -1,16 +1,18 @@
 """What calibration reads: images or documents drawn from a folder (or synthetic ones), split into the
-batches the statistics sum and the held-out inputs the width planning measures on, sharded per rank; and the
-device it runs on."""
+batches the statistics sum and the held-out inputs the width planning measures on, sharded per rank; the device
+it runs on; and INT8's calibration and verification images (``folder_split``), a prefix of CORP's sample and the
+images after it, as arrays a graph takes."""
 
 from __future__ import annotations
 
 import os
 import warnings
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -223,3 +225,55 @@ def calibration_windows(
         raise CorpError(f"{source}: decoder calibration needs the model's tokenizer, and its folder has none")
     parts = split_documents(read_documents(source))
     return packed_sequences(tokenizer, shuffled(parts.calibration, seed), seq_len, num, "calibration")
+
+
+ImageSplit = tuple[list[np.ndarray], list[np.ndarray], dict[str, dict[str, int]]]
+"""INT8's (calibration, held-out) NCHW float32 batches and how many of each came from every folder."""
+
+
+def split_images(files: Sequence[Path], num_calib: int, num_verify: int, seed: int) -> tuple[list[Path], list[Path]]:
+    """(calibration, held-out) files: prefixes of one seeded permutation, as ``data.sample`` draws them.
+
+    With fewer files than asked, a quarter (at least one) is held out so verification never sees a
+    calibration image.
+    """
+    if num_calib < 1 or num_verify < 1:
+        raise CorpError("--num-calib and --num-verify must be >= 1")
+    if len(files) < 2:
+        raise CorpError(f"INT8 needs at least 2 images (calibration and held-out verification), found {len(files)}")
+    held = min(num_verify, max(1, len(files) // 4))
+    calib_num = min(num_calib, len(files) - held)
+    calib = sample(files, calib_num, seed)
+    taken = set(calib)
+    return calib, [f for f in sample(files, calib_num + held, seed) if f not in taken]
+
+
+def image_arrays(files: list[Path], config: dict[str, Any], batch_size: int = 32, workers: int = 0) -> list[np.ndarray]:
+    """Preprocessed images as NCHW float32 arrays (unreadable files skipped), held in memory: read once."""
+    batches = [x.numpy() for x, _ in folder_batches(files, config, batch_size, workers) if len(x)]
+    if not batches:
+        raise CorpError(f"none of the {len(files)} images could be read; check the image folder")
+    return batches
+
+
+def noise_arrays(num: int, size: Sequence[int], seed: int, batch_size: int = 32) -> list[np.ndarray]:
+    """Noise for smoke runs (``--calib synthetic``): exercises quantization, says nothing about accuracy."""
+    return [x.numpy() for x, _ in synthetic_batches(num, batch_size, tuple(size), seed)]
+
+
+def folder_split(
+    folder: str | Path, config: dict[str, Any], num_calib: int, num_verify: int, seed: int, workers: int = 0
+) -> ImageSplit:
+    """(calibration, held-out) image batches from ``folder``, preprocessed as ``config`` (timm's data config, as a
+    graph's metadata records it) says, and how many of each came from every subfolder (class): the record shows both
+    are drawn across the classes."""
+    calib, held = split_images(list_images(folder), num_calib, num_verify, seed)
+    folders = {"calibration": folder_counts(calib, folder), "verification": folder_counts(held, folder)}
+    return image_arrays(calib, config, workers=workers), image_arrays(held, config, workers=workers), folders
+
+
+def noise_split(size: Sequence[int], num_calib: int, num_verify: int, seed: int) -> ImageSplit:
+    """``folder_split`` for ``--calib synthetic``: noise of the graph's input ``size``, held-out drawn with
+    ``seed + 1``."""
+    folders = {"calibration": {SYNTHETIC: num_calib}, "verification": {SYNTHETIC: num_verify}}
+    return noise_arrays(num_calib, size, seed), noise_arrays(num_verify, size, seed + 1), folders

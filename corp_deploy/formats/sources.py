@@ -3,6 +3,7 @@ name; the dense original of an artifact; and what an exported file records about
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.version import __version__
-from corp_deploy.families import adapter_for, structure
+from corp_deploy.families import adapter_for, for_model_type, structure
 from corp_deploy.families.hf import hub as hf
 from corp_deploy.families.hf.adapter import MACS_SEQ_LEN, max_positions
 from corp_deploy.families.timm.models import create_model, resolve_name
@@ -104,3 +105,17 @@ def text_model(source: str | Path) -> tuple[nn.Module, Any]:
         model = load_pruned(source)
         return model, hf.load_tokenizer(source, model.config.vocab_size)
     return hf.load(str(source))
+
+
+def model_type(source: str) -> str | None:
+    """The ``model_type`` in a local folder's config.json (None when it has none or it is unreadable)."""
+    try:
+        return json.loads(Path(source, "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def is_decoder(source: str) -> bool:
+    """Whether a prune MODEL (a local transformers folder) is a decoder with a genai decode graph."""
+    family = for_model_type(model_type(source))
+    return family is not None and family.genai_type is not None

@@ -93,7 +93,7 @@ class Plan:
             warmup_seconds=0.0,
             min_seconds=0.0,
             min_iters=3,
-            pytest_args=("-m", "gpu", "tests/test_gpu.py"),
+            pytest_args=("-m", "gpu", "tests/house/test_gpu.py"),
         )
 
 

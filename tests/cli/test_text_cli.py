@@ -187,8 +187,7 @@ def test_text_int8_without_text_and_an_image_graph_with_a_sequence_range_are_ref
     code, _, stderr = run(["quantize", str(onnx)], capsys)
     assert code == 1 and "no calibration text" in stderr and "Traceback" not in stderr
     from corp_deploy.base.errors import CorpError
-    from corp_deploy.cli.options import for_graph
-    from corp_deploy.exporters.tensorrt_engine import BuildOptions, Profile
+    from corp_deploy.exporters.tensorrt_engine import BuildOptions, Profile, for_graph
 
     ranged = BuildOptions(sequence=Profile(1, 8, 16))
     with pytest.raises(CorpError, match="--seq-range is for text encoders"):

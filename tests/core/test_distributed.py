@@ -18,13 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_CLI_ARGS, run_here, tiny_vit
+from helpers import ROOT, TINY_CLI_ARGS, run_here, tiny_vit
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from corp_deploy.core.distributed import World, shard
 
-ROOT = Path(__file__).resolve().parents[1]
 PROCESS_TIMEOUT = 420
 """Seconds any launched process may take: these runs need ~15 s, but two cold torch imports on two busy cores can
 take a minute or more."""

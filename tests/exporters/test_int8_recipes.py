@@ -28,8 +28,9 @@ from corp_deploy.exporters.int8_recipes import (
 )
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import export_verified, format_summary
-from corp_deploy.exporters.quantize import compare_on, noise_batches
+from corp_deploy.exporters.quantize import compare_on
 from corp_deploy.exporters.runners import OrtRunner
+from corp_deploy.formats.calibration import noise_arrays
 from corp_deploy.formats.sources import describe
 from corp_deploy.formats.text import int8_feeds
 
@@ -54,8 +55,8 @@ def vits(tmp_path_factory) -> dict[str, Path]:
 
 
 def _job(tol: Tolerance = INT8) -> Job:
-    calibration = noise_batches(16, (3, 32, 32), seed=0)
-    return Job(calibration, noise_batches(8, (3, 32, 32), seed=1), tol, say=lambda line: None)
+    calibration = noise_arrays(16, (3, 32, 32), seed=0)
+    return Job(calibration, noise_arrays(8, (3, 32, 32), seed=1), tol, say=lambda line: None)
 
 
 def _copy(graph: Path, folder: Path) -> Path:
@@ -98,7 +99,7 @@ def test_the_choice_keeps_the_fastest_passing_candidate_never_a_failing_one(vits
     assert (choice["chosen"], choice["graph"]) == (recipe, graph)
     assert "broken (cosine" in choice["why"] and "fastest of 3 passing" in choice["why"]
     assert record["verify"]["cosine"] >= INT8.min_cosine  # the shipped graph's own check, on held-out images
-    out = OrtRunner(tmp_path / "pruned.int8.onnx", "cpu")(noise_batches(4, (3, 32, 32), seed=5)[0])
+    out = OrtRunner(tmp_path / "pruned.int8.onnx", "cpu")(noise_arrays(4, (3, 32, 32), seed=5)[0])
     assert out.shape == (4, 10)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned.int8.onnx", "pruned.int8.onnx.json", "pruned.onnx"]
 
@@ -162,7 +163,7 @@ def test_fused_graphs_match_the_fp32_graph_on_a_vit_with_unequal_qk_and_v_widths
     src = vits["pruned"]
     structure = read_metadata(load_onnx(src, weights=False))["structure"]
     assert all(b["qk_dim"] < b["v_dim"] < 16 for b in structure)  # tiny ViT heads are 16 wide: both pruned, unequally
-    held = noise_batches(8, (3, 32, 32), seed=3)
+    held = noise_arrays(8, (3, 32, 32), seed=3)
     fused, record = fused_graph(src, tmp_path / "fused.onnx", OrtRunner(src, "cpu"), held)
     assert fused is not None and record["fused"]["SkipLayerNormalization"] > 0, record
     assert record["fused"]["MultiHeadAttention"] == len(structure)  # timm's packed qkv, split unequally

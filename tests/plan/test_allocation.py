@@ -8,11 +8,10 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import pruned_copy, tiny_batches, tiny_vit
+from helpers import ROOT, TESTS, pruned_copy, tiny_batches, tiny_vit
 
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
@@ -289,9 +288,9 @@ def test_budget_under_two_gloo_processes(tmp_path) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     run = subprocess.run(  # one torchrun job prunes with both allocations (a launch costs seconds of imports)
-        [*torchrun, str(script), str(tmp_path / "out"), str(Path(__file__).parent)],
-        cwd=Path(__file__).resolve().parents[1],
-        env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        [*torchrun, str(script), str(tmp_path / "out"), str(TESTS)],
+        cwd=ROOT,
+        env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=420,

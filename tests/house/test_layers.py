@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {
     "corp_deploy": "corp_deploy",
     "exporters": "corp_deploy.exporters",
@@ -250,3 +250,33 @@ def test_every_public_name_resolves_to_the_module_that_defines_it() -> None:
     for name in corp_deploy.__all__:
         value = getattr(corp_deploy, name)
         assert name == "__version__" or value.__module__ == corp_deploy._EXPORTS[name], name
+
+
+def test_no_test_module_imports_conftest() -> None:
+    """Builders live in ``helpers``, fixtures in ``conftest``: conftest may use helpers, never the reverse, and no
+    test imports conftest as a module (pytest loads it itself; an import would make a second copy of it)."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [str(path.relative_to(ROOT)) for name in names if name.split(".")[-1] == "conftest"]
+    assert not bad, bad
+
+
+def test_the_development_layout_lists_every_module_under_its_folder() -> None:
+    """docs/DEVELOPMENT.md's layout is drawn from the folders: each module on disk is listed under its folder (a
+    package's ``__init__.py`` may be), and nothing listed is gone."""
+    text = (ROOT / "docs" / "DEVELOPMENT.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    listed, folder = set(), ""
+    for line in block.splitlines():
+        name = line.split()[0]
+        if line.startswith(" "):
+            listed.add(folder + name)
+        else:
+            folder = name
+    on_disk = {str(p.relative_to(ROOT)) for p in modules().values()}
+    packages = {p for p in on_disk if p.endswith("__init__.py")}
+    assert sorted(on_disk - packages - listed) == [], "modules missing from the layout"
+    assert sorted(listed - on_disk) == [], "listed in the layout, not on disk"

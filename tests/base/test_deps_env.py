@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import run, tf32_state, tiny_text_folder
+from helpers import ROOT, run, tf32_state, tiny_text_folder
 
 from corp_deploy.base import deps, env
 from corp_deploy.base.errors import CorpError
@@ -71,7 +70,7 @@ def test_the_floors_are_pyproject_ranges() -> None:
     """Every ``>=`` of pyproject.toml on a gated distribution is its floor here: the two cannot drift apart."""
     import tomllib
 
-    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     ranges = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
     listed = {}
     for requirement in ranges:

@@ -16,16 +16,10 @@ from corp_deploy.exporters.compare import INT8, compare
 from corp_deploy.exporters.int8_recipes import quantize_graphs
 from corp_deploy.exporters.onnx_export import load_onnx, onnx_files, read_metadata
 from corp_deploy.exporters.pipeline import export_verified
-from corp_deploy.exporters.quantize import (
-    ATTENTION_MATMUL,
-    INT8_OPS,
-    activation_gemms,
-    compare_on,
-    folder_split,
-    split_images,
-)
+from corp_deploy.exporters.quantize import ATTENTION_MATMUL, INT8_OPS, activation_gemms, calibration_data, compare_on
 from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.exporters.tensorrt_engine import FLAVOURS, VERIFIED, flavour_missing
+from corp_deploy.formats.calibration import split_images
 from corp_deploy.formats.data import folder_counts, list_images, sample
 from corp_deploy.formats.sources import describe
 
@@ -98,7 +92,7 @@ def test_int8_outputs_pass_the_gate_on_held_out_images(quantized) -> None:
         v = record["verify"]
         assert v["cosine"] >= INT8.min_cosine and v["rel_error"] <= INT8.max_rel_error
         assert v["images"] == 8 and v["batches"] == [1, 8] and 0 <= v["top1"] <= 1
-        _, held, _ = folder_split(quantized["images"], load_onnx(src, weights=False), 24, 8, seed=0)
+        _, held, _ = calibration_data(quantized["images"], load_onnx(src, weights=False), 24, 8, seed=0)
         x = np.concatenate(held)
         c = compare(OrtRunner(src, "cpu")(x), OrtRunner(out, "cpu")(x))
         assert c.within(INT8) and c.cosine == pytest.approx(v["cosine"], abs=1e-6)

@@ -10,7 +10,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 def _hook(name: str, project: Path, out: Path) -> tuple[str, str]:

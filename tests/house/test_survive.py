@@ -126,7 +126,7 @@ def test_a_failed_fp16_conversion_keeps_the_prune_and_the_fp32_graph(tmp_path, c
 
 
 def test_an_int8_graph_that_misses_its_gate_keeps_the_fp32_graphs(tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr("corp_deploy.cli.options.INT8", Tolerance(min_cosine=1.0, max_rel_error=0.0))
+    monkeypatch.setattr("corp_deploy.cli.export_options.INT8", Tolerance(min_cosine=1.0, max_rel_error=0.0))
     out = tmp_path / "run"
     code, _, stderr = run([*TINY_EXPORT, *INT8, "--precision", "fp32", "--out", str(out)], capsys)
     line = stopped_line(stderr)

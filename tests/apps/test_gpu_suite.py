@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
 from corp_deploy.families import structure
 from corp_deploy.plan import speed
@@ -22,8 +23,6 @@ from tools.gpu_suite.registry import SECTIONS
 from tools.gpu_suite.sections import kernel_kind
 from tools.gpu_suite.speedup import run_speedup, speedup_markdown
 from tools.gpu_suite.suite import main
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _fake_s(model: torch.nn.Module) -> float:
@@ -165,7 +164,7 @@ def test_without_an_install_it_says_to_install_in_one_line(tmp_path) -> None:
     site = [p for p in sys.path if p.endswith("site-packages")]
     cmd = [sys.executable, "-S", "-m", "tools.gpu_suite", "--out", str(tmp_path / "out"), "--smoke", "--device", "cpu"]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(site)}
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: corp_deploy.bench is not importable") and done.stderr.count("\n") == 1
     assert "pip install --no-deps --no-build-isolation -e ." in done.stderr and not (tmp_path / "out").exists()

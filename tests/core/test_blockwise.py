@@ -12,11 +12,10 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import attn_moment, correlated_activations, qk_images, split, tiny_batches, tiny_vit
+from helpers import ROOT, attn_moment, correlated_activations, qk_images, split, tiny_batches, tiny_vit
 from safetensors.torch import load_file
 
 from corp_deploy import api
@@ -27,7 +26,6 @@ from corp_deploy.core.pruner import PruneConfig, Widths
 from corp_deploy.core.stats import MlpStats, PairStats
 from corp_deploy.families import BlockCall, structure
 
-ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
 
 

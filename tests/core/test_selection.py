@@ -98,7 +98,7 @@ def _hand_built_mlp_stats() -> MlpStats:
 
 HAND_BUILT = [r for r in RANKERS if r not in ("variance", "obs")]
 """The hand-built channels have (nearly) zero means, where variance ranks as energy: it has its own test; obs ranks by
-the compensated error, not a per-channel score (tests/test_obs.py)."""
+the compensated error, not a per-channel score (tests/core/test_obs.py)."""
 
 
 @pytest.mark.parametrize("ranker", HAND_BUILT)

@@ -1,0 +1,77 @@
+"""The run folder: what ``prune-export`` writes and ``bench``, ``eval``, ``quantize`` and ``sweep`` read, named in
+one module so that the writer (``exporters.pipeline``, ``cli.export``) and the readers (``bench.backends.RunFolder``,
+``bench.decode``) cannot drift apart. A ``prune-export`` folder ``RUN/`` holds::
+
+    pruned/                          the prune artifact (``formats.artifact``), written first
+    dense.onnx, pruned.onnx          FP32 graphs, each with a ``<file>.json`` sidecar (its verification record)
+    <m>.fp16.onnx, <m>.int8.onnx     other precisions of model <m> (dense, pruned), same sidecars
+    <m>.<precision>.plan             TensorRT engines, same sidecars
+    <m>-genai/, <m>-genai-int4/      a decoder's onnxruntime-genai folders (FP32 and INT4 weights)
+    export.json                      the run's record, written last: a folder that has it is whole
+
+The sidecar of ``pruned.onnx`` also says how to feed the graphs (image size, or a text encoder's vocabulary and
+sequence length), so a reader needs no model to make inputs. Only names and records live here: nothing is exported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from corp_deploy.base.errors import CorpError
+from corp_deploy.formats.artifact import META_FILE
+
+MODELS = ("dense", "pruned")
+"""The two models of a run, by their stems: everything is written and timed for both."""
+ARTIFACT = "pruned"
+"""The prune artifact's subfolder."""
+RECORD = "export.json"
+GENAI_SUFFIX = "-genai"
+"""``<model>-genai/``: a decoder's onnxruntime-genai folder."""
+INT4_SUFFIX = "-int4"
+"""Appended to a genai folder (``pruned-genai-int4/``) for its INT4 copy."""
+GENAI_CONFIG = "genai_config.json"
+"""What makes a folder an onnxruntime-genai folder."""
+
+
+def onnx_name(which: str, precision: str = "fp32") -> str:
+    """``dense.onnx``, ``pruned.fp16.onnx``, ``dense.int8.onnx``: FP32 carries no precision in its name."""
+    return f"{which}.onnx" if precision == "fp32" else f"{which}.{precision}.onnx"
+
+
+def engine_name(which: str, precision: str) -> str:
+    return f"{which}.{precision}.plan"
+
+
+def genai_name(which: str, int4: bool = False) -> str:
+    return f"{which}{GENAI_SUFFIX}{INT4_SUFFIX if int4 else ''}"
+
+
+def sidecar(path: str | Path) -> Path:
+    """The record beside a graph or an engine: ``x.onnx`` -> ``x.onnx.json``."""
+    return Path(f"{path}.json")
+
+
+def write_sidecar(path: str | Path, record: dict[str, Any]) -> None:
+    sidecar(path).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def read_sidecar(path: str | Path) -> dict[str, Any]:
+    """The record beside ``path``, or {} when it is missing or unreadable (a reader then says what it lacks)."""
+    try:
+        return json.loads(sidecar(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def check(root: str | Path) -> Path:
+    """``root`` as a run folder, or one line saying what it is instead and what to run."""
+    root = Path(root)
+    if not (root / ARTIFACT / META_FILE).is_file() and (root / META_FILE).is_file():
+        raise CorpError(f"{root} is a prune artifact; bench a `corp-deploy prune-export` folder (it has ONNX too)")
+    if not (root / ARTIFACT / META_FILE).is_file():
+        raise CorpError(
+            f"{root} is not a prune-export folder (no {ARTIFACT}/{META_FILE}); run `corp-deploy prune-export`"
+        )
+    return root
