@@ -36,8 +36,9 @@ from torch import Tensor, nn
 from corp_deploy.base.env import device_name, exact_fp32, versions
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import blockwise
+from corp_deploy.core.config import Budget, PruneConfig, Widths
 from corp_deploy.core.distributed import SINGLE_PROCESS, World, all_reduce_stats
-from corp_deploy.core.pruner import Budget, PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
+from corp_deploy.core.pruner import Timer, calibrate, check_parts, plan_widths, prune_model
 from corp_deploy.core.recover import Interrupted, Recovery, RecoveryRecord
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for

@@ -44,7 +44,8 @@ from corp_deploy.base.tables import markdown_table
 from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.core import blockwise
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.exporters.onnx_export import export_onnx
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner

@@ -35,7 +35,8 @@ from corp_deploy.apps.real import write_study
 from corp_deploy.bench.backends import RunFolder
 from corp_deploy.bench.decode import DECODE_BACKENDS, PHASES, TorchSession, decode_benchmark, rows
 from corp_deploy.bench.measure import Method, interleaved, summarize
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.exporters.genai import write_genai_folder
 from corp_deploy.exporters.int4 import INT4_SUFFIX, int4_graphs
 from corp_deploy.exporters.int4_gate import INT4

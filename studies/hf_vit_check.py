@@ -19,7 +19,8 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.families import adapter_for, structure
 
 

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from corp_deploy.base.tables import markdown_table
-from corp_deploy.core.pruner import PruneConfig, Timer, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.families import adapter_for
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf

@@ -36,7 +36,8 @@ import torch
 from corp_deploy.apps.real import probe_task, real_task
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import markdown_table
-from corp_deploy.core.pruner import PruneConfig, Widths, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig, Widths
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.recover import recover
 from corp_deploy.families import structure
 from corp_deploy.formats import calibration

@@ -23,7 +23,8 @@ import torch
 from corp_deploy.apps.real import RealSetup, add_setup_arguments, real_setup, write_study
 from corp_deploy.base.tables import markdown_table
 from corp_deploy.core import blockwise
-from corp_deploy.core.pruner import PruneConfig, Timer, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.exporters.runners import TorchRunner
 from corp_deploy.formats import calibration
 

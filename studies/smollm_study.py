@@ -35,7 +35,8 @@ import torch
 from corp_deploy.api import plan, prune
 from corp_deploy.apps.real import write_study
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import PruneConfig, calibrate, plan_widths, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, plan_widths, prune_model
 from corp_deploy.core.ranking import channel_scores, split_top
 from corp_deploy.core.recover import recover
 from corp_deploy.core.stats import CalibrationStats

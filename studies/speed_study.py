@@ -39,7 +39,8 @@ from corp_deploy.apps.real import probe_task, real_task, write_study
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import markdown_table
 from corp_deploy.bench.accuracy import ProbeTask
-from corp_deploy.core.pruner import PARTS, PruneConfig, Widths, calibrate, plan_widths, prune_model
+from corp_deploy.core.config import PARTS, PruneConfig, Widths
+from corp_deploy.core.pruner import calibrate, plan_widths, prune_model
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.formats import calibration
 from corp_deploy.formats.offline import datasets, img_focus

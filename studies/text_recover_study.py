@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from corp_deploy.base.tables import markdown_table
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.recover import recover
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats.data import sample, split

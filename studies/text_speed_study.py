@@ -35,7 +35,8 @@ from corp_deploy.apps.real import write_study
 from corp_deploy.base.env import cpu_model
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import markdown_table
-from corp_deploy.core.pruner import PruneConfig, Widths, calibrate, plan_widths, prune_model
+from corp_deploy.core.config import PruneConfig, Widths
+from corp_deploy.core.pruner import calibrate, plan_widths, prune_model
 from corp_deploy.families.hf.adapter import count_macs_at
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats import calibration

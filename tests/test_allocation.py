@@ -17,7 +17,8 @@ from helpers import pruned_copy, tiny_batches, tiny_vit
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import Budget, PruneConfig, Widths, calibrate, parse_budget, prune_model
+from corp_deploy.core.config import Budget, PruneConfig, Widths, parse_budget
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.ranking import channel_scores
 from corp_deploy.core.stats import MlpStats
 from corp_deploy.formats.artifact import load_pruned
@@ -266,7 +267,7 @@ sys.path.insert(0, sys.argv[2])
 from helpers import tiny_batches, tiny_vit
 from corp_deploy import api
 from corp_deploy.core import distributed
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 
 world, _ = distributed.init(torch.device("cpu"), 120)
 batches = [b for i, b in enumerate(tiny_batches(64, 8)) if i % world.size == world.rank]

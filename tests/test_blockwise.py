@@ -23,7 +23,7 @@ from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import blockwise
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import PruneConfig, Widths
+from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.stats import MlpStats, PairStats
 from corp_deploy.families import BlockCall, structure
 
@@ -260,7 +260,7 @@ from safetensors.torch import save_file
 from helpers import tiny_batches, tiny_vit
 from corp_deploy import api
 from corp_deploy.core import distributed
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 
 world = distributed.SINGLE_PROCESS
 if distributed.launched():

@@ -20,7 +20,8 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
 
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
+from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.exporters.genai import write_genai_folder  # noqa: E402
 from corp_deploy.exporters.kv_cache import layout, positions  # noqa: E402
 

@@ -15,8 +15,9 @@ from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.backends import BACKENDS
 from corp_deploy.core import compensation as C
+from corp_deploy.core.config import MODULES, PruneConfig, Widths
 from corp_deploy.core.distributed import World
-from corp_deploy.core.pruner import MODULES, PruneConfig, Timer, Widths, calibrate, check_parts, fit_branch, prune_model
+from corp_deploy.core.pruner import Timer, calibrate, check_parts, fit_branch, prune_model
 from corp_deploy.core.stats import BranchStats, collect, empty_stats
 from corp_deploy.families import structure
 from corp_deploy.families.timm.modules import AffineBranch, replace_branch

@@ -22,7 +22,8 @@ from helpers import TINY as TINY_VIT
 from helpers import tiny_batches, tiny_vit
 
 from corp_deploy.base.errors import CorpError
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.families import adapter_for, get, registry
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned
 

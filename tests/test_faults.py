@@ -22,7 +22,8 @@ import corp_deploy
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_file
 from corp_deploy.bench import gate
-from corp_deploy.core.pruner import PruneConfig, plan_widths
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import plan_widths
 from corp_deploy.formats.artifact import FORMAT, FORMAT_VERSION, META_FILE, WEIGHTS_FILE, save_pruned
 
 # ------------------------------------------------------------------------------------------ gate

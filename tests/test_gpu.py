@@ -19,7 +19,8 @@ from corp_deploy.bench.backends import MODELS, RunFolder, compile_model, cuda_st
 from corp_deploy.bench.measure import Method
 from corp_deploy.bench.run import benchmark
 from corp_deploy.cli import main
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 
 pytestmark = [
     pytest.mark.gpu,

@@ -40,7 +40,8 @@ from transformers import (  # noqa: E402
 )
 
 from corp_deploy.base.errors import CorpError  # noqa: E402
-from corp_deploy.core.pruner import PruneConfig, calibrate, check_standard, prune_model  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
+from corp_deploy.core.pruner import calibrate, check_standard, prune_model  # noqa: E402
 from corp_deploy.families import get, structure  # noqa: E402
 from corp_deploy.families.hf import hub as hf  # noqa: E402
 from corp_deploy.families.hf.folder import MODELING_FILE, REMOTE, STANDARD  # noqa: E402

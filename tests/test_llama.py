@@ -23,7 +23,8 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 from transformers import LlamaForCausalLM  # noqa: E402
 
 from corp_deploy.core import compensation as C  # noqa: E402
-from corp_deploy.core.pruner import PruneConfig, calibrate, check_parts, prune_model  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
+from corp_deploy.core.pruner import calibrate, check_parts, prune_model  # noqa: E402
 from corp_deploy.families import get  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedRopeAttention  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402

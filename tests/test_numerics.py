@@ -17,7 +17,8 @@ import torch
 from helpers import tiny_batches, tiny_vit
 
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.stats import ACTIVE_EPS, MlpStats, QKStats
 
 F64 = torch.float64

@@ -16,7 +16,8 @@ import corp_deploy
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
 from corp_deploy.core import obs
-from corp_deploy.core.pruner import PruneConfig, Widths, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig, Widths
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.ranking import channel_scores, split_top, value_scores
 from corp_deploy.core.stats import MlpStats
 from corp_deploy.plan.allocation import error_curves

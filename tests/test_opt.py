@@ -22,7 +22,8 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 
 from transformers import OPTForCausalLM  # noqa: E402
 
-from corp_deploy.core.pruner import PruneConfig, calibrate, check_parts, prune_model  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
+from corp_deploy.core.pruner import calibrate, check_parts, prune_model  # noqa: E402
 from corp_deploy.core.stats import QKStats  # noqa: E402
 from corp_deploy.families import adapter_for, get  # noqa: E402
 from corp_deploy.families.hf import hub as hf  # noqa: E402

@@ -18,7 +18,8 @@ from PIL import Image
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import pruner
-from corp_deploy.core.pruner import PruneConfig, Widths, calibrate, plan_widths, prune_model
+from corp_deploy.core.config import Budget, PruneConfig, Widths
+from corp_deploy.core.pruner import calibrate, plan_widths, prune_model
 from corp_deploy.core.ranking import global_widths, kept_width
 from corp_deploy.formats.data import split
 
@@ -33,7 +34,7 @@ def _never_read():
 
 def test_target_and_budget_are_parsed_once_into_typed_fields() -> None:
     config = PruneConfig(target="both", budget="macs=0.5")
-    assert config.target == ("mlp", "qk") and config.budget == pruner.Budget("macs", 0.5)
+    assert config.target == ("mlp", "qk") and config.budget == Budget("macs", 0.5)
     assert PruneConfig(target=["v", "mlp"]).target == ("mlp", "v")  # PARTS order, whatever the spelling
     assert PruneConfig(target="attn").target == ("qk",) and PruneConfig(target="all").target == ("mlp", "qk", "v")
     record = PruneConfig(target="all", budget="macs=0.5").to_dict()

@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 
 from transformers import RobertaConfig, RobertaModel  # noqa: E402
 
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
+from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.families.hf.adapter import max_positions  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedSelfAttention  # noqa: E402
 from corp_deploy.formats import sources  # noqa: E402

@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 from timm.models.vision_transformer import Attention
 
 import corp_deploy
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.ranking import RANKERS, channel_scores, split_top
 from corp_deploy.core.stats import ACTIVE_EPS, CalibrationStats, MlpStats, QKStats
 from corp_deploy.families.timm.modules import PrunedAttention

@@ -21,7 +21,8 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 
 from transformers import BertModel, BertTokenizerFast  # noqa: E402
 
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
+from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.families import adapter_for, get  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedSelfAttention  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402

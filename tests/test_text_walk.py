@@ -18,7 +18,8 @@ from helpers import launch, run, run_here
 
 from corp_deploy import api
 from corp_deploy.core import blockwise
-from corp_deploy.core.pruner import PruneConfig, calibrate
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate
 from corp_deploy.core.stats import MlpStats, PairStats
 from corp_deploy.formats import calibration
 from corp_deploy.plan.sensitivity import measure

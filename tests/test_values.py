@@ -19,7 +19,8 @@ from helpers import PRUNE, run, tiny_batches, tiny_vit
 import corp_deploy
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import PruneConfig, calibrate, plan_widths, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, plan_widths, prune_model
 from corp_deploy.families.timm.modules import PrunedAttention, pad_qk
 
 DIM, HEADS, D = 64, 4, 16

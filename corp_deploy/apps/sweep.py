@@ -31,7 +31,8 @@ from corp_deploy.base.tables import text_table
 from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.bench.measure import Method
 from corp_deploy.bench.run import benchmark, pairs
-from corp_deploy.core.pruner import Budget, PruneConfig, plan_widths
+from corp_deploy.core.config import Budget, PruneConfig
+from corp_deploy.core.pruner import plan_widths
 from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.formats.artifact import read_meta
 from corp_deploy.formats.calibration import Heldout

@@ -23,7 +23,7 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable
 from corp_deploy.bench.measure import Method
 from corp_deploy.core.compensation import DEPTH_FITS
-from corp_deploy.core.pruner import (
+from corp_deploy.core.config import (
     COMPENSATIONS,
     CRITERIA,
     DEFAULT_RIDGE,

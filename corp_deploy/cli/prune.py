@@ -27,7 +27,7 @@ from corp_deploy.cli.options import (
     typed,
 )
 from corp_deploy.core import distributed
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.recover import Interrupted, Kept
 from corp_deploy.families import adapter_for
 from corp_deploy.families.hf import hub as hf

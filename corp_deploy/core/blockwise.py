@@ -44,8 +44,9 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from corp_deploy.base.errors import CorpError
+from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.distributed import SINGLE_PROCESS, World, all_reduce_stats, all_reduce_tensors
-from corp_deploy.core.pruner import PruneConfig, Timer, Widths, plan_widths, prune_block
+from corp_deploy.core.pruner import Timer, plan_widths, prune_block
 from corp_deploy.core.stats import CalibrationStats, empty_stats, recording
 from corp_deploy.families import adapter_for
 from corp_deploy.families.base import Adapter, BlockCall, StopForward, map_tensors, run_until_stopped

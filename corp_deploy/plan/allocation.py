@@ -29,7 +29,8 @@ from torch import Tensor, nn
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import MODULES, PARTS, PruneConfig, Widths, fit_branch
+from corp_deploy.core.config import MODULES, PARTS, PruneConfig, Widths
+from corp_deploy.core.pruner import fit_branch
 from corp_deploy.core.ranking import channel_scores, qk_scores, value_scores
 from corp_deploy.core.stats import CalibrationStats, MlpStats, QKStats
 from corp_deploy.families import adapter_for

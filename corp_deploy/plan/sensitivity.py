@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from corp_deploy.core.pruner import PruneConfig, Timer, Widths, prune_block, replace_module
+from corp_deploy.core.config import PruneConfig, Widths
+from corp_deploy.core.pruner import Timer, prune_block, replace_module
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for
 from corp_deploy.plan.allocation import MODULE_KEYS, Key, candidate_widths
