@@ -24,16 +24,15 @@ from corp_deploy.base.fsio import check_writable
 from corp_deploy.bench.measure import Method
 from corp_deploy.core.compensation import DEPTH_FITS
 from corp_deploy.core.config import (
-    COMPENSATIONS,
     CRITERIA,
     DEFAULT_RIDGE,
     LAYOUTS,
-    SELECTIONS,
     Budget,
     PruneConfig,
     parse_budget,
 )
-from corp_deploy.core.ranking import RANKERS
+from corp_deploy.core.fit import COMPENSATIONS
+from corp_deploy.core.ranking import RANKERS, SELECTIONS
 from corp_deploy.core.recover import KEPT_INPUTS, TARGETS, Recovery
 from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance
 from corp_deploy.exporters.genai import GRAPHS

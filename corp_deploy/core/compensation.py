@@ -84,6 +84,20 @@ def mlp_linear(second: Tensor, keep: Tensor, prune: Tensor, alpha: float) -> Ten
     return ridge_solve(second[keep][:, keep], second[keep][:, prune], alpha).T
 
 
+def mean_shift(mean: Tensor, second: Tensor, keep: Tensor, prune: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
+    """VBP's mean shift, ``x_P ~ mu_P``: ``mlp_affine`` with B fixed at 0, whose best constant is the mean.
+
+    Why: with ``B = 0`` the error ``E||W_P (x_P - c)||^2`` is ``E||W_P (x_P - mu_P)||^2 + ||W_P (mu_P - c)||^2``
+    (the cross term has mean 0), least at ``c = mu_P`` for any W_P. ``second`` and ``alpha`` are unused.
+    """
+    return mean.new_zeros(prune.numel(), keep.numel()), mean[prune]
+
+
+def removal(mean: Tensor, second: Tensor, keep: Tensor, prune: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
+    """Plain removal, ``x_P ~ 0``: B and c both 0, so ``fold_mlp`` keeps ``W_S`` and ``b`` as they are."""
+    return mean.new_zeros(prune.numel(), keep.numel()), torch.zeros_like(mean[prune])
+
+
 def fold_mlp(w2: Tensor, b2: Tensor, keep: Tensor, prune: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     """Fold the affine prediction into fc2: ``W_S + W_P B`` and ``b + W_P c``."""
     w_p = w2[:, prune]
@@ -139,6 +153,23 @@ def regression_affine(
     d = ridge_solve(cov_ss, cov_ys.T, alpha).T
     c = mean_t - embed_kept(mu_s, keep, width) - d @ mu_s
     return d, c
+
+
+def mean_shift_regression(
+    mean_s: Tensor, second_s: Tensor, mean_t: Tensor, cross: Tensor, keep: Tensor, alpha: float
+) -> tuple[Tensor, Tensor]:
+    """Sequential mean shift, ``x ~ J x~_S + c`` with ``c = E[x] - J E[x~_S]``: ``regression_affine`` with D fixed at
+    0, whose best constant is the residual's mean (as for ``mean_shift``). Reduction: with x~ = x, c is 0 on S and
+    ``mu_P`` on P, ``mean_shift``'s constant."""
+    width = mean_t.numel()
+    return mean_t.new_zeros(width, keep.numel()), mean_t - embed_kept(mean_s[keep], keep, width)
+
+
+def removal_regression(
+    mean_s: Tensor, second_s: Tensor, mean_t: Tensor, cross: Tensor, keep: Tensor, alpha: float
+) -> tuple[Tensor, Tensor]:
+    """Sequential plain removal, ``x ~ J x~_S``: D and c both 0 (``removal`` on the pruned stream)."""
+    return mean_t.new_zeros(mean_t.numel(), keep.numel()), torch.zeros_like(mean_t)
 
 
 def fold_regression(w: Tensor, b: Tensor, keep: Tensor, d: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:

@@ -13,7 +13,8 @@ from typing import Any
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
-from corp_deploy.core.ranking import RANKERS
+from corp_deploy.core.fit import COMPENSATIONS
+from corp_deploy.core.ranking import RANKERS, SELECTIONS
 
 PARTS = ("mlp", "qk", "v")
 """Prunable structures: MLP hidden channels, attention Q/K dims per head, attention V channels per head.
@@ -21,9 +22,6 @@ The one vocabulary of the code, the CLI (``--target mlp,qk,v``) and ``corp.json`
 PART_NAMES = {"mlp": "MLP channels", "qk": "Q/K dims per head", "v": "V channels per head"}
 TARGET_ALIASES = {"attn": ("qk",), "both": ("mlp", "qk"), "joint": ("mlp", "qk"), "all": PARTS}
 """Older and shorter spellings of ``--target``: ``attn`` and ``both`` keep their pre-V meanings."""
-COMPENSATIONS = ("corp", "mean", "none")
-SELECTIONS = ("per-layer", "global")
-"""How MLP channels are chosen at a sparsity: the same fraction in every block, or VBP's network-wide threshold."""
 LAYOUTS = ("auto", "standard")
 """The folder a text model's plan may lead to: whichever its widths allow (``hf_folder``: the family's own format when
 they are uniform and attention keeps the config's head width, else remote code), or the family's own format only
@@ -146,10 +144,10 @@ class PruneConfig:
             raise CorpError(f"--round-to must be >= 1, got {self.round_to}")
         if self.budget is not None:
             self._check_budgeted()
-        if self.selection == "global" and "mlp" not in self.target:
-            raise CorpError("--selection global chooses MLP channels across blocks; add mlp to --target")
+        if SELECTIONS[self.selection].scored and not self.prunes("mlp"):
+            raise CorpError(f"--selection {self.selection} chooses MLP channels across blocks; add mlp to --target")
         obs_parts = self.ranker == "obs" and (self.prunes("mlp") or self.prunes("v"))
-        if obs_parts and (self.compensation != "corp" or self.selection != "per-layer"):
+        if obs_parts and (self.compensation != "corp" or SELECTIONS[self.selection].scored):
             raise CorpError(
                 "--ranker obs orders each block's channels by the error CORP's compensation leaves: "
                 "use --compensation corp and --selection per-layer, or another ranker"
@@ -166,8 +164,8 @@ class PruneConfig:
                 "--layout standard keeps every layer's widths equal; a budget allocates them per layer: "
                 "prune with --sparsity, or drop --layout standard"
             )
-        if self.selection != "per-layer":
-            raise CorpError("--layout standard keeps every layer's MLP width equal; drop --selection global")
+        if SELECTIONS[self.selection].scored:
+            raise CorpError(f"--layout standard keeps every layer's MLP width equal; drop --selection {self.selection}")
 
     def _check_depth(self) -> None:
         """Replacing a module saves fixed costs (kernels, launches) that only a measured latency table sees, and the
@@ -197,8 +195,10 @@ class PruneConfig:
             raise CorpError(f"--budget chooses every block's widths; drop {', '.join(fixed)} or drop --budget")
         if self.compensation != "corp":
             raise CorpError("--budget allocates widths by CORP's compensated error; use --compensation corp")
-        if self.selection != "per-layer":
-            raise CorpError("--budget allocates every block's widths itself; drop --selection global or --budget")
+        if SELECTIONS[self.selection].scored:
+            raise CorpError(
+                f"--budget allocates every block's widths itself; drop --selection {self.selection} or --budget"
+            )
         if self.allocation == "sensitivity" and self.sensitivity_images < 1:
             raise CorpError(
                 f"--sensitivity-images must be >= 1 with --allocation sensitivity, got {self.sensitivity_images}"

@@ -18,6 +18,7 @@ from corp_deploy.base.env import exact_fp32
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
 from corp_deploy.core.config import PART_NAMES, PruneConfig, Widths
+from corp_deploy.core.fit import COMPENSATIONS, fit_qk, fit_reader
 from corp_deploy.core.ranking import (
     channel_scores,
     global_widths,
@@ -26,7 +27,7 @@ from corp_deploy.core.ranking import (
     split_top,
     value_scores,
 )
-from corp_deploy.core.stats import BranchStats, CalibrationStats, MlpStats, PairStats, QKStats, collect, empty_stats
+from corp_deploy.core.stats import BranchStats, CalibrationStats, MlpStats, QKStats, collect, empty_stats
 from corp_deploy.families import Adapter, adapter_for
 from corp_deploy.families.timm import modules as surgery
 from corp_deploy.families.timm.modules import AffineBranch, linear_float64
@@ -172,20 +173,136 @@ def prune_block(
     """Prune block ``i`` in place to ``widths``; its diagnostics, keyed by part (``mlp``, ``qk``, ``v``) and
     ``replaced`` (module -> its fit and relative residual energy).
 
-    ``stats`` holds at least block i's sums; ``PairStats`` and ``logit_targets`` make the fits sequential.
-    Q/K are pruned before V; they touch disjoint weights (the query and key projections; the value projection and
-    proj's columns). ``adapter`` (the model's family) finds and rebuilds the layers.
+    Three steps, each over every part: ``select`` the kept channels (ranking, on the dense block's weights), ``fit``
+    their compensations from the statistics (float64, ``core.fit``), ``install`` the folded weights in the family's
+    modules. The parts touch disjoint weights (fc1/fc2; the query and key projections; the value projection and
+    proj's columns), so every selection sees the dense block. ``stats`` holds at least block i's sums;
+    ``PairStats`` and ``logit_targets`` make the fits sequential.
     """
     entry: dict[str, Any] = {"block": i}
     if widths.replace:
         entry["replaced"] = {m: replace_module(adapter, block, i, stats, m, config, timer) for m in widths.replace}
+    t = time.perf_counter()
+    cuts = select(adapter, block, i, stats, widths, config)
+    t = timer.add("ranking", t)
+    targets = None
+    if logit_targets is not None and "qk" in cuts and cuts["qk"].keep is not None:
+        targets = logit_targets(cuts["qk"].keep)
+        t = timer.add("calibration", t)
+    folds = fit(cuts, stats, i, config, targets)
+    install(adapter, block, cuts, folds)
+    timer.add("compensation", t)
+    return entry | {part: fold.report for part, fold in folds.items()}
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One part of a block, selected: its report's size entry, the kept and removed indices (MLP: fc2's input
+    channels; V: proj's input channels, the heads end to end; Q/K: dims per head, (heads, kept)) and the float64
+    weights the fit folds into (the reader's (w, b); Q/K: (q_w, q_b, k_w, k_b) as (heads, head_dim, in)). A per-head
+    part kept whole has no indices: nothing is fitted or installed."""
+
+    size: dict[str, int]
+    keep: Tensor | None = None
+    prune: Tensor | None = None
+    weights: tuple[Tensor | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One part's compensated weights in float64 (``install`` puts them in the block) and its report entry."""
+
+    weights: tuple[Tensor | None, ...]
+    report: dict[str, Any]
+
+
+def select(
+    adapter: Adapter, block: nn.Module, i: int, stats: CalibrationStats, widths: Widths, config: PruneConfig
+) -> dict[str, Cut]:
+    """Every targeted part's ``Cut``, ranked by ``config.ranker`` (``ranking``) on the dense block's weights."""
+    cuts = {}
     if widths.mlp is not None:
-        entry["mlp"] = _prune_mlp(adapter, block, stats.mlp[i], widths.mlp, config, timer)
+        s = stats.mlp[i]
+        w, b = linear_float64(adapter.mlp_out(block), s.sum.device)
+        keep, prune = split_top(channel_scores(config.ranker, s, w, config.ridge), widths.mlp)
+        cuts["mlp"] = Cut({"width": w.shape[1], "kept": widths.mlp}, keep, prune, (w, b))
     if widths.qk is not None:
-        entry["qk"] = _prune_qk(adapter, block, stats.qk[i], widths.qk, config, timer, logit_targets)
+        cuts["qk"] = _select_qk(adapter, block, stats.qk[i], widths.qk, config)
     if widths.v is not None:
-        entry["v"] = _prune_v(adapter, block, stats.proj[i], widths.v, config, timer)
-    return entry
+        cuts["v"] = _select_v(adapter, block, stats.proj[i], widths.v, config)
+    return cuts
+
+
+def _select_qk(adapter: Adapter, block: nn.Module, s: QKStats, kept: int, config: PruneConfig) -> Cut:
+    """Q/K dims per head, by the logit energy (``ranking.qk_scores``)."""
+    size = {"head_dim": s.head_dim, "kept": kept}
+    if kept == s.head_dim:
+        return Cut(size)
+    weights = tuple(
+        None if x is None else x.detach().to(s.moment.device, torch.float64) for x in adapter.qk_weights(block)
+    )
+    scores = qk_scores(config.ranker, C.logit_energy(s.moment, s.index), weights[0], weights[2])
+    return Cut(size, *split_top(scores, kept), weights)
+
+
+def _select_v(adapter: Adapter, block: nn.Module, s: MlpStats, kept: int, config: PruneConfig) -> Cut:
+    """V channels per head, predicted later from the kept channels of ALL heads at proj's input.
+
+    Every head keeps ``kept`` channels (ranked within the head) so attention stays one batched op; query heads
+    that share a V head (``value_groups``) keep the same channels, ranked by their summed scores.
+    """
+    heads, group = adapter.heads(block), adapter.value_groups(block)
+    d = s.sum.numel() // heads
+    size = {"head_dim": d, "kept": kept}
+    if kept == d:
+        return Cut(size)
+    w, b = linear_float64(adapter.proj(block), s.sum.device)
+    keep_g, _ = split_top(value_scores(config.ranker, s, w, heads, group, config.ridge), kept)
+    return Cut(size, *C.head_channels(keep_g.repeat_interleave(group, 0), d), (w, b))
+
+
+def fit(
+    cuts: dict[str, Cut],
+    stats: CalibrationStats,
+    i: int,
+    config: PruneConfig,
+    targets: tuple[Tensor, Tensor] | None = None,
+) -> dict[str, Fold]:
+    """Every part's compensated float64 weights and report entry (``core.fit``, by ``config.compensation``); a
+    part kept whole reports no error and has no weights."""
+    folds = {}
+    for part, cut in cuts.items():
+        if cut.keep is None:
+            errors = dict.fromkeys(("none", "corp") if part == "qk" else COMPENSATIONS, 0.0)
+            folds[part] = Fold((), {**cut.size, "rel_error": errors})
+        elif part == "qk":
+            weights, errors, max_m = fit_qk(
+                stats.qk[i], cut.weights, cut.keep, cut.prune, config.compensation, config.ridge, targets
+            )
+            folds[part] = Fold(weights, {**cut.size, "rel_error": errors, "max_m_norm": max_m})
+        else:
+            s = stats.mlp[i] if part == "mlp" else stats.proj[i]
+            w, b, errors = fit_reader(s, *cut.weights, cut.keep, cut.prune, config.compensation, config.ridge)
+            folds[part] = Fold((w, b), {**cut.size, "rel_error": errors})
+    return folds
+
+
+def install(adapter: Adapter, block: nn.Module, cuts: dict[str, Cut], folds: dict[str, Fold]) -> None:
+    """The folded weights into the family's modules, each in its module's device and dtype."""
+    if "mlp" in cuts:
+        out = adapter.mlp_out(block)
+        dev, dtype = out.weight.device, out.weight.dtype
+        w, b = folds["mlp"].weights
+        b = None if out.bias is None and not adapter.adds_bias else b.to(dev, dtype)
+        adapter.set_mlp(block, cuts["mlp"].keep.to(dev), w.to(dev, dtype), b)
+    if "qk" in cuts and folds["qk"].weights:
+        ref = adapter.qk_weights(block)[0]
+        adapter.set_qk(block, *(None if x is None else x.to(ref.device, ref.dtype) for x in folds["qk"].weights))
+    if "v" in cuts and folds["v"].weights:
+        proj = adapter.proj(block)
+        dev, dtype = proj.weight.device, proj.weight.dtype
+        w, b = folds["v"].weights
+        adapter.set_values(block, cuts["v"].keep.to(dev), w.to(dev, dtype), b.to(dev, dtype))
 
 
 def fit_branch(s: BranchStats, fit: str, alpha: float) -> tuple[AffineBranch, float]:
@@ -207,142 +324,3 @@ def replace_module(
     surgery.replace_branch(block, module, branch)
     timer.add("compensation", t)
     return {"fit": config.depth_fit, "rel_error": error}
-
-
-def _compensate(
-    s: MlpStats, w: Tensor, b: Tensor, keep: Tensor, prune: Tensor, config: PruneConfig
-) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """Fold ``x_P ~ B x_S + c`` into the Linear (w, b) that reads x; errors of every compensation.
-
-    Shared by the MLP (x = fc2's input) and V (x = proj's input): the same closed form at a
-    different Linear.
-    """
-    if isinstance(s, PairStats):
-        return _regress(s, w, b, keep, config)
-    mean, second = s.mean(), s.second_moment()
-    zero_b = torch.zeros(prune.numel(), keep.numel(), dtype=torch.float64, device=mean.device)
-    candidates = {"none": (zero_b, torch.zeros_like(mean[prune])), "mean": (zero_b, mean[prune])}
-    candidates["corp"] = C.mlp_affine(mean, second, keep, prune, config.ridge)
-    errors = {k: float(C.mlp_output_error(mean, second, w, b, keep, prune, *bc)) for k, bc in candidates.items()}
-    new_w, new_b = C.fold_mlp(w, b, keep, prune, *candidates[config.compensation])
-    return new_w, new_b, errors
-
-
-def _regress(
-    s: PairStats, w: Tensor, b: Tensor, keep: Tensor, config: PruneConfig
-) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """``_compensate``'s sequential form: regress the dense stream's activation from the pruned stream's kept part."""
-    mean_s, second_s = s.mean(), s.second_moment()
-    mean_t, second_t, cross = s.target.mean(), s.target.second_moment(), s.cross / s.count
-    zero_d = torch.zeros(mean_t.numel(), keep.numel(), dtype=torch.float64, device=mean_t.device)
-    candidates = {
-        "none": (zero_d, torch.zeros_like(mean_t)),
-        "mean": (zero_d, mean_t - C.embed_kept(mean_s[keep], keep, mean_t.numel())),
-        "corp": C.regression_affine(mean_s, second_s, mean_t, cross, keep, config.ridge),
-    }
-    moments = (mean_t, second_t, mean_s, second_s, cross)
-    errors = {k: float(C.regression_error(*moments, w, b, keep, *dc)) for k, dc in candidates.items()}
-    new_w, new_b = C.fold_regression(w, b, keep, *candidates[config.compensation])
-    return new_w, new_b, errors
-
-
-def _prune_mlp(adapter: Adapter, block: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer: Timer) -> dict:
-    t = time.perf_counter()
-    out = adapter.mlp_out(block)
-    w2, b2 = linear_float64(out, s.sum.device)
-    keep, prune = split_top(channel_scores(config.ranker, s, w2, config.ridge), kept)
-    t = timer.add("ranking", t)
-    new_w2, new_b2, errors = _compensate(s, w2, b2, keep, prune, config)
-    dtype, wdev = out.weight.dtype, out.weight.device
-    new_b2 = None if out.bias is None and not adapter.adds_bias else new_b2.to(wdev, dtype)
-    adapter.set_mlp(block, keep.to(wdev), new_w2.to(wdev, dtype), new_b2)
-    timer.add("compensation", t)
-    return {"width": w2.shape[1], "kept": kept, "rel_error": errors}
-
-
-def _prune_v(adapter: Adapter, block: nn.Module, s: MlpStats, kept: int, config: PruneConfig, timer: Timer) -> dict:
-    """Remove V channels per head; predict them from the kept channels of ALL heads at proj's input.
-
-    Every head keeps ``kept`` channels (ranked within the head) so attention stays one batched op; query heads
-    that share a V head (``value_groups``) keep the same channels, ranked by their summed scores. The
-    compensation is the MLP's, applied to proj (see ``compensation``).
-    """
-    heads, group = adapter.heads(block), adapter.value_groups(block)
-    d = s.sum.numel() // heads
-    info: dict[str, Any] = {"head_dim": d, "kept": kept}
-    if kept == d:
-        info["rel_error"] = {"none": 0.0, "mean": 0.0, "corp": 0.0}
-        return info
-    t = time.perf_counter()
-    dev = s.sum.device
-    proj = adapter.proj(block)
-    w, b = linear_float64(proj, dev)
-    keep_g, _ = split_top(value_scores(config.ranker, s, w, heads, group, config.ridge), kept)
-    keep, prune = C.head_channels(keep_g.repeat_interleave(group, 0), d)
-    t = timer.add("ranking", t)
-    new_w, new_b, info["rel_error"] = _compensate(s, w, b, keep, prune, config)
-    dtype, wdev = proj.weight.dtype, proj.weight.device
-    adapter.set_values(block, keep.to(wdev), new_w.to(wdev, dtype), new_b.to(wdev, dtype))
-    timer.add("compensation", t)
-    return info
-
-
-def _prune_qk(
-    adapter: Adapter,
-    block: nn.Module,
-    s: QKStats,
-    kept: int,
-    config: PruneConfig,
-    timer: Timer,
-    logit_targets: LogitTargets | None,
-) -> dict:
-    """Q/K dims per head. With ``logit_targets`` (sequential) ``s`` is the pruned stream's moment and the fit
-    regresses the dense logits (``compensation.sequential_logit_system``) instead of the pruned pairs'."""
-    heads, d = s.heads, s.head_dim
-    info: dict[str, Any] = {"head_dim": d, "kept": kept}
-    if kept == d:
-        info["rel_error"] = {"none": 0.0, "corp": 0.0}
-        return info
-    t = time.perf_counter()
-    dev = s.moment.device
-    raw = adapter.qk_weights(block)
-    wdev, dtype = raw[0].device, raw[0].dtype
-    q_w, q_b, k_w, k_b = (None if x is None else x.detach().to(dev, torch.float64) for x in raw)
-    w, b = (q_w, k_w), (q_b, k_b)
-    scores = qk_scores(config.ranker, C.logit_energy(s.moment, s.index), q_w, k_w)
-    keep, prune = split_top(scores, kept)
-    t = timer.add("ranking", t)
-    targets = None if logit_targets is None else logit_targets(keep)
-    t = timer.add("calibration", t)
-
-    all_dims = torch.arange(d, device=dev)
-    new_q_w, new_k_w, new_q_b, new_k_b = [], [], [], []
-    total = err_none = err_corp = 0.0
-    max_m = 0.0
-    for h in range(heads):
-        if targets is None:
-            m, removed, err = C.logit_compensation(s.moment[h], s.index, keep[h], prune[h], config.ridge)
-            energy = C.pair_energy(s.moment[h], s.index, all_dims)
-        else:
-            a, r = C.logit_system(s.moment[h], s.index, keep[h], prune[h])
-            energy = targets[1][h]
-            r, removed = C.sequential_logit_system(a, targets[0][h], energy)
-            m = C.solve_logit_compensation(a, r, config.ridge)
-            err = C.logit_error(a, r, removed, m)
-        total += float(energy)
-        err_none += float(removed)
-        err_corp += float(err)
-        if config.compensation != "corp":  # VBP's mean shift has no logit-space analogue: plain removal
-            m = torch.zeros_like(m)
-        max_m = max(max_m, float(m.norm()))
-        fq, fk = C.qk_factors(m)
-        for j, factor, ws, bs in ((0, fq, new_q_w, new_q_b), (1, fk, new_k_w, new_k_b)):
-            wn, bn = C.fold_projection(w[j][h, keep[h]], None if b[j] is None else b[j][h, keep[h]], factor)
-            ws.append(wn)
-            bs.append(bn)
-    cast = lambda xs: None if xs[0] is None else torch.stack(xs).to(wdev, dtype)  # noqa: E731
-    adapter.set_qk(block, cast(new_q_w), cast(new_q_b), cast(new_k_w), cast(new_k_b))
-    timer.add("compensation", t)
-    info["rel_error"] = {"none": err_none / total, "corp": err_corp / total}
-    info["max_m_norm"] = max_m
-    return info
