@@ -190,7 +190,7 @@ def main() -> None:
         for kind in a.rows.split(","):
             model = copy.deepcopy(dense)
             plan = allocate(dense, stats, uniform, heldout) if kind == "allocated" else None
-            prune_model(model, stats, PruneConfig(target="mlp") if plan else uniform, plan=plan)
+            prune_model(model, stats, PruneConfig(target="mlp") if plan else uniform, plan)
             name = f"mlp{round(sparsity * 100)}-{kind}"
             int4 = genai_pair(model, work / name / "pruned-genai", source, windows.numpy(), calib.numpy())
             run = run_folder(work / name, model, work / "dense" / "dense-genai", a.seq_len)

@@ -44,6 +44,7 @@ from corp_deploy.formats.text import (
     split_documents,
     text_batches,
 )
+from corp_deploy.plan.widths import plan_widths
 from studies.text_recover_study import parts
 from studies.text_study import cosine, embed, package_folder
 
@@ -84,7 +85,7 @@ def pruned_rows(dense: torch.nn.Module, stats, sparsity: float, score) -> list[d
     for label, (ranker, compensation) in ROWS.items():
         model, timer = copy.deepcopy(dense), Timer()
         config = PruneConfig(sparsity=sparsity, target="mlp", ranker=ranker, compensation=compensation)
-        report = prune_model(model, stats, config, timer)
+        report = prune_model(model, stats, config, plan_widths(model, config, stats), timer)
         layer_error = sum(r["mlp"]["rel_error"][compensation] for r in report) / blocks
         row = {"row": label, "selection_s_per_block": timer.seconds["ranking"] / blocks, "layer_error": layer_error}
         rows.append(row | score(model) | {"load": os.getloadavg()[0]})

@@ -133,7 +133,7 @@ def setup(a: argparse.Namespace) -> tuple[torch.nn.Module, dict, list, torch.Ten
     for name, compensation in STARTS.items():
         pruned[name] = copy.deepcopy(dense)
         config = PruneConfig(sparsity=a.sparsity, target=TARGET, compensation=compensation)
-        prune_model(pruned[name], stats, config, plan=widths)
+        prune_model(pruned[name], stats, config, widths)
     return dense, tasks, calib.batches, calib.heldout.images, pruned
 
 

@@ -45,6 +45,7 @@ from corp_deploy.formats.calibration import Heldout
 from corp_deploy.formats.data import sample, split
 from corp_deploy.formats.text import Document, read_documents, text_batches, tokenize
 from corp_deploy.plan.report import model_size
+from corp_deploy.plan.widths import plan_widths
 
 COMPENSATIONS = ("corp", "mean", "none")
 
@@ -199,7 +200,7 @@ def main() -> None:
         for compensation in COMPENSATIONS:
             config = PruneConfig(target=a.target, sparsity=sparsity, compensation=compensation)
             model = copy.deepcopy(dense)
-            blocks = prune_model(model, stats, config)
+            blocks = prune_model(model, stats, config, plan_widths(model, config, stats))
             emb = embed(model, tokenizer, evaluation, a.seq_len, a.batch)
             rows.append(
                 {

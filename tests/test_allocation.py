@@ -82,7 +82,7 @@ def test_logit_curve_matches_the_pruner(calibrated) -> None:
     for k, err in zip(widths[1:], curve[1:], strict=True):
         trial = copy.deepcopy(model)
         plan = [Widths(qk=k)] + [Widths()] * (len(model.blocks) - 1)
-        report = prune_model(trial, stats, PruneConfig(), plan=plan)
+        report = prune_model(trial, stats, PruneConfig(), plan)
         assert err == pytest.approx(report[0]["qk"]["rel_error"]["corp"], rel=1e-9)
 
 
@@ -110,7 +110,7 @@ def test_budget_met_exactly_with_the_counted_macs(calibrated, target, fraction) 
     config = PruneConfig(budget=f"macs={fraction}", target=target, allocation="local")
     plan, record = plan_budget(model, stats, config, dense_macs)
     pruned = copy.deepcopy(model)
-    prune_model(pruned, stats, config, plan=plan)
+    prune_model(pruned, stats, config, plan)
     counted = model_size(pruned)["macs"]
     assert counted == record["planned_macs"] <= record["limit_macs"] == int(fraction * dense_macs)
     unit, _, _ = macs_layout(model, dense_macs, frozenset(record["planned_error"]))

@@ -182,7 +182,7 @@ def test_budget_curves_read_the_obs_sets_errors() -> None:
         assert err == pytest.approx(float(running[w.shape[1] - k - 1]) / energy, rel=1e-6), k
     widths, curve = curves[(1, "v")]
     for k, err in zip(widths[1:], curve[1:], strict=True):
-        report = prune_model(copy.deepcopy(model), stats, config, plan=[Widths(), Widths(v=k)])
+        report = prune_model(copy.deepcopy(model), stats, config, [Widths(), Widths(v=k)])
         assert err == pytest.approx(report[1]["v"]["rel_error"]["corp"], rel=1e-6), k
 
 

@@ -1,8 +1,8 @@
 """Prune's steps as separate functions, and the defects the review found in them (each test fails before its fix).
 
-The steps: ``api.check_widths`` (data-free), ``api.calibration_mode``, ``calibration.calibration_data`` (held-out
-images), ``pruner.calibrate`` (exact float32), ``api.plan`` / ``pruner.plan_widths`` (uniform, VBP's global threshold, a
-budget), ``pruner.prune_model``.
+The steps: ``api.check`` (data-free: the calibration step, the widths), ``calibration.calibration_data`` (held-out
+images), ``pruner.calibrate`` (exact float32), ``plan.widths.plan`` / ``plan_widths`` (uniform, VBP's global threshold,
+a budget), ``pruner.prune_model``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import pruner
 from corp_deploy.core.config import Budget, PruneConfig, Widths
-from corp_deploy.core.pruner import calibrate, plan_widths, prune_model
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.ranking import global_widths, kept_width
 from corp_deploy.formats.data import split
+from corp_deploy.plan.widths import plan_widths
 
 
 def _never_read():
@@ -175,7 +176,7 @@ def test_global_selection_moves_channels_to_the_block_that_needs_them() -> None:
     widths = plan_widths(model, config, stats)
     assert widths[0].mlp > 64 > widths[1].mlp and abs(widths[0].mlp + widths[1].mlp - 128) <= 8, widths
     assert all(w.mlp % 8 == 0 and w.qk is None for w in widths)
-    blocks = prune_model(model, stats, config, plan=widths)
+    blocks = prune_model(model, stats, config, widths)
     assert [b["mlp"]["kept"] for b in blocks] == [w.mlp for w in widths]
 
 

@@ -557,7 +557,7 @@ def prune_config(pruning: dict[str, Any], latency: dict[str, Any], **override: A
     both checked against the latency flags; ``override`` replaces fields (a sweep's sparsity).
 
     A ``--sparsity`` typed next to ``--budget``/``--speedup`` (which choose every width) is refused, not silently
-    ignored. A latency budget prunes mlp,qk,v unless ``--target`` was typed (V channels are time too).
+    ignored. A ``--target`` left out is left to the API (``PruneConfig.target`` None: ``api.for_model``).
     """
     speedup, backend, budget = latency["speedup"], latency["latency_on"], pruning.get("budget")
     budget = parse_budget(budget) if isinstance(budget, str) else budget
@@ -579,8 +579,8 @@ def prune_config(pruning: dict[str, Any], latency: dict[str, Any], **override: A
     if latency["latency_batch"] < 1:
         raise CorpError(f"--latency-batch must be >= 1, got {latency['latency_batch']}")
     fields = pruning | {"budget": budget} | override
-    if latency_budget and not typed("target"):
-        fields["target"] = "mlp,qk,v"
+    if not typed("target"):
+        fields["target"] = None
     return PruneConfig(**fields)
 
 

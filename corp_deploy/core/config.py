@@ -8,7 +8,7 @@ field names are the artifact's.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from corp_deploy.base.errors import CorpError
@@ -20,6 +20,8 @@ PARTS = ("mlp", "qk", "v")
 """Prunable structures: MLP hidden channels, attention Q/K dims per head, attention V channels per head.
 The one vocabulary of the code, the CLI (``--target mlp,qk,v``) and ``corp.json`` (block report keys)."""
 PART_NAMES = {"mlp": "MLP channels", "qk": "Q/K dims per head", "v": "V channels per head"}
+DEFAULT_TARGET = ("mlp", "qk")
+"""What a config prunes when its target is left out (and no latency budget asks for V too)."""
 TARGET_ALIASES = {"attn": ("qk",), "both": ("mlp", "qk"), "joint": ("mlp", "qk"), "all": PARTS}
 """Older and shorter spellings of ``--target``: ``attn`` and ``both`` keep their pre-V meanings."""
 LAYOUTS = ("auto", "standard")
@@ -82,9 +84,11 @@ class PruneConfig:
     """What to prune and how. ``mlp_sparsity``/``qk_sparsity``/``v_sparsity`` override ``sparsity`` per part.
 
     ``target`` names ``PARTS`` (``"mlp,qk,v"``, an alias such as ``"all"``, or a sequence of part names) and is
-    parsed once into a tuple in ``PARTS`` order; ``budget`` (``"macs=F"`` or an ``allocation.Budget``) is parsed
-    once into a ``Budget``. A budget replaces the uniform sparsity: every block's widths of every targeted part
-    are chosen by ``allocation`` to keep fraction F of the dense MACs (the per-part sparsities must stay unset).
+    parsed once into a tuple in ``PARTS`` order; left out (None) it is ``DEFAULT_TARGET``, every part under a latency
+    budget (V channels are time too), which ``api.for_model`` narrows to what the model's family prunes. ``budget``
+    (``"macs=F"`` or a ``Budget``) is parsed once into a ``Budget``. A budget replaces the uniform sparsity: every
+    block's widths of every targeted part are chosen by ``allocation`` to keep fraction F of the dense MACs (the
+    per-part sparsities must stay unset).
     ``allocation`` picks how block errors are compared: ``sensitivity`` weights them by their measured effect on
     the final features, from ``sensitivity_images`` held-out calibration images; ``local`` does not.
     ``selection="global"`` keeps VBP's network-wide choice of MLP channels: one score threshold across all
@@ -95,7 +99,7 @@ class PruneConfig:
     mlp_sparsity: float | None = None
     qk_sparsity: float | None = None
     v_sparsity: float | None = None
-    target: tuple[str, ...] | str = ("mlp", "qk")
+    target: tuple[str, ...] | str | None = None
     ranker: str = "combined"
     compensation: str = "corp"
     ridge: float = DEFAULT_RIDGE
@@ -113,12 +117,18 @@ class PruneConfig:
     layout: str = "auto"
     """``standard``: keep to what the family's own config expresses (``Adapter.standard_parts``, uniform widths), so
     the artifact loads with plain ``from_pretrained``; refused where the plan could not."""
+    chose_target: bool = field(init=False, repr=False, compare=False)
+    """Whether ``target`` was given (not recorded: a saved config's target is the one pruned)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "target", parse_target(self.target))
-        object.__setattr__(self, "depth", parse_depth(self.depth))
         if isinstance(self.budget, str):
             object.__setattr__(self, "budget", parse_budget(self.budget))
+        object.__setattr__(self, "chose_target", self.target is not None)
+        if self.target is None:
+            latency = self.budget is not None and self.budget.kind == "latency"
+            object.__setattr__(self, "target", PARTS if latency else DEFAULT_TARGET)
+        object.__setattr__(self, "target", parse_target(self.target))
+        object.__setattr__(self, "depth", parse_depth(self.depth))
         for label, value in (
             ("--sparsity", self.sparsity),
             ("--mlp-sparsity", self.mlp_sparsity),
@@ -222,7 +232,7 @@ class PruneConfig:
         return self.sparsity if override is None else override
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {
+        return {k: v for k, v in asdict(self).items() if k != "chose_target"} | {
             "target": ",".join(self.target),
             "budget": None if self.budget is None else str(self.budget),
             "depth": ",".join(self.depth),

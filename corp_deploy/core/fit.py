@@ -1,4 +1,6 @@
-"""The fit step: every selected part's compensated weights, from the statistics, by a registered compensation.
+"""The fit step: every selected part's compensated weights, from the statistics, by a registered compensation
+(``fit``: a block's ``Cut`` parts and replaced modules in, their ``Fold`` out). Tensors only: ``pruner.install``
+builds the modules.
 
 A compensation predicts the removed channels of a Linear's input from the kept ones, ``x_P ~ B x_S + c``, and
 folds the prediction into the Linear that reads x (fc2 for MLP channels, proj for V channels): one closed form
@@ -17,12 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from corp_deploy.core import compensation as C
-from corp_deploy.core.stats import MlpStats, PairStats, QKStats
+from corp_deploy.core.stats import BranchStats, CalibrationStats, MlpStats, PairStats, QKStats
 
 Affine = Callable[[Tensor, Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
 """(``E[x]``, ``E[x x^T]``, kept, removed, alpha) -> (B, c) of ``x_P ~ B x_S + c``; fold with ``fold_mlp``."""
@@ -56,6 +59,59 @@ def register(name: str, compensation: Compensation) -> Compensation:
 register("corp", Compensation(C.mlp_affine, C.regression_affine, logits=True, constant=True))
 register("mean", Compensation(C.mean_shift, C.mean_shift_regression, logits=False, constant=True))
 register("none", Compensation(C.removal, C.removal_regression, logits=False, constant=False))
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One part of a block, selected: its report's size entry, the kept and removed indices (MLP: fc2's input
+    channels; V: proj's input channels, the heads end to end; Q/K: dims per head, (heads, kept)) and the float64
+    weights the fit folds into (the reader's (w, b); Q/K: (q_w, q_b, k_w, k_b) as (heads, head_dim, in)). A per-head
+    part kept whole has no indices: nothing is fitted or installed."""
+
+    size: dict[str, int]
+    keep: Tensor | None = None
+    prune: Tensor | None = None
+    weights: tuple[Tensor | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One part's compensated weights (a replaced module's stand-in: W and b) in float64, which ``pruner.install``
+    puts in the block, and its report entry."""
+
+    weights: tuple[Tensor | None, ...]
+    report: dict[str, Any]
+
+
+def fit(
+    cuts: dict[str, Cut],
+    branches: dict[str, str],
+    stats: CalibrationStats,
+    i: int,
+    compensation: str,
+    alpha: float,
+    targets: tuple[Tensor, Tensor] | None = None,
+) -> tuple[dict[str, Fold], dict[str, Fold]]:
+    """Block ``i``'s fits, all in float64 from the statistics: every cut part's compensated weights, by
+    ``compensation`` damped by ``alpha`` (a part kept whole reports no error and has no weights), and the stand-in
+    of every replaced module (``branches``: module -> its ``DEPTH_FITS`` kind)."""
+    replaced = {}
+    for module, kind in branches.items():
+        w, b, error = fit_branch(stats.depth[(i, module)], kind, alpha)
+        replaced[module] = Fold((w, b), {"fit": kind, "rel_error": error})
+    folds = {}
+    for part, cut in cuts.items():
+        if cut.keep is None:
+            errors = dict.fromkeys(("none", "corp") if part == "qk" else COMPENSATIONS, 0.0)
+            folds[part] = Fold((), {**cut.size, "rel_error": errors})
+        elif part == "qk":
+            weights, errors, max_m = fit_qk(stats.qk[i], cut.weights, cut.keep, cut.prune, compensation, alpha, targets)
+            folds[part] = Fold(weights, {**cut.size, "rel_error": errors, "max_m_norm": max_m})
+        else:
+            s = stats.mlp[i] if part == "mlp" else stats.proj[i]
+            w, b, errors = fit_reader(s, *cut.weights, cut.keep, cut.prune, compensation, alpha)
+            folds[part] = Fold((w, b), {**cut.size, "rel_error": errors})
+    return folds, replaced
 
 
 def fit_reader(
@@ -118,3 +174,13 @@ def fit_qk(
             out[2 * j + 1].append(bn)
     stacked = tuple(None if xs[0] is None else torch.stack(xs) for xs in out)
     return stacked, {"none": err_none / total, "corp": err_corp / total}, max_m
+
+
+def fit_branch(s: BranchStats, kind: str, alpha: float) -> tuple[Tensor, Tensor, float]:
+    """The stand-in of one whole branch (``--depth``; ``kind`` in ``compensation.DEPTH_FITS``): ``branch_fit``'s W
+    and b, and the relative residual energy it leaves."""
+    dim = s.sum_x.numel()
+    mean_z, second_z, mean_y, cross, energy = s.moments()
+    features = C.branch_features(kind, dim)
+    w, b = C.branch_fit(mean_z, second_z, mean_y, cross, features, alpha)
+    return w, b, float(C.branch_error(mean_z, second_z, mean_y, cross, energy, features, w, b))

@@ -30,11 +30,10 @@ from torch import Tensor, nn
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
 from corp_deploy.core.config import MODULES, PARTS, PruneConfig, Widths
-from corp_deploy.core.pruner import fit_branch
-from corp_deploy.core.ranking import channel_scores, qk_scores, value_scores
+from corp_deploy.core.fit import fit_branch
+from corp_deploy.core.pruner import rank
 from corp_deploy.core.stats import CalibrationStats, MlpStats, QKStats
 from corp_deploy.families import adapter_for
-from corp_deploy.families.timm.modules import linear_float64
 from corp_deploy.plan.latency import REMOVED, LatencyTable
 
 CHOLESKY_JITTER = 1e-10
@@ -113,14 +112,14 @@ def affine_curve(s: MlpStats, w: Tensor, b: Tensor, order: Tensor, kept: list[in
     return (tail[kept] / C.output_energy(mean, second, w, b)).tolist()
 
 
-def logit_curve(s: QKStats, scores: Tensor, widths: list[int], alpha: float) -> list[float]:
-    """Relative compensated logit error of a layer at every per-head Q/K width: the exact ridge solves.
+def logit_curve(s: QKStats, order: Tensor, widths: list[int], alpha: float) -> list[float]:
+    """Relative compensated logit error of a layer at every per-head Q/K width, keeping the first k of each head's
+    ``order`` (heads, head_dim): the exact ridge solves.
 
     Exact per width, the same solve as pruning (``compensation.logit_compensation``): candidate widths
     are few (head_dim / round_to) and the ridge matters on real Q/K systems (condition numbers 1e10+).
     """
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    all_dims = torch.arange(s.head_dim, device=scores.device)
+    all_dims = torch.arange(s.head_dim, device=order.device)
     total = sum(float(C.pair_energy(s.moment[h], s.index, all_dims)) for h in range(s.heads))
     out = []
     for width in widths:
@@ -137,35 +136,31 @@ def logit_curve(s: QKStats, scores: Tensor, widths: list[int], alpha: float) -> 
 def error_curves(
     model: nn.Module, stats: CalibrationStats, config: PruneConfig, parts: frozenset[str]
 ) -> dict[Key, Curve]:
-    """(candidate widths descending, relative compensated errors) of every block and targeted part."""
+    """(candidate widths descending, relative compensated errors) of every block and targeted part, each part in the
+    order ``pruner.rank`` keeps its channels (the kept sets at all widths are nested)."""
     curves = {}
     adapter = adapter_for(model)
     for i, block in enumerate(adapter.blocks(model)):
-        if "mlp" in parts:
-            s = stats.mlp[i]
-            w, b = linear_float64(adapter.mlp_out(block), s.sum.device)
-            order = torch.sort(channel_scores(config.ranker, s, w, config.ridge), descending=True, stable=True).indices
-            widths = candidate_widths(w.shape[1], config.round_to)
-            curves[(i, "mlp")] = (widths, affine_curve(s, w, b, order, widths))
-        if "qk" in parts:
-            s = stats.qk[i]
-            q_w, _, k_w, _ = (
-                None if x is None else x.detach().to(s.moment.device, torch.float64) for x in adapter.qk_weights(block)
-            )
-            scores = qk_scores(config.ranker, C.logit_energy(s.moment, s.index), q_w, k_w)
-            widths = candidate_widths(s.head_dim, config.round_to)
-            curves[(i, "qk")] = (widths, logit_curve(s, scores, widths, config.ridge))
-        if "v" in parts:
-            s, heads, group = stats.proj[i], adapter.heads(block), adapter.value_groups(block)
-            w, b = linear_float64(adapter.proj(block), s.sum.device)
-            d = w.shape[1] // heads
-            scores = value_scores(config.ranker, s, w, heads, group, config.ridge).repeat_interleave(group, 0)
-            ranks = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-            order = (ranks + d * torch.arange(heads, device=ranks.device)[:, None]).T.flatten()  # rank-major
-            widths = candidate_widths(d, config.round_to)
-            curves[(i, "v")] = (widths, affine_curve(s, w, b, order, [k * heads for k in widths]))
+        ranked = rank(adapter, block, i, stats, [p for p in PARTS if p in parts], config.ranker, config.ridge)
+        for part, r in ranked.items():
+            descending = torch.sort(r.scores, dim=-1, descending=True, stable=True).indices
+            if part == "mlp":
+                widths = candidate_widths(len(descending), config.round_to)
+                curves[(i, part)] = (widths, affine_curve(stats.mlp[i], *r.weights, descending, widths))
+            elif part == "qk":
+                widths = candidate_widths(stats.qk[i].head_dim, config.round_to)
+                curves[(i, part)] = (widths, logit_curve(stats.qk[i], descending, widths, config.ridge))
+            else:
+                heads, d = descending.shape[0] * r.group, descending.shape[1]
+                ranks = descending.repeat_interleave(r.group, 0)
+                order = (ranks + d * torch.arange(heads, device=ranks.device)[:, None]).T.flatten()  # rank-major
+                widths = candidate_widths(d, config.round_to)
+                curves[(i, part)] = (
+                    widths,
+                    affine_curve(stats.proj[i], *r.weights, order, [k * heads for k in widths]),
+                )
         for module in config.depth:
-            error = fit_branch(stats.depth[(i, module)], config.depth_fit, config.ridge)[1]
+            error = fit_branch(stats.depth[(i, module)], config.depth_fit, config.ridge)[2]
             curves[(i, MODULE_KEYS[module])] = ([KEEP, REPLACE], [0.0, error])
     return curves
 
@@ -262,6 +257,11 @@ class Cost:
     widths: dict[Key, int]
     """The current (dense) width of every targeted part."""
 
+    def limit(self, fraction: float) -> float:
+        """What a budget keeping ``fraction`` of the dense cost allows (whole MACs)."""
+        limit = fraction * self.dense
+        return int(limit) if self.unit == "MACs" else limit
+
 
 def per_unit(unit: dict[Key, int]) -> BlockCost:
     """A block cost linear in the widths: ``sum unit * width`` over the block's parts (MACs)."""
@@ -322,16 +322,11 @@ def budget_cost(model: nn.Module, config: PruneConfig, dense_macs: int, table: L
 
 
 def budget_limit(model: nn.Module, config: PruneConfig, dense_macs: int, table: LatencyTable | None = None) -> float:
-    """Data-free: the limit of ``config.budget`` (MACs or seconds); a budget no allowed widths can meet fails here.
-
-    Call it before calibrating. The smallest model keeps ``round_to`` channels of every targeted part.
-    """
-    adapter = adapter_for(model)
-    for i, block in enumerate(adapter.blocks(model)):
-        adapter.check_parts(block, i, [p for p in config.target if p == "v"], config.compensation)
+    """Data-free: the limit of ``config.budget`` (MACs or seconds); a budget no allowed widths can meet fails here
+    (``plan.widths.check``, before calibrating). The smallest model keeps ``round_to`` channels of every targeted
+    part."""
     cost = budget_cost(model, config, dense_macs, table)
-    limit = config.budget.fraction * cost.dense
-    limit = int(limit) if cost.unit == "MACs" else limit
+    limit = cost.limit(config.budget.fraction)
     floor = {} if table is None or cost.unit == "MACs" else table_floor(table)
     blocks: dict[int, dict[str, int]] = {}
     for (i, p), w in cost.widths.items():
@@ -371,14 +366,14 @@ def plan_budget(
     ``curves``: ``error_curves`` already computed (a study planning several budgets from one calibration).
     ``table``: the latency table a ``latency=`` budget is predicted with.
     """
-    limit = budget_limit(model, config, dense_macs, table)
+    cost = budget_cost(model, config, dense_macs, table)
+    limit = cost.limit(config.budget.fraction)
     parts = config.target
     curves = error_curves(model, stats, config, parts) if curves is None else curves
     if config.budget.kind == "latency":
         curves = measured_range(curves, table)
     local = weights is None
     weights = dict.fromkeys(curves, 1.0) if local else weights
-    cost = budget_cost(model, config, dense_macs, table)
     tie = table is not None and table.tied and config.budget.kind == "latency"
     moved, moved_weights = tie_curves(curves, weights) if tie else (curves, weights)
     chosen = untie(allocate(moved, moved_weights, cost.block, cost.fixed, limit))

@@ -21,10 +21,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from corp_deploy.base.errors import CorpError
 from corp_deploy.core.config import PruneConfig, Widths
-from corp_deploy.core.pruner import Timer, prune_block, replace_module
+from corp_deploy.core.pruner import Timer, prune_block
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for
+from corp_deploy.formats.calibration import Heldout
 from corp_deploy.plan.allocation import MODULE_KEYS, Key, candidate_widths
 
 REFERENCE_SPARSITY = 0.5
@@ -52,6 +54,22 @@ def split_heldout(batches: Iterable[tuple[Tensor, int]], n: int) -> tuple[Tensor
             break
     images = torch.cat(held) if held else torch.empty(0)
     return images, itertools.chain(rest, it)
+
+
+def hold_out(
+    batches: Iterable[tuple[Tensor, int]], n: int, total: int | None
+) -> tuple[Heldout, Iterable[tuple[Tensor, int]], int | None]:
+    """The first ``n`` images of the stream (when no ``Heldout`` was drawn across the sample), the stream without them,
+    and its new size: the sensitivity pass's inputs, kept out of the statistics."""
+    if total is not None and total <= n:
+        raise CorpError(
+            f"--allocation sensitivity holds out {n} calibration images (--sensitivity-images) and "
+            f"only {total} are given; pass more images or lower --sensitivity-images"
+        )
+    images, rest = split_heldout(batches, n)
+    if images.shape[0] == 0:
+        raise CorpError("no calibration images to hold out for --allocation sensitivity; check the calibration data")
+    return Heldout(images, {"first images of the stream": images.shape[0]}), rest, total and total - images.shape[0]
 
 
 def _relative(x: Tensor, ref: Tensor) -> float:
@@ -95,9 +113,8 @@ def measure(model: nn.Module, stats: CalibrationStats, config: PruneConfig, held
             out[(i, part)] = weight(i, trial, entry[part]["rel_error"]["corp"])
         for module in config.depth:  # the whole module replaced, as a plan would: its weighted error is end to end
             trial = copy.deepcopy(block)
-            out[(i, MODULE_KEYS[module])] = weight(
-                i, trial, replace_module(adapter, trial, i, stats, module, config, Timer())["rel_error"]
-            )
+            entry = prune_block(adapter, trial, i, stats, Widths(replace=(module,)), config, Timer())
+            out[(i, MODULE_KEYS[module])] = weight(i, trial, entry["replaced"][module]["rel_error"])
     for part in (*parts, *(MODULE_KEYS[m] for m in config.depth)):  # redundant parts: the typical weight of their kind
         known = [v for (_, p), v in out.items() if p == part and v == v]
         for key, v in out.items():
