@@ -1,8 +1,8 @@
 """Pruning, end to end: the target a model's family takes by default (``for_model``), the one check of a config
-against the model before any data is read (``check``), a latency budget's table and closed loop (``latency_table``,
-``latency_loop``), the calibration, the width plan (``plan.widths``: a sparsity, a budget, a measured latency
-through the closed loop), ``pruner.prune_model`` and the report, and ``save``. What calibration reads is
-``calibration``; what a command was pointed at, ``sources``.
+against the model before any data is read (``check``), a latency budget's closed loop (``latency_loop``; its
+table: ``plan.speed.latency_table``), the calibration, the width plan (``plan.widths``: a sparsity, a budget, a
+measured latency through the closed loop), ``pruner.prune_model`` and the report, and ``save``. What calibration
+reads is ``calibration``; what a command was pointed at, ``sources``.
 
 model = corp_deploy.create_model("deit_small", weights="random")
 batches, total = corp_deploy.calibration_batches(model, "photos/", num=256)
@@ -16,9 +16,9 @@ results = [calib.prune(corp_deploy.PruneConfig(sparsity=s, target="mlp,qk,v")) f
 
 A latency budget, as ``corp-deploy prune --speedup 2 --latency-on ort-cpu-fp32 --latency-rounds 3`` plans it:
 
-on = api.Latency(speed.check_backend("ort-cpu-fp32"), batch=32, rounds=3)
+on = speed.Latency(speed.check_backend("ort-cpu-fp32"), batch=32, rounds=3)
 config = corp_deploy.PruneConfig(budget="latency=0.5")  # prunes mlp,qk,v, as far as the family can
-table, loop = api.latency_table(model, "deit_small", {}, on), api.latency_loop(on)
+table, loop = speed.latency_table(model, "deit_small", {}, on), api.latency_loop(on)
 result = corp_deploy.prune(model, batches, config, total=total, table=table, loop=loop)
 
 Label-free recovery after pruning (opt-in; ``corp_deploy.core.recover``): keep a dense copy, and the calibration batches
@@ -44,7 +44,6 @@ from torch import Tensor, nn
 
 from corp_deploy.base.env import device_name, exact_fp32, versions
 from corp_deploy.base.errors import CorpError
-from corp_deploy.bench.backends import Backend
 from corp_deploy.core import blockwise
 from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.distributed import SINGLE_PROCESS, World, all_reduce_stats
@@ -57,7 +56,7 @@ from corp_deploy.formats.calibration import Heldout, resolve_device
 from corp_deploy.plan import speed
 from corp_deploy.plan import widths as width_plan
 from corp_deploy.plan.allocation import widths_of
-from corp_deploy.plan.latency import LatencyTable, Timing, format_table, workload
+from corp_deploy.plan.latency import LatencyTable, Timing, workload
 from corp_deploy.plan.report import model_size, peak_memory
 from corp_deploy.plan.sensitivity import hold_out
 from corp_deploy.plan.widths import Replan
@@ -157,40 +156,7 @@ class LatencyLoop:
             raise CorpError(f"--latency-rounds must be >= 1, got {self.rounds}")
 
 
-@dataclass(frozen=True)
-class Latency:
-    """Where a latency budget is measured: on ``backend`` (``plan.speed.check_backend``) at ``batch`` inputs (of
-    ``seq_len`` tokens for a text encoder); ``table``: a table file instead of the cached or newly measured one;
-    ``rounds``: the closed loop's rounds (None: the speed is predicted, not checked)."""
-
-    backend: Backend
-    batch: int = 32
-    table: str | Path | None = None
-    rounds: int | None = None
-    seq_len: int | None = None
-
-
-def latency_table(
-    model: nn.Module,
-    name: str,
-    args: dict[str, Any],
-    latency: Latency,
-    say: Callable[[str], None] = lambda line: None,
-    depth: tuple[str, ...] = (),
-    depth_fit: str = "affine-mean",
-) -> LatencyTable:
-    """The latency table a budget is planned with, for the dense ``model`` (``name`` and ``args``: what the cache
-    knows it by): given, cached or measured now (with ``depth``, also each block's time with those modules replaced
-    by their ``depth_fit`` stand-in: ``PruneConfig.depth``)."""
-    speed.text_inputs(model, latency.seq_len)  # a decoder, or a sequence past the positions: one line, before timing
-    threads = torch.get_num_threads()
-    key = speed.key(name, args, latency.backend, latency.batch, threads, depth, depth_fit, latency.seq_len)
-    table = speed.table_for(model, key, latency.backend, latency.table, say)
-    say(format_table(table))
-    return table
-
-
-def latency_loop(latency: Latency, say: Callable[[str], None] = lambda line: None) -> LatencyLoop | None:
+def latency_loop(latency: speed.Latency, say: Callable[[str], None] = lambda line: None) -> LatencyLoop | None:
     """The closed loop on ``latency``'s backend and batch (dense and pruned timed interleaved, each timing said), or
     None without ``rounds``."""
     if latency.rounds is None:
@@ -336,7 +302,7 @@ class Calibrated:
     def planner(self, config: PruneConfig, dense_macs: int) -> Replan:
         """``config``'s planner with its budget, made once per config up to the budget (``plan.widths.planner``)."""
         key = tuple((f.name, getattr(config, f.name)) for f in fields(config) if f.name != "budget")
-        key += (config.budget.kind,)
+        key += (None if config.budget is None else config.budget.kind,)
         if key not in self._planners:
             with exact_fp32():  # the sensitivity pass's forwards
                 self._planners[key] = width_plan.planner(self.dense, self.stats, config, dense_macs, self.heldout)
@@ -358,11 +324,9 @@ class Calibrated:
         record = checked = replan = None
         if widths is None or loop is not None:
             start = time.perf_counter()
-            replan = None if config.budget is None else self.planner(config, dense_size["macs"])
+            replan = self.planner(config, dense_size["macs"])
             if widths is None:
-                widths, record = (
-                    (width_plan.plan_widths(self.dense, config, self.stats), None) if replan is None else replan(table)
-                )
+                widths, record = replan(table)
             timer.add("allocation", start)
         blocks = prune_model(model, self.stats, config, widths, timer)
         if loop is not None:

@@ -23,7 +23,6 @@ from corp_deploy.core.ranking import channel_scores
 from corp_deploy.core.stats import MlpStats
 from corp_deploy.formats.artifact import load_pruned
 from corp_deploy.plan.allocation import (
-    affine_curve,
     allocate,
     block_macs,
     block_parts,
@@ -57,7 +56,7 @@ def test_cholesky_curve_equals_direct_errors_mlp_and_v(calibrated) -> None:
     order = torch.sort(channel_scores("combined", s, w), descending=True)
     order = order.indices
     widths = candidate_widths(w.shape[1], 8)
-    curve = affine_curve(s, w, b, order, widths)
+    curve = C.affine_errors(s.mean(), s.second_moment(), w, b, order, widths)
     for k, err in zip(widths, curve, strict=True):
         keep, prune = order[:k].sort().values, order[k:].sort().values
         assert err == pytest.approx(_direct(s, w, b, keep, prune), rel=1e-6, abs=1e-12), k
@@ -322,7 +321,9 @@ def test_curves_survive_an_indefinite_covariance() -> None:
     s.outer -= 1e-7 * s.count * s.second_moment().diagonal().mean() * torch.outer(null, null)
     w = torch.randn(16, 32, generator=g, dtype=torch.float64)
     kept = candidate_widths(32, 4)
-    errors = affine_curve(s, w, torch.zeros(16, dtype=torch.float64), torch.arange(32), kept)
+    errors = C.affine_errors(
+        s.mean(), s.second_moment(), w, torch.zeros(16, dtype=torch.float64), torch.arange(32), kept
+    )
     assert all(math.isfinite(e) for e in errors)
     assert errors == sorted(errors) and errors[0] == 0.0  # widths descend, errors rise; the full width is exact
     rank8 = [e for k, e in zip(kept, errors, strict=True) if k >= 8]

@@ -17,7 +17,6 @@ from corp_deploy.bench.backends import BACKENDS
 from corp_deploy.core import compensation as C
 from corp_deploy.core.config import MODULES, PruneConfig, Widths
 from corp_deploy.core.distributed import World
-from corp_deploy.core.fit import fit_branch
 from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.core.stats import BranchStats, collect, empty_stats
 from corp_deploy.families import structure
@@ -101,7 +100,7 @@ def test_replaced_block_computes_the_closed_form_on_calibration_data(module: str
     model, batches = tiny_vit(), tiny_batches()
     config = PruneConfig(sparsity=0.0, target="mlp", depth=module, **LATENCY)
     stats = calibrate(model, batches, config, "cpu", progress=False)
-    w, b, error = fit_branch(stats.depth[(1, module)], config.depth_fit, config.ridge)
+    w, b, error = C.branch_stand_in(*stats.depth[(1, module)].moments(), config.depth_fit, config.ridge)
     branch = AffineBranch(w.shape[0], config.depth_fit).fill(w.float(), b.float())
     pruned = copy.deepcopy(model)
     plan = [Widths(), Widths(replace=(module,))]
@@ -263,7 +262,7 @@ def test_sensitivity_of_a_replacement_is_its_measured_end_to_end_error() -> None
     held = tiny_batches(8, 8, seed=5)[0][0]
     weights = measure(model, stats, config, held)
     for i in range(2):
-        w, b, local = fit_branch(stats.depth[(i, "attn")], config.depth_fit, config.ridge)
+        w, b, local = C.branch_stand_in(*stats.depth[(i, "attn")].moments(), config.depth_fit, config.ridge)
         branch = AffineBranch(w.shape[0], config.depth_fit).fill(w.float(), b.float())
         trial = copy.deepcopy(model)
         replace_branch(trial.blocks[i], "attn", branch)

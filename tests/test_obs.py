@@ -168,7 +168,8 @@ def test_value_units_keep_equal_counts_per_kv_head() -> None:
 
 def test_budget_curves_read_the_obs_sets_errors() -> None:
     """A budget's MLP curve is greedy OBS's own running error at every width, and its V curve the error the pruner
-    reports when it keeps OBS's V channels at that width (ridge-free, as every curve: ``allocation.affine_curve``)."""
+    reports when it keeps OBS's V channels at that width (ridge-free, as every curve:
+    ``compensation.affine_errors``)."""
     model = tiny_vit()
     config = PruneConfig(target="mlp,v", ranker="obs", ridge=0.0)
     stats = calibrate(model, tiny_batches(), config, "cpu", progress=False)

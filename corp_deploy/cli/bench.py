@@ -379,7 +379,7 @@ def sweep(
     on = (
         None
         if backend is None
-        else api.Latency(backend, latency["latency_batch"], latency["latency_table"], latency_rounds, seq_len)
+        else speed.Latency(backend, latency["latency_batch"], latency["latency_table"], latency_rounds, seq_len)
     )
     got = inputs(**flags, hold_out=config.heldout_images, transformers=True)
     description = sources.describe(got.net, got.name, got.args, got.weights, *([seq_len] if text else []))
@@ -402,7 +402,7 @@ def sweep(
         say(f"held-out {accuracy.metric} ({METRICS[accuracy.metric].what}) on {held.source}")
     plan = None
     if backend is not None:
-        table = api.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)
+        table = speed.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)
         plan = Speedups(targets, table, got.heldout, api.latency_loop(on, say))
     method = Method(warmup_iters=3, min_iters=5, min_seconds=min_seconds)  # large batches: seconds dominate
     settings = (backends, sizes, method, quiet, plan, latency, accuracy)

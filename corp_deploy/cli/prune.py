@@ -95,9 +95,9 @@ def pruned(
     against the model before any data is read) and, with ``--recover-*``, recover.
 
     Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``. A latency
-    budget's table is measured (or read) before calibration (``api.latency_table``); ``latency_rounds`` closes the loop
-    (``api.latency_loop``); both time the models with ``rewrites`` (None: the backend's defaults), as they will be
-    exported.
+    budget's table is measured (or read) before calibration (``speed.latency_table``); ``latency_rounds`` closes the
+    loop (``api.latency_loop``); both time the models with ``rewrites`` (None: the backend's defaults), as they will
+    be exported.
 
     The dense model is kept (``keep_dense``, or for a recovery) as a copy made before pruning: one more model's
     weights in host memory (4 bytes a parameter in fp32: 88 MB for a ViT-S, 28 GB for a 7B decoder). A recovery
@@ -113,10 +113,12 @@ def pruned(
     say = (lambda line: None) if quiet else click.echo
     on = None
     if backend is not None:
-        on = api.Latency(backend, latency["latency_batch"], latency["latency_table"], latency_rounds, seq_len)
+        on = speed.Latency(backend, latency["latency_batch"], latency["latency_table"], latency_rounds, seq_len)
     got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, transformers=transformers)
     table = (
-        None if on is None else api.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)
+        None
+        if on is None
+        else speed.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)
     )
     loop = None if on is None else api.latency_loop(on, say)
     dense = copy.deepcopy(got.net) if keep_dense or recover is not None else None  # pruning works in place

@@ -1,6 +1,6 @@
 """The fit step: every selected part's compensated weights, from the statistics, by a registered compensation
-(``fit``: a block's ``Cut`` parts and replaced modules in, their ``Fold`` out). Tensors only: ``pruner.install``
-builds the modules.
+(``fit``: a block's ``Cut`` parts and replaced modules in, their ``Fold`` out). Tensors only: ``pruner.prune_block``
+installs them. The closed forms are ``compensation``'s (``fold_qk``, ``branch_stand_in``, the readers' folds).
 
 A compensation predicts the removed channels of a Linear's input from the kept ones, ``x_P ~ B x_S + c``, and
 folds the prediction into the Linear that reads x (fc2 for MLP channels, proj for V channels): one closed form
@@ -21,11 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from corp_deploy.core import compensation as C
-from corp_deploy.core.stats import BranchStats, CalibrationStats, MlpStats, PairStats, QKStats
+from corp_deploy.core.stats import CalibrationStats, MlpStats, PairStats
 
 Affine = Callable[[Tensor, Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
 """(``E[x]``, ``E[x x^T]``, kept, removed, alpha) -> (B, c) of ``x_P ~ B x_S + c``; fold with ``fold_mlp``."""
@@ -76,7 +75,7 @@ class Cut:
 
 @dataclass(frozen=True)
 class Fold:
-    """One part's compensated weights (a replaced module's stand-in: W and b) in float64, which ``pruner.install``
+    """One part's compensated weights (a replaced module's stand-in: W and b) in float64, which ``Adapter.install``
     puts in the block, and its report entry."""
 
     weights: tuple[Tensor | None, ...]
@@ -95,22 +94,25 @@ def fit(
     """Block ``i``'s fits, all in float64 from the statistics: every cut part's compensated weights, by
     ``compensation`` damped by ``alpha`` (a part kept whole reports no error and has no weights), and the stand-in
     of every replaced module (``branches``: module -> its ``DEPTH_FITS`` kind)."""
+    folds = {}
+    for part, s in (("mlp", stats.mlp), ("v", stats.proj)):  # the readers of x: fc2, proj
+        if part in cuts and (cut := cuts[part]).keep is not None:
+            w, b, errors = fit_reader(s[i], *cut.weights, cut.keep, cut.prune, compensation, alpha)
+            folds[part] = Fold((w, b), {**cut.size, "rel_error": errors})
+    if "qk" in cuts and (cut := cuts["qk"]).keep is not None:
+        s, logits = stats.qk[i], COMPENSATIONS[compensation].logits
+        weights, removed, left, max_m = C.fold_qk(
+            s.moment, s.index, cut.weights, cut.keep, cut.prune, alpha, logits, targets
+        )
+        errors = {"none": removed, "corp": left}
+        folds["qk"] = Fold(weights, {**cut.size, "rel_error": errors, "max_m_norm": max_m})
+    for part in (p for p, cut in cuts.items() if cut.keep is None):
+        errors = dict.fromkeys(("none", "corp") if part == "qk" else COMPENSATIONS, 0.0)
+        folds[part] = Fold((), {**cut.size, "rel_error": errors})
     replaced = {}
     for module, kind in branches.items():
-        w, b, error = fit_branch(stats.depth[(i, module)], kind, alpha)
+        w, b, error = C.branch_stand_in(*stats.depth[(i, module)].moments(), kind, alpha)
         replaced[module] = Fold((w, b), {"fit": kind, "rel_error": error})
-    folds = {}
-    for part, cut in cuts.items():
-        if cut.keep is None:
-            errors = dict.fromkeys(("none", "corp") if part == "qk" else COMPENSATIONS, 0.0)
-            folds[part] = Fold((), {**cut.size, "rel_error": errors})
-        elif part == "qk":
-            weights, errors, max_m = fit_qk(stats.qk[i], cut.weights, cut.keep, cut.prune, compensation, alpha, targets)
-            folds[part] = Fold(weights, {**cut.size, "rel_error": errors, "max_m_norm": max_m})
-        else:
-            s = stats.mlp[i] if part == "mlp" else stats.proj[i]
-            w, b, errors = fit_reader(s, *cut.weights, cut.keep, cut.prune, compensation, alpha)
-            folds[part] = Fold((w, b), {**cut.size, "rel_error": errors})
     return folds, replaced
 
 
@@ -131,56 +133,3 @@ def fit_reader(
     fits = {k: m.affine(mean, second, keep, prune, alpha) for k, m in COMPENSATIONS.items()}
     errors = {k: float(C.mlp_output_error(mean, second, w, b, keep, prune, *bc)) for k, bc in fits.items()}
     return *C.fold_mlp(w, b, keep, prune, *fits[compensation]), errors
-
-
-def fit_qk(
-    s: QKStats,
-    weights: tuple[Tensor, Tensor | None, Tensor, Tensor | None],
-    keep: Tensor,
-    prune: Tensor,
-    compensation: str,
-    alpha: float,
-    targets: tuple[Tensor, Tensor] | None = None,
-) -> tuple[tuple[Tensor, Tensor | None, Tensor, Tensor | None], dict[str, float], float]:
-    """Per head, M with ``Q_S M K_S^T ~ Q_P K_P^T`` factored into the kept query and key rows; (q_w, q_b, k_w, k_b)
-    as (heads, kept, in), the relative logit error removed and left, and the largest ``||M||``.
-
-    ``targets`` (sequential: ``blockwise``'s dense-logit cross terms and energies per head) regress the DENSE logits
-    from the pruned stream's moment (``compensation.sequential_logit_system``) instead of the pruned pairs'."""
-    q_w, q_b, k_w, k_b = weights
-    all_dims = torch.arange(s.head_dim, device=s.moment.device)
-    out: list[list[Tensor | None]] = [[], [], [], []]
-    total = err_none = err_corp = max_m = 0.0
-    for h in range(s.heads):
-        if targets is None:
-            m, removed, err = C.logit_compensation(s.moment[h], s.index, keep[h], prune[h], alpha)
-            energy = C.pair_energy(s.moment[h], s.index, all_dims)
-        else:
-            a, r = C.logit_system(s.moment[h], s.index, keep[h], prune[h])
-            energy = targets[1][h]
-            r, removed = C.sequential_logit_system(a, targets[0][h], energy)
-            m = C.solve_logit_compensation(a, r, alpha)
-            err = C.logit_error(a, r, removed, m)
-        total += float(energy)
-        err_none += float(removed)
-        err_corp += float(err)
-        if not COMPENSATIONS[compensation].logits:
-            m = torch.zeros_like(m)
-        max_m = max(max_m, float(m.norm()))
-        fq, fk = C.qk_factors(m)
-        for j, (factor, w, b) in enumerate(((fq, q_w, q_b), (fk, k_w, k_b))):
-            wn, bn = C.fold_projection(w[h, keep[h]], None if b is None else b[h, keep[h]], factor)
-            out[2 * j].append(wn)
-            out[2 * j + 1].append(bn)
-    stacked = tuple(None if xs[0] is None else torch.stack(xs) for xs in out)
-    return stacked, {"none": err_none / total, "corp": err_corp / total}, max_m
-
-
-def fit_branch(s: BranchStats, kind: str, alpha: float) -> tuple[Tensor, Tensor, float]:
-    """The stand-in of one whole branch (``--depth``; ``kind`` in ``compensation.DEPTH_FITS``): ``branch_fit``'s W
-    and b, and the relative residual energy it leaves."""
-    dim = s.sum_x.numel()
-    mean_z, second_z, mean_y, cross, energy = s.moments()
-    features = C.branch_features(kind, dim)
-    w, b = C.branch_fit(mean_z, second_z, mean_y, cross, features, alpha)
-    return w, b, float(C.branch_error(mean_z, second_z, mean_y, cross, energy, features, w, b))

@@ -3,7 +3,7 @@
 ``calibrate`` is the only step that sees images; ``prune_model`` works from the statistics alone, to the widths a
 plan gave (``corp_deploy.plan.widths``), so a sweep calibrates once and prunes at many sparsities (on copies of the
 dense model). One block (``prune_block``) is three steps over its parts: ``select`` (ranking), ``fit`` (the
-compensations, ``core.fit``), ``install`` (the family's modules).
+compensations, ``core.fit``), install (``Adapter.install``: the family's modules).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from corp_deploy.base.env import exact_fp32
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
-from corp_deploy.core.config import PruneConfig, Widths
-from corp_deploy.core.fit import Cut, Fold, fit
+from corp_deploy.core.config import PARTS, PruneConfig, Widths
+from corp_deploy.core.fit import Cut, fit
 from corp_deploy.core.ranking import channel_scores, qk_scores, split_top, value_scores
 from corp_deploy.core.stats import CalibrationStats, collect, empty_stats
 from corp_deploy.families import Adapter, adapter_for
@@ -114,11 +114,11 @@ def prune_block(
     ``replaced`` (module -> its fit and relative residual energy).
 
     Three steps, each over every part: ``select`` the kept channels (ranking, on the dense block's weights), ``fit``
-    their compensations and the stand-ins of replaced modules from the statistics (float64, ``core.fit``),
-    ``install`` the folded weights and the stand-ins in the family's modules. The parts touch disjoint weights
-    (fc1/fc2; the query and key projections; the value projection and proj's columns; a replaced module's widths
-    are None), so every selection sees the dense block. ``stats`` holds at least block i's sums; ``PairStats`` and
-    ``logit_targets`` make the fits sequential.
+    their compensations and the stand-ins of replaced modules from the statistics (float64, ``core.fit``), install
+    the stand-ins (``surgery.replace_branch``) and the folded weights (``Adapter.install``). The parts touch
+    disjoint weights (fc1/fc2; the query and key projections; the value projection and proj's columns; a replaced
+    module's widths are None), so every selection sees the dense block. ``stats`` holds at least block i's sums;
+    ``PairStats`` and ``logit_targets`` make the fits sequential.
     """
     t = time.perf_counter()
     cuts = select(adapter, block, i, stats, widths, config)
@@ -129,12 +129,16 @@ def prune_block(
         t = timer.add("calibration", t)
     branches = dict.fromkeys(widths.replace, config.depth_fit)
     folds, replaced = fit(cuts, branches, stats, i, config.compensation, config.ridge, targets)
-    install(adapter, block, cuts, folds, replaced)
+    for module, fold in replaced.items():  # install: the stand-ins, then every cut part's folded weights
+        w, b = fold.weights
+        surgery.replace_branch(block, module, AffineBranch(b.shape[0], fold.report["fit"]).fill(w.float(), b.float()))
+    for part in (p for p in PARTS if p in folds and folds[p].weights):  # Q/K before V: V rebuilds the attention
+        adapter.install(block, part, cuts[part].keep, folds[part].weights)
     timer.add("compensation", t)
     entry: dict[str, Any] = {"block": i}
     if replaced:
         entry["replaced"] = {m: f.report for m, f in replaced.items()}
-    return entry | {part: f.report for part, f in folds.items()}
+    return entry | {part: folds[part].report for part in PARTS if part in folds}
 
 
 def rank(
@@ -189,27 +193,3 @@ def select(
         else:
             cuts[part] = Cut(size, *split_top(ranked[part].scores, kept), ranked[part].weights)
     return cuts
-
-
-def install(
-    adapter: Adapter, block: nn.Module, cuts: dict[str, Cut], folds: dict[str, Fold], replaced: dict[str, Fold]
-) -> None:
-    """The stand-ins of replaced modules (``surgery.replace_branch``) and the folded weights into the family's
-    modules, each in its module's device and dtype."""
-    for module, fold in replaced.items():
-        w, b = fold.weights
-        surgery.replace_branch(block, module, AffineBranch(b.shape[0], fold.report["fit"]).fill(w.float(), b.float()))
-    if "mlp" in cuts:
-        out = adapter.mlp_out(block)
-        dev, dtype = out.weight.device, out.weight.dtype
-        w, b = folds["mlp"].weights
-        b = None if out.bias is None and not adapter.adds_bias else b.to(dev, dtype)
-        adapter.set_mlp(block, cuts["mlp"].keep.to(dev), w.to(dev, dtype), b)
-    if "qk" in cuts and folds["qk"].weights:
-        ref = adapter.qk_weights(block)[0]
-        adapter.set_qk(block, *(None if x is None else x.to(ref.device, ref.dtype) for x in folds["qk"].weights))
-    if "v" in cuts and folds["v"].weights:
-        proj = adapter.proj(block)
-        dev, dtype = proj.weight.device, proj.weight.dtype
-        w, b = folds["v"].weights
-        adapter.set_values(block, cuts["v"].keep.to(dev), w.to(dev, dtype), b.to(dev, dtype))

@@ -115,11 +115,11 @@ def value_scores(ranker: str, s: MlpStats, weight: Tensor, heads: int, group: in
     Query heads that share a V head (``group`` of them) keep the same channels: ranked by their summed scores, or
     for ``obs`` removed together as one unit, one per K/V head per round (``obs.value_units``)."""
     d = weight.shape[1] // heads
-    if ranker == "obs":
-        units, owner = (t.to(weight.device) for t in obs.value_units(heads, group, d))
-        order = obs.removal_order(s.mean(), s.second_moment(), weight, ridge, units, owner)[0]
-        return obs.rank_scores(order).view(heads // group, d)
-    return channel_scores(ranker, s, weight).view(heads // group, group, d).sum(1)
+    if ranker != "obs":
+        return channel_scores(ranker, s, weight).view(heads // group, group, d).sum(1)
+    units, owner = (t.to(weight.device) for t in obs.value_units(heads, group, d))
+    order = obs.removal_order(s.mean(), s.second_moment(), weight, ridge, units, owner)[0]
+    return obs.rank_scores(order).view(heads // group, d)
 
 
 def qk_scores(ranker: str, logit_energy: Tensor, wq: Tensor, wk: Tensor) -> Tensor:

@@ -102,19 +102,22 @@ def measure(model: nn.Module, stats: CalibrationStats, config: PruneConfig, held
     for i, block in enumerate(blocks):
         qk, v = adapter.head_widths(block)
         full = {"mlp": adapter.mlp_out(block).in_features, "qk": qk, "v": v}
+        probes = {}  # (block, part) -> the widths that prune it alone
         for part in parts:
             reference = (1 - REFERENCE_SPARSITY) * full[part]
             kept = min(candidate_widths(full[part], config.round_to), key=lambda w: abs(w - reference))
             if kept == full[part]:  # nothing can be removed: the weight never matters
                 out[(i, part)] = 1.0
-                continue
-            trial = copy.deepcopy(block)
-            entry = prune_block(adapter, trial, i, stats, Widths(**{part: kept}), config, Timer())
-            out[(i, part)] = weight(i, trial, entry[part]["rel_error"]["corp"])
+            else:
+                probes[(i, part)] = Widths(**{part: kept})
         for module in config.depth:  # the whole module replaced, as a plan would: its weighted error is end to end
+            probes[(i, MODULE_KEYS[module])] = Widths(replace=(module,))
+        for key, widths in probes.items():
             trial = copy.deepcopy(block)
-            entry = prune_block(adapter, trial, i, stats, Widths(replace=(module,)), config, Timer())
-            out[(i, MODULE_KEYS[module])] = weight(i, trial, entry["replaced"][module]["rel_error"])
+            entry = prune_block(adapter, trial, i, stats, widths, config, Timer())
+            replaced = entry.get("replaced", {})
+            local = replaced[widths.replace[0]]["rel_error"] if replaced else entry[key[1]]["rel_error"]["corp"]
+            out[key] = weight(i, trial, local)
     for part in (*parts, *(MODULE_KEYS[m] for m in config.depth)):  # redundant parts: the typical weight of their kind
         known = [v for (_, p), v in out.items() if p == part and v == v]
         for key, v in out.items():

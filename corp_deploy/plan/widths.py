@@ -17,6 +17,7 @@ from torch import nn
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core.config import PART_NAMES, Budget, PruneConfig, Widths
+from corp_deploy.core.fit import COMPENSATIONS
 from corp_deploy.core.ranking import SELECTIONS, channel_scores, per_layer
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import Adapter, adapter_for
@@ -39,11 +40,11 @@ def check(
     a budget no allowed widths meet). Returns the widths when they do not depend on the data, else None (``plan``
     makes them after calibration)."""
     check_parts(model, config)
-    if config.budget is not None:
-        budget_limit(model, config, dense_macs, table)
-        return None
-    counts = _counts(model, config, None)
-    return None if None in counts.values() else _widths(counts, len(adapter_for(model).blocks(model)))
+    if config.budget is None:
+        counts = _counts(model, config, None)
+        return None if None in counts.values() else _widths(counts, len(adapter_for(model).blocks(model)))
+    budget_limit(model, config, dense_macs, table)
+    return None
 
 
 def check_parts(model: nn.Module, config: PruneConfig) -> None:
@@ -53,8 +54,9 @@ def check_parts(model: nn.Module, config: PruneConfig) -> None:
     adapter = adapter_for(model)
     if config.layout == "standard":
         check_standard(adapter, config)
+    constant = config.compensation if COMPENSATIONS[config.compensation].constant else None
     for i, block in enumerate(adapter.blocks(model)):
-        adapter.check_parts(block, i, config.target, config.compensation)
+        adapter.check_parts(block, i, config.target, constant)
         if config.depth:
             adapter.check_depth(block, i)
 
@@ -108,17 +110,19 @@ def _widths(counts: dict[str, list[int]], blocks: int) -> list[Widths]:
     return [Widths(**{part: kept[i] for part, kept in counts.items()}) for i in range(blocks)]
 
 
-Replan = Callable[..., tuple[list[Widths], dict[str, Any]]]
-"""(latency table[, budget]) -> widths and their record, from statistics, error curves and sensitivities computed
-once; the budget defaults to the config's."""
+Replan = Callable[..., tuple[list[Widths], dict[str, Any] | None]]
+"""(latency table[, budget]) -> widths and their record (None without a budget), from statistics, error curves and
+sensitivities computed once; the budget defaults to the config's."""
 
 
 def planner(
     model: nn.Module, stats: CalibrationStats, config: PruneConfig, dense_macs: int, heldout: Heldout | None
 ) -> Replan:
-    """A budget's allocation from the statistics (with sensitivities from ``heldout``), re-runnable for corrected
-    latency tables (the closed loop) or other budgets (a sweep of speedups) without another pass over the data.
-    ``model`` must stay dense."""
+    """The widths from the statistics, re-runnable: a budget's allocation (with sensitivities from ``heldout``) for
+    corrected latency tables (the closed loop) or other budgets (a sweep of speedups) without another pass over the
+    data; without a budget, ``plan_widths`` (no record). ``model`` must stay dense."""
+    if config.budget is None:
+        return lambda table=None, budget=None: (plan_widths(model, config, stats), None)
     weights = None if heldout is None else measure(model, stats, config, heldout.images)
     curves = error_curves(model, stats, config, config.target)
 
@@ -140,10 +144,6 @@ def plan(
     heldout: Heldout | None,
     table: LatencyTable | None = None,
 ) -> tuple[list[Widths], dict[str, Any] | None]:
-    """Widths from the statistics: a budget's allocation (with sensitivities from ``heldout``), or a selection's.
-
-    Returns the widths and what the report records about how they were chosen (None without a budget).
-    """
-    if config.budget is None:
-        return plan_widths(model, config, stats), None
+    """Widths from the statistics, once (``planner``): a budget's allocation, or a selection's. Returns the widths and
+    what the report records about how they were chosen (None without a budget)."""
     return planner(model, stats, config, dense_macs, heldout)(table)
