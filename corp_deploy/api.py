@@ -97,7 +97,7 @@ def check(
 ) -> tuple[str, list[Widths] | None]:
     """The one check of ``config`` against ``model`` and the run, before any data is read (``config`` alone was
     checked when it was made): the calibration step and what none supports, the closed loop's needs, the widths
-    (``plan.widths.check``: the blocks, the sparsities, a budget's reach), a statistics bound below one block.
+    (``plan.widths.data_free``: the blocks, the sparsities, a budget's reach), a statistics bound below one block.
 
     Returns the calibration step (``ONE_PASS``, ``GROUPED``, ``SEQUENTIAL``) and the widths when they do not wait
     for the statistics (else None: ``plan.widths.plan`` makes them after calibration).
@@ -105,7 +105,7 @@ def check(
     mode = _calibration_mode(config, max_stats_gib, world)
     if loop is not None:
         _check_loop(config, max_stats_gib, world.size, table)
-    widths = width_plan.check(model, config, dense_macs, table)
+    widths = width_plan.data_free(model, config, dense_macs, table)
     if mode != ONE_PASS:
         blockwise.plan_groups(model, config, max_stats_gib)
     return mode, widths

@@ -214,7 +214,7 @@ def test_sequential_reduces_the_final_feature_error(monkeypatch) -> None:
     Only the part of block 0's error that reaches block 1's MLP is corrected (not the residual stream itself): ~5%.
     """
     model = tiny_vit()
-    monkeypatch.setattr(width_plan, "check", lambda *_args: [Widths(16), Widths(128)])
+    monkeypatch.setattr(width_plan, "data_free", lambda *_args: [Widths(16), Widths(128)])
     batches = tiny_batches(n=256, batch=64, seed=1)
     config = PruneConfig(sparsity=0.5, target="mlp", round_to=4)
     one_pass = _prune(model, config, batches, max_stats_gib=1.0)  # the one-pass method (bounded == one-pass)

@@ -3,8 +3,9 @@
 One place for every rule: a sparsity per part, the same fraction in every block or by a registered selection
 (``ranking.SELECTIONS``: VBP's one threshold over every block's MLP channel scores), or a budget (``allocation``:
 errors weighted by ``sensitivity``), re-planned for a corrected latency table or another budget from the same
-statistics (``planner``). ``check`` is the data-free half, so an impossible plan fails before calibration; ``plan``
-the other, from the statistics. ``pruner.prune_model`` and ``blockwise.walk`` take the widths it returns.
+statistics (``planner``). ``data_free`` is the half before any data, so an impossible plan fails before
+calibration; ``plan`` the other, from the statistics. ``pruner.prune_model`` and ``blockwise.walk`` take the widths
+it returns.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def from_statistics(config: PruneConfig) -> bool:
     return config.budget is not None or SELECTIONS[config.selection].scored
 
 
-def check(
+def data_free(
     model: nn.Module, config: PruneConfig, dense_macs: int, table: LatencyTable | None = None
 ) -> list[Widths] | None:
     """Data-free: refuse what no calibration can fix (a part the blocks cannot take, a sparsity that empties a part,
