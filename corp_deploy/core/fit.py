@@ -95,20 +95,21 @@ def fit(
     ``compensation`` damped by ``alpha`` (a part kept whole reports no error and has no weights), and the stand-in
     of every replaced module (``branches``: module -> its ``DEPTH_FITS`` kind)."""
     folds = {}
-    for part, s in (("mlp", stats.mlp), ("v", stats.proj)):  # the readers of x: fc2, proj
-        if part in cuts and (cut := cuts[part]).keep is not None:
-            w, b, errors = fit_reader(s[i], *cut.weights, cut.keep, cut.prune, compensation, alpha)
+    for part, cut in cuts.items():
+        if cut.keep is None:
+            errors = dict.fromkeys(("none", "corp") if part == "qk" else COMPENSATIONS, 0.0)
+            folds[part] = Fold((), {**cut.size, "rel_error": errors})
+        elif part == "qk":
+            s, logits = stats.qk[i], COMPENSATIONS[compensation].logits
+            weights, removed, left, max_m = C.fold_qk(
+                s.moment, s.index, cut.weights, cut.keep, cut.prune, alpha, logits, targets
+            )
+            report = {**cut.size, "rel_error": {"none": removed, "corp": left}, "max_m_norm": max_m}
+            folds[part] = Fold(weights, report)
+        else:  # the readers of x: fc2 (MLP channels), proj (V channels)
+            s = stats.mlp[i] if part == "mlp" else stats.proj[i]
+            w, b, errors = fit_reader(s, *cut.weights, cut.keep, cut.prune, compensation, alpha)
             folds[part] = Fold((w, b), {**cut.size, "rel_error": errors})
-    if "qk" in cuts and (cut := cuts["qk"]).keep is not None:
-        s, logits = stats.qk[i], COMPENSATIONS[compensation].logits
-        weights, removed, left, max_m = C.fold_qk(
-            s.moment, s.index, cut.weights, cut.keep, cut.prune, alpha, logits, targets
-        )
-        errors = {"none": removed, "corp": left}
-        folds["qk"] = Fold(weights, {**cut.size, "rel_error": errors, "max_m_norm": max_m})
-    for part in (p for p, cut in cuts.items() if cut.keep is None):
-        errors = dict.fromkeys(("none", "corp") if part == "qk" else COMPENSATIONS, 0.0)
-        folds[part] = Fold((), {**cut.size, "rel_error": errors})
     replaced = {}
     for module, kind in branches.items():
         w, b, error = C.branch_stand_in(*stats.depth[(i, module)].moments(), kind, alpha)
