@@ -210,11 +210,6 @@ class Cost:
     widths: dict[Key, int]
     """The current (dense) width of every targeted part."""
 
-    def limit(self, fraction: float) -> float:
-        """What a budget keeping ``fraction`` of the dense cost allows (whole MACs)."""
-        limit = fraction * self.dense
-        return int(limit) if self.unit == "MACs" else limit
-
 
 def per_unit(unit: dict[Key, int]) -> BlockCost:
     """A block cost linear in the widths: ``sum unit * width`` over the block's parts (MACs)."""
@@ -276,10 +271,11 @@ def budget_cost(model: nn.Module, config: PruneConfig, dense_macs: int, table: L
 
 def budget_limit(model: nn.Module, config: PruneConfig, dense_macs: int, table: LatencyTable | None = None) -> float:
     """Data-free: the limit of ``config.budget`` (MACs or seconds); a budget no allowed widths can meet fails here
-    (``plan.widths.data_free``, before calibrating). The smallest model keeps ``round_to`` channels of every targeted
-    part."""
+    (``plan.widths.data_free``, before calibrating, and every re-plan: the closed loop's corrected tables). The
+    smallest model keeps ``round_to`` channels of every targeted part."""
     cost = budget_cost(model, config, dense_macs, table)
-    limit = cost.limit(config.budget.fraction)
+    limit = config.budget.fraction * cost.dense
+    limit = int(limit) if cost.unit == "MACs" else limit
     floor = {} if table is None or cost.unit == "MACs" else table_floor(table)
     blocks: dict[int, dict[str, int]] = {}
     for (i, p), w in cost.widths.items():
@@ -319,8 +315,8 @@ def plan_budget(
     ``curves``: ``error_curves`` already computed (a study planning several budgets from one calibration).
     ``table``: the latency table a ``latency=`` budget is predicted with.
     """
+    limit = budget_limit(model, config, dense_macs, table)  # again: a corrected table may put the budget out of reach
     cost = budget_cost(model, config, dense_macs, table)
-    limit = cost.limit(config.budget.fraction)
     parts = config.target
     curves = error_curves(model, stats, config, parts) if curves is None else curves
     if config.budget.kind == "latency":
