@@ -20,7 +20,7 @@ from corp_deploy.base.version import __version__
 _EXPORTS = {
     "Calibrated": "corp_deploy.api",
     "CorpError": "corp_deploy.base.errors",
-    "PruneConfig": "corp_deploy.core.pruner",
+    "PruneConfig": "corp_deploy.core.config",
     "PruneResult": "corp_deploy.api",
     "calibrate": "corp_deploy.core.pruner",
     "calibrated": "corp_deploy.api",
@@ -37,7 +37,8 @@ __all__ = ["__version__", *sorted(_EXPORTS)]
 if TYPE_CHECKING:  # static checkers and IDEs see the names eagerly
     from corp_deploy.api import Calibrated, PruneResult, calibrated, prune, save  # noqa: F401
     from corp_deploy.base.errors import CorpError  # noqa: F401
-    from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model  # noqa: F401
+    from corp_deploy.core.config import PruneConfig  # noqa: F401
+    from corp_deploy.core.pruner import calibrate, prune_model  # noqa: F401
     from corp_deploy.families.timm.models import create_model  # noqa: F401
     from corp_deploy.formats.artifact import load_pruned  # noqa: F401
     from corp_deploy.formats.calibration import calibration_batches, resolve_device  # noqa: F401

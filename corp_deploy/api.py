@@ -1,6 +1,8 @@
-"""Pruning, end to end: the checks made before any data is read, the calibration mode, the width plan (a budget,
-a global threshold, a measured latency through the closed loop), ``pruner.prune_model`` and the report, and
-``save``. What calibration reads is ``calibration``; what a command was pointed at, ``sources``.
+"""Pruning, end to end: the target a model's family takes by default (``for_model``), the one check of a config
+against the model before any data is read (``check``), a latency budget's closed loop (``latency_loop``; its
+table: ``plan.speed.latency_table``), the calibration, the width plan (``plan.widths``: a sparsity, a budget, a
+measured latency through the closed loop), ``pruner.prune_model`` and the report, and ``save``. What calibration
+reads is ``calibration``; what a command was pointed at, ``sources``.
 
 model = corp_deploy.create_model("deit_small", weights="random")
 batches, total = corp_deploy.calibration_batches(model, "photos/", num=256)
@@ -11,6 +13,13 @@ Calibrate once, prune many (``model`` stays dense; each result is a pruned copy 
 
 calib = corp_deploy.calibrated(model, batches, corp_deploy.PruneConfig(target="mlp,qk,v"), total=total)
 results = [calib.prune(corp_deploy.PruneConfig(sparsity=s, target="mlp,qk,v")) for s in (0.3, 0.5)]
+
+A latency budget, as ``corp-deploy prune --speedup 2 --latency-on ort-cpu-fp32 --latency-rounds 3`` plans it:
+
+on = speed.Latency(speed.check_backend("ort-cpu-fp32"), batch=32, rounds=3)
+config = corp_deploy.PruneConfig(budget="latency=0.5")  # prunes mlp,qk,v, as far as the family can
+table, loop = speed.latency_table(model, "deit_small", {}, on), api.latency_loop(on)
+result = corp_deploy.prune(model, batches, config, total=total, table=table, loop=loop)
 
 Label-free recovery after pruning (opt-in; ``corp_deploy.core.recover``): keep a dense copy, and the calibration batches
 recovery trains on as ``prune`` reads them (``recover.Kept``), then ``recover_pruned``:
@@ -36,17 +45,21 @@ from torch import Tensor, nn
 from corp_deploy.base.env import device_name, exact_fp32, versions
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import blockwise
+from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.distributed import SINGLE_PROCESS, World, all_reduce_stats
-from corp_deploy.core.pruner import Budget, PruneConfig, Timer, Widths, calibrate, check_parts, plan_widths, prune_model
+from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.core.recover import Interrupted, Recovery, RecoveryRecord
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for
 from corp_deploy.formats.artifact import save_pruned
 from corp_deploy.formats.calibration import Heldout, resolve_device
-from corp_deploy.plan.allocation import budget_limit, error_curves, plan_budget, widths_of
-from corp_deploy.plan.latency import LatencyTable, Timing
+from corp_deploy.plan import speed
+from corp_deploy.plan import widths as width_plan
+from corp_deploy.plan.allocation import widths_of
+from corp_deploy.plan.latency import LatencyTable, Timing, workload
 from corp_deploy.plan.report import model_size, peak_memory
-from corp_deploy.plan.sensitivity import measure, split_heldout
+from corp_deploy.plan.sensitivity import hold_out
+from corp_deploy.plan.widths import Replan
 
 
 @dataclass
@@ -62,8 +75,44 @@ ONE_PASS, GROUPED, SEQUENTIAL = "one-pass", "grouped", "sequential"
 cached stem pass; block by block over the stream pruned so far (``blockwise``)."""
 
 
-def calibration_mode(config: PruneConfig, max_stats_gib: float | None, world: World) -> str:
-    """The calibration step for ``config``; combinations no step supports are refused here, before any work."""
+def for_model(config: PruneConfig, model: nn.Module) -> PruneConfig:
+    """``config`` with a target it did not choose narrowed to the parts ``model``'s family prunes (in the layout asked
+    for): Llama, Mistral and Qwen2 prune no Q/K under RoPE. A chosen target stands as it is: ``check`` refuses a part
+    the family cannot prune."""
+    if config.chose_target:
+        return config
+    adapter = adapter_for(model)
+    parts = adapter.standard_parts if config.layout == "standard" and adapter.standard_parts else adapter.parts
+    return replace(config, target=[p for p in config.target if p in parts])
+
+
+def check(
+    model: nn.Module,
+    config: PruneConfig,
+    dense_macs: int,
+    max_stats_gib: float | None = None,
+    world: World = SINGLE_PROCESS,
+    table: LatencyTable | None = None,
+    loop: LatencyLoop | None = None,
+) -> tuple[str, list[Widths] | None]:
+    """The one check of ``config`` against ``model`` and the run, before any data is read (``config`` alone was
+    checked when it was made): the calibration step and what none supports, the closed loop's needs, the widths
+    (``plan.widths.data_free``: the blocks, the sparsities, a budget's reach), a statistics bound below one block.
+
+    Returns the calibration step (``ONE_PASS``, ``GROUPED``, ``SEQUENTIAL``) and the widths when they do not wait
+    for the statistics (else None: ``plan.widths.plan`` makes them after calibration).
+    """
+    mode = _calibration_mode(config, max_stats_gib, world)
+    if loop is not None:
+        _check_loop(config, max_stats_gib, world.size, table)
+    widths = width_plan.data_free(model, config, dense_macs, table)
+    if mode != ONE_PASS:
+        blockwise.plan_groups(model, config, max_stats_gib)
+    return mode, widths
+
+
+def _calibration_mode(config: PruneConfig, max_stats_gib: float | None, world: World) -> str:
+    """The calibration step for ``config``; combinations no step supports are refused."""
     if config.depth and world.size > 1:
         raise CorpError("--depth runs in one process so far; drop torchrun or --depth")
     if config.sequential:
@@ -72,14 +121,14 @@ def calibration_mode(config: PruneConfig, max_stats_gib: float | None, world: Wo
         return SEQUENTIAL
     if max_stats_gib is None:
         return ONE_PASS
-    if needs_statistics(config):
-        what = "--budget" if config.budget is not None else "--selection global"
+    if width_plan.from_statistics(config):
+        what = "--budget" if config.budget is not None else f"--selection {config.selection}"
         raise CorpError(f"{what} compares every block's statistics at once; drop --max-stats-gib or {what}")
     return GROUPED
 
 
-def check_loop(config: PruneConfig, max_stats_gib: float | None, processes: int) -> None:
-    """Refuse, before any work, what the closed loop (``LatencyLoop``) cannot re-plan."""
+def _check_loop(config: PruneConfig, max_stats_gib: float | None, processes: int, table: LatencyTable | None) -> None:
+    """What the closed loop (``LatencyLoop``) cannot re-plan."""
     if config.budget is None or config.budget.kind != "latency":
         raise CorpError("the latency check times a latency budget: pass --speedup S or --budget latency=F")
     if config.sequential or max_stats_gib is not None:
@@ -89,69 +138,8 @@ def check_loop(config: PruneConfig, max_stats_gib: float | None, processes: int)
         )
     if processes > 1:
         raise CorpError("the latency check times on one machine; run it without torchrun")
-
-
-def needs_statistics(config: PruneConfig) -> bool:
-    """Whether the widths come from the statistics (a budget, a global threshold) rather than the sparsities."""
-    return config.budget is not None or config.selection == "global"
-
-
-def check_widths(
-    model: nn.Module, config: PruneConfig, dense_macs: int, table: LatencyTable | None = None
-) -> list[Widths] | None:
-    """Data-free: refuse what no calibration can fix (bad sparsity, unsupported block, unreachable budget).
-
-    Returns the widths when they do not depend on the data, else None (``plan`` makes them after calibration).
-    """
-    if config.budget is not None:
-        check_parts(model, config)
-        budget_limit(model, config, dense_macs, table)
-        return None
-    if config.selection == "global":
-        plan_widths(model, replace(config, selection="per-layer"))  # every other width, and the blocks
-        return None
-    return plan_widths(model, config)
-
-
-Replan = Callable[..., tuple[list[Widths], dict[str, Any]]]
-"""(latency table[, budget]) -> widths and their record, from statistics, error curves and sensitivities computed
-once; the budget defaults to the config's."""
-
-
-def planner(
-    model: nn.Module, stats: CalibrationStats, config: PruneConfig, dense_macs: int, heldout: Heldout | None
-) -> Replan:
-    """A budget's allocation from the statistics (with sensitivities from ``heldout``), re-runnable for corrected
-    latency tables (the closed loop) or other budgets (a sweep of speedups) without another pass over the data.
-    ``model`` must stay dense."""
-    weights = None if heldout is None else measure(model, stats, config, heldout.images)
-    curves = error_curves(model, stats, config, config.target)
-
-    def replan(table: LatencyTable | None, budget: Budget | None = None) -> tuple[list[Widths], dict[str, Any]]:
-        budgeted = config if budget is None else replace(config, budget=budget)
-        widths, record = plan_budget(model, stats, budgeted, dense_macs, weights, curves, table)
-        if heldout is not None:
-            record["heldout"] = {"images": adapter_for(model).count(heldout.images), "folders": heldout.folders}
-        return widths, record
-
-    return replan
-
-
-def plan(
-    model: nn.Module,
-    stats: CalibrationStats,
-    config: PruneConfig,
-    dense_macs: int,
-    heldout: Heldout | None,
-    table: LatencyTable | None = None,
-) -> tuple[list[Widths], dict[str, Any] | None]:
-    """Widths from the statistics: a budget's allocation (with sensitivities from ``heldout``), or a threshold.
-
-    Returns the widths and what the report records about how they were chosen.
-    """
-    if config.budget is None:
-        return plan_widths(model, config, stats), None
-    return planner(model, stats, config, dense_macs, heldout)(table)
+    if table is None:
+        raise CorpError("the closed loop corrects a latency table: pass the table the budget was planned with")
 
 
 @dataclass(frozen=True)
@@ -166,6 +154,25 @@ class LatencyLoop:
     def __post_init__(self) -> None:
         if self.rounds < 1:
             raise CorpError(f"--latency-rounds must be >= 1, got {self.rounds}")
+
+
+def latency_loop(latency: speed.Latency, say: Callable[[str], None] = lambda line: None) -> LatencyLoop | None:
+    """The closed loop on ``latency``'s backend and batch (dense and pruned timed interleaved, each timing said), or
+    None without ``rounds``."""
+    if latency.rounds is None:
+        return None
+    threads = torch.get_num_threads()
+    at = workload({"batch": latency.batch, "seq_len": latency.seq_len})
+
+    def timing(dense: nn.Module, pruned: nn.Module) -> Timing:
+        say(f"latency check: timing dense and pruned on {latency.backend.name} at {at}, interleaved")
+        t = speed.measure_pair(
+            dense, pruned, latency.backend, latency.batch, threads, speed.LOOP_METHOD, latency.seq_len
+        )
+        say(f"  dense {t.dense_s * 1e3:.1f} ms, pruned {t.pruned_s * 1e3:.1f} ms: {t.speedup:.2f}x +-{t.band:.1%}")
+        return t
+
+    return LatencyLoop(timing, latency.rounds)
 
 
 def close_loop(
@@ -212,7 +219,7 @@ def close_loop(
             history[-1]["stopped"] = str(e)
             break
         model = copy.deepcopy(dense)
-        blocks = prune_model(model, stats, config, timer, widths)
+        blocks = prune_model(model, stats, config, widths, timer)
     last = history[-1]
     return (
         model,
@@ -265,7 +272,7 @@ class Calibrated:
     ) -> PruneResult:
         """A pruned copy of ``dense`` and its report; ``table``/``loop`` as for ``prune``; ``widths`` given (a study's
         own plan, no closed loop) are used as they are."""
-        config = config or self.config
+        config = for_model(config or self.config, self.dense)
         if widths is None:
             widths = self.check(config, self.dense_size["macs"], table, loop)
         elif loop is not None:
@@ -280,7 +287,7 @@ class Calibrated:
     def check(
         self, config: PruneConfig, dense_macs: int, table: LatencyTable | None, loop: LatencyLoop | None
     ) -> list[Widths] | None:
-        """``check_widths`` and ``check_loop``, and that the statistics hold every part ``config`` prunes."""
+        """That the statistics hold every part ``config`` prunes, then ``check`` (one pass, one process)."""
         for part, have in (("mlp", self.stats.mlp), ("qk", self.stats.qk), ("v", self.stats.proj)):
             if config.prunes(part) and not have:
                 raise CorpError(f"this calibration did not gather {part} statistics: calibrate with that target")
@@ -290,19 +297,15 @@ class Calibrated:
             raise CorpError("--allocation sensitivity needs held-out inputs: calibrate with heldout, or use local")
         if config.sequential:
             raise CorpError("--sequential calibrates block by block over the pruned stream: use prune, not calibrated")
-        if loop is not None:
-            check_loop(config, None, 1)
-            if table is None:
-                raise CorpError("the closed loop corrects a latency table: pass the table the budget was planned with")
-        return check_widths(self.dense, config, dense_macs, table)
+        return check(self.dense, config, dense_macs, table=table, loop=loop)[1]
 
     def planner(self, config: PruneConfig, dense_macs: int) -> Replan:
-        """``config``'s planner with its budget, made once per config up to the budget (``planner``)."""
+        """``config``'s planner with its budget, made once per config up to the budget (``plan.widths.planner``)."""
         key = tuple((f.name, getattr(config, f.name)) for f in fields(config) if f.name != "budget")
-        key += (config.budget.kind,)
+        key += (None if config.budget is None else config.budget.kind,)
         if key not in self._planners:
             with exact_fp32():  # the sensitivity pass's forwards
-                self._planners[key] = planner(self.dense, self.stats, config, dense_macs, self.heldout)
+                self._planners[key] = width_plan.planner(self.dense, self.stats, config, dense_macs, self.heldout)
         return functools.partial(self._planners[key], budget=config.budget)
 
     def _prune(
@@ -321,13 +324,11 @@ class Calibrated:
         record = checked = replan = None
         if widths is None or loop is not None:
             start = time.perf_counter()
-            replan = None if config.budget is None else self.planner(config, dense_size["macs"])
+            replan = self.planner(config, dense_size["macs"])
             if widths is None:
-                widths, record = (
-                    (plan_widths(self.dense, config, self.stats), None) if replan is None else replan(table)
-                )
+                widths, record = replan(table)
             timer.add("allocation", start)
-        blocks = prune_model(model, self.stats, config, timer, widths)
+        blocks = prune_model(model, self.stats, config, widths, timer)
         if loop is not None:
             model, blocks, record, checked = close_loop(
                 self.dense, model, blocks, self.stats, config, replan, table, widths, record, loop, timer
@@ -353,7 +354,7 @@ def calibrated(
     """Gather ``config``'s statistics (every part it targets, its ``depth``) from ``batches`` in one pass over
     ``model``, which stays dense, for any number of ``Calibrated.prune`` calls. A budget with
     ``allocation="sensitivity"`` needs ``heldout`` (``calibration_data(..., hold_out=n)``)."""
-    config = config or PruneConfig()
+    config = for_model(config or PruneConfig(), model)
     device = resolve_device(device) if isinstance(device, str) else device
     if config.heldout_images and heldout is None:  # before the pass, not at the first prune
         raise CorpError("--allocation sensitivity needs held-out inputs: pass heldout, or use --allocation local")
@@ -414,10 +415,11 @@ def prune(
 ) -> PruneResult | None:
     """Calibrate ``model``, then prune and compensate it in place; measure what changed.
 
-    The steps, each a function of its own inputs: ``check_widths`` (data-free), ``calibration_mode``, the
-    statistics (``pruner.calibrate``, or ``blockwise.walk`` which calibrates and prunes block by block), and for
-    one pass ``Calibrated`` (widths from the statistics when a budget or a global threshold needs them,
-    ``pruner.prune_model``, the closed loop). Data-parallel (``world.size > 1``): the sums are merged over all
+    The steps, each a function of its own inputs: ``check`` (data-free: the calibration step, the widths when they
+    do not wait for the data), the statistics (``pruner.calibrate``, or ``blockwise.walk`` which calibrates and
+    prunes block by block), and for one pass ``Calibrated`` (widths from the statistics when a budget or a scored
+    selection needs them, ``pruner.prune_model``, the closed loop). A ``config`` whose target was not chosen prunes
+    what the model's family can (``for_model``). Data-parallel (``world.size > 1``): the sums are merged over all
     ranks, rank 0 plans and prunes and gets the result; the other ranks get ``None``. To prune one calibration
     several ways, use ``calibrated`` instead.
 
@@ -428,24 +430,17 @@ def prune(
     A ``latency=`` budget is predicted with ``table`` (``corp_deploy.plan.speed.table_for`` measures one); with
     ``loop`` the pruned model is timed against the dense one and re-planned while it misses (``close_loop``).
     """
-    config = config or PruneConfig()
-    if loop is not None:
-        check_loop(config, max_stats_gib, world.size)
-        if table is None:
-            raise CorpError("the closed loop corrects a latency table: pass the table the budget was planned with")
+    config = for_model(config or PruneConfig(), model)
     device = resolve_device(device) if isinstance(device, str) else device
-    mode = calibration_mode(config, max_stats_gib, world)
     dense = model_size(model)
-    widths = check_widths(model, config, dense["macs"], table)
-    if mode != ONE_PASS:  # a bound below one block fails here
-        blockwise.plan_groups(model, config, max_stats_gib)
+    mode, widths = check(model, config, dense["macs"], max_stats_gib, world, table, loop)
     if config.heldout_images and heldout is None and world.is_main:
         if adapter_for(model).modality == "text":
             raise CorpError(
                 "--allocation sensitivity on a text model needs held-out sequences: pass the heldout of "
                 "text_calibration_data(..., hold_out=n), or use --allocation local"
             )
-        heldout, batches, total = _hold_out(batches, config.heldout_images, total)
+        heldout, batches, total = hold_out(batches, config.heldout_images, total)
     model.to(device).eval()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -469,15 +464,14 @@ def prune(
         return result
     statistics = 0
     if stats is not None:  # sequential with widths from the statistics: plan them from this pass
-        if world.is_main:
-            start = time.perf_counter()
-            with exact_fp32():  # the sensitivity pass's forwards
-                widths, record = plan(model, stats, config, dense["macs"], heldout, table)
-            timer.add("allocation", start)
+        start = time.perf_counter()  # on every rank: the merged sums give every rank the same widths
+        with exact_fp32():  # the sensitivity pass's forwards
+            widths, record = width_plan.plan(model, stats, config, dense["macs"], heldout, table)
+        timer.add("allocation", start)
         statistics, stats = stats.nbytes(), None  # the walk keeps its own, block by block
     with exact_fp32():  # the walk calibrates as it goes (see pruner.calibrate)
         blocks, walk = blockwise.walk(
-            model, batches, config, device, max_stats_gib, total, progress, world, dist_timeout, timer, widths
+            model, batches, config, widths, device, max_stats_gib, total, progress, world, dist_timeout, timer
         )
     if not world.is_main:
         return None
@@ -516,21 +510,6 @@ def recover_pruned(
     result.report["seconds"]["recovery"] = record.seconds
     result.report["memory"] |= peak_memory(device)
     return record
-
-
-def _hold_out(
-    batches: Iterable[tuple[Tensor, int]], n: int, total: int | None
-) -> tuple[Heldout, Iterable[tuple[Tensor, int]], int | None]:
-    """The first ``n`` images of the stream (no ``heldout`` given), the stream without them, and its new size."""
-    if total is not None and total <= n:
-        raise CorpError(
-            f"--allocation sensitivity holds out {n} calibration images (--sensitivity-images) and "
-            f"only {total} are given; pass more images or lower --sensitivity-images"
-        )
-    images, rest = split_heldout(batches, n)
-    if images.shape[0] == 0:
-        raise CorpError("no calibration images to hold out for --allocation sensitivity; check the calibration data")
-    return Heldout(images, {"first images of the stream": images.shape[0]}), rest, total and total - images.shape[0]
 
 
 def save(

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from corp_deploy.apps.real import RealSetup, sparsity_study
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 
 TARGET_LABELS = {"mlp": "MLP only", "attn": "attention Q/K only", "both": "joint", "all": "joint + V"}
 

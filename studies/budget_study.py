@@ -44,7 +44,8 @@ from corp_deploy.base.tables import markdown_table
 from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.core import blockwise
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.exporters.onnx_export import export_onnx
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
@@ -54,6 +55,7 @@ from corp_deploy.formats.data import input_size
 from corp_deploy.plan.allocation import error_curves, plan_budget
 from corp_deploy.plan.report import model_size
 from corp_deploy.plan.sensitivity import measure
+from corp_deploy.plan.widths import plan_widths
 
 ALLOCATED = ("local", "allocated", "allocated+sequential")
 METHODS = ("uniform", *ALLOCATED)
@@ -84,7 +86,8 @@ def build_models(dense: torch.nn.Module, train_dir: Path, a: argparse.Namespace)
     walk_s = []
     for s in a.sparsities:
         uniform = models[("uniform", s)] = copy.deepcopy(dense)
-        prune_model(uniform, stats, PruneConfig(sparsity=s, target="both"))
+        config = PruneConfig(sparsity=s, target="both")
+        prune_model(uniform, stats, config, plan_widths(uniform, config, stats))
         config = PruneConfig(target="both", budget=f"macs={model_size(uniform)['macs'] / dense_macs:.6f}")
         for method in a.methods:
             plan, _ = plan_budget(dense, stats, config, dense_macs, None if method == "local" else weights, curves)
@@ -92,11 +95,11 @@ def build_models(dense: torch.nn.Module, train_dir: Path, a: argparse.Namespace)
             if method == "allocated+sequential":
                 t = time.perf_counter()
                 cpu = torch.device("cpu")
-                blockwise.walk(model, calib, replace(config, sequential=True), cpu, progress=False, plan=plan)
+                blockwise.walk(model, calib, replace(config, sequential=True), plan, cpu, progress=False)
                 walk_s.append(time.perf_counter() - t)
                 print(f"built s={s}: walk {walk_s[-1]:.0f} s", flush=True)
             else:
-                prune_model(model, stats, config, plan=plan)
+                prune_model(model, stats, config, plan)
     if walk_s:
         cost["sequential_walk_s"] = sum(walk_s) / len(walk_s)
     return models, cost

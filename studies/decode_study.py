@@ -35,7 +35,8 @@ from corp_deploy.apps.real import write_study
 from corp_deploy.bench.backends import RunFolder
 from corp_deploy.bench.decode import DECODE_BACKENDS, PHASES, TorchSession, decode_benchmark, rows
 from corp_deploy.bench.measure import Method, interleaved, summarize
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.exporters.genai import write_genai_folder
 from corp_deploy.exporters.int4 import int4_graphs
 from corp_deploy.exporters.int4_gate import INT4
@@ -190,7 +191,7 @@ def main() -> None:
         for kind in a.rows.split(","):
             model = copy.deepcopy(dense)
             plan = allocate(dense, stats, uniform, heldout) if kind == "allocated" else None
-            prune_model(model, stats, PruneConfig(target="mlp") if plan else uniform, plan=plan)
+            prune_model(model, stats, PruneConfig(target="mlp") if plan else uniform, plan)
             name = f"mlp{round(sparsity * 100)}-{kind}"
             int4 = genai_pair(model, work / name / "pruned-genai", source, windows.numpy(), calib.numpy())
             run = run_folder(work / name, model, work / "dense" / "dense-genai", a.seq_len)

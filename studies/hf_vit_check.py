@@ -19,8 +19,10 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.families import adapter_for, structure
+from corp_deploy.plan.widths import plan_widths
 
 
 def to_hf_dinov2(vit: VisionTransformer) -> nn.Module:
@@ -85,7 +87,8 @@ def prune_both(vit: VisionTransformer, batches: list, config: PruneConfig) -> tu
     """``vit`` and its ``transformers`` copy, each calibrated on ``batches`` and pruned with ``config``."""
     out = []
     for model in (copy.deepcopy(vit), to_hf_dinov2(vit)):
-        prune_model(model, calibrate(model, batches, config, "cpu", progress=False), config)
+        stats = calibrate(model, batches, config, "cpu", progress=False)
+        prune_model(model, stats, config, plan_widths(model, config, stats))
         out.append(model)
     return out[0], out[1]
 

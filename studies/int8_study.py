@@ -32,7 +32,7 @@ import numpy as np
 from corp_deploy.apps.real import add_setup_arguments, calibration, real_setup, real_task, write_study
 from corp_deploy.bench.backends import cpu_step
 from corp_deploy.bench.measure import Method, interleaved, summarize
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.int8_recipes import quantize_graphs
 from corp_deploy.exporters.pipeline import export_verified

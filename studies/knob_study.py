@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from corp_deploy.apps.real import add_setup_arguments, calibration, real_setup, write_study
-from corp_deploy.core.pruner import DEFAULT_RIDGE, PruneConfig
+from corp_deploy.core.config import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.core.ranking import RANKERS
 
 RIDGES = (0.0, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)

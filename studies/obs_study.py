@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from corp_deploy.base.tables import markdown_table
-from corp_deploy.core.pruner import PruneConfig, Timer, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.families import adapter_for
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
@@ -43,6 +44,7 @@ from corp_deploy.formats.text import (
     split_documents,
     text_batches,
 )
+from corp_deploy.plan.widths import plan_widths
 from studies.text_recover_study import parts
 from studies.text_study import cosine, embed, package_folder
 
@@ -83,7 +85,7 @@ def pruned_rows(dense: torch.nn.Module, stats, sparsity: float, score) -> list[d
     for label, (ranker, compensation) in ROWS.items():
         model, timer = copy.deepcopy(dense), Timer()
         config = PruneConfig(sparsity=sparsity, target="mlp", ranker=ranker, compensation=compensation)
-        report = prune_model(model, stats, config, timer)
+        report = prune_model(model, stats, config, plan_widths(model, config, stats), timer)
         layer_error = sum(r["mlp"]["rel_error"][compensation] for r in report) / blocks
         row = {"row": label, "selection_s_per_block": timer.seconds["ranking"] / blocks, "layer_error": layer_error}
         rows.append(row | score(model) | {"load": os.getloadavg()[0]})

@@ -36,7 +36,8 @@ import torch
 from corp_deploy.apps.real import probe_task, real_task
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import markdown_table
-from corp_deploy.core.pruner import PruneConfig, Widths, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig, Widths
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.recover import recover
 from corp_deploy.families import structure
 from corp_deploy.formats import calibration
@@ -132,7 +133,7 @@ def setup(a: argparse.Namespace) -> tuple[torch.nn.Module, dict, list, torch.Ten
     for name, compensation in STARTS.items():
         pruned[name] = copy.deepcopy(dense)
         config = PruneConfig(sparsity=a.sparsity, target=TARGET, compensation=compensation)
-        prune_model(pruned[name], stats, config, plan=widths)
+        prune_model(pruned[name], stats, config, widths)
     return dense, tasks, calib.batches, calib.heldout.images, pruned
 
 

@@ -2,7 +2,7 @@
 
     python -m studies.ridge_curves --out docs/ridge-curves        # real DINOv2-S weights, ~10 min on 2 cores
 
-``allocation.affine_curve`` gives the compensated error at EVERY width from one Cholesky factor, which
+``compensation.affine_errors`` gives the compensated error at EVERY width from one Cholesky factor, which
 is exact for the ridge-free fit (lam = 0). Pruning then fits with lam = alpha * mean(diag(Sigma_SS)).
 The two differ where the ridge matters: nearly redundant channels. This study measures, on real
 statistics, the ridge error (``compensation.mlp_affine`` + ``mlp_output_error``, the pruner's own
@@ -20,11 +20,11 @@ import torch
 
 from corp_deploy.apps.real import calibration, real_model, write_study
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import DEFAULT_RIDGE, PruneConfig
+from corp_deploy.core.config import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.core.ranking import channel_scores
 from corp_deploy.families.timm.modules import linear_float64
 from corp_deploy.formats.offline import datasets, img_focus
-from corp_deploy.plan.allocation import affine_curve, allocate, candidate_widths, macs_layout, per_unit
+from corp_deploy.plan.allocation import allocate, candidate_widths, macs_layout, per_unit
 from corp_deploy.plan.report import model_size
 
 
@@ -41,8 +41,8 @@ def curves(model, stats, config: PruneConfig, stride: int) -> dict:
             offsets = (torch.arange(heads) * width).unsqueeze(1)
             order = (ranks + offsets).T.flatten()  # rank-major over heads, as error_curves orders V
             widths = candidate_widths(width, config.round_to)[::stride]
-            free = affine_curve(s, w, b, order, [k * heads for k in widths])
             mean, second = s.mean(), s.second_moment()
+            free = C.affine_errors(mean, second, w, b, order, [k * heads for k in widths])
             ridge = []
             for k in widths:
                 keep, prune = order[: k * heads].sort().values, order[k * heads :].sort().values

@@ -23,9 +23,11 @@ import torch
 from corp_deploy.apps.real import RealSetup, add_setup_arguments, real_setup, write_study
 from corp_deploy.base.tables import markdown_table
 from corp_deploy.core import blockwise
-from corp_deploy.core.pruner import PruneConfig, Timer, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.exporters.runners import TorchRunner
 from corp_deploy.formats import calibration
+from corp_deploy.plan.widths import plan_widths
 
 
 @torch.inference_mode()
@@ -45,9 +47,11 @@ def study(setup: RealSetup, sparsities: list[float], num_calib: int, log=print) 
             if config.sequential:
                 batches, total = calibration.calibration_batches(model, setup.train_dir, num_calib, workers=0)
                 cpu = torch.device("cpu")
-                blocks, _ = blockwise.walk(model, batches, config, cpu, total=total, progress=False, timer=timer)
+                blocks, _ = blockwise.walk(
+                    model, batches, config, plan_widths(model, config), cpu, total=total, progress=False, timer=timer
+                )
             else:
-                blocks = prune_model(model, setup.stats, config, timer)
+                blocks = prune_model(model, setup.stats, config, plan_widths(model, config, setup.stats), timer)
             row = {"mode": mode, "sparsity": s, "seconds": time.perf_counter() - start, "phases": timer.seconds}
             out = features(model, setup.task.images)
             row["feature_rel_error"] = float((out - reference).norm() / reference.norm())

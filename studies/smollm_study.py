@@ -27,15 +27,17 @@ import argparse
 import copy
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from corp_deploy.api import plan, prune
+from corp_deploy.api import prune
 from corp_deploy.apps.real import write_study
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import PruneConfig, calibrate, plan_widths, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.ranking import channel_scores, split_top
 from corp_deploy.core.recover import recover
 from corp_deploy.core.stats import CalibrationStats
@@ -47,6 +49,7 @@ from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
 from corp_deploy.formats.perplexity import perplexity
 from corp_deploy.formats.text import packed_batches, packed_sequences, read_documents, shuffled, split_documents
 from corp_deploy.plan.report import model_size
+from corp_deploy.plan.widths import plan, plan_widths
 from studies.text_study import package_folder
 
 COMPENSATIONS = ("corp", "mean", "none")
@@ -96,7 +99,7 @@ def prune_mlp_uncentred(model: torch.nn.Module, stats: CalibrationStats, config:
 def allocate(dense: torch.nn.Module, stats: CalibrationStats, uniform: PruneConfig, heldout: torch.Tensor) -> list:
     """Per-layer widths under the MACs of ``uniform``'s model, allocated by the sensitivity pass on ``heldout``."""
     model = copy.deepcopy(dense)
-    prune_model(model, stats, uniform)
+    prune_model(model, stats, uniform, plan_widths(model, uniform, stats))
     dense_macs = model_size(dense)["macs"]
     budget = PruneConfig(
         target=uniform.target,
@@ -176,15 +179,15 @@ def main() -> None:
                 if compensation == UNCENTRED:
                     prune_mlp_uncentred(model, stats, config)
                 elif compensation == SEQUENTIAL:
-                    walk = PruneConfig(**{**config.__dict__, "sequential": True})
+                    walk = replace(config, sequential=True)
                     prune(model, packed_batches(calib, a.batch), walk, "cpu", progress=False)
                 elif compensation in BUDGETS:  # one allocation per (part, sparsity), pruned with each compensation
                     if (part, sparsity) not in allocated:
                         allocated[(part, sparsity)] = allocate(dense, stats, config, heldout)
                     plain = PruneConfig(target=part, compensation=config.compensation)
-                    prune_model(model, stats, plain, plan=allocated[(part, sparsity)])
+                    prune_model(model, stats, plain, allocated[(part, sparsity)])
                 else:
-                    prune_model(model, stats, config)
+                    prune_model(model, stats, config, plan_widths(model, config, stats))
                 row = {"part": part, "sparsity": sparsity, "compensation": compensation}
                 rows.append(row | {"params": params(model)} | scored(model, windows))
                 print(rows[-1], f"{time.perf_counter() - start:.0f} s", flush=True)

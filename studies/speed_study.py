@@ -39,7 +39,8 @@ from corp_deploy.apps.real import probe_task, real_task, write_study
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import markdown_table
 from corp_deploy.bench.accuracy import ProbeTask
-from corp_deploy.core.pruner import PARTS, PruneConfig, Widths, calibrate, plan_widths, prune_model
+from corp_deploy.core.config import PARTS, PruneConfig, Widths
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.formats import calibration
 from corp_deploy.formats.offline import datasets, img_focus
@@ -48,6 +49,7 @@ from corp_deploy.plan.allocation import error_curves, plan_budget, widths_of
 from corp_deploy.plan.latency import LatencyTable, Timing
 from corp_deploy.plan.report import model_size
 from corp_deploy.plan.sensitivity import measure
+from corp_deploy.plan.widths import plan_widths
 
 TARGET = "mlp,qk,v"
 METHODS = ("uniform", "macs", "latency", "latency+depth")
@@ -126,7 +128,7 @@ def closed_loop(
     plan, config = planner.plan(method, target, table)
     while True:
         model = copy.deepcopy(planner.dense)
-        prune_model(model, planner.stats, config, plan=plan)
+        prune_model(model, planner.stats, config, plan)
         timing = time_pair(planner.dense, model)
         history.append({"predicted_speedup": planner.speedup(table, plan), "measured_speedup": timing.speedup})
         if abs(timing.speedup / target - 1) <= timing.band or len(history) == rounds:

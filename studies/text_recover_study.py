@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from corp_deploy.base.tables import markdown_table
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.recover import recover
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats.data import sample, split
 from corp_deploy.formats.text import Document, read_documents, text_batches
+from corp_deploy.plan.widths import plan_widths
 from studies.text_study import cosine, embed, package_folder
 
 STARTS = {"corp": "corp", "removal": "none"}
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict[str, Any]] = []
     for start_name, compensation in STARTS.items():
         pruned = copy.deepcopy(dense)
-        prune_model(pruned, stats, PruneConfig(sparsity=a.sparsity, target=a.target, compensation=compensation))
+        config = PruneConfig(sparsity=a.sparsity, target=a.target, compensation=compensation)
+        prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
         for steps in (int(s) for s in a.steps.split(",")):
             model, record = copy.deepcopy(pruned), None
             if steps:  # each budget from the start: its own warm-up and decay, as --recover-steps N runs it

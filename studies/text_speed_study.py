@@ -35,7 +35,8 @@ from corp_deploy.apps.real import write_study
 from corp_deploy.base.env import cpu_model
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import markdown_table
-from corp_deploy.core.pruner import PruneConfig, Widths, calibrate, plan_widths, prune_model
+from corp_deploy.core.config import PruneConfig, Widths
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.families.hf.adapter import count_macs_at
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats import calibration
@@ -44,6 +45,7 @@ from corp_deploy.plan import speed
 from corp_deploy.plan.allocation import widths_of
 from corp_deploy.plan.latency import LatencyTable, Timing
 from corp_deploy.plan.report import model_size
+from corp_deploy.plan.widths import plan_widths
 from studies.speed_study import bisect
 from studies.text_study import embed, package_folder, scores, study_split
 
@@ -73,7 +75,7 @@ def uniform_at(
     while True:
         plan, sparsity = uniform_plan(dense, table, target)
         model = copy.deepcopy(dense)
-        prune_model(model, stats, PruneConfig(sparsity=sparsity, target=TARGET), plan=plan)
+        prune_model(model, stats, PruneConfig(sparsity=sparsity, target=TARGET), plan)
         timing = time_pair(dense, model)
         history.append({"sparsity": sparsity, "measured_speedup": timing.speedup, "band": timing.band})
         if abs(timing.speedup / target - 1) <= timing.band or len(history) == rounds:

@@ -37,13 +37,15 @@ from corp_deploy.apps.real import write_study
 from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.measure import Method, interleaved, summarize
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.exporters.text_onnx import example_inputs, export_text_onnx, verify_text_onnx
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats.calibration import Heldout
 from corp_deploy.formats.data import sample, split
 from corp_deploy.formats.text import Document, read_documents, text_batches, tokenize
 from corp_deploy.plan.report import model_size
+from corp_deploy.plan.widths import plan_widths
 
 COMPENSATIONS = ("corp", "mean", "none")
 
@@ -198,7 +200,7 @@ def main() -> None:
         for compensation in COMPENSATIONS:
             config = PruneConfig(target=a.target, sparsity=sparsity, compensation=compensation)
             model = copy.deepcopy(dense)
-            blocks = prune_model(model, stats, config)
+            blocks = prune_model(model, stats, config, plan_widths(model, config, stats))
             emb = embed(model, tokenizer, evaluation, a.seq_len, a.batch)
             rows.append(
                 {

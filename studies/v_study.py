@@ -29,7 +29,7 @@ from corp_deploy.apps.sweep import parse_sparsities
 from corp_deploy.bench.backends import cpu_step
 from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.bench.run import parse_batch_sizes
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.onnx_export import export_onnx
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.formats.data import input_size

@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from corp_deploy.apps.real import RealSetup, sparsity_study
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 
 METHODS = {
     "VBP (variance, global, mean shift)": {"ranker": "variance", "selection": "global", "compensation": "mean"},

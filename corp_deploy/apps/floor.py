@@ -40,7 +40,7 @@ from corp_deploy.bench.drop import (
     scores,
     value,
 )
-from corp_deploy.core.pruner import PruneConfig, Widths
+from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.exporters.int8_recipes import dynamic_int8
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.exporters.text_onnx import graph

@@ -21,7 +21,7 @@ import torch
 from corp_deploy.api import Calibrated, calibrated
 from corp_deploy.apps.sweep import parse_sparsities
 from corp_deploy.bench.accuracy import ProbeTask, load_labelled
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.exporters.runners import TorchRunner
 from corp_deploy.families.timm.models import create_model

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from corp_deploy import api
-from corp_deploy.api import LatencyLoop, check_loop, check_widths
+from corp_deploy.api import LatencyLoop
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir, atomic_file, check_writable
 from corp_deploy.base.steps import Steps
@@ -31,7 +31,7 @@ from corp_deploy.base.tables import text_table
 from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.bench.measure import Method
 from corp_deploy.bench.run import benchmark, pairs
-from corp_deploy.core.pruner import Budget, PruneConfig, plan_widths
+from corp_deploy.core.config import Budget, PruneConfig
 from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.formats.artifact import read_meta
 from corp_deploy.formats.calibration import Heldout
@@ -83,7 +83,8 @@ class Speedups:
 def _configs(
     model: nn.Module, config: PruneConfig, sparsities: Sequence[float], speedups: Speedups | None
 ) -> dict[str, tuple[dict[str, float], PruneConfig]]:
-    """Folder name -> (what the row is for, its config); every one checked before the calibration pass."""
+    """Folder name -> (what the row is for, its config); every one checked (``api.check``) before the calibration
+    pass: a sparsity that empties a part, a speedup no widths reach, in one line."""
     if speedups is None:
         out = {
             f"s{s:.2f}": (
@@ -92,14 +93,14 @@ def _configs(
             )
             for s in sparsities
         }
-        for _, c in out.values():
-            plan_widths(model, c)
-        return out
-    out = {f"x{t:.2f}": ({"speedup": t}, replace(config, budget=Budget("latency", 1 / t))) for t in speedups.targets}
+    else:
+        out = {
+            f"x{t:.2f}": ({"speedup": t}, replace(config, budget=Budget("latency", 1 / t))) for t in speedups.targets
+        }
+    table, loop = (None, None) if speedups is None else (speedups.table, speedups.loop)
+    macs = model_size(model)["macs"]
     for _, c in out.values():
-        check_widths(model, c, model_size(model)["macs"], speedups.table)  # a speedup no widths reach: one line
-        if speedups.loop is not None:
-            check_loop(c, None, 1)
+        api.check(model, c, macs, table=table, loop=loop)
     return out
 
 
@@ -147,6 +148,7 @@ def sweep(
     """
     if resume is None or not out.is_dir():
         check_writable(out, overwrite)
+    config = api.for_model(config, model)
     configs = _configs(model, config, sparsities, speedups)  # every row must be possible before calibrating
     finished = {name for name in configs if resume is not None and (out / name / "bench.json").is_file()}
     steps = Steps(out, lambda: resume or "run the same command again with --resume", progress)

@@ -14,6 +14,7 @@ from typing import Any
 import click
 import torch
 
+from corp_deploy import api
 from corp_deploy.apps import floor
 from corp_deploy.apps.sweep import (
     DEFAULT_SPARSITIES,
@@ -41,7 +42,7 @@ from corp_deploy.bench.measure import Method
 from corp_deploy.bench.report import format_markdown, format_table, skipped_lines, to_csv
 from corp_deploy.bench.report import plot as draw
 from corp_deploy.bench.run import benchmark, parse_batch_sizes
-from corp_deploy.cli.inputs import inputs, latency_loop, latency_table
+from corp_deploy.cli.inputs import inputs
 from corp_deploy.cli.options import ONNX_EXPORT, calib_options, group, model_options, needs, quiet_option
 from corp_deploy.cli.prune_options import latency_options, method_options, prune_config
 from corp_deploy.families.hf import hub as hf
@@ -377,7 +378,11 @@ def sweep(
     measured = frontier or max_drop is not None or metric is not None
     text = hf.modality(flags["model"]) == "text"
     seq_len = flags["seq_len"] if text else None
-    loop = None if backend is None else latency_loop(backend, latency["latency_batch"], latency_rounds, say, seq_len)
+    on = (
+        None
+        if backend is None
+        else speed.Latency(backend, latency["latency_batch"], latency["latency_table"], latency_rounds, seq_len)
+    )
     got = inputs(**flags, hold_out=config.heldout_images, transformers=True)
     description = sources.describe(got.net, got.name, got.args, got.weights, *([seq_len] if text else []))
     accuracy = None
@@ -399,7 +404,8 @@ def sweep(
         say(f"held-out {accuracy.metric} ({METRICS[accuracy.metric].what}) on {held.source}")
     plan = None
     if backend is not None:
-        plan = Speedups(targets, latency_table(got, backend, latency, say, seq_len=seq_len), got.heldout, loop)
+        table = speed.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)
+        plan = Speedups(targets, table, got.heldout, api.latency_loop(on, say))
     method = Method(warmup_iters=3, min_iters=5, min_seconds=min_seconds)  # large batches: seconds dominate
     settings = (backends, sizes, method, quiet, plan, latency, accuracy)
     if max_drop is not None:  # nothing is written unless a configuration passes

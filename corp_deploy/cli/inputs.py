@@ -1,18 +1,15 @@
-"""What a command's MODEL and calibration flags name, built: the model and its calibration data (``inputs``), and
-a latency budget's table and closed loop on the --latency-on backend. Every command that prunes or times starts here.
-"""
+"""What a command's MODEL and calibration flags name, built: the model and its calibration data (``inputs``). Every
+command that prunes or times starts here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from corp_deploy import api
 from corp_deploy.base.errors import CorpError
-from corp_deploy.bench.backends import Backend
 from corp_deploy.cli.options import CALIB_IMAGES, SMOKE_IMAGES, TEXT_SEQUENCES, calibration_source
 from corp_deploy.core import distributed
 from corp_deploy.families.hf import hub as hf
@@ -21,8 +18,6 @@ from corp_deploy.families.timm.models import create_model, parse_model_args, res
 from corp_deploy.formats import calibration
 from corp_deploy.formats.data import SYNTHETIC
 from corp_deploy.formats.text import read_documents
-from corp_deploy.plan import speed
-from corp_deploy.plan.latency import LatencyTable, Timing, format_table, workload
 
 
 class Inputs(NamedTuple):
@@ -116,39 +111,3 @@ def _text_inputs(
     count_macs_at(net, seq_len)
     data = calibration.text_calibration_data(net, tokenizer, source, num, batch_size, seed, seq_len, hold_out, world)
     return Inputs(net, data.batches, data.total, data.heldout, device_, model, {}, "pretrained", source, world)
-
-
-def latency_loop(
-    backend: Backend, batch: int, rounds: int, say: Callable[[str], None], seq_len: int | None = None
-) -> api.LatencyLoop:
-    """The closed loop on ``backend`` at ``batch`` (x ``seq_len`` tokens for a text encoder): dense and pruned timed
-    interleaved, each timing reported."""
-    threads = torch.get_num_threads()
-    at = workload({"batch": batch, "seq_len": seq_len})
-
-    def timing(dense: nn.Module, pruned: nn.Module) -> Timing:
-        say(f"latency check: timing dense and pruned on {backend.name} at {at}, interleaved")
-        t = speed.measure_pair(dense, pruned, backend, batch, threads, speed.LOOP_METHOD, seq_len)
-        say(f"  dense {t.dense_s * 1e3:.1f} ms, pruned {t.pruned_s * 1e3:.1f} ms: {t.speedup:.2f}x +-{t.band:.1%}")
-        return t
-
-    return api.LatencyLoop(timing, rounds)
-
-
-def latency_table(
-    got: Inputs,
-    backend: Backend,
-    latency: dict[str, Any],
-    say: Callable[[str], None],
-    depth: tuple[str, ...] = (),
-    depth_fit: str = "affine-mean",
-    seq_len: int | None = None,
-) -> LatencyTable:
-    """The latency table of the built model on ``backend`` at --latency-batch (x ``seq_len`` tokens for a text
-    encoder): given, cached or measured now (with ``depth``, also each block's time with those modules replaced by
-    their ``depth_fit`` stand-in)."""
-    batch, threads = latency["latency_batch"], torch.get_num_threads()
-    key = speed.key(got.name, got.args, backend, batch, threads, depth, depth_fit, seq_len)
-    table = speed.table_for(got.net, key, backend, latency["latency_table"], say)
-    say(format_table(table))
-    return table

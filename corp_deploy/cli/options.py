@@ -22,7 +22,7 @@ import click
 from corp_deploy.base.deps import missing
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.tensorrt_engine import PRECISIONS
 from corp_deploy.families.timm.models import WEIGHTS
 from corp_deploy.formats.data import SYNTHETIC

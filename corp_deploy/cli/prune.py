@@ -7,7 +7,6 @@ import copy
 import shlex
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -17,11 +16,11 @@ from torch import nn
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.steps import Stopped
-from corp_deploy.cli.inputs import inputs, latency_loop, latency_table
-from corp_deploy.cli.options import out_options, out_path, typed
+from corp_deploy.cli.inputs import inputs
+from corp_deploy.cli.options import out_options, out_path
 from corp_deploy.cli.prune_options import prune_config, prune_options, recovery_setup
 from corp_deploy.core import distributed
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.recover import Interrupted, Kept
 from corp_deploy.families import adapter_for
 from corp_deploy.families.hf import hub as hf
@@ -93,12 +92,13 @@ def pruned(
     rewrites: tuple[str, ...] | None = None,
     **flags: Any,
 ) -> Pruned | None:
-    """Validate everything cheap first, then build, calibrate, prune ``config`` (``options.prune_config``) and, with
-    ``--recover-*``, recover.
+    """Validate the flags, then build, calibrate, prune ``config`` (``options.prune_config``; ``api.prune`` checks it
+    against the model before any data is read) and, with ``--recover-*``, recover.
 
     Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``. A latency
-    budget's table is measured (or read) before calibration; ``latency_rounds`` closes the loop (``api.LatencyLoop``);
-    both time the models with ``rewrites`` (None: the backend's defaults), as they will be exported.
+    budget's table is measured (or read) before calibration (``speed.latency_table``); ``latency_rounds`` closes the
+    loop (``api.latency_loop``); both time the models with ``rewrites`` (None: the backend's defaults), as they will
+    be exported.
 
     The dense model is kept (``keep_dense``, or for a recovery) as a copy made before pruning: one more model's
     weights in host memory (4 bytes a parameter in fp32: 88 MB for a ViT-S, 28 GB for a 7B decoder). A recovery
@@ -109,23 +109,19 @@ def pruned(
     recover = recovery_setup(recovery)
     if recover is not None and distributed.launched():
         raise CorpError("--recover-steps/--recover-minutes train in one process; run it without torchrun")
-    api.calibration_mode(config, max_stats_gib, distributed.SINGLE_PROCESS)  # combinations refused before any data
     backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"], rewrites)
     seq_len = flags["seq_len"] if hf.modality(flags["model"]) == "text" else None  # a text encoder: at --seq-len
     say = (lambda line: None) if quiet else click.echo
-    loop = None
-    if backend is not None and latency_rounds is not None:
-        loop = latency_loop(backend, latency["latency_batch"], latency_rounds, say, seq_len)
-        api.check_loop(config, max_stats_gib, 2 if distributed.launched() else 1)
-    got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, transformers=transformers)
-    if not typed("target"):  # the default target names only what the family can prune (in the layout asked for)
-        adapter = adapter_for(got.net)
-        parts = adapter.standard_parts if config.layout == "standard" and adapter.standard_parts else adapter.parts
-        config = replace(config, target=[p for p in config.target if p in parts])
-    table = None
+    on = None
     if backend is not None:
-        speed.text_inputs(got.net, seq_len)  # a decoder, or --seq-len past the positions: one line, before timing
-        table = latency_table(got, backend, latency, say, config.depth, config.depth_fit, seq_len)
+        on = speed.Latency(backend, latency["latency_batch"], latency["latency_table"], latency_rounds, seq_len)
+    got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, transformers=transformers)
+    table = (
+        None
+        if on is None
+        else speed.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)
+    )
+    loop = None if on is None else api.latency_loop(on, say)
     dense = copy.deepcopy(got.net) if keep_dense or recover is not None else None  # pruning works in place
     progress = not quiet and got.world.is_main
     batches = got.batches if recover is None else Kept(got.batches, adapter_for(got.net).count)

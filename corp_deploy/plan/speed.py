@@ -390,3 +390,35 @@ def check_table(
             }
         )
     return out
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Where a latency budget is measured: on ``backend`` (``plan.speed.check_backend``) at ``batch`` inputs (of
+    ``seq_len`` tokens for a text encoder); ``table``: a table file instead of the cached or newly measured one;
+    ``rounds``: the closed loop's rounds (None: the speed is predicted, not checked: ``api.latency_loop``)."""
+
+    backend: Backend
+    batch: int = 32
+    table: str | Path | None = None
+    rounds: int | None = None
+    seq_len: int | None = None
+
+
+def latency_table(
+    model: nn.Module,
+    name: str,
+    args: dict[str, Any],
+    on: Latency,
+    say: Callable[[str], None] = lambda line: None,
+    depth: tuple[str, ...] = (),
+    depth_fit: str = "affine-mean",
+) -> LatencyTable:
+    """The latency table a budget is planned with, for the dense ``model`` (``name`` and ``args``: what the cache
+    knows it by): given, cached or measured now (with ``depth``, also each block's time with those modules replaced
+    by their ``depth_fit`` stand-in: ``PruneConfig.depth``)."""
+    text_inputs(model, on.seq_len)  # a decoder, or a sequence past the positions: one line, before timing
+    table_key = key(name, args, on.backend, on.batch, torch.get_num_threads(), depth, depth_fit, on.seq_len)
+    table = table_for(model, table_key, on.backend, on.table, say)
+    say(latency.format_table(table))
+    return table

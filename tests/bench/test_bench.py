@@ -27,7 +27,7 @@ from corp_deploy.bench.measure import Method, interleaved, median_of_repeats, su
 from corp_deploy.bench.report import skipped_lines
 from corp_deploy.bench.run import SCHEMA, benchmark, pairs, parse_batch_sizes
 from corp_deploy.cli import main
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 
 
 def test_summarize_percentiles_and_throughput() -> None:
@@ -352,7 +352,7 @@ def test_sweep_calibrates_once_and_each_sparsity_equals_a_direct_prune(tmp_path)
 
     import corp_deploy
     from corp_deploy.apps.sweep import format_sweep, parse_sparsities, sweep
-    from corp_deploy.core.pruner import PruneConfig
+    from corp_deploy.core.config import PruneConfig
     from corp_deploy.formats.sources import describe
 
     model = tiny_vit()
@@ -412,7 +412,7 @@ def test_sweep_copies_the_dense_graph_with_its_external_weights_and_sidecar(tmp_
     from helpers import TINY, tiny_batches, tiny_vit
 
     from corp_deploy.apps.sweep import sweep
-    from corp_deploy.core.pruner import PruneConfig
+    from corp_deploy.core.config import PruneConfig
     from corp_deploy.exporters.onnx_export import check_onnx, load_onnx
     from corp_deploy.formats.sources import describe
 

@@ -27,7 +27,7 @@ from corp_deploy.bench.backends import RunFolder  # noqa: E402
 from corp_deploy.bench.decode import DECODE_BACKENDS, TorchSession, decode_benchmark, rows  # noqa: E402
 from corp_deploy.bench.measure import Method, Stats  # noqa: E402
 from corp_deploy.bench.run import pairs  # noqa: E402
-from corp_deploy.core.pruner import PruneConfig  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
 from corp_deploy.formats import sources  # noqa: E402
 
 FAST = Method(warmup_iters=1, warmup_seconds=0, min_iters=3, min_seconds=0, round_iters=1)

@@ -235,9 +235,9 @@ def test_a_missing_package_is_named_before_calibrating(module, argv, tmp_path, c
 
 def test_one_definition_of_the_compensations() -> None:
     from corp_deploy.apps import demo
-    from corp_deploy.core import pruner
+    from corp_deploy.core import fit
 
-    assert demo.COMPENSATIONS is pruner.COMPENSATIONS
+    assert demo.COMPENSATIONS is fit.COMPENSATIONS
 
 
 def test_a_budgeted_sequential_prune_meets_its_budget_and_names_its_folder(tmp_path, capsys, monkeypatch) -> None:

@@ -22,9 +22,10 @@ from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import blockwise
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import PruneConfig, Widths
+from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.stats import MlpStats, PairStats
 from corp_deploy.families import BlockCall, structure
+from corp_deploy.plan import widths as width_plan
 
 F64 = torch.float64
 
@@ -211,7 +212,7 @@ def test_sequential_reduces_the_final_feature_error(monkeypatch) -> None:
     Only the part of block 0's error that reaches block 1's MLP is corrected (not the residual stream itself): ~5%.
     """
     model = tiny_vit()
-    monkeypatch.setattr(api, "plan_widths", lambda _model, _config, _stats=None: [Widths(16), Widths(128)])
+    monkeypatch.setattr(width_plan, "data_free", lambda *_args: [Widths(16), Widths(128)])
     batches = tiny_batches(n=256, batch=64, seed=1)
     config = PruneConfig(sparsity=0.5, target="mlp", round_to=4)
     one_pass = _prune(model, config, batches, max_stats_gib=1.0)  # the one-pass method (bounded == one-pass)
@@ -258,7 +259,7 @@ from safetensors.torch import save_file
 from helpers import tiny_batches, tiny_vit
 from corp_deploy import api
 from corp_deploy.core import distributed
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 
 world = distributed.SINGLE_PROCESS
 if distributed.launched():

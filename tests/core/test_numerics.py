@@ -17,8 +17,10 @@ import torch
 from helpers import tiny_batches, tiny_vit
 
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.stats import ACTIVE_EPS, MlpStats, QKStats
+from corp_deploy.plan.widths import plan_widths
 
 F64 = torch.float64
 
@@ -207,7 +209,7 @@ def _pruned_weights(batch: int, threads: int) -> dict[str, torch.Tensor]:
         config = PruneConfig(sparsity=0.5, round_to=4)
         stats = calibrate(model, tiny_batches(48, batch), config, "cpu", progress=False)
         pruned = copy.deepcopy(model)
-        prune_model(pruned, stats, config)
+        prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
         return pruned.state_dict()
     finally:
         torch.set_num_threads(old)

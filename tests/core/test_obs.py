@@ -16,7 +16,8 @@ import corp_deploy
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
 from corp_deploy.core import obs
-from corp_deploy.core.pruner import PruneConfig, Widths, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig, Widths
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.ranking import channel_scores, split_top, value_scores
 from corp_deploy.core.stats import MlpStats
 from corp_deploy.plan.allocation import error_curves
@@ -167,7 +168,8 @@ def test_value_units_keep_equal_counts_per_kv_head() -> None:
 
 def test_budget_curves_read_the_obs_sets_errors() -> None:
     """A budget's MLP curve is greedy OBS's own running error at every width, and its V curve the error the pruner
-    reports when it keeps OBS's V channels at that width (ridge-free, as every curve: ``allocation.affine_curve``)."""
+    reports when it keeps OBS's V channels at that width (ridge-free, as every curve:
+    ``compensation.affine_errors``)."""
     model = tiny_vit()
     config = PruneConfig(target="mlp,v", ranker="obs", ridge=0.0)
     stats = calibrate(model, tiny_batches(), config, "cpu", progress=False)
@@ -181,7 +183,7 @@ def test_budget_curves_read_the_obs_sets_errors() -> None:
         assert err == pytest.approx(float(running[w.shape[1] - k - 1]) / energy, rel=1e-6), k
     widths, curve = curves[(1, "v")]
     for k, err in zip(widths[1:], curve[1:], strict=True):
-        report = prune_model(copy.deepcopy(model), stats, config, plan=[Widths(), Widths(v=k)])
+        report = prune_model(copy.deepcopy(model), stats, config, [Widths(), Widths(v=k)])
         assert err == pytest.approx(report[1]["v"]["rel_error"]["corp"], rel=1e-6), k
 
 

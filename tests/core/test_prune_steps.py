@@ -1,8 +1,8 @@
 """Prune's steps as separate functions, and the defects the review found in them (each test fails before its fix).
 
-The steps: ``api.check_widths`` (data-free), ``api.calibration_mode``, ``calibration.calibration_data`` (held-out
-images), ``pruner.calibrate`` (exact float32), ``api.plan`` / ``pruner.plan_widths`` (uniform, VBP's global threshold, a
-budget), ``pruner.prune_model``.
+The steps: ``api.check`` (data-free: the calibration step, the widths), ``calibration.calibration_data`` (held-out
+images), ``pruner.calibrate`` (exact float32), ``plan.widths.plan`` / ``plan_widths`` (uniform, VBP's global threshold,
+a budget), ``pruner.prune_model``.
 """
 
 from __future__ import annotations
@@ -12,15 +12,19 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import PRUNE, run, tiny_batches, tiny_vit
+from helpers import PRUNE, run, tiny_batches, tiny_llama, tiny_vit
 from PIL import Image
 
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
+from corp_deploy.core import compensation as C
 from corp_deploy.core import pruner
-from corp_deploy.core.pruner import PruneConfig, Widths, calibrate, plan_widths, prune_model
-from corp_deploy.core.ranking import global_widths, kept_width
+from corp_deploy.core.config import Budget, PruneConfig, Widths
+from corp_deploy.core.fit import COMPENSATIONS, Compensation
+from corp_deploy.core.pruner import calibrate, prune_model
+from corp_deploy.core.ranking import SELECTIONS, Selection, global_widths, kept_width
 from corp_deploy.formats.data import split
+from corp_deploy.plan.widths import plan_widths
 
 
 def _never_read():
@@ -33,7 +37,7 @@ def _never_read():
 
 def test_target_and_budget_are_parsed_once_into_typed_fields() -> None:
     config = PruneConfig(target="both", budget="macs=0.5")
-    assert config.target == ("mlp", "qk") and config.budget == pruner.Budget("macs", 0.5)
+    assert config.target == ("mlp", "qk") and config.budget == Budget("macs", 0.5)
     assert PruneConfig(target=["v", "mlp"]).target == ("mlp", "v")  # PARTS order, whatever the spelling
     assert PruneConfig(target="attn").target == ("qk",) and PruneConfig(target="all").target == ("mlp", "qk", "v")
     record = PruneConfig(target="all", budget="macs=0.5").to_dict()
@@ -41,6 +45,57 @@ def test_target_and_budget_are_parsed_once_into_typed_fields() -> None:
     json.dumps(record)  # what corp.json stores
     with pytest.raises(CorpError, match="--target names nothing"):
         PruneConfig(target=[])
+
+
+def test_a_target_left_out_is_the_clis_default_narrowed_to_the_family_by_the_api() -> None:
+    """A Python caller gets the CLI's default: mlp,qk (all three under a latency budget), less what the family cannot
+    prune (Llama: no Q/K under RoPE); a target given stands, and the one check refuses what the family cannot take."""
+    assert PruneConfig().target == ("mlp", "qk") and not PruneConfig().chose_target
+    assert PruneConfig(budget="latency=0.5").target == ("mlp", "qk", "v")
+    assert "chose_target" not in PruneConfig().to_dict()  # corp.json records the target pruned, no new field
+    llama = tiny_llama()
+    assert api.for_model(PruneConfig(), llama).target == ("mlp",)
+    assert api.for_model(PruneConfig(budget="latency=0.5"), llama).target == ("mlp", "v")
+    chosen = api.for_model(PruneConfig(target="mlp,qk"), llama)
+    assert chosen.target == ("mlp", "qk")
+    with pytest.raises(CorpError, match="qk pruning is not supported"):
+        api.check(llama, chosen, 0)
+    assert api.for_model(PruneConfig(), tiny_vit()).target == ("mlp", "qk")
+
+
+def test_a_registered_compensation_is_accepted_fitted_and_reported(monkeypatch) -> None:
+    """A new compensation is its closed forms and a registration: half the mean shift, ``c = mu_P / 2``. Its error is
+    exactly a quarter of the way from the mean shift's to plain removal's (the error is quadratic in c, least at
+    mu_P), and every part's report carries it beside the others."""
+    half = Compensation(
+        lambda mean, second, keep, prune, alpha: (mean.new_zeros(prune.numel(), keep.numel()), mean[prune] / 2),
+        C.mean_shift_regression,
+        logits=False,
+        constant=True,
+    )
+    monkeypatch.setitem(COMPENSATIONS, "half", half)
+    config = PruneConfig(sparsity=0.5, target="mlp", compensation="half")
+    model = tiny_vit()
+    stats = calibrate(model, tiny_batches(16), config, "cpu", progress=False)
+    errors = prune_model(model, stats, config, plan_widths(model, config))[0]["mlp"]["rel_error"]
+    assert set(errors) == {"corp", "mean", "none", "half"}
+    assert errors["half"] == pytest.approx(errors["mean"] + (errors["none"] - errors["mean"]) / 4, rel=1e-9)
+    with pytest.raises(CorpError, match="--compensation must be one of corp, mean, none, half"):
+        PruneConfig(compensation="quarter")
+
+
+def test_a_registered_selection_chooses_the_mlp_widths_from_the_statistics(monkeypatch) -> None:
+    """A new selection is a counts function and a registration; a scored one waits for the statistics: the data-free
+    check leaves the widths to the plan, and a bounded-memory calibration (no statistics of every block at once) is
+    refused for it."""
+    monkeypatch.setitem(SELECTIONS, "first", Selection(lambda full, s, r, what, scores: [full[0], r], scored=True))
+    model = tiny_vit()
+    config = PruneConfig(sparsity=0.5, target="mlp,qk", selection="first")
+    assert api.check(model, config, 0) == ("one-pass", None)
+    with pytest.raises(CorpError, match="--selection first compares every block's statistics"):
+        api.check(model, config, 0, max_stats_gib=1.0)
+    stats = calibrate(model, tiny_batches(16), config, "cpu", progress=False)
+    assert plan_widths(model, config, stats) == [Widths(mlp=128, qk=8), Widths(mlp=8, qk=8)]
 
 
 # ------------------------------------------------------------------------------------ kept widths
@@ -174,7 +229,7 @@ def test_global_selection_moves_channels_to_the_block_that_needs_them() -> None:
     widths = plan_widths(model, config, stats)
     assert widths[0].mlp > 64 > widths[1].mlp and abs(widths[0].mlp + widths[1].mlp - 128) <= 8, widths
     assert all(w.mlp % 8 == 0 and w.qk is None for w in widths)
-    blocks = prune_model(model, stats, config, plan=widths)
+    blocks = prune_model(model, stats, config, widths)
     assert [b["mlp"]["kept"] for b in blocks] == [w.mlp for w in widths]
 
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import corp_deploy
 from corp_deploy.base.errors import CorpError
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.recover import Kept, Objective, Recovery, RecoveryRecord, lr_factor, recover
 from corp_deploy.families import adapter_for, structure
 from corp_deploy.formats import calibration

@@ -21,10 +21,12 @@ from safetensors.torch import save_file
 from timm.models.vision_transformer import Attention
 
 import corp_deploy
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.ranking import RANKERS, channel_scores, split_top
 from corp_deploy.core.stats import ACTIVE_EPS, CalibrationStats, MlpStats, QKStats
 from corp_deploy.families.timm.modules import PrunedAttention
+from corp_deploy.plan.widths import plan_widths
 
 
 def test_split_top_keeps_the_highest_scores_in_index_order() -> None:
@@ -72,7 +74,7 @@ def test_variance_ranks_by_spread_not_offset() -> None:
     for ranker in ("energy", "variance"):
         pruned = copy.deepcopy(model)
         config = PruneConfig(sparsity=0.5, target="mlp", ranker=ranker, compensation="mean", round_to=1)
-        prune_model(pruned, CalibrationStats(mlp={0: stats}, images=1), config)
+        prune_model(pruned, CalibrationStats(mlp={0: stats}, images=1), config, plan_widths(pruned, config))
         rows = pruned.blocks[0].mlp.fc1.weight
         kept[ranker] = [i for i in range(8) if any(torch.equal(r, model.blocks[0].mlp.fc1.weight[i]) for r in rows)]
     assert kept["variance"] == [1, 2, 3, 6]
@@ -110,7 +112,8 @@ def test_pruner_keeps_the_mlp_channels_each_ranker_prefers(ranker) -> None:
         w2.copy_(w2 / w2.norm(dim=0) * torch.tensor(MAGNITUDE))
     stats = CalibrationStats(mlp={0: _hand_built_mlp_stats()}, images=1)
     pruned = copy.deepcopy(model)
-    prune_model(pruned, stats, PruneConfig(sparsity=0.5, target="mlp", ranker=ranker, round_to=1))
+    config = PruneConfig(sparsity=0.5, target="mlp", ranker=ranker, round_to=1)
+    prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
     kept = MLP_KEPT[ranker]
     assert torch.equal(pruned.blocks[0].mlp.fc1.weight, model.blocks[0].mlp.fc1.weight[kept])
     assert torch.equal(pruned.blocks[0].mlp.fc1.bias, model.blocks[0].mlp.fc1.bias[kept])
@@ -130,7 +133,8 @@ def test_pruner_keeps_the_v_channels_each_ranker_prefers_within_every_head(ranke
     w = model.blocks[0].attn.proj.weight
     w.copy_(w / w.norm(dim=0) * torch.cat([magnitude, 100 * magnitude.flip(0)]))
     pruned = copy.deepcopy(model)
-    prune_model(pruned, CalibrationStats(proj={0: stats}, images=1), PruneConfig(target="v", ranker=ranker, round_to=1))
+    config = PruneConfig(target="v", ranker=ranker, round_to=1)
+    prune_model(pruned, CalibrationStats(proj={0: stats}, images=1), config, plan_widths(pruned, config))
     kept = MLP_KEPT[ranker]
     expected = kept + sorted(8 + 7 - j for j in kept)
     attn = pruned.blocks[0].attn
@@ -175,7 +179,7 @@ def test_pruner_keeps_the_qk_dims_each_ranker_prefers(ranker) -> None:
     stats = CalibrationStats(qk={0: _hand_built_attn_stats()}, images=3)
     pruned = copy.deepcopy(model)
     config = PruneConfig(sparsity=0.5, target="attn", ranker=ranker, compensation="none", round_to=1)
-    prune_model(pruned, stats, config)
+    prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
     assert isinstance(pruned.blocks[0].attn, PrunedAttention) and pruned.blocks[0].attn.qk_dim == 4
 
     x = torch.randn(7, 16)
@@ -228,7 +232,8 @@ def _expected_mlp_keep(ranker: str, x: torch.Tensor, w2: torch.Tensor, kept: int
 def test_real_pass_keeps_the_top_mlp_channels(calibrated, ranker) -> None:
     model, stats, captured = calibrated
     pruned = copy.deepcopy(model)
-    prune_model(pruned, stats, PruneConfig(sparsity=0.5, target="mlp", ranker=ranker, round_to=4))
+    config = PruneConfig(sparsity=0.5, target="mlp", ranker=ranker, round_to=4)
+    prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
     for i, block in enumerate(model.blocks):
         keep = _expected_mlp_keep(ranker, captured[f"fc2.{i}"], block.mlp.fc2.weight, 64)
         assert torch.equal(pruned.blocks[i].mlp.fc1.weight, block.mlp.fc1.weight[keep]), (ranker, i)
@@ -252,7 +257,7 @@ def test_real_pass_keeps_the_top_qk_dims_and_attention_keeps_the_original_scale(
     model, stats, captured = calibrated
     pruned = copy.deepcopy(model)
     config = PruneConfig(sparsity=0.5, target="attn", ranker=ranker, compensation="none", round_to=4)
-    prune_model(pruned, stats, config)
+    prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
     for i, block in enumerate(model.blocks):
         x = captured[f"qkv.{i}"]  # the dense block's normed input, (images, tokens, 64)
         q, k, v = (_heads(t) for t in block.attn.qkv(x).chunk(3, dim=-1))

@@ -10,6 +10,7 @@ Tiny random OPT, Llama and BERT models of ``test_opt``, ``test_llama`` and ``tes
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from helpers import launch, run, run_here
 
 from corp_deploy import api
 from corp_deploy.core import blockwise
-from corp_deploy.core.pruner import PruneConfig, calibrate
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate
 from corp_deploy.core.stats import MlpStats, PairStats
 from corp_deploy.formats import calibration
 from corp_deploy.plan.sensitivity import measure
@@ -112,7 +114,7 @@ def test_sequential_block_zero_sees_the_one_pass_sums_of_real_tokens_only(monkey
     monkeypatch.setattr(blockwise, "prune_block", spy)
     config = PruneConfig(sparsity=0.5, target="mlp", round_to=2)
     one_pass = calibrate(tiny_bert(), padded_batches(n=12), config, "cpu", progress=False).mlp[0]
-    api.prune(tiny_bert(), padded_batches(n=12), PruneConfig(**{**config.__dict__, "sequential": True}), "cpu")
+    api.prune(tiny_bert(), padded_batches(n=12), replace(config, sequential=True), "cpu")
     paired = seen[0]
     assert isinstance(paired, PairStats) and paired.count == one_pass.count
     for got in (paired, paired.target):
@@ -183,7 +185,7 @@ def test_sensitivity_allocation_beats_local_allocation_at_the_same_macs(name: st
     make, errors = FAMILIES[name][0], {}
     for allocation in ("local", "sensitivity"):
         config = PruneConfig(target=TARGET[name], budget="macs=0.6", allocation=allocation, round_to=2)
-        config = PruneConfig(**{**config.__dict__, "sensitivity_images": 8})
+        config = replace(config, sensitivity_images=8)
         held = config.heldout_images
         data = calibration.text_calibration_data(make(), None, "synthetic", 32, 8, seq_len=24, hold_out=held)
         result = api.prune(make(), data.batches, config, "cpu", total=data.total, progress=False, heldout=data.heldout)

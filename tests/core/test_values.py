@@ -17,10 +17,13 @@ import torch.nn.functional as F
 from helpers import PRUNE, run, tiny_batches, tiny_vit
 
 import corp_deploy
+from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import PruneConfig, calibrate, plan_widths, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.families.timm.modules import PrunedAttention, pad_qk
+from corp_deploy.plan.widths import plan_widths
 
 DIM, HEADS, D = 64, 4, 16
 MANY = tiny_batches(n=480, batch=96)
@@ -72,7 +75,8 @@ def test_v_compensation_equals_least_squares_on_proj_inputs_as_ridge_goes_to_zer
     """W_S' = W_S + W_P B and b' = b + W_P c with (B, c) the direct least-squares fit of z_P on [z_S, 1]."""
     model, stats, captured = calibrated
     pruned = copy.deepcopy(model)
-    prune_model(pruned, stats, PruneConfig(sparsity=0.5, target="v", ranker="energy", ridge=0.0, round_to=4))
+    config = PruneConfig(sparsity=0.5, target="v", ranker="energy", ridge=0.0, round_to=4)
+    prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
     for i, block in enumerate(model.blocks):
         z = captured[f"proj.{i}"].reshape(-1, DIM).double()
         keep = _expected_keep(z, 8)
@@ -103,7 +107,8 @@ def test_compensated_proj_output_error_is_below_uncompensated_on_held_out_images
     errors: dict[str, list[float]] = {}
     for comp in ("none", "mean", "corp"):
         pruned = copy.deepcopy(model)
-        reports = prune_model(pruned, stats, PruneConfig(sparsity=0.5, target="v", compensation=comp, round_to=4))
+        config = PruneConfig(sparsity=0.5, target="v", compensation=comp, round_to=4)
+        reports = prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
         for i, block in enumerate(model.blocks):
             reference = block.attn(inputs[i])
             err = float((pruned.blocks[i].attn(inputs[i]) - reference).square().sum() / reference.square().sum())
@@ -120,7 +125,7 @@ def test_equal_width_attention_is_plain_attention_with_the_original_scale(calibr
     model, stats, captured = calibrated
     pruned = copy.deepcopy(model)
     config = PruneConfig(sparsity=0.5, target="qk,v", ranker="energy", compensation="none", round_to=4)
-    prune_model(pruned, stats, config)
+    prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
     for i, block in enumerate(model.blocks):
         attn = pruned.blocks[i].attn
         assert isinstance(attn, PrunedAttention) and attn.qk_dim == attn.v_dim == 8
@@ -141,7 +146,7 @@ def test_parameter_count_with_all_three_parts() -> None:
     config = PruneConfig(mlp_sparsity=0.25, qk_sparsity=0.5, v_sparsity=0.75, target="all", round_to=4)
     stats = calibrate(model, tiny_batches(), config, "cpu", progress=False)
     pruned = copy.deepcopy(model)
-    prune_model(pruned, stats, config)
+    prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
     hidden, kept_h, kept_qk, kept_v = 128, 96, 8, 4
     for block in pruned.blocks:
         assert block.attn.qkv.weight.shape == (HEADS * (2 * kept_qk + kept_v), DIM)
@@ -189,7 +194,7 @@ def test_impossible_v_pruning_fails_before_calibration(overrides, config, messag
     with pytest.raises(CorpError, match=message):
         corp_deploy.prune(model, no_batches(), config, device="cpu", progress=False)
     with pytest.raises(CorpError, match=message):
-        plan_widths(model, config)
+        api.check(model, config, 0)
 
 
 ARGS = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 4, "mlp_ratio": 2.0}
@@ -241,7 +246,8 @@ def test_artifacts_without_v_widths_still_load(tmp_path) -> None:
 def test_pad_qk_is_exact_and_gives_one_head_size() -> None:
     stats = calibrate(tiny_vit(), tiny_batches(), PruneConfig(), "cpu", progress=False)
     pruned = tiny_vit()
-    prune_model(pruned, stats, PruneConfig(round_to=4))
+    config = PruneConfig(round_to=4)
+    prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
     x = torch.randn(2, 3, 32, 32)
     reference = pruned(x)
     shapes = []
@@ -280,7 +286,8 @@ def variants():
     out = {"dense": dense}
     for name, target in (("qk_pruned", "mlp,qk"), ("equal_width", "all"), ("qk_padded", "mlp,qk")):
         out[name] = copy.deepcopy(dense)
-        prune_model(out[name], stats, PruneConfig(target=target, round_to=4))
+        config = PruneConfig(target=target, round_to=4)
+        prune_model(out[name], stats, config, plan_widths(out[name], config, stats))
     pad_qk(out["qk_padded"])
     return out
 

@@ -16,7 +16,7 @@ import pytest
 from helpers import padded_batches, pruned_copy, tiny_bert, tiny_vit
 
 from corp_deploy.api import prune
-from corp_deploy.core.pruner import PruneConfig, parse_budget
+from corp_deploy.core.config import PruneConfig, parse_budget
 from corp_deploy.exporters.attention import fuse_attention
 from corp_deploy.formats.sources import describe
 

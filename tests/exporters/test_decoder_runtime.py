@@ -20,9 +20,11 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
 
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
+from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.exporters.genai import write_genai_folder  # noqa: E402
 from corp_deploy.exporters.kv_cache import layout, positions  # noqa: E402
+from corp_deploy.plan.widths import plan_widths  # noqa: E402
 
 PROMPT = "the market news price team"
 
@@ -53,7 +55,8 @@ def _pruned(dense, target: str, sparsity: float):
         ({"input_ids": (i := torch.randint(4, 300, (4, 24), generator=g)), "attention_mask": torch.ones_like(i)}, 0)
     ]
     config = PruneConfig(sparsity=sparsity, target=target, round_to=2, compensation="corp")
-    prune_model(model, calibrate(model, batches * 4, config, "cpu", progress=False), config)
+    stats = calibrate(model, batches * 4, config, "cpu", progress=False)
+    prune_model(model, stats, config, plan_widths(model, config, stats))
     return model
 
 

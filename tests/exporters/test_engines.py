@@ -20,7 +20,7 @@ from helpers import pruned_copy, tiny_vit
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import sha256
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters import tensorrt_engine
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import VerifyOptions, engine_verified, export_run, format_summary

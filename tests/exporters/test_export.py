@@ -11,7 +11,7 @@ import torch
 from helpers import pruned_copy, tf32_state, tiny_vit
 
 from corp_deploy.base.errors import CorpError
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.compare import FP16, FP32, Tolerance, check, compare, image_inputs, random_inputs, verify
 from corp_deploy.exporters.fp16 import KEEP_FP32, convert_fp16
 from corp_deploy.exporters.onnx_export import graph_precision, input_shape, load_onnx, onnx_sha256, read_metadata

@@ -15,7 +15,7 @@ from helpers import TINY_CLI_ARGS, bench_record, pruned_copy, run, tiny_vit
 from corp_deploy.base.errors import CorpError
 from corp_deploy.bench import gate
 from corp_deploy.bench.report import format_table
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.compare import FP32, INT8, Tolerance
 from corp_deploy.exporters.int8_recipes import (
     RECIPES,

@@ -11,7 +11,7 @@ from helpers import TINY_CLI_ARGS, pruned_copy, run, tiny_vit
 from PIL import Image
 
 from corp_deploy.bench.backends import RunFolder, select
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.compare import INT8, compare
 from corp_deploy.exporters.int8_recipes import quantize_graphs
 from corp_deploy.exporters.onnx_export import load_onnx, onnx_files, read_metadata

@@ -11,7 +11,7 @@ from helpers import TINY_CLI_ARGS, pruned_copy, run, tiny_vit
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.backends import BACKENDS, rewrites_on
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import export_verified
 from corp_deploy.exporters.rewrites import PATCH_LINEAR, LinearPatchEmbed, parse_rewrites, rewritten

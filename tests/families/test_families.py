@@ -22,9 +22,11 @@ from helpers import TINY as TINY_VIT
 from helpers import tiny_batches, tiny_vit
 
 from corp_deploy.base.errors import CorpError
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.families import adapter_for, get, registry
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned
+from corp_deploy.plan.widths import plan_widths
 
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 
@@ -99,7 +101,8 @@ def outputs(model: torch.nn.Module, data: list) -> torch.Tensor:
 def pruned(dense: torch.nn.Module, name: str, compensation: str) -> torch.nn.Module:
     model = copy.deepcopy(dense)
     config = PruneConfig(sparsity=0.5, target=",".join(get(name).parts), round_to=2, compensation=compensation)
-    prune_model(model, calibrate(model, batches(name, 1, 12), config, "cpu", progress=False), config)
+    stats = calibrate(model, batches(name, 1, 12), config, "cpu", progress=False)
+    prune_model(model, stats, config, plan_widths(model, config, stats))
     return model
 
 

@@ -40,11 +40,13 @@ from transformers import (  # noqa: E402
 )
 
 from corp_deploy.base.errors import CorpError  # noqa: E402
-from corp_deploy.core.pruner import PruneConfig, calibrate, check_standard, prune_model  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
+from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.families import get, structure  # noqa: E402
 from corp_deploy.families.hf import hub as hf  # noqa: E402
 from corp_deploy.families.hf.folder import MODELING_FILE, REMOTE, STANDARD  # noqa: E402
 from corp_deploy.formats.artifact import build, load_pruned, read_meta, save_pruned  # noqa: E402
+from corp_deploy.plan.widths import check_standard, plan_widths  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(40)]
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
@@ -75,7 +77,8 @@ def pruned(dense: torch.nn.Module, uniform: bool, family: str) -> torch.nn.Modul
     else:
         config = PruneConfig(sparsity=0.5, target=NON_UNIFORM[family], selection="global", round_to=2)
     data = [(PIXELS, 0)] * 3 if family == "dinov2" else token_batches(model.config.vocab_size)
-    prune_model(model, calibrate(model, data, config, "cpu", progress=False), config)
+    stats = calibrate(model, data, config, "cpu", progress=False)
+    prune_model(model, stats, config, plan_widths(model, config, stats))
     return model.eval()
 
 

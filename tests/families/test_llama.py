@@ -23,16 +23,19 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 from transformers import LlamaForCausalLM  # noqa: E402
 
 from corp_deploy.core import compensation as C  # noqa: E402
-from corp_deploy.core.pruner import PruneConfig, calibrate, check_parts, prune_model  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
+from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.families import get  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedRopeAttention  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
+from corp_deploy.plan.widths import check_parts, plan_widths  # noqa: E402
 
 
 def _pruned(dense: LlamaForCausalLM, target: str, compensation: str, sparsity: float = 0.5) -> LlamaForCausalLM:
     model = copy.deepcopy(dense)
     config = PruneConfig(sparsity=sparsity, target=target, round_to=2, compensation=compensation)
-    prune_model(model, calibrate(model, token_batches(n=12), config, "cpu", progress=False), config)
+    stats = calibrate(model, token_batches(n=12), config, "cpu", progress=False)
+    prune_model(model, stats, config, plan_widths(model, config, stats))
     return model
 
 

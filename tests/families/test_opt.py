@@ -22,7 +22,8 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 
 from transformers import OPTForCausalLM  # noqa: E402
 
-from corp_deploy.core.pruner import PruneConfig, calibrate, check_parts, prune_model  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
+from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.core.stats import QKStats  # noqa: E402
 from corp_deploy.families import adapter_for, get  # noqa: E402
 from corp_deploy.families.hf import hub as hf  # noqa: E402
@@ -31,6 +32,7 @@ from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # 
 from corp_deploy.formats.calibration import text_calibration_data  # noqa: E402
 from corp_deploy.formats.perplexity import perplexity  # noqa: E402
 from corp_deploy.formats.text import Document, packed_sequences, read_documents, shuffled, split_documents  # noqa: E402
+from corp_deploy.plan.widths import check_parts, plan_widths  # noqa: E402
 
 # ------------------------------------------------------------------------------------- causal Q/K moments
 
@@ -154,7 +156,8 @@ def test_perplexity_is_exp_of_the_mean_nll_over_non_overlapping_windows() -> Non
 def test_pruned_opt_generates_the_same_tokens_after_the_artifact_round_trip(tmp_path: Path) -> None:
     model = tiny_opt()
     config = PruneConfig(sparsity=0.5, target="all", round_to=2)
-    prune_model(model, calibrate(model, token_batches(), config, "cpu", progress=False), config)
+    stats = calibrate(model, token_batches(), config, "cpu", progress=False)
+    prune_model(model, stats, config, plan_widths(model, config, stats))
     save_pruned(model, tmp_path / "art", {"model": {"name": "tiny-opt", "args": {}}})
     assert read_meta(tmp_path / "art")["family"] == "hf-opt"
     assert json.loads((tmp_path / "art" / "config.json").read_text())["architectures"] == ["OPTForCausalLM"]
@@ -188,7 +191,8 @@ def _output_error(dense: OPTForCausalLM, pruned: OPTForCausalLM, batches: list[t
 def _pruned(dense: OPTForCausalLM, target: str, compensation: str) -> OPTForCausalLM:
     model = copy.deepcopy(dense)
     config = PruneConfig(sparsity=0.5, target=target, round_to=2, compensation=compensation)
-    prune_model(model, calibrate(model, token_batches(n=12), config, "cpu", progress=False), config)
+    stats = calibrate(model, token_batches(n=12), config, "cpu", progress=False)
+    prune_model(model, stats, config, plan_widths(model, config, stats))
     return model
 
 
@@ -340,7 +344,8 @@ def test_pruned_decoder_exports_its_logits_to_onnx_with_dynamic_batch_and_sequen
 
     model = tiny_opt()
     config = PruneConfig(sparsity=0.5, target="all", round_to=2)
-    prune_model(model, calibrate(model, token_batches(), config, "cpu", progress=False), config)
+    stats = calibrate(model, token_batches(), config, "cpu", progress=False)
+    prune_model(model, stats, config, plan_widths(model, config, stats))
     path = export_text_onnx(model, tmp_path / "pruned.onnx")
     (logits,) = onnx.load(str(path)).graph.output
     assert logits.name == "logits"

@@ -15,11 +15,13 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 
 from transformers import RobertaConfig, RobertaModel  # noqa: E402
 
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
+from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.families.hf.adapter import max_positions  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedSelfAttention  # noqa: E402
 from corp_deploy.formats import sources  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
+from corp_deploy.plan.widths import plan_widths  # noqa: E402
 
 VOCAB, PAD = 30, 1  # RoBERTa pads with id 1; its positions start at PAD + 1
 
@@ -52,7 +54,8 @@ def test_roberta_prunes_reloads_and_exports_verified(tmp_path: Path) -> None:
     assert max_positions(dense.config) == 40 - PAD - 1
     model = copy.deepcopy(dense)
     config = PruneConfig(sparsity=0.5, target="all", round_to=4)
-    prune_model(model, calibrate(model, batches(8, seed=1), config, "cpu", progress=False), config)
+    stats = calibrate(model, batches(8, seed=1), config, "cpu", progress=False)
+    prune_model(model, stats, config, plan_widths(model, config, stats))
     attn = model.encoder.layer[0].attention.self
     assert isinstance(attn, PrunedSelfAttention) and attn.query.out_features == attn.value.out_features == 32
     assert model.encoder.layer[1].intermediate.dense.out_features == 64

@@ -21,10 +21,12 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 
 from transformers import BertModel, BertTokenizerFast  # noqa: E402
 
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
+from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.families import adapter_for, get  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedSelfAttention  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
+from corp_deploy.plan.widths import plan_widths  # noqa: E402
 
 
 def _captured(model: BertModel, batches: list[tuple[dict, int]], block: int) -> dict[str, list[torch.Tensor]]:
@@ -104,7 +106,7 @@ def test_pruned_bert_is_smaller_a_transformers_model_and_compensation_helps(targ
         model = copy.deepcopy(dense)
         config = PruneConfig(sparsity=0.5, target=target, round_to=4, compensation=compensation)
         stats = calibrate(model, padded_batches(n=12), config, "cpu", progress=False)
-        prune_model(model, stats, config)
+        prune_model(model, stats, config, plan_widths(model, config, stats))
         errors[compensation] = _feature_error(dense, model, heldout)
     assert isinstance(model, BertModel) and not any(m.training for m in model.modules())  # no dropout
     attn = model.encoder.layer[0].attention.self
@@ -132,7 +134,8 @@ def test_artifact_round_trip_keeps_the_class_config_and_outputs(tmp_path: Path) 
     dense = tiny_bert()
     model = copy.deepcopy(dense)
     config = PruneConfig(sparsity=0.5, target="all", round_to=4)
-    prune_model(model, calibrate(model, padded_batches(), config, "cpu", progress=False), config)
+    stats = calibrate(model, padded_batches(), config, "cpu", progress=False)
+    prune_model(model, stats, config, plan_widths(model, config, stats))
     save_pruned(model, tmp_path / "art", {"model": {"name": "tiny-bert", "args": {}}})
     assert read_meta(tmp_path / "art")["family"] == "hf-bert"
     assert json.loads((tmp_path / "art" / "config.json").read_text())["architectures"] == ["BertModel"]
@@ -219,6 +222,7 @@ def test_pruned_encoder_exports_to_onnx_with_dynamic_batch_and_sequence(tmp_path
 
     model = tiny_bert()
     config = PruneConfig(sparsity=0.5, target="all", round_to=4)
-    prune_model(model, calibrate(model, padded_batches(), config, "cpu", progress=False), config)
+    stats = calibrate(model, padded_batches(), config, "cpu", progress=False)
+    prune_model(model, stats, config, plan_widths(model, config, stats))
     path = export_text_onnx(model, tmp_path / "pruned.onnx")
     assert verify_text_onnx(model, path, shapes=((1, 5), (3, 19), (4, 33))) < 1e-5  # none of them traced

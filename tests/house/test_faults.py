@@ -19,10 +19,11 @@ import torch
 from helpers import PRUNE, RECORD, TINY, bench_record, pruned_copy, run, tiny_vit
 
 import corp_deploy
+from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_file
 from corp_deploy.bench import gate
-from corp_deploy.core.pruner import PruneConfig, plan_widths
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.formats.artifact import FORMAT, FORMAT_VERSION, META_FILE, WEIGHTS_FILE, save_pruned
 
 # ------------------------------------------------------------------------------------------ gate
@@ -243,7 +244,7 @@ def test_a_bias_free_mlp_is_refused_for_compensation_and_pruned_without_it() -> 
     assert model.blocks[0].mlp.fc2.bias is None
     for compensation in ("corp", "mean"):
         with pytest.raises(CorpError, match=f"--compensation {compensation} is not supported for block 0: its fc2 "):
-            plan_widths(model, PruneConfig(sparsity=0.5, target="mlp", compensation=compensation))
+            api.check(model, PruneConfig(sparsity=0.5, target="mlp", compensation=compensation), 0)
     pruned, blocks = pruned_copy(model, PruneConfig(sparsity=0.5, target="mlp", compensation="none"))
     assert [b["mlp"]["kept"] for b in blocks] == [64, 64] and pruned.blocks[0].mlp.fc2.bias is None
     assert pruned(torch.zeros(1, 3, 32, 32)).shape == (1, 10)

@@ -19,7 +19,9 @@ from corp_deploy.bench.backends import MODELS, RunFolder, compile_model, cuda_st
 from corp_deploy.bench.measure import Method
 from corp_deploy.bench.run import benchmark
 from corp_deploy.cli import main
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
+from corp_deploy.plan.widths import plan_widths
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,8 +64,10 @@ def test_cuda_statistics_equal_cpu_float64_sums() -> None:
 def test_cuda_prune_equals_cpu_prune() -> None:
     batches = tiny_batches()
     cpu_model, cuda_model = tiny_vit(), tiny_vit().cuda()
-    cpu_report = prune_model(cpu_model, calibrate(cpu_model, batches, CONFIG, "cpu", progress=False), CONFIG)
-    cuda_report = prune_model(cuda_model, calibrate(cuda_model, batches, CONFIG, "cuda", progress=False), CONFIG)
+    stats = calibrate(cpu_model, batches, CONFIG, "cpu", progress=False)
+    cpu_report = prune_model(cpu_model, stats, CONFIG, plan_widths(cpu_model, CONFIG, stats))
+    stats = calibrate(cuda_model, batches, CONFIG, "cuda", progress=False)
+    cuda_report = prune_model(cuda_model, stats, CONFIG, plan_widths(cuda_model, CONFIG, stats))
     cpu_state, cuda_state = cpu_model.state_dict(), cuda_model.state_dict()
     assert cpu_state.keys() == cuda_state.keys()
     for name, ref in cpu_state.items():
@@ -93,7 +97,8 @@ def test_a_graphed_forward_keeps_what_it_reads_alive() -> None:
 @pytest.mark.parametrize(("dtype", "min_cosine"), [(torch.float16, 0.999), (torch.bfloat16, 0.99)])
 def test_pruned_model_runs_in_half_precision_on_cuda(dtype, min_cosine) -> None:
     model = tiny_vit()
-    prune_model(model, calibrate(model, tiny_batches(), CONFIG, "cpu", progress=False), CONFIG)
+    stats = calibrate(model, tiny_batches(), CONFIG, "cpu", progress=False)
+    prune_model(model, stats, CONFIG, plan_widths(model, CONFIG, stats))
     x = torch.randn(8, 3, 32, 32)
     with torch.inference_mode():
         ref = model(x)

@@ -269,7 +269,7 @@ def test_a_speed_target_inside_the_noise_band_but_below_it_is_not_called_met() -
 
 def test_a_model_given_by_a_path_gets_its_last_part_as_the_default_folder(tmp_path, monkeypatch) -> None:
     from corp_deploy.cli.options import out_path
-    from corp_deploy.core.pruner import PruneConfig
+    from corp_deploy.core.config import PruneConfig
 
     monkeypatch.chdir(tmp_path)
     path = "/home/me/venvs/x/lib/python3.11/site-packages/pkg/model/"
@@ -280,7 +280,7 @@ def test_a_model_given_by_a_path_gets_its_last_part_as_the_default_folder(tmp_pa
 def test_a_recovery_says_about_ten_lines_whatever_its_steps() -> None:
     from helpers import pruned_copy, tiny_batches, tiny_vit
 
-    from corp_deploy.core.pruner import PruneConfig
+    from corp_deploy.core.config import PruneConfig
     from corp_deploy.core.recover import recover
 
     dense = tiny_vit()

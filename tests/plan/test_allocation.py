@@ -16,12 +16,12 @@ from helpers import ROOT, TESTS, pruned_copy, tiny_batches, tiny_vit
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import compensation as C
-from corp_deploy.core.pruner import Budget, PruneConfig, Widths, calibrate, parse_budget, prune_model
+from corp_deploy.core.config import Budget, PruneConfig, Widths, parse_budget
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.ranking import channel_scores
 from corp_deploy.core.stats import MlpStats
 from corp_deploy.formats.artifact import load_pruned
 from corp_deploy.plan.allocation import (
-    affine_curve,
     allocate,
     block_macs,
     block_parts,
@@ -55,7 +55,7 @@ def test_cholesky_curve_equals_direct_errors_mlp_and_v(calibrated) -> None:
     order = torch.sort(channel_scores("combined", s, w), descending=True)
     order = order.indices
     widths = candidate_widths(w.shape[1], 8)
-    curve = affine_curve(s, w, b, order, widths)
+    curve = C.affine_errors(s.mean(), s.second_moment(), w, b, order, widths)
     for k, err in zip(widths, curve, strict=True):
         keep, prune = order[:k].sort().values, order[k:].sort().values
         assert err == pytest.approx(_direct(s, w, b, keep, prune), rel=1e-6, abs=1e-12), k
@@ -80,7 +80,7 @@ def test_logit_curve_matches_the_pruner(calibrated) -> None:
     for k, err in zip(widths[1:], curve[1:], strict=True):
         trial = copy.deepcopy(model)
         plan = [Widths(qk=k)] + [Widths()] * (len(model.blocks) - 1)
-        report = prune_model(trial, stats, PruneConfig(), plan=plan)
+        report = prune_model(trial, stats, PruneConfig(), plan)
         assert err == pytest.approx(report[0]["qk"]["rel_error"]["corp"], rel=1e-9)
 
 
@@ -108,7 +108,7 @@ def test_budget_met_exactly_with_the_counted_macs(calibrated, target, fraction) 
     config = PruneConfig(budget=f"macs={fraction}", target=target, allocation="local")
     plan, record = plan_budget(model, stats, config, dense_macs)
     pruned = copy.deepcopy(model)
-    prune_model(pruned, stats, config, plan=plan)
+    prune_model(pruned, stats, config, plan)
     counted = model_size(pruned)["macs"]
     assert counted == record["planned_macs"] <= record["limit_macs"] == int(fraction * dense_macs)
     unit, _, _ = macs_layout(model, dense_macs, frozenset(record["planned_error"]))
@@ -265,7 +265,7 @@ sys.path.insert(0, sys.argv[2])
 from helpers import tiny_batches, tiny_vit
 from corp_deploy import api
 from corp_deploy.core import distributed
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 
 world, _ = distributed.init(torch.device("cpu"), 120)
 batches = [b for i, b in enumerate(tiny_batches(64, 8)) if i % world.size == world.rank]
@@ -320,7 +320,9 @@ def test_curves_survive_an_indefinite_covariance() -> None:
     s.outer -= 1e-7 * s.count * s.second_moment().diagonal().mean() * torch.outer(null, null)
     w = torch.randn(16, 32, generator=g, dtype=torch.float64)
     kept = candidate_widths(32, 4)
-    errors = affine_curve(s, w, torch.zeros(16, dtype=torch.float64), torch.arange(32), kept)
+    errors = C.affine_errors(
+        s.mean(), s.second_moment(), w, torch.zeros(16, dtype=torch.float64), torch.arange(32), kept
+    )
     assert all(math.isfinite(e) for e in errors)
     assert errors == sorted(errors) and errors[0] == 0.0  # widths descend, errors rise; the full width is exact
     rank8 = [e for k, e in zip(kept, errors, strict=True) if k >= 8]

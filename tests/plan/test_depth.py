@@ -15,8 +15,9 @@ from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.backends import BACKENDS
 from corp_deploy.core import compensation as C
+from corp_deploy.core.config import MODULES, PruneConfig, Widths
 from corp_deploy.core.distributed import World
-from corp_deploy.core.pruner import MODULES, PruneConfig, Timer, Widths, calibrate, check_parts, fit_branch, prune_model
+from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.core.stats import BranchStats, collect, empty_stats
 from corp_deploy.families import structure
 from corp_deploy.families.timm.modules import AffineBranch, replace_branch
@@ -25,6 +26,7 @@ from corp_deploy.plan import latency, speed
 from corp_deploy.plan.allocation import MODULE_KEYS, budget_limit, error_curves, plan_budget
 from corp_deploy.plan.latency import LatencyTable
 from corp_deploy.plan.sensitivity import measure
+from corp_deploy.plan.widths import check_parts
 
 LATENCY = {"budget": "latency=0.7"}
 
@@ -98,10 +100,11 @@ def test_replaced_block_computes_the_closed_form_on_calibration_data(module: str
     model, batches = tiny_vit(), tiny_batches()
     config = PruneConfig(sparsity=0.0, target="mlp", depth=module, **LATENCY)
     stats = calibrate(model, batches, config, "cpu", progress=False)
-    branch, error = fit_branch(stats.depth[(1, module)], config.depth_fit, config.ridge)
+    w, b, error = C.branch_stand_in(*stats.depth[(1, module)].moments(), config.depth_fit, config.ridge)
+    branch = AffineBranch(w.shape[0], config.depth_fit).fill(w.float(), b.float())
     pruned = copy.deepcopy(model)
     plan = [Widths(), Widths(replace=(module,))]
-    report = prune_model(pruned, stats, config, Timer(), plan)
+    report = prune_model(pruned, stats, config, plan, Timer())
     assert report[1]["replaced"][module]["rel_error"] == pytest.approx(error) and 0 < error < 1
     images = batches[0][0]
     with torch.no_grad():
@@ -123,7 +126,7 @@ def depth_pruned(modules=("attn", "mlp")) -> torch.nn.Module:
     config = PruneConfig(sparsity=0.0, target="mlp,qk", depth=",".join(modules), **LATENCY)
     stats = calibrate(model, tiny_batches(), config, "cpu", progress=False)
     plan = [Widths(qk=8, replace=("mlp",)), Widths(mlp=64, replace=("attn",))]
-    prune_model(model, stats, config, Timer(), plan)
+    prune_model(model, stats, config, plan, Timer())
     return model
 
 
@@ -259,7 +262,8 @@ def test_sensitivity_of_a_replacement_is_its_measured_end_to_end_error() -> None
     held = tiny_batches(8, 8, seed=5)[0][0]
     weights = measure(model, stats, config, held)
     for i in range(2):
-        branch, local = fit_branch(stats.depth[(i, "attn")], config.depth_fit, config.ridge)
+        w, b, local = C.branch_stand_in(*stats.depth[(i, "attn")].moments(), config.depth_fit, config.ridge)
+        branch = AffineBranch(w.shape[0], config.depth_fit).fill(w.float(), b.float())
         trial = copy.deepcopy(model)
         replace_branch(trial.blocks[i], "attn", branch)
         with torch.no_grad():
@@ -277,7 +281,7 @@ def test_cli_refuses_depth_without_a_latency_budget(capsys) -> None:
 def test_depth_refuses_torchrun_and_blocks_it_cannot_replace_before_any_data() -> None:
     config = PruneConfig(budget="latency=0.5", depth="attn")
     with pytest.raises(CorpError, match="--depth runs in one process"):
-        api.calibration_mode(config, None, World(rank=0, size=2))
+        api.check(tiny_vit(), config, 0, world=World(rank=0, size=2))
     model = tiny_vit(block_fn=ResPostBlock)  # norm after the branch: no x + ls(module(norm(x))) to replace
     with pytest.raises(CorpError, match="plain Block only; block 0 is a ResPostBlock"):
         check_parts(model, config)

@@ -29,7 +29,8 @@ from helpers import (
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.backends import BACKENDS
-from corp_deploy.core.pruner import PruneConfig, calibrate
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate
 from corp_deploy.families import structure as block_widths
 from corp_deploy.families.hf import hub as hf
 from corp_deploy.formats.text import synthetic_text_batches

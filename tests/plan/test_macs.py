@@ -6,7 +6,7 @@ import pytest
 import torch.utils.flop_counter as flop_counter
 from helpers import TINY, pruned_copy, tiny_vit
 
-from corp_deploy.core.pruner import PruneConfig
+from corp_deploy.core.config import PruneConfig
 from corp_deploy.plan.report import model_size
 
 CLASSES = 10

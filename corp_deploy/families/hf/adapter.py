@@ -224,7 +224,7 @@ class HfText(Adapter):
 
     # ------------------------------------------------------------------ pruning
 
-    def check_parts(self, block: nn.Module, i: int, parts: Sequence[str], compensation: str) -> None:
+    def check_parts(self, block: nn.Module, i: int, parts: Sequence[str], compensation: str | None) -> None:
         for part in parts:
             if part in self.refused:
                 allowed = ",".join(self.parts)
@@ -234,7 +234,7 @@ class HfText(Adapter):
                 )
         super().check_parts(block, i, parts, compensation)
         proj = self.proj(block)
-        if "v" in parts and compensation != "none" and proj.bias is None and not self.adds_bias:
+        if "v" in parts and compensation is not None and proj.bias is None and not self.adds_bias:
             others = ",".join(p for p in self.parts if p != "v")
             raise CorpError(
                 f"V pruning is not supported for layer {i}: its {self.names.proj.rpartition('.')[2]} has no bias to "

@@ -79,7 +79,7 @@ class TimmViT(Adapter):
     def set_values(self, block: nn.Module, keep: Tensor, w: Tensor, b: Tensor) -> None:
         block.attn = surgery.fill_values(block.attn, keep, w, b)
 
-    def check_parts(self, block: nn.Module, i: int, parts: Sequence[str], compensation: str) -> None:
+    def check_parts(self, block: nn.Module, i: int, parts: Sequence[str], compensation: str | None) -> None:
         super().check_parts(block, i, parts, compensation)
         if "v" in parts:
             surgery.check_v_prunable(block.attn, i)
