@@ -108,6 +108,29 @@ def unpacked(folder: Path, out: Path) -> None:
     onnx.save(proto, str(out / GRAPH))
 
 
+PAIRS = {
+    "pruned vs dense, minmax": ("dense-genai-int4", "pruned-genai-int4"),
+    "pruned vs dense, minmax unpacked": ("dense-genai-int4-unpacked", "pruned-genai-int4-unpacked"),
+    "pruned vs dense, builder": ("builder-dense-int4", "builder-pruned-int4"),
+    "dense minmax, packed vs unpacked": ("dense-genai-int4-unpacked", "dense-genai-int4"),
+    "pruned minmax, packed vs unpacked": ("pruned-genai-int4-unpacked", "pruned-genai-int4"),
+    "pruned minmax vs builder of dense": ("builder-dense-int4", "pruned-genai-int4"),
+}
+"""Speed ratios (the first folder's ms/token over the second's) the study reports per repeat."""
+
+
+def paired(repeats: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Each of ``PAIRS`` timed in a repeat: its ratio within each repeat (the two folders ran in the same rounds,
+    so the machine's drift between repeats cancels), median and quartiles over the repeats."""
+    out = {}
+    for label, (a, b) in PAIRS.items():
+        if a in repeats[0] and b in repeats[0]:
+            r = np.array([t[a] / t[b] for t in repeats])
+            q1, median, q3 = np.percentile(r, [25, 50, 75])
+            out[label] = {"median": float(median), "q1": float(q1), "q3": float(q3), "n": len(r)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path)
@@ -116,6 +139,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--unpacked", action="store_true", help="Also time each minmax INT4 folder unpacked.")
+    parser.add_argument("--int4-only", action="store_true", help="Time the INT4 folders only (not the FP32 ones).")
     args = parser.parse_args()
     run = args.run
     build(run, args.model)
@@ -135,7 +159,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             builder = compare_decoders(reference, pinned(run / f"builder-{stem}-int4", Path(tmp)), windows).as_dict()
         gates[f"{stem}-genai-int4"], gates[f"builder-{stem}-int4"] = chosen, builder
-    folders = ["dense-genai", "pruned-genai", "dense-genai-int4", "pruned-genai-int4", *BUILDER]
+    folders = [*([] if args.int4_only else ["dense-genai", "pruned-genai"]), *records, *BUILDER]
     if args.unpacked:
         for name in [n for n in records if records[n]["int4_choice"]["chosen"] == "minmax"]:
             if not (run / f"{name}-unpacked").is_dir():
@@ -149,11 +173,15 @@ def main() -> None:
         "chosen": {name: records[name]["int4_choice"]["chosen"] for name in records},
         "gates": gates,
         "decode_ms_per_token": {"repeats": repeats, "median": median},
+        "paired": paired(repeats),
     }
     for name in folders:
         gate = gates.get(name)
         figures = f"ppl x{gate['ppl_ratio']:.3f} agreement {gate['agreement']:.3f}" if gate else "FP32"
-        print(f"{name:22s} {median[name]:7.2f} ms/token  {figures}")
+        figures = "the packed folder's weights, split back" if name.endswith("-unpacked") else figures
+        print(f"{name:26s} {median[name]:7.2f} ms/token  {figures}")
+    for label, r in record["paired"].items():
+        print(f"{label:40s} median {r['median']:.3f}x, middle half {r['q1']:.3f}-{r['q3']:.3f}x, {r['n']} repeats")
     if args.json:
         args.json.write_text(json.dumps(record, indent=2) + "\n")
 
