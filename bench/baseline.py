@@ -15,8 +15,9 @@ from pathlib import Path
 
 from corp_deploy.bench.backends import Backend, RunFolder, cpu_step, inputs_for
 from corp_deploy.bench.measure import Step
-from corp_deploy.exporters.int8_recipes import BASELINE, BASELINE_WHAT, dynamic_int8
+from corp_deploy.exporters.int8_recipes import BASELINE_WHAT, dynamic_int8
 from corp_deploy.exporters.onnx_export import onnx_files
+from corp_deploy.formats.run_folder import BASELINE
 
 Loader = Callable[[RunFolder, str, bool, "int | None"], Callable[[int], Step]]
 

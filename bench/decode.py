@@ -33,7 +33,8 @@ from corp_deploy.bench.backends import MODELS, RunFolder
 from corp_deploy.bench.backends import select as select_backends
 from corp_deploy.bench.measure import Method, Stats, Step, interleaved, median_of_repeats, summarize
 from corp_deploy.bench.run import new_record
-from corp_deploy.formats.run_folder import GENAI_CONFIG, genai_name
+from corp_deploy.exporters.int4_gate import gate_words
+from corp_deploy.formats.run_folder import BASELINE, BASELINE_GENAI, GENAI_CONFIG, genai_name
 
 PHASES = ("prefill", "decode")
 PROMPTS = "128,512"
@@ -177,6 +178,19 @@ DECODE_BACKENDS = {
 """Every decoder backend; ``auto`` keeps those that can run here."""
 
 
+def quantize_only(run: RunFolder, skipped: dict[str, str]) -> str | None:
+    """What the run's quantize-only baseline is and its gate verdict, from its sidecar; None (the reason in
+    ``skipped``) when the run has none."""
+    sidecar = run.root / BASELINE_GENAI / "model.onnx.json"  # timed as the model ``baseline`` of genai-cpu-int4
+    if not sidecar.is_file():
+        skipped["quantize-only baseline"] = (
+            f"no {BASELINE_GENAI}/ in {run.root} (corp-deploy prune-export --precision int4 writes it)"
+        )
+        return None
+    record = json.loads(sidecar.read_text())
+    return f"{BASELINE_GENAI}/: {record['int4_baseline']['what']}, of the dense model; {gate_words(record['verify'])}"
+
+
 def select(names: str, run: RunFolder) -> tuple[list[DecodeBackend], dict[str, str]]:
     """``auto`` or a comma list of decoder backends -> (to run, {skipped: why})."""
     return select_backends(names, run, DECODE_BACKENDS, "decoder backend")
@@ -199,11 +213,11 @@ def parse_prompts(text: str, limit: int, new_tokens: int) -> list[int]:
 
 
 def rows(stats: dict[str, Stats], backend: DecodeBackend, batch: int, prompt: int, phase: str) -> list[dict]:
-    """One result per model: the latency statistics and tokens/s (prefill: batch x prompt tokens per call;
+    """One result per model timed: the latency statistics and tokens/s (prefill: batch x prompt tokens per call;
     decode: batch tokens per call, and its p50 is ms per token)."""
     tokens = batch * (prompt if phase == "prefill" else 1)
     out = []
-    for m in MODELS:
+    for m in stats:
         s = asdict(stats[m])
         r = {"backend": backend.name, "device": backend.device, "precision": backend.precision, "model": m}
         r |= {"batch": batch, "phase": phase, "prompt_len": prompt, **s}
@@ -222,10 +236,16 @@ def decode_benchmark(
     threads: int | None = None,
     skipped: dict[str, str] | None = None,
     progress: Callable[[str], None] = lambda line: None,
+    baseline: bool = True,
 ) -> dict[str, Any]:
     """Measure every backend x batch x prompt length x phase, dense and pruned interleaved; the bench record
-    (``run.benchmark``'s schema; each result also holds ``phase``, ``prompt_len`` and ``tokens_per_s``)."""
+    (``run.benchmark``'s schema; each result also holds ``phase``, ``prompt_len`` and ``tokens_per_s``). With
+    ``baseline``, ``genai-cpu-int4`` also times the run's quantize-only baseline in the same loop (``quantize_only``;
+    the record says what it is and whether it passes the INT4 gate)."""
     method = method or Method()
+    skipped = dict(skipped or {})
+    int4 = any(b.precision == "int4" for b in backends)
+    what = quantize_only(run, skipped) if baseline and int4 else None
     record = new_record(
         run,
         method,
@@ -235,20 +255,23 @@ def decode_benchmark(
         new_tokens=new_tokens,
         phases="prefill: one call from an empty cache; decode: one token per sequence with the cache",
     )
+    if what:
+        record["quantize_only_baseline"] = what
     for backend in backends:
+        models = (*MODELS, *((BASELINE,) if what and backend.precision == "int4" else ()))
         try:
-            loaders = {m: backend.load(run, m, threads) for m in MODELS}
+            loaders = {m: backend.load(run, m, threads) for m in models}
         except CorpError as e:
             record["skipped"][backend.name] = first_line(e)
             progress(f"{backend.name} skipped ({first_line(e)})")
             continue
         for batch in batch_sizes:
             for prompt in prompts:
-                sessions = {m: loaders[m](batch, prompt, new_tokens) for m in MODELS}
+                sessions = {m: loaders[m](batch, prompt, new_tokens) for m in models}
                 for phase in PHASES:
                     steps: dict[str, Step] = {m: getattr(s, phase) for m, s in sessions.items()}
                     repeats_ = [interleaved(steps, method, warm_up=i == 0) for i in range(repeats)]
-                    stats = {m: median_of_repeats([summarize(r[m], batch) for r in repeats_]) for m in MODELS}
+                    stats = {m: median_of_repeats([summarize(r[m], batch) for r in repeats_]) for m in models}
                     found = rows(stats, backend, batch, prompt, phase)
                     record["results"] += found
                     progress(_line(found))
@@ -256,10 +279,11 @@ def decode_benchmark(
 
 
 def _line(found: list[dict]) -> str:
-    d, p = found
+    d, p, *base = found
     unit = "ms/token" if d["phase"] == "decode" else "ms"
+    beside = f", quantize-only baseline {base[0]['p50_ms']:8.2f} {unit}" if base else ""
     return (
         f"{d['backend']} batch {d['batch']:3d} prompt {d['prompt_len']:4d} {d['phase']:7s}: p50 dense "
-        f"{d['p50_ms']:8.2f} {unit}, pruned {p['p50_ms']:8.2f} {unit} ({d['p50_ms'] / p['p50_ms']:.2f}x); "
+        f"{d['p50_ms']:8.2f} {unit}, pruned {p['p50_ms']:8.2f} {unit} ({d['p50_ms'] / p['p50_ms']:.2f}x){beside}; "
         f"tokens/s {d['p50_tokens_per_s']:.0f} -> {p['p50_tokens_per_s']:.0f}"
     )

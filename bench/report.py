@@ -58,9 +58,9 @@ BASELINE_COLUMNS = (
 
 
 def _columns(record: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
-    if any("phase" in r for r in record["results"]):
-        return DECODE_COLUMNS
-    columns = TEXT_COLUMNS if any("seq_len" in r for r in record["results"]) else COLUMNS
+    columns = DECODE_COLUMNS
+    if not any("phase" in r for r in record["results"]):
+        columns = TEXT_COLUMNS if any("seq_len" in r for r in record["results"]) else COLUMNS
     return columns + (BASELINE_COLUMNS if any(r["model"] == "baseline" for r in record["results"]) else ())
 
 
@@ -80,7 +80,8 @@ def skipped_lines(skipped: dict[str, str]) -> list[str]:
 
 def format_table(record: dict[str, Any]) -> str:
     rows = text_table([[title for _, title, _ in _columns(record)], *_rows(record)], right_from=3)
-    return "\n".join([rows, *skipped_lines(record["skipped"])])
+    what = record.get("quantize_only_baseline")
+    return "\n".join([rows, *([f"quantize-only baseline: {what}"] if what else []), *skipped_lines(record["skipped"])])
 
 
 def format_markdown(record: dict[str, Any]) -> str:

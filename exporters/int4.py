@@ -31,7 +31,7 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable, staged
 from corp_deploy.base.tables import text_table
 from corp_deploy.bench.measure import Method, interleaved
-from corp_deploy.exporters.int4_gate import INT4, DecoderTolerance, compare_decoders
+from corp_deploy.exporters.int4_gate import INT4, DecoderTolerance, compare_decoders, gate_words
 from corp_deploy.exporters.int4_quant import (
     QUANTIZED_OP,
     Scheme,
@@ -41,7 +41,9 @@ from corp_deploy.exporters.int4_quant import (
     quiet,
 )
 from corp_deploy.exporters.onnx_export import load_onnx, onnx_bytes, onnx_sha256, read_metadata
-from corp_deploy.formats.run_folder import write_sidecar
+from corp_deploy.formats.run_folder import BASELINE_GENAI, write_sidecar
+
+BASELINE_RECIPE = "builder"
 
 
 @dataclass(frozen=True)
@@ -340,6 +342,71 @@ def int4_genai_folder(
     }
     write_sidecar(out / GRAPH, record)
     return record | {"folder": out.name}
+
+
+def int4_baseline(
+    src: Path,
+    out: Path,
+    windows: np.ndarray,
+    tol: DecoderTolerance,
+    source: BuilderInput,
+    info: dict | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """``out`` (staged): what a user gets from the runtime alone, genai's builder ``-p int4`` as shipped (its defaults:
+    ``DEFAULT_SCHEME``'s block and accuracy level) of the dense model ``source``, beside its FP32 genai folder
+    ``src``. Gated on ``windows`` as every INT4 candidate is, and kept whatever the verdict: it is the alternative a
+    user weighs pruning against, so a baseline that fails the gate is shown, and its record (also the sidecar) says
+    so in ``int4_baseline``."""
+    from corp_deploy.exporters.genai import GRAPH
+    from corp_deploy.exporters.pipeline import write_sidecar
+
+    with staged(out, overwrite) as stage:
+        folder = stage / out.name
+        start = time.perf_counter()
+        _builder_candidate(BASELINE_RECIPE, src, folder, DEFAULT_SCHEME, source)
+        seconds = time.perf_counter() - start
+        c = compare_decoders(src / GRAPH, folder / GRAPH, windows)
+        record = _record(src / GRAPH, folder / GRAPH, c.as_dict(), tol, windows, info, seconds)
+        record["int4_baseline"] = {"what": RECIPES[BASELINE_RECIPE].what, "passes_gate": c.within(tol)}
+        write_sidecar(folder / GRAPH, record)
+    return record | {"folder": out.name}
+
+
+def int4_speed(run: Path, folders: Sequence[str], timer: Timer = decode_ms) -> dict[str, Any]:
+    """Decode ms/token at batch 1 of ``run``'s genai ``folders`` (dense and pruned INT4, the quantize-only
+    baseline), interleaved in one run by ``timer``, and each one's speed against the baseline's where it is one of
+    them: pruning's gain on top of quantizing alone, measured in the same run."""
+    ms = timer({name: run / name for name in folders})
+    base = ms.get(BASELINE_GENAI)
+    return {
+        "decode_ms_per_token": {name: round(v, 3) for name, v in ms.items()},
+        "vs_baseline": {name: round(base / v, 4) for name, v in ms.items()} if base else None,
+        "timing": {"batch": 1, "prompt": TIMING_PROMPT, "runtime": "onnxruntime-genai CPU", **TIMING.as_dict()},
+        **cpu_record(),
+    }
+
+
+def format_int4_speed(records: Sequence[dict[str, Any]], speed: dict[str, Any]) -> str:
+    """One row per timed INT4 folder (``int4_speed``): what quantized it, its gate verdict, decode ms/token, and its
+    speed against the quantize-only baseline."""
+    rows = [("folder", "INT4 by", "gate", "decode ms/token", "vs quantize-only")]
+    by_folder = {r["folder"]: r for r in records}
+    for name, ms in speed["decode_ms_per_token"].items():
+        r = by_folder[name]
+        what = r["int4_choice"]["chosen"] if "int4_choice" in r else r["int4_scheme"]["method"]
+        if "int4_baseline" in r:
+            name, what = f"{name} (quantize-only baseline)", "genai builder -p int4 of the dense model"
+        vs = speed["vs_baseline"]
+        rows.append((name, what, gate_words(r["verify"]), f"{ms:.2f}", f"{vs[r['folder']]:.2f}x" if vs else ""))
+    t = speed["timing"]
+    return "\n".join(
+        [
+            text_table(rows),
+            f"decode: batch {t['batch']}, prompt {t['prompt']}, {t['runtime']}, {speed['cpu']}, every folder "
+            "interleaved in one run",
+        ]
+    )
 
 
 def int4_graphs(

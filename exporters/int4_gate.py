@@ -87,6 +87,14 @@ class DecoderComparison:
         return asdict(self) | {"ppl_ratio": self.ppl_ratio}
 
 
+def gate_words(verify: dict[str, Any]) -> str:
+    """A sidecar's ``verify`` (the figures and the tolerance they were held to) as its verdict:
+    ``passes gate x1.010 / 0.906`` or ``fails gate x1.382 / 0.592``."""
+    tol = DecoderTolerance(**verify["tolerance"])
+    passes = verify["ppl_ratio"] <= tol.max_ppl_ratio and verify["agreement"] >= tol.min_agreement
+    return f"{'passes' if passes else 'fails'} gate x{verify['ppl_ratio']:.3f} / {verify['agreement']:.3f}"
+
+
 def compare_decoders(reference: str | Path, candidate: str | Path, windows: np.ndarray) -> DecoderComparison:
     """Both graphs on every window (one at a time: a window's logits are sequence x vocabulary): the negative
     log-likelihood of each true next token, summed in float64, and top-1 agreement."""

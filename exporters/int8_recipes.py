@@ -58,14 +58,12 @@ from corp_deploy.exporters.quantize import (
 )
 from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.exporters.smooth import SMOOTH_ALPHA, smooth
-from corp_deploy.formats.run_folder import onnx_name, write_sidecar
+from corp_deploy.formats.run_folder import BASELINE, onnx_name, write_sidecar
 
 TIME_BATCH = 32
 """The batch INT8 candidates are timed at (``--int8-batch``); a text graph's at its exported sequence length."""
 TIME_METHOD = Method(warmup_iters=2, warmup_seconds=0.2, min_iters=5, min_seconds=0.5, round_iters=1)
 TIME_REPEATS = 3
-BASELINE = "baseline"
-"""The stem of the quantize-only baseline, ``baseline.int8.onnx``: the dense graph as onnxruntime quantizes it."""
 BASELINE_WHAT = "onnxruntime.quantization.quantize_dynamic(dense.onnx, per_channel=True, weight_type=QInt8)"
 
 

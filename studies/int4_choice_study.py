@@ -1,12 +1,16 @@
 """SmolLM2 INT4 (issue 43 item 3): the recipe ``prune-export --precision int4`` chose, against what a user gets from
 the runtime alone, decode ms/token at batch 1 in onnxruntime-genai on the CPU.
 
-RUN is a ``prune-export --precision int4`` folder of a decoder. Beside its genai folders (FP32 and the chosen INT4,
-dense and pruned) this builds genai's builder ``-p int4 -e cpu`` (its defaults, as a user runs it) of the dense HF
-folder and of RUN's ``pruned/`` artifact, gates both on the INT4 gate's held-out windows (the same windows: same
-text, tokenizer, seed, count and length as the run's records; the study checks that the chosen folders' perplexity
-recomputes), then times every folder with the choice's own timer (``exporters.int4.decode_ms``: the folders
-interleaved in rounds after a warm-up), ``--repeats`` times, and writes one JSON record.
+RUN is a ``prune-export --precision int4`` folder of a decoder (or one whose genai folders ``export`` wrote and
+``quantize --precision int4`` quantized: the INT4 records are read from the folders' sidecars). Beside its genai
+folders (FP32 and the chosen INT4, dense and pruned) this builds genai's builder ``-p int4 -e cpu`` (its defaults,
+as a user runs it) of the dense HF folder and of RUN's ``pruned/`` artifact, gates both on the INT4 gate's held-out
+windows (the same windows: same text, tokenizer, seed, count and length as the run's records; the study checks that
+the chosen folders' perplexity recomputes), then times every folder with the choice's own timer
+(``exporters.int4.decode_ms``: the folders interleaved in rounds after a warm-up), ``--repeats`` times, and writes
+one JSON record. ``--unpacked`` also times each ``minmax`` INT4 folder with its packed linears split back
+(``unpacked``: one ``MatMulNBits``, offset ``MatMul`` and ``Add`` per linear, the form before
+``int4_quant.pack_minmax``; the same weights and numbers), in the same rounds: what packing buys.
 
     python -m studies.int4_choice_study RUN --model DENSE_HF --calib-dir BBC --json docs/smollm2-int4-choice.json
 """
@@ -26,9 +30,11 @@ from corp_deploy.base.env import cpu_features, cpu_model
 from corp_deploy.exporters.genai import CONFIG, GRAPH
 from corp_deploy.exporters.int4 import decode_ms
 from corp_deploy.exporters.int4_gate import compare_decoders
+from corp_deploy.exporters.int4_quant import ADD, MINS, OFFSETS, Q4
 from corp_deploy.families.hf import hub as hf
 from corp_deploy.formats import evaluation
 
+STEMS = ("dense", "pruned")
 BUILDER = {"builder-dense-int4": None, "builder-pruned-int4": "pruned"}
 """genai's builder int4 folders this study writes in RUN, and the HF folder each reads (None: ``--model``)."""
 
@@ -58,6 +64,73 @@ def pinned(folder: Path, tmp: Path) -> Path:
     return out
 
 
+def unpacked(folder: Path, out: Path) -> None:
+    """``out``: a copy of the genai folder ``folder`` whose packed ``minmax`` linears (``pack_minmax``'s
+    ``MatMulNBits``, offset ``MatMul``, ``Add`` and ``Split`` of the linears ``a+b``) are split back into one
+    ``MatMulNBits``, offset ``MatMul`` and ``Add`` per linear: the same arrays, sliced along N."""
+    import shutil
+
+    import onnx
+    from onnx import helper, numpy_helper
+
+    shutil.copytree(folder, out)
+    proto = onnx.load(str(out / GRAPH))
+    arrays = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    by_name = {n.name: n for n in proto.graph.node}
+    packed = [n.name.removesuffix(Q4) for n in proto.graph.node if n.op_type == "MatMulNBits" and "+" in n.name]
+    parts = {f"{name}{suffix}" for name in packed for suffix in (Q4, OFFSETS, ADD, ".split")}
+    nodes, tensors = [], []
+    for node in proto.graph.node:
+        name = node.name.removesuffix(Q4)
+        if name not in packed:
+            nodes += [] if node.name in parts else [node]
+            continue
+        sums, outputs = by_name[name + OFFSETS].input[0], by_name[f"{name}.split"].output
+        edges = np.cumsum([0, *arrays[f"{name}.widths"]])
+        attrs = {a.name: a.i for a in node.attribute}
+        for base, y, a, b in zip(name.split("+"), outputs, edges[:-1], edges[1:], strict=True):
+            for suffix, axis in ((".q4", 0), (".scales", 0), (".zero_points", 0), (MINS, 1)):
+                tensors.append(
+                    numpy_helper.from_array(np.take(arrays[name + suffix], range(a, b), axis), base + suffix)
+                )
+            inputs = [node.input[0], f"{base}.q4", f"{base}.scales", f"{base}.zero_points"]
+            attrs["N"] = int(b - a)
+            nodes += [
+                helper.make_node("MatMulNBits", inputs, [f"{base}.codes"], base + Q4, domain="com.microsoft", **attrs),
+                helper.make_node("MatMul", [sums, base + MINS], [f"{base}.offsets"], name=base + OFFSETS),
+                helper.make_node("Add", [f"{base}.codes", f"{base}.offsets"], [y], name=base + ADD),
+            ]
+    still = {i for n in nodes for i in n.input}
+    kept = [t for t in proto.graph.initializer if t.name in still]
+    del proto.graph.node[:], proto.graph.initializer[:]
+    proto.graph.node.extend(nodes)
+    proto.graph.initializer.extend(kept + tensors)
+    onnx.save(proto, str(out / GRAPH))
+
+
+PAIRS = {
+    "pruned vs dense, minmax": ("dense-genai-int4", "pruned-genai-int4"),
+    "pruned vs dense, minmax unpacked": ("dense-genai-int4-unpacked", "pruned-genai-int4-unpacked"),
+    "pruned vs dense, builder": ("builder-dense-int4", "builder-pruned-int4"),
+    "dense minmax, packed vs unpacked": ("dense-genai-int4-unpacked", "dense-genai-int4"),
+    "pruned minmax, packed vs unpacked": ("pruned-genai-int4-unpacked", "pruned-genai-int4"),
+    "pruned minmax vs builder of dense": ("builder-dense-int4", "pruned-genai-int4"),
+}
+"""Speed ratios (the first folder's ms/token over the second's) the study reports per repeat."""
+
+
+def paired(repeats: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Each of ``PAIRS`` timed in a repeat: its ratio within each repeat (the two folders ran in the same rounds,
+    so the machine's drift between repeats cancels), median and quartiles over the repeats."""
+    out = {}
+    for label, (a, b) in PAIRS.items():
+        if a in repeats[0] and b in repeats[0]:
+            r = np.array([t[a] / t[b] for t in repeats])
+            q1, median, q3 = np.percentile(r, [25, 50, 75])
+            out[label] = {"median": float(median), "q1": float(q1), "q3": float(q3), "n": len(r)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path)
@@ -65,10 +138,12 @@ def main() -> None:
     parser.add_argument("--calib-dir", required=True, help="The text RUN's INT4 gate read.")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--unpacked", action="store_true", help="Also time each minmax INT4 folder unpacked.")
+    parser.add_argument("--int4-only", action="store_true", help="Time the INT4 folders only (not the FP32 ones).")
     args = parser.parse_args()
     run = args.run
     build(run, args.model)
-    records = {r["folder"]: r for r in json.loads((run / "export.json").read_text())["int4"]}
+    records = {f"{s}-genai-int4": json.loads((run / f"{s}-genai-int4" / f"{GRAPH}.json").read_text()) for s in STEMS}
     verify = records["dense-genai-int4"]["verify"]
     vocab = json.loads((run / "dense-genai" / CONFIG).read_text())["model"]["vocab_size"]
     tokenizer = hf.load_tokenizer(str(args.model), vocab)
@@ -76,7 +151,7 @@ def main() -> None:
         tokenizer, args.calib_dir, vocab, verify["seq_len"], verify["windows"], verify["seed"]
     ).numpy()
     gates = {}
-    for stem in ("dense", "pruned"):
+    for stem in STEMS:
         reference = run / f"{stem}-genai" / GRAPH
         chosen = compare_decoders(reference, run / f"{stem}-genai-int4" / GRAPH, windows).as_dict()
         recorded = records[f"{stem}-genai-int4"]["verify"]
@@ -84,7 +159,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             builder = compare_decoders(reference, pinned(run / f"builder-{stem}-int4", Path(tmp)), windows).as_dict()
         gates[f"{stem}-genai-int4"], gates[f"builder-{stem}-int4"] = chosen, builder
-    folders = ["dense-genai", "pruned-genai", "dense-genai-int4", "pruned-genai-int4", *BUILDER]
+    folders = [*([] if args.int4_only else ["dense-genai", "pruned-genai"]), *records, *BUILDER]
+    if args.unpacked:
+        for name in [n for n in records if records[n]["int4_choice"]["chosen"] == "minmax"]:
+            if not (run / f"{name}-unpacked").is_dir():
+                unpacked(run / name, run / f"{name}-unpacked")
+            folders.append(f"{name}-unpacked")
     repeats = [decode_ms({name: run / name for name in folders}) for _ in range(args.repeats)]
     median = {name: float(np.median([r[name] for r in repeats])) for name in folders}
     record = {
@@ -93,11 +173,15 @@ def main() -> None:
         "chosen": {name: records[name]["int4_choice"]["chosen"] for name in records},
         "gates": gates,
         "decode_ms_per_token": {"repeats": repeats, "median": median},
+        "paired": paired(repeats),
     }
     for name in folders:
         gate = gates.get(name)
         figures = f"ppl x{gate['ppl_ratio']:.3f} agreement {gate['agreement']:.3f}" if gate else "FP32"
-        print(f"{name:22s} {median[name]:7.2f} ms/token  {figures}")
+        figures = "the packed folder's weights, split back" if name.endswith("-unpacked") else figures
+        print(f"{name:26s} {median[name]:7.2f} ms/token  {figures}")
+    for label, r in record["paired"].items():
+        print(f"{label:40s} median {r['median']:.3f}x, middle half {r['q1']:.3f}-{r['q3']:.3f}x, {r['n']} repeats")
     if args.json:
         args.json.write_text(json.dumps(record, indent=2) + "\n")
 

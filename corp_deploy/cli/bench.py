@@ -116,8 +116,9 @@ def bench_method(timing: dict[str, Any]) -> Method:
 @click.option(
     "--no-quantize-only",
     is_flag=True,
-    help="Leave out the quantize-only baseline (the dense graph through onnxruntime's quantize_dynamic), otherwise "
-    "timed beside dense and pruned on the onnxruntime CPU backends.",
+    help="Leave out the quantize-only baseline (the dense graph through onnxruntime's quantize_dynamic; a decoder's: "
+    "genai's builder -p int4 of the dense model, baseline-genai-int4/), otherwise timed beside dense and pruned on "
+    "the onnxruntime CPU backends (a decoder's: genai-cpu-int4).",
 )
 def bench(
     run_dir: str,
@@ -170,7 +171,7 @@ def bench(
         chosen, skipped = select_decoders(backends, run)
         click.echo(f"method: {method.describe()}; {repeats} repeat(s); decode: {new_tokens} tokens per prefill")
         record = decode_benchmark(
-            run, chosen, sizes, prompts, method, repeats, new_tokens, threads, skipped, click.echo
+            run, chosen, sizes, prompts, method, repeats, new_tokens, threads, skipped, click.echo, not no_quantize_only
         )
     else:
         chosen, skipped = select_backends(backends, run)

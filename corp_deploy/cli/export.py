@@ -15,7 +15,7 @@ from torch import nn
 
 from corp_deploy import api
 from corp_deploy.base.env import versions
-from corp_deploy.base.errors import CorpError
+from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.fsio import atomic_dir, check_writable, staged
 from corp_deploy.base.steps import Steps, Stopped
 from corp_deploy.bench.backends import rewrites_on
@@ -42,7 +42,13 @@ from corp_deploy.cli.prune_options import prune_config, prune_options
 from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options
 from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.genai import CONFIG, GRAPH, NEW_TOKENS, tokenizer_files, write_genai_folder
-from corp_deploy.exporters.int4 import format_int4, int4_graphs
+from corp_deploy.exporters.int4 import (
+    format_int4,
+    format_int4_speed,
+    int4_baseline,
+    int4_graphs,
+    int4_speed,
+)
 from corp_deploy.exporters.int4_quant import Scheme, decoder_graph
 from corp_deploy.exporters.int8_recipes import parse_recipes, quantize_graphs
 from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, read_metadata
@@ -74,6 +80,7 @@ from corp_deploy.formats.artifact import META_FILE
 from corp_deploy.formats.data import SYNTHETIC
 from corp_deploy.formats.run_folder import (
     ARTIFACT,
+    BASELINE_GENAI,
     GENAI_SUFFIX,
     INT4_SUFFIX,
     MODELS,
@@ -600,16 +607,33 @@ def prune_export(
             record["int4"] = int4_graphs(
                 pairs, windows, tol, scheme, info, **calibration, candidates=candidates, sources=inputs
             )
+            record |= _int4_baseline(run_dir, [out.name for _, out in pairs], windows, tol, inputs[0], info)
     record = write_export_record(run_dir, run.name, run.result.report, record, versions())
     click.echo(format_summary(record, {k: v["params"] for k, v in record["size"].items()}))
     if "int4" in record:
         click.echo(format_int4(record["int4"]))
+        if "int4_speed" in record:
+            click.echo(format_int4_speed([*record["int4"], record["int4_baseline"]], record["int4_speed"]))
+        elif "int4_baseline" in record:
+            click.echo(f"quantize-only baseline not built: {record['int4_baseline']['error']}")
     for stem, genai_record in genai_records.items():
         click.echo(genai.summary(genai_record, genai_name(stem), None))  # random-token prompts
     folders = ", ".join(f"{genai_name(stem)}/" for stem in genai_records)
     click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json{', ' + folders if folders else ''})")
     say_folder(run_dir / ARTIFACT)
     click.echo(steps.wall_time(time.perf_counter() - started, {"prune (model, data, tables, recovery)": prune_seconds}))
+
+
+def _int4_baseline(run_dir: Path, folders: list[str], windows, tol, source, info: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's quantize-only baseline (genai's builder ``-p int4`` of the dense model, gated) and its decode
+    speed beside the INT4 ``folders``, interleaved in one run: ``export.json``'s ``int4_baseline`` and
+    ``int4_speed``. A model the builder does not take leaves the reason instead."""
+    try:
+        dense = run_dir / genai_name("dense")
+        baseline = int4_baseline(dense, run_dir / BASELINE_GENAI, windows, tol, source, info)
+    except CorpError as e:
+        return {"int4_baseline": {"error": first_line(e)}}
+    return {"int4_baseline": baseline, "int4_speed": int4_speed(run_dir, [*folders, BASELINE_GENAI])}
 
 
 def _finisher(

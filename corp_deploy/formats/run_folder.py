@@ -7,6 +7,8 @@ one module so that the writer (``exporters.pipeline``, ``cli.export``) and the r
     <m>.fp16.onnx, <m>.int8.onnx     other precisions of model <m> (dense, pruned), same sidecars
     <m>.<precision>.plan             TensorRT engines, same sidecars
     <m>-genai/, <m>-genai-int4/      a decoder's onnxruntime-genai folders (FP32 and INT4 weights)
+    baseline.int8.onnx               the quantize-only baseline (an encoder's or a ViT's; ``baseline-genai-int4/``
+                                     a decoder's)
     export.json                      the run's record, written last: a folder that has it is whole
 
 The sidecar of ``pruned.onnx`` also says how to feed the graphs (image size, or a text encoder's vocabulary and
@@ -33,6 +35,9 @@ INT4_SUFFIX = "-int4"
 """Appended to a genai folder (``pruned-genai-int4/``) for its INT4 copy."""
 GENAI_CONFIG = "genai_config.json"
 """What makes a folder an onnxruntime-genai folder."""
+BASELINE = "baseline"
+"""The quantize-only baseline's stem: the dense model quantized the runtime's own way (``baseline.int8.onnx``;
+a decoder's ``baseline-genai-int4/``, genai's builder ``-p int4`` as shipped)."""
 
 
 def onnx_name(which: str, precision: str = "fp32") -> str:
@@ -46,6 +51,10 @@ def engine_name(which: str, precision: str) -> str:
 
 def genai_name(which: str, int4: bool = False) -> str:
     return f"{which}{GENAI_SUFFIX}{INT4_SUFFIX if int4 else ''}"
+
+
+BASELINE_GENAI = genai_name(BASELINE, int4=True)
+"""A decoder's quantize-only baseline folder: the dense model through genai's builder ``-p int4`` as shipped."""
 
 
 def sidecar(path: str | Path) -> Path:
