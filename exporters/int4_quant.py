@@ -256,9 +256,6 @@ def _quantizer(nbits, proto, scheme: Scheme, exclude: set[str], calibration: np.
 
 MINS = ".block_min"
 """Suffix of a ``minmax`` MatMul's offsets initializer ([K/block, N]: each block's minimum)."""
-Q4, OFFSETS, ADD = "_Q4", ".offsets", ".add"
-"""Suffixes of the nodes ``minmax_int4`` writes for a linear: its codes (``MatMulNBits``), its offset ``MatMul``,
-the ``Add`` of the two."""
 
 
 def minmax_int4(proto, block: int, accuracy_level: int, exclude: set[str]) -> None:
@@ -306,9 +303,9 @@ def minmax_int4(proto, block: int, accuracy_level: int, exclude: set[str]) -> No
         inputs = [x, f"{base}.q4", f"{base}.scales", f"{base}.zero_points"]
         attrs = {"K": k, "N": n, "bits": 4, "block_size": block, "accuracy_level": accuracy_level}
         nodes += [
-            helper.make_node(QUANTIZED_OP, inputs, [f"{out}.codes"], base + Q4, domain="com.microsoft", **attrs),
-            helper.make_node("MatMul", [sums[x], f"{base}{MINS}"], [f"{out}.offsets"], name=base + OFFSETS),
-            helper.make_node("Add", [f"{out}.codes", f"{out}.offsets"], [out], name=base + ADD),
+            helper.make_node(QUANTIZED_OP, inputs, [f"{out}.codes"], f"{base}_Q4", domain="com.microsoft", **attrs),
+            helper.make_node("MatMul", [sums[x], f"{base}{MINS}"], [f"{out}.offsets"], name=f"{base}.offsets"),
+            helper.make_node("Add", [f"{out}.codes", f"{out}.offsets"], [out], name=f"{base}.add"),
         ]
         used.add(weight.name)
     still = {i for n in nodes for i in n.input}
@@ -318,72 +315,6 @@ def minmax_int4(proto, block: int, accuracy_level: int, exclude: set[str]) -> No
     proto.graph.initializer.extend(kept + new)
     if not any(o.domain == "com.microsoft" for o in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-
-
-def pack_minmax(proto) -> list[list[str]]:
-    """Merge, in place, the ``minmax`` linears (``minmax_int4``'s 4-bit ``MatMulNBits`` with its offset ``MatMul``
-    and ``Add``) that read one input into one of each and a ``Split``: their codes, scales and zero points
-    concatenated along N (one wider ``MatMulNBits``), their minima along N (one ``[K/block, sum N]`` offset
-    ``MatMul``). Every output column is computed as before (the kernel's blocks run along K, column by column), so
-    the outputs are the old ones to float rounding, in 4 nodes for g linears instead of 3g: q/k/v or gate/up of a
-    layer, of any widths. A decode step at batch 1 is dominated by the fixed cost per node, not by these MatMuls'
-    arithmetic. Returns the merged groups (the linears' names), in graph order."""
-    from onnx import helper, numpy_helper
-
-    nodes = list(proto.graph.node)
-    by_name = {n.name: n for n in nodes}
-    constants = {t.name: t for t in proto.graph.initializer}
-    groups: dict[tuple, list[str]] = {}
-    for node in nodes:
-        base = node.name.removesuffix(Q4)
-        attrs = tuple(sorted((a.name, a.i) for a in node.attribute if a.name != "N"))
-        if node.op_type == QUANTIZED_OP and node.name.endswith(Q4) and f"{base}{OFFSETS}" in by_name:
-            groups.setdefault((node.input[0], attrs), []).append(base)
-    merged = [bases for bases in groups.values() if len(bases) > 1]
-    if not merged:
-        return []
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
-    dropped, new, replace = set(), [], {}
-    for bases in merged:
-        quantized = [by_name[b + Q4] for b in bases]
-        offsets, adds = [by_name[b + OFFSETS] for b in bases], [by_name[b + ADD] for b in bases]
-        arrays = [[numpy_helper.to_array(constants[i]) for i in n.input[1:4]] for n in quantized]
-        lows = [numpy_helper.to_array(constants[o.input[1]]) for o in offsets]
-        widths = [low.shape[1] for low in lows]
-        name = "+".join(bases)
-        new += [
-            numpy_helper.from_array(np.concatenate([a[0] for a in arrays]), f"{name}.q4"),
-            numpy_helper.from_array(np.concatenate([a[1] for a in arrays]), f"{name}.scales"),
-            numpy_helper.from_array(np.concatenate([a[2] for a in arrays]), f"{name}.zero_points"),
-            numpy_helper.from_array(np.concatenate(lows, axis=1), f"{name}{MINS}"),
-        ]
-        attrs = {a.name: a.i for a in quantized[0].attribute} | {"N": sum(widths)}
-        inputs = [quantized[0].input[0], f"{name}.q4", f"{name}.scales", f"{name}.zero_points"]
-        split = {"axis": -1}
-        if opset >= 13:
-            new.append(numpy_helper.from_array(np.array(widths, np.int64), f"{name}.widths"))
-        else:
-            split["split"] = widths
-        replace[quantized[0].name] = [
-            helper.make_node(QUANTIZED_OP, inputs, [f"{name}.codes"], name + Q4, domain="com.microsoft", **attrs),
-            helper.make_node("MatMul", [offsets[0].input[0], f"{name}{MINS}"], [f"{name}.offsets"], name + OFFSETS),
-            helper.make_node("Add", [f"{name}.codes", f"{name}.offsets"], [f"{name}.sum"], name=name + ADD),
-            helper.make_node(
-                "Split",
-                [f"{name}.sum", *([f"{name}.widths"] if opset >= 13 else [])],
-                [a.output[0] for a in adds],
-                name=f"{name}.split",
-                **split,
-            ),
-        ]
-        dropped |= {n.name for n in (*quantized, *offsets, *adds)}
-    kept = [m for n in nodes if n.name not in dropped or n.name in replace for m in replace.get(n.name, [n])]
-    still = {i for n in kept for i in n.input}
-    initializers = [t for t in proto.graph.initializer if t.name in still]
-    del proto.graph.node[:], proto.graph.initializer[:]
-    proto.graph.node.extend(kept)
-    proto.graph.initializer.extend(initializers + new)
-    return merged
 
 
 HIDDEN = ".kept_float"
@@ -597,15 +528,12 @@ def quantize_int4(
     count = bits.count(4)
     if not count:
         raise CorpError(f"{src} has no MatMul with a constant weight; nothing to quantize to INT4")
-    packed = pack_minmax(quantized) if scheme.method == "minmax" else []
     floats = [{"node": n, "reason": r} for n, r in kept.items()]
     if head and scheme.lm_head == "fp32":
         floats.append({"node": head, "reason": "the LM head (--int4-lm-head fp32)"})
     extra = {"int4_scheme": scheme.describe(), "int4_matmuls": count, "int4_kept_float": floats}
     extra["int4_int8"] = [{"node": n, "reason": r} for n, r in outliers.items()]
     extra["int4_lm_head"] = {"node": head, "precision": scheme.lm_head} if head else None
-    if packed:
-        extra["int4_packed"] = packed
     if errors:
         shown = max(10, scheme.keep_float + len(outliers))
         extra["int4_worst_sqnr_db"] = [[n, round(db, 2)] for n, db in errors[:shown]]

@@ -8,9 +8,7 @@ as a user runs it) of the dense HF folder and of RUN's ``pruned/`` artifact, gat
 windows (the same windows: same text, tokenizer, seed, count and length as the run's records; the study checks that
 the chosen folders' perplexity recomputes), then times every folder with the choice's own timer
 (``exporters.int4.decode_ms``: the folders interleaved in rounds after a warm-up), ``--repeats`` times, and writes
-one JSON record. ``--unpacked`` also times each ``minmax`` INT4 folder with its packed linears split back
-(``unpacked``: one ``MatMulNBits``, offset ``MatMul`` and ``Add`` per linear, the form before
-``int4_quant.pack_minmax``; the same weights and numbers), in the same rounds: what packing buys.
+one JSON record.
 
     python -m studies.int4_choice_study RUN --model DENSE_HF --calib-dir BBC --json docs/smollm2-int4-choice.json
 """
@@ -30,7 +28,6 @@ from corp_deploy.base.env import cpu_features, cpu_model
 from corp_deploy.exporters.genai import CONFIG, GRAPH
 from corp_deploy.exporters.int4 import decode_ms
 from corp_deploy.exporters.int4_gate import compare_decoders
-from corp_deploy.exporters.int4_quant import ADD, MINS, OFFSETS, Q4
 from corp_deploy.families.hf import hub as hf
 from corp_deploy.formats import evaluation
 
@@ -64,56 +61,9 @@ def pinned(folder: Path, tmp: Path) -> Path:
     return out
 
 
-def unpacked(folder: Path, out: Path) -> None:
-    """``out``: a copy of the genai folder ``folder`` whose packed ``minmax`` linears (``pack_minmax``'s
-    ``MatMulNBits``, offset ``MatMul``, ``Add`` and ``Split`` of the linears ``a+b``) are split back into one
-    ``MatMulNBits``, offset ``MatMul`` and ``Add`` per linear: the same arrays, sliced along N."""
-    import shutil
-
-    import onnx
-    from onnx import helper, numpy_helper
-
-    shutil.copytree(folder, out)
-    proto = onnx.load(str(out / GRAPH))
-    arrays = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
-    by_name = {n.name: n for n in proto.graph.node}
-    packed = [n.name.removesuffix(Q4) for n in proto.graph.node if n.op_type == "MatMulNBits" and "+" in n.name]
-    parts = {f"{name}{suffix}" for name in packed for suffix in (Q4, OFFSETS, ADD, ".split")}
-    nodes, tensors = [], []
-    for node in proto.graph.node:
-        name = node.name.removesuffix(Q4)
-        if name not in packed:
-            nodes += [] if node.name in parts else [node]
-            continue
-        sums, outputs = by_name[name + OFFSETS].input[0], by_name[f"{name}.split"].output
-        edges = np.cumsum([0, *arrays[f"{name}.widths"]])
-        attrs = {a.name: a.i for a in node.attribute}
-        for base, y, a, b in zip(name.split("+"), outputs, edges[:-1], edges[1:], strict=True):
-            for suffix, axis in ((".q4", 0), (".scales", 0), (".zero_points", 0), (MINS, 1)):
-                tensors.append(
-                    numpy_helper.from_array(np.take(arrays[name + suffix], range(a, b), axis), base + suffix)
-                )
-            inputs = [node.input[0], f"{base}.q4", f"{base}.scales", f"{base}.zero_points"]
-            attrs["N"] = int(b - a)
-            nodes += [
-                helper.make_node("MatMulNBits", inputs, [f"{base}.codes"], base + Q4, domain="com.microsoft", **attrs),
-                helper.make_node("MatMul", [sums, base + MINS], [f"{base}.offsets"], name=base + OFFSETS),
-                helper.make_node("Add", [f"{base}.codes", f"{base}.offsets"], [y], name=base + ADD),
-            ]
-    still = {i for n in nodes for i in n.input}
-    kept = [t for t in proto.graph.initializer if t.name in still]
-    del proto.graph.node[:], proto.graph.initializer[:]
-    proto.graph.node.extend(nodes)
-    proto.graph.initializer.extend(kept + tensors)
-    onnx.save(proto, str(out / GRAPH))
-
-
 PAIRS = {
     "pruned vs dense, minmax": ("dense-genai-int4", "pruned-genai-int4"),
-    "pruned vs dense, minmax unpacked": ("dense-genai-int4-unpacked", "pruned-genai-int4-unpacked"),
     "pruned vs dense, builder": ("builder-dense-int4", "builder-pruned-int4"),
-    "dense minmax, packed vs unpacked": ("dense-genai-int4-unpacked", "dense-genai-int4"),
-    "pruned minmax, packed vs unpacked": ("pruned-genai-int4-unpacked", "pruned-genai-int4"),
     "pruned minmax vs builder of dense": ("builder-dense-int4", "pruned-genai-int4"),
 }
 """Speed ratios (the first folder's ms/token over the second's) the study reports per repeat."""
@@ -138,7 +88,6 @@ def main() -> None:
     parser.add_argument("--calib-dir", required=True, help="The text RUN's INT4 gate read.")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--unpacked", action="store_true", help="Also time each minmax INT4 folder unpacked.")
     parser.add_argument("--int4-only", action="store_true", help="Time the INT4 folders only (not the FP32 ones).")
     args = parser.parse_args()
     run = args.run
@@ -160,11 +109,6 @@ def main() -> None:
             builder = compare_decoders(reference, pinned(run / f"builder-{stem}-int4", Path(tmp)), windows).as_dict()
         gates[f"{stem}-genai-int4"], gates[f"builder-{stem}-int4"] = chosen, builder
     folders = [*([] if args.int4_only else ["dense-genai", "pruned-genai"]), *records, *BUILDER]
-    if args.unpacked:
-        for name in [n for n in records if records[n]["int4_choice"]["chosen"] == "minmax"]:
-            if not (run / f"{name}-unpacked").is_dir():
-                unpacked(run / name, run / f"{name}-unpacked")
-            folders.append(f"{name}-unpacked")
     repeats = [decode_ms({name: run / name for name in folders}) for _ in range(args.repeats)]
     median = {name: float(np.median([r[name] for r in repeats])) for name in folders}
     record = {
@@ -178,7 +122,6 @@ def main() -> None:
     for name in folders:
         gate = gates.get(name)
         figures = f"ppl x{gate['ppl_ratio']:.3f} agreement {gate['agreement']:.3f}" if gate else "FP32"
-        figures = "the packed folder's weights, split back" if name.endswith("-unpacked") else figures
         print(f"{name:26s} {median[name]:7.2f} ms/token  {figures}")
     for label, r in record["paired"].items():
         print(f"{label:40s} median {r['median']:.3f}x, middle half {r['q1']:.3f}-{r['q3']:.3f}x, {r['n']} repeats")

@@ -26,14 +26,7 @@ ort = pytest.importorskip("onnxruntime")
 
 from corp_deploy.exporters.int4 import calibration_record, int4_graphs  # noqa: E402
 from corp_deploy.exporters.int4_gate import DecoderTolerance  # noqa: E402
-from corp_deploy.exporters.int4_quant import (  # noqa: E402
-    MINS,
-    Scheme,
-    dequantize,
-    matmul_errors,
-    minmax_int4,
-    pack_minmax,
-)
+from corp_deploy.exporters.int4_quant import MINS, Scheme, dequantize, matmul_errors, minmax_int4  # noqa: E402
 from corp_deploy.exporters.text_onnx import export_text_onnx  # noqa: E402
 from corp_deploy.families.hf import hub as hf  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned  # noqa: E402
@@ -316,69 +309,12 @@ def test_minmax_on_a_decoder_runs_on_matmulnbits_and_records_its_method(decoder,
     record = int4_graphs([(graph, out)], _windows(), DecoderTolerance(2.0, 0.5), scheme)[0]
     proto = onnx.load(str(out))
     nbits = {n.name: {a.name: a.i for a in n.attribute} for n in proto.graph.node if n.op_type == "MatMulNBits"}
-    assert record["int4_matmuls"] == 14  # the linears in 4 bits; q/k/v and gate/up share a MatMulNBits per layer
-    assert sorted(b["bits"] for b in nbits.values()) == [4] * 8 + [8] and len(record["int4_packed"]) == 4
+    assert sorted(b["bits"] for b in nbits.values()) == [4] * 14 + [8] and record["int4_matmuls"] == 14
     assert not [n for n in proto.graph.node if n.op_type == "MatMul" and n.name in weight_names(graph)]
     s = record["int4_scheme"]
     assert (s["method"], s["block_size"], s["symmetric"], s["accuracy_level"]) == ("minmax", 16, False, 4)
     assert s["zero_point"].startswith("float offset") and s["quantizer"].startswith("corp-deploy")
     assert record["verify"]["ppl_ratio"] < 2.0 and record["int4_kept_float"] == []
-
-
-def _pruned_layer():
-    """One pruned layer's linears as ONNX MatMuls: q/k/v of unequal widths (48, 16, 40) reading one input, gate/up
-    (72: not a multiple of the block) reading another, down (K = 72) and an o_proj alone."""
-    h, rng = onnx.helper, np.random.default_rng(5)
-    widths = {"q": ("x", 64, 48), "k": ("x", 64, 16), "v": ("x", 64, 40), "o": ("attn", 40, 64)}
-    widths |= {"gate": ("h", 64, 72), "up": ("h", 64, 72), "down": ("act", 72, 64)}
-    nodes, weights = [], []
-    for name, (x, k, n) in widths.items():
-        weights.append(onnx.numpy_helper.from_array(rng.standard_normal((k, n)).astype(np.float32), f"{name}.w"))
-        nodes.append(h.make_node("MatMul", [x, f"{name}.w"], [name], name=name))
-    nodes += [h.make_node("MatMul", ["v", "o.w"], ["o2"], name="o2")]  # o's weight on another input: apart
-    inputs = {"x": 64, "attn": 40, "h": 64, "act": 72}
-    graph = h.make_graph(
-        nodes,
-        "layer",
-        [h.make_tensor_value_info(x, onnx.TensorProto.FLOAT, [2, 3, k]) for x, k in inputs.items()],
-        [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in (*widths, "o2")],
-        weights,
-    )
-    feeds = {x: rng.standard_normal((2, 3, k)).astype(np.float32) for x, k in inputs.items()}
-    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), feeds
-
-
-def _run(proto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
-
-
-def test_minmax_linears_reading_one_input_share_one_matmulnbits_and_give_the_same_outputs(decoder) -> None:
-    """The packed form (``pack_minmax``) against minmax's one MatMulNBits + offset MatMul + Add per linear: the same
-    outputs to float rounding with unequal (pruned) widths, 4 nodes for a group instead of 3 per linear; a linear
-    left float or in another bit width stays apart."""
-    proto, feeds = _pruned_layer()
-    minmax_int4(proto, 16, 4, {"v"})  # v left float: q and k pack, v does not
-    packed = onnx.ModelProto()
-    packed.CopyFrom(proto)
-    groups = pack_minmax(packed)
-    assert groups == [["q", "k"], ["gate", "up"]]
-    ops = [n.op_type for n in packed.graph.node]
-    assert len(packed.graph.node) == len(proto.graph.node) - 4 and ops.count("Split") == 2
-    assert ops.count("MatMulNBits") == 5  # q+k, o, o2 (reads v), gate+up, down
-    for a, b in zip(_run(proto, feeds), _run(packed, feeds), strict=True):
-        assert a.shape == b.shape and np.allclose(a, b, rtol=1e-6, atol=1e-6)
-    assert pack_minmax(packed) == []  # nothing left to merge
-    _, _, graph = decoder  # a whole decoder: q (64) / k, v (32) and gate/up in each of two layers
-    proto = onnx.load(str(graph))
-    minmax_int4(proto, 16, 4, set())
-    packed = onnx.ModelProto()
-    packed.CopyFrom(proto)
-    assert [len(g) for g in pack_minmax(packed)] == [3, 2, 3, 2]
-    assert len(packed.graph.node) == len(proto.graph.node) - 2 * (9 - 4 + 6 - 4)
-    windows = _windows(2)
-    feeds = {"input_ids": windows, "attention_mask": np.ones_like(windows)}
-    for a, b in zip(_run(proto, feeds), _run(packed, feeds), strict=True):  # the logits (and any other output)
-        assert np.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def weight_names(graph: Path) -> set[str]:

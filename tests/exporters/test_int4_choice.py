@@ -23,7 +23,6 @@ og = pytest.importorskip("onnxruntime_genai", reason="genai folders need onnxrun
 from corp_deploy.exporters.genai import GRAPH, tokenizer_files, write_genai_folder  # noqa: E402
 from corp_deploy.exporters.int4 import (  # noqa: E402
     AUTO,
-    BASELINE_FOLDER,
     RECIPES,
     format_int4,
     format_int4_speed,
@@ -35,6 +34,7 @@ from corp_deploy.exporters.int4 import (  # noqa: E402
 from corp_deploy.exporters.int4_gate import DecoderTolerance  # noqa: E402
 from corp_deploy.exporters.int4_quant import Scheme  # noqa: E402
 from corp_deploy.families.hf import hub as hf  # noqa: E402
+from corp_deploy.formats.run_folder import BASELINE_GENAI  # noqa: E402
 
 SEQ = 16
 SCHEME = Scheme(block_size=16, int8_outliers_db=None)
@@ -192,17 +192,17 @@ def test_the_quantize_only_baseline_is_the_builders_int4_kept_and_labelled_with_
     gate says (the bound of 1.0 / 1.0 fails any change of weights), and its row says which."""
     genai, source = fused
     chosen = _choose(fused, tmp_path / "dense-genai-int4", LOOSE, FakeTimer({}), candidates=("minmax",))
-    baseline = int4_baseline(genai, tmp_path / BASELINE_FOLDER, _windows(), tol, source)
-    sidecar = json.loads((tmp_path / BASELINE_FOLDER / f"{GRAPH}.json").read_text())
-    assert sidecar | {"folder": BASELINE_FOLDER} == baseline and baseline["int4_scheme"]["method"] == "builder"
+    baseline = int4_baseline(genai, tmp_path / BASELINE_GENAI, _windows(), tol, source)
+    sidecar = json.loads((tmp_path / BASELINE_GENAI / f"{GRAPH}.json").read_text())
+    assert sidecar | {"folder": BASELINE_GENAI} == baseline and baseline["int4_scheme"]["method"] == "builder"
     assert baseline["int4_baseline"]["passes_gate"] is (tol is LOOSE)
-    assert {n.op_type for n in onnx.load(str(tmp_path / BASELINE_FOLDER / GRAPH)).graph.node} >= {"MatMulNBits"}
-    timer = FakeTimer({"dense-genai-int4": 3.0, BASELINE_FOLDER: 2.4})
-    speed = int4_speed(tmp_path, ["dense-genai-int4", BASELINE_FOLDER], timer)
+    assert {n.op_type for n in onnx.load(str(tmp_path / BASELINE_GENAI / GRAPH)).graph.node} >= {"MatMulNBits"}
+    timer = FakeTimer({"dense-genai-int4": 3.0, BASELINE_GENAI: 2.4})
+    speed = int4_speed(tmp_path, ["dense-genai-int4", BASELINE_GENAI], timer)
     assert timer.asked == [["baseline-genai-int4", "dense-genai-int4"]]  # one interleaved run of both
-    assert speed["vs_baseline"] == {"dense-genai-int4": 0.8, BASELINE_FOLDER: 1.0} and speed["flags"]
+    assert speed["vs_baseline"] == {"dense-genai-int4": 0.8, BASELINE_GENAI: 1.0} and speed["flags"]
     rows = format_int4_speed([chosen, baseline], speed).splitlines()
-    row = next(line for line in rows if line.startswith(f"{BASELINE_FOLDER} (quantize-only baseline)"))
+    row = next(line for line in rows if line.startswith(f"{BASELINE_GENAI} (quantize-only baseline)"))
     v = baseline["verify"]
     verdict = f"{'passes' if tol is LOOSE else 'fails'} gate x{v['ppl_ratio']:.3f} / {v['agreement']:.3f}"
     assert "genai builder -p int4 of the dense model" in row and verdict in row and "2.40" in row and "1.00x" in row
