@@ -118,7 +118,8 @@ class PruneConfig:
     """``standard``: keep to what the family's own config expresses (``Adapter.standard_parts``, uniform widths), so
     the artifact loads with plain ``from_pretrained``; refused where the plan could not."""
     chose_target: bool = field(init=False, repr=False, compare=False)
-    """Whether ``target`` was given (not recorded: a saved config's target is the one pruned)."""
+    """Whether ``target`` was given (not recorded: a saved config's target is the one pruned). ``replace`` passes the
+    target on, so a copy has chosen it: narrow a default (``api.for_model``) before copying."""
 
     def __post_init__(self) -> None:
         if isinstance(self.budget, str):
