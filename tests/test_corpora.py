@@ -197,6 +197,7 @@ def test_a_package_that_is_not_the_pinned_build_is_one_line_and_never_cached(pin
     [
         (b"not an ar archive at all", "not a Debian package"),
         (b"!<arch>\n", "holds no data.tar member"),
+        (b"!<arch>\n" + b"data.tar.xz".ljust(48) + b"12x".ljust(10) + b"`\n", "corrupt ar header at byte 8"),
         (deb_bytes({}, data=b"\xfd7zXZ\x00truncated"), "data archive is corrupt"),
     ],
 )

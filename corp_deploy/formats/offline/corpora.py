@@ -158,7 +158,9 @@ def deb_members(deb: Path, pattern: str) -> dict[str, bytes]:
     pos, data = 8, None
     while pos + 60 <= len(raw):
         name, size = raw[pos : pos + 16].decode("ascii", "replace").strip().rstrip("/"), raw[pos + 48 : pos + 58]
-        start, end = pos + 60, pos + 60 + int(size.decode("ascii").strip() or 0)
+        if not size.strip().isdigit():
+            raise CorpError(f"{deb} has a corrupt ar header at byte {pos}; delete it and run again")
+        start, end = pos + 60, pos + 60 + int(size)
         if name.startswith("data.tar"):
             data = raw[start:end]
         pos = end + (end % 2)
