@@ -53,14 +53,21 @@ def _warm_up(step: Step, method: Method) -> None:
 
 
 def interleaved(steps: dict[str, Step], method: Method, warm_up: bool = True) -> dict[str, list[float]]:
-    """Latencies (seconds) per named step, all measured in alternating rounds (after a warm-up)."""
+    """Latencies (seconds) per named step, all measured in alternating rounds (after a warm-up).
+
+    ``min_seconds`` counts the wall time spent in each model's steps, as the warm-up does, not the latencies they
+    report: a step that reports less than it costs (a decode step whose session restarts after its last token) would
+    otherwise run for as many iterations as its tiny latency takes to add up (minutes on a tiny test model)."""
     for step in steps.values() if warm_up else ():
         _warm_up(step, method)
     times: dict[str, list[float]] = {name: [] for name in steps}
+    spent = dict.fromkeys(steps, 0.0)
     order = list(steps)
-    while any(len(t) < method.min_iters or sum(t) < method.min_seconds for t in times.values()):
+    while any(len(times[n]) < method.min_iters or spent[n] < method.min_seconds for n in steps):
         for name in order:
+            start = time.perf_counter()
             times[name].extend(steps[name]() for _ in range(method.round_iters))
+            spent[name] += time.perf_counter() - start
         order.reverse()
     return times
 

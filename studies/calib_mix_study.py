@@ -31,11 +31,13 @@ from typing import Any
 import torch
 
 from corp_deploy.base.tables import markdown_table
-from corp_deploy.core.pruner import PruneConfig, calibrate, prune_model
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats.data import sample
 from corp_deploy.formats.offline import corpora
 from corp_deploy.formats.text import Document, read_documents, split_documents, text_batches
+from corp_deploy.plan.widths import plan_widths
 from studies.text_study import embed, package_folder
 
 SEEN, UNSEEN = ("business", "politics"), ("entertainment", "tech")
@@ -97,7 +99,8 @@ def run(dense, tokenizer, docs: list[Document], num: int, a: argparse.Namespace,
     rows = []
     for ranker in rankers:
         model = copy.deepcopy(dense)
-        prune_model(model, stats, PruneConfig(sparsity=a.sparsity, target=a.target, ranker=ranker))
+        config = PruneConfig(sparsity=a.sparsity, target=a.target, ranker=ranker)
+        prune_model(model, stats, config, plan_widths(model, config, stats))
         row = {"documents": len(picked), "tokens": tokens, "calibration_s": seconds, "ranker": ranker}
         rows.append(row | {"scores": scored(model, tokenizer, sets, refs), "load": os.getloadavg()[0]})
         print({k: v for k, v in rows[-1].items() if k != "scores"}, {k: round(v["cosine"], 4) for k, v in

@@ -44,6 +44,7 @@ from corp_deploy.formats import calibration
 from corp_deploy.formats.artifact import read_meta
 from corp_deploy.formats.offline import datasets, img_focus
 from corp_deploy.plan import speed
+from corp_deploy.plan.widths import plan_widths
 from studies.speed_study import scores
 
 TARGET = "mlp,qk,v"
@@ -133,7 +134,7 @@ def setup(a: argparse.Namespace) -> tuple[torch.nn.Module, dict, list, torch.Ten
     for name, compensation in STARTS.items():
         pruned[name] = copy.deepcopy(dense)
         config = PruneConfig(sparsity=a.sparsity, target=TARGET, compensation=compensation)
-        prune_model(pruned[name], stats, config, widths)
+        prune_model(pruned[name], stats, config, widths or plan_widths(dense, config, stats))
     return dense, tasks, calib.batches, calib.heldout.images, pruned
 
 
