@@ -359,7 +359,6 @@ def int4_baseline(
     user weighs pruning against, so a baseline that fails the gate is shown, and its record (also the sidecar) says
     so in ``int4_baseline``."""
     from corp_deploy.exporters.genai import GRAPH
-    from corp_deploy.exporters.pipeline import write_sidecar
 
     with staged(out, overwrite) as stage:
         folder = stage / out.name
