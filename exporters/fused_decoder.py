@@ -30,7 +30,6 @@ from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.exporters.kv_cache import KINDS, PAST, PRESENT, layout
 from corp_deploy.exporters.onnx_export import add_metadata, check_onnx
-from corp_deploy.families.hf.folder import dense_head
 from corp_deploy.formats.artifact import save_pruned
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -52,6 +51,8 @@ def unsupported(model: nn.Module, tokenizer: Sequence[Path]) -> str | None:
             f"sliding-window attention (window {window}): the builder's GroupQueryAttention windows the cache "
             "otherwise than transformers (measured: its logits differ)"
         )
+    from corp_deploy.families.hf.folder import dense_head  # transformers: the text extra, read only for decoders
+
     lay, head = layout(model), dense_head(model.config)
     if head % HEAD_MULTIPLE:
         return f"its heads are {head} wide: GroupQueryAttention on the CPU takes multiples of {HEAD_MULTIPLE}"

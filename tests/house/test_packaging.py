@@ -115,3 +115,11 @@ def test_an_offline_editable_install_maps_the_folders(tmp_path) -> None:
         project / "bench/run.py",
         project / "corp_deploy/base/version.py",
     ]
+
+
+def test_the_command_line_starts_without_the_text_extra() -> None:
+    """`pip install corp-deploy[onnx]` (no transformers) must still run `corp-deploy` for ViTs: a module-level import of
+    the `transformers` side anywhere on the CLI's import path stops every command (it did: exporters.fused_decoder)."""
+    code = "import sys; sys.modules['transformers'] = None; import corp_deploy.cli; corp_deploy.cli.main(['--help'])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "prune-export" in done.stdout, done.stderr[-2000:]
