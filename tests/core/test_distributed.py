@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from helpers import ROOT, TINY_CLI_ARGS, run_here, tiny_vit
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from corp_deploy.core.distributed import World, shard
+from corp_deploy.core.distributed import World, _until_released, shard
 
 PROCESS_TIMEOUT = 420
 """Seconds any launched process may take: these runs need ~15 s, but two cold torch imports on two busy cores can
@@ -36,6 +37,19 @@ def test_shards_are_disjoint_complete_and_ordered() -> None:
     assert all(len(p) in (5, 6) for p in parts) and parts[1] == [1, 5, 9, 13, 17, 21]
     assert shard(items, World()) == items
     assert shard(items[:2], World(3, 4)) == []  # more ranks than images: an empty shard, not an error
+
+
+def test_a_rank_waits_until_no_other_thread_holds_a_reduced_chunk() -> None:
+    """A tensor kept alive only by C++ (here autograd, in a run gloo's worker) keeps its weak reference alive:
+    the wait before a rank exits holds until that holder lets go, so no worker needs the GIL at shutdown."""
+    held = torch.full((3,), 2.0)
+    graph = torch.ones(3, requires_grad=True) * held  # saves ``held`` for the backward
+    sent = [weakref.ref(held)]
+    del held
+    with pytest.raises(TimeoutError, match="not released"):
+        _until_released(sent, 0.05)
+    del graph
+    _until_released(sent, 0.05)
 
 
 @pytest.fixture(scope="module")
