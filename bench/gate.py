@@ -4,8 +4,9 @@ Three modes. ``absolute`` compares each (backend, model, batch) p50 with the bas
 dedicated CI machine. ``ratio`` compares each (backend, batch) pruned/dense p50 speedup: both
 models are measured interleaved in the same run, so a shared or throttled machine slows both and
 the ratio holds; what it catches is the pruned model losing its advantage. ``quantize-only`` needs no baseline
-record: in this run, pruned INT8 against the dense model quantized the runtime's own way (``bench.baseline``),
-timed in the same loop; pruned slower than it by more than the limit fails (``--max-regression 0``: it must win).
+record: in this run, pruned INT8 (a decoder's INT4) against the dense model quantized the runtime's own way
+(``bench.baseline``; a decoder's ``bench.decode.quantize_only``), timed in the same loop; pruned slower than it by
+more than the limit fails (``--max-regression 0``: it must win).
 
 A change equal to the limit passes ("beyond 5%" fails); every baseline measurement must be in this
 run, since a gate that quietly checks less is no gate.
@@ -21,6 +22,7 @@ from typing import Any
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.run import SCHEMA, SCHEMA_VERSION, label, measurement, pairs
+from corp_deploy.formats.run_folder import BASELINE_GENAI
 
 BASELINE_MODES = ("absolute", "ratio")
 """The gates that compare this run with a baseline record."""
@@ -134,13 +136,16 @@ def format_checks(checks: list[Check], max_regression: float, mode: str) -> str:
 
 
 def against_quantize_only(record: dict[str, Any], max_regression: float) -> list[Check]:
-    """One check per INT8 (backend, batch) of this run timed beside the quantize-only baseline: pruned's p50 against
-    the baseline's (``current`` pruned, ``baseline`` the baseline's p50)."""
-    rows = [p for p in pairs(record) if p["precision"] == "int8" and "baseline_p50_ms" in p]
+    """One check per (backend, batch[, phase, prompt]) of this run timed beside the quantize-only baseline: pruned's
+    p50 against the baseline's (``current`` pruned, ``baseline`` the baseline's p50). The baseline is timed where it
+    has a precision to match: INT8 for encoders and images (``quantize_dynamic``), INT4 for decoders (genai's
+    builder ``-p int4``)."""
+    rows = [p for p in pairs(record) if "baseline_p50_ms" in p]
     if not rows:
         raise CorpError(
-            "--gate quantize-only needs pruned INT8 timed beside the quantize-only baseline: run the ort-cpu-int8 "
-            "backend on a folder with pruned.int8.onnx (prune-export --int8, or corp-deploy quantize)"
+            "--gate quantize-only needs pruned INT8 or INT4 timed beside the quantize-only baseline: run ort-cpu-int8 "
+            "on a folder with pruned.int8.onnx (prune-export --int8, or corp-deploy quantize), or genai-cpu-int4 on a "
+            f"decoder run with {BASELINE_GENAI}/ (prune-export --precision int4)"
         )
     checks = []
     for p in rows:

@@ -126,6 +126,26 @@ def test_a_decoder_bench_records_every_phase_and_the_gate_reads_them(build, tmp_
         gate.compare(prefill_only, record, 0.05, "ratio")
 
 
+def test_the_quantize_only_gate_reads_a_decoders_int4_baseline_per_phase() -> None:
+    """A decoder's baseline (genai's builder int4 of the dense model) is timed on genai-cpu-int4 only: one check per
+    phase there, none on the FP32 backend, which has no baseline to stand beside."""
+    row = {"device": "cpu", "batch": 1, "prompt_len": 8, "throughput": 1.0, "p50_tokens_per_s": 1.0}
+    p50 = {("genai-cpu-int4", "prefill"): (9.0, 8.0, 10.0), ("genai-cpu-int4", "decode"): (3.0, 2.5, 2.0)}
+    p50 |= {("genai-cpu-fp32", phase): (20.0, 15.0) for phase in ("prefill", "decode")}
+    results = [
+        row | {"backend": b, "phase": f, "precision": b.rsplit("-", 1)[1], "model": m, "p50_ms": v}
+        for (b, f), times in p50.items()
+        for m, v in zip(("dense", "pruned", "baseline"), times, strict=False)  # FP32: no baseline
+    ]
+    checks = gate.against_quantize_only({"results": results}, 0.05)
+    assert [(c.key.split(" pruned vs")[0], c.regressed) for c in checks] == [
+        ("genai-cpu-int4 batch 1 prefill at prompt 8", False),  # 8 ms against the baseline's 10
+        ("genai-cpu-int4 batch 1 decode at prompt 8", True),  # 2.5 ms/token against 2.0: 25% slower
+    ]
+    with pytest.raises(CorpError, match="genai-cpu-int4 on a decoder run with baseline-genai-int4/"):
+        gate.against_quantize_only({"results": [r for r in results if r["model"] != "baseline"]}, 0.05)
+
+
 @pytest.mark.e2e
 def test_bench_on_a_decoder_run_prints_the_phases_writes_the_record_and_gates(tmp_path, capsys) -> None:
     _run_folder(tmp_path / "run", _llama())

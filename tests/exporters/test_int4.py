@@ -407,9 +407,11 @@ def test_prune_export_writes_int4_genai_folders_that_generate_and_bench_and_quan
     fast = ["--warmup-iters", "1", "--warmup-seconds", "0", "--min-iters", "2", "--min-seconds", "0"]
     backends = "genai-cpu-fp32,genai-cpu-int4"
     bench = ["bench", str(out), "--backends", backends, "--batch-sizes", "2", "--prompt-lens", "8", "--new-tokens", "2"]
-    code, stdout, stderr = run([*bench, *fast], capsys)
+    code, stdout, stderr = run([*bench, *fast, "--gate", "quantize-only", "--max-regression", "900%"], capsys)
     assert code == 0, stderr
     assert stdout.count("genai-cpu-int4  cpu     int4") == 2  # prefill and decode rows
+    assert "regression gate (quantize-only, max 900.0%): 0 of 2 regressed" in stdout  # int4 prefill and decode
+    assert "genai-cpu-int4 batch 2 decode at prompt 8 pruned vs quantize-only baseline p50 ms" in stdout
     assert "pruned vs quantize-only" in stdout and "quantize-only baseline: baseline-genai-int4/: " in stdout
     assert f"{verdict} gate x" in stdout.split("quantize-only baseline: ")[1]
 

@@ -214,7 +214,7 @@ def test_the_quantize_only_gate_reads_the_baseline_beside_pruned_int8() -> None:
     assert not gate.against_quantize_only(record, 0.25)[0].regressed
     assert "quantize-only p50 ms" in format_table(record) and "0.83x" in format_table(record)
     del record["results"][2]
-    with pytest.raises(CorpError, match="needs pruned INT8 timed beside the quantize-only baseline"):
+    with pytest.raises(CorpError, match="needs pruned INT8 or INT4 timed beside the quantize-only baseline"):
         gate.against_quantize_only(record, 0.05)
 
 
