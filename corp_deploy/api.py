@@ -102,7 +102,7 @@ def check(
     Returns the calibration step (``ONE_PASS``, ``GROUPED``, ``SEQUENTIAL``) and the widths when they do not wait
     for the statistics (else None: ``plan.widths.plan`` makes them after calibration).
     """
-    mode = _calibration_mode(config, max_stats_gib, world)
+    mode = calibration_mode(config, max_stats_gib, world.size)
     if loop is not None:
         _check_loop(config, max_stats_gib, world.size, table)
     widths = width_plan.data_free(model, config, dense_macs, table)
@@ -111,12 +111,13 @@ def check(
     return mode, widths
 
 
-def _calibration_mode(config: PruneConfig, max_stats_gib: float | None, world: World) -> str:
-    """The calibration step for ``config``; combinations no step supports are refused."""
-    if config.depth and world.size > 1:
+def calibration_mode(config: PruneConfig, max_stats_gib: float | None, processes: int = 1) -> str:
+    """The calibration step for ``config`` in a job of ``processes``; combinations no step supports are refused.
+    It needs no model, so a command line can be refused before its model and data load (``cli.prune``)."""
+    if config.depth and processes > 1:
         raise CorpError("--depth runs in one process so far; drop torchrun or --depth")
     if config.sequential:
-        if config.budget is not None and world.size > 1:
+        if config.budget is not None and processes > 1:
             raise CorpError("--budget with --sequential runs in one process; drop torchrun or one of the two")
         return SEQUENTIAL
     if max_stats_gib is None:

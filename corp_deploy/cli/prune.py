@@ -92,8 +92,9 @@ def pruned(
     rewrites: tuple[str, ...] | None = None,
     **flags: Any,
 ) -> Pruned | None:
-    """Validate the flags, then build, calibrate, prune ``config`` (``options.prune_config``; ``api.prune`` checks it
-    against the model before any data is read) and, with ``--recover-*``, recover.
+    """Validate the flags, then build, calibrate, prune ``config`` (``options.prune_config``; its calibration step
+    here, before the model loads; ``api.prune`` checks it against the model before any data is read) and, with
+    ``--recover-*``, recover.
 
     Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``. A latency
     budget's table is measured (or read) before calibration (``speed.latency_table``); ``latency_rounds`` closes the
@@ -106,6 +107,7 @@ def pruned(
     calibration inputs, kept as the calibration pass reads them (``recover.Kept``), on the device pruning used,
     with the sensitivity pass's held-out inputs (if any) evaluated, never trained on.
     """
+    api.calibration_mode(config, max_stats_gib, distributed.processes())  # refused before the model and data load
     recover = recovery_setup(recovery)
     if recover is not None and distributed.launched():
         raise CorpError("--recover-steps/--recover-minutes train in one process; run it without torchrun")

@@ -48,7 +48,12 @@ SINGLE_PROCESS = World()
 
 def launched() -> bool:
     """True under torchrun (or any launcher that sets RANK and WORLD_SIZE) with more than one process."""
-    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return processes() > 1
+
+
+def processes() -> int:
+    """How many processes the launcher started (1 outside one), known before the process group is joined."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
 
 
 def init(device: torch.device, timeout_s: float) -> tuple[World, torch.device]:

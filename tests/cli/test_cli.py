@@ -108,8 +108,8 @@ BAD_INPUTS = {
     "budget above 1": ([*PRUNE, "--calib", "synthetic", "--budget", "macs=1.5"], "0 < F <= 1"),
     "budget of another kind": ([*PRUNE, "--calib", "synthetic", "--budget", "flops=0.5"], "--budget must be"),
     "latency budget without a backend": ([*PRUNE, "--calib", "synthetic", "--budget", "latency=0.5"], "--latency-on"),
-    "budget with bounded memory": (
-        [*PRUNE, "--calib", "synthetic", "--budget", "macs=0.6", "--max-stats-gib", "1", "--allocation", "local"],
+    "budget with bounded memory, refused before the data is looked at": (
+        [*PRUNE, "--calib-dir", "{tmp}/nope", "--budget", "macs=0.6", "--max-stats-gib", "1", "--allocation", "local"],
         "drop --max-stats-gib or --budget",
     ),
     "bound below one block": ([*PRUNE, "--calib", "synthetic", "--max-stats-gib", "1e-6"], "pass at least"),
