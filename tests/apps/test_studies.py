@@ -279,3 +279,29 @@ def test_text_recover_study_trains_on_seen_classes_and_scores_the_unseen_one(tmp
     assert "| removal | 2 |" in out.with_suffix(".md").read_text()
     with pytest.raises(SystemExit, match="not a class"):
         text_recover_study.parts(documents(30), "sport", 8, 6, 5, 0)
+
+
+def test_calib_mix_study_prunes_each_lever_from_one_calibration_at_the_uniform_macs(tmp_path) -> None:
+    """The sensitivity row spends at most the uniform row's MACs; a ``<part>-only`` row prunes that part alone."""
+    import argparse
+    import random
+
+    from corp_deploy.families.hf.hub import load
+    from corp_deploy.formats.text import Document
+    from studies import calib_mix_study as study
+    from studies.text_study import embed
+    from tests.helpers import TEXT_VOCAB, tiny_text_folder
+
+    model, tokenizer = load(str(tiny_text_folder(tmp_path)))
+    rng = random.Random(0)
+    docs = [Document(" ".join(rng.choices(TEXT_VOCAB[5:], k=rng.randint(6, 14))), "x") for _ in range(40)]
+    a = argparse.Namespace(seed=0, seq_len=16, heldout=4, sparsity=0.5, target="mlp,qk", ridges="0.001,0.1")
+    sets = {"x": docs[32:]}
+    refs = {"x": embed(model, tokenizer, sets["x"], study.EVAL_TOKENS, 8)}
+    rows_of = study.variants(a, ["combined"], ["uniform", "sensitivity", "mlp-only"])
+    rows = study.run(model, tokenizer, docs[:24], docs[24:32], 16, a, sets, refs, rows_of)
+    assert [(r["allocation"], r["ridge"]) for r in rows] == [(w, x) for w in study.ALLOCATIONS[:3] for x in (1e-3, 0.1)]
+    uniform, _, sensitivity, _, mlp_only, _ = rows
+    assert sensitivity["macs"] <= uniform["macs"] < mlp_only["macs"] < 1.0
+    assert all(0.0 < r["scores"]["x"]["cosine"] <= 1.0 + 1e-6 and len(r["scores"]["x"]["items"]) == 8 for r in rows)
+    assert rows[0]["scores"]["x"]["items"] != rows[1]["scores"]["x"]["items"]  # the ridge reaches the fit
