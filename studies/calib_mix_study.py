@@ -61,9 +61,9 @@ ALLOCATIONS = ("uniform", "sensitivity", "mlp-only", "qk-only")
 """``uniform``: ``--sparsity`` in every block; ``sensitivity``: ``--allocation sensitivity`` at the uniform MACs;
 ``<part>-only``: ``--sparsity`` of that part alone (a diagnostic: where the loss comes from, at other MACs)."""
 EVAL_SEED = 0
+"""The evaluation draw, whatever ``--seed`` (which draws the calibration documents): the frontier's held-out set."""
 EVAL_TOKENS = 128
 """Every evaluation document is embedded at this length, whatever ``--seq-len`` (the calibration sequences')."""
-"""The evaluation draw, whatever ``--seed`` (which draws the calibration documents): the frontier's held-out set."""
 
 
 SETS = {
