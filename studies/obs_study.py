@@ -77,7 +77,9 @@ PROMPTS = (
     "My grandmother told me that",
     "Scientists have discovered that",
 )
-"""``--loop-prompts``' fixed prompts: plain text, no chat template (the dense model loops on none of them)."""
+"""``--loop-prompts``' fixed prompts: plain text, no chat template. Dense SmolLM2 loops on the last by the rule
+("can be found in the human" three times in 64 tokens: docs/obs-study-smollm.json), so it counts only where dense
+does not loop."""
 
 
 def row_specs(rows: str, sparsity: float) -> list[tuple[str, str, str, float]]:
@@ -117,7 +119,7 @@ def paired(rows: list[dict[str, Any]], name: str, part: str) -> str:
 
 
 def pruned_rows(
-    dense: torch.nn.Module, stats, sparsity: float, score, rows: str = "corp,obs,removal", done=print
+    dense: torch.nn.Module, stats, sparsity: float, score, rows: str = "corp,obs,removal", done=None
 ) -> list[dict[str, Any]]:
     """Every ``--rows`` row pruned from the same statistics, scored by ``score(model) -> {set: value}``; ``done``
     sees the rows so far after each (to write them as they come)."""
@@ -132,7 +134,8 @@ def pruned_rows(
         row["kept_mlp"] = sum(r["mlp"]["kept"] for r in report)
         out.append(row | score(model) | {"load": os.getloadavg()[0]})
         print(sparsity, {k: v for k, v in out[-1].items() if not isinstance(v, dict)}, flush=True)
-        done(out)
+        if done:
+            done(out)
     return out
 
 
