@@ -117,6 +117,12 @@ int4_options = group(
         help="INT4: MatMuls whose output SQNR is this far below the median (and under 30 dB) in 8 bits; 'off': none.",
     ),
     click.option(
+        "--int4-error-feedback/--no-int4-error-feedback",
+        default=True,
+        show_default=True,
+        help="INT4 minmax: the outliers (off its grid) in 4 bits with GPTQ's error feedback; no: in 8 bits.",
+    ),
+    click.option(
         "--int4-calib-windows",
         default=CALIB_WINDOWS,
         show_default=True,
@@ -149,6 +155,7 @@ def int4_setup(int4: dict[str, Any]) -> tuple[Scheme, DecoderTolerance]:
         lm_head=int4["int4_lm_head"],
         keep_float=int4["int4_keep_float"],
         int8_outliers_db=_outliers_db(int4["int4_int8_outliers_db"]),
+        error_feedback=int4["int4_error_feedback"],
     )
     if int4["int4_calib_windows"] < 1:
         raise CorpError(f"--int4-calib-windows must be >= 1, got {int4['int4_calib_windows']}")

@@ -26,7 +26,16 @@ ort = pytest.importorskip("onnxruntime")
 
 from corp_deploy.exporters.int4 import calibration_record, int4_graphs  # noqa: E402
 from corp_deploy.exporters.int4_gate import DecoderTolerance  # noqa: E402
-from corp_deploy.exporters.int4_quant import MINS, Scheme, dequantize, matmul_errors, minmax_int4  # noqa: E402
+from corp_deploy.exporters.int4_grid import grid_weight  # noqa: E402
+from corp_deploy.exporters.int4_quant import (  # noqa: E402
+    MINS,
+    Scheme,
+    dequantize,
+    error_feedback_grids,
+    matmul_errors,
+    minmax_int4,
+)
+from corp_deploy.exporters.onnx_export import load_onnx  # noqa: E402
 from corp_deploy.exporters.text_onnx import export_text_onnx  # noqa: E402
 from corp_deploy.families.hf import hub as hf  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned  # noqa: E402
@@ -323,12 +332,13 @@ def weight_names(graph: Path) -> set[str]:
     return {n.name for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in constants}
 
 
-def test_the_default_puts_the_one_matmul_off_a_q4_1_grid_in_8_bits_and_the_rest_in_exact_int4(
+def test_the_default_quantizes_the_one_matmul_off_a_q4_1_grid_with_error_feedback_and_the_rest_exactly(
     decoder, tmp_path
 ) -> None:
     """The real case in miniature: a GGUF Q4_1 model's weights sit on a grid of 16 levels per block, except those
-    CORP's compensation rewrote (the pruned down_proj). minmax gives the grid back; the measured outlier goes to
-    8 bits and is named with its SQNR."""
+    CORP's compensation rewrote (the pruned down_proj). minmax gives the grid back; the measured outlier stays 4-bit,
+    its codes chosen by GPTQ's error feedback on a grid with a uint4 zero point (no offset nodes), recorded with its
+    SQNR rounded and with feedback; without error feedback it goes to 8 bits."""
     _, _, graph = decoder
     proto = onnx.load(str(graph))
     weights = {n.input[1]: n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name in weight_names(graph)}
@@ -340,17 +350,32 @@ def test_the_default_puts_the_one_matmul_off_a_q4_1_grid_in_8_bits_and_the_rest_
             t.CopyFrom(onnx.numpy_helper.from_array((low + step * np.round((b - low) / step)).reshape(w.shape), t.name))
     gridded = tmp_path / "grid.onnx"
     onnx.save(proto, str(gridded))
-    out = tmp_path / "grid.int4.onnx"
-    record = int4_graphs(
-        [(gridded, out)], _windows(), DecoderTolerance(1.25, 0.8), Scheme(16), None, False, _calibration()
-    )[0]
-    assert record["int4_scheme"]["method"] == "minmax" and record["int4_scheme"]["lm_head"].startswith("int8")
-    assert [r["node"] for r in record["int4_int8"]] == ["node_linear_6"] and record["int4_kept_float"] == []
-    assert "below" in record["int4_int8"][0]["reason"] and record["int4_median_sqnr_db"] > 60
+    out, eight = tmp_path / "grid.int4.onnx", tmp_path / "grid.int8.onnx"
+    tol = DecoderTolerance(1.25, 0.8)
+    record = int4_graphs([(gridded, out)], _windows(), tol, Scheme(16), None, False, _calibration())[0]
+    assert record["int4_scheme"]["method"] == "minmax" and record["int4_scheme"]["error_feedback"]
+    assert record["int4_int8"] == [] and record["int4_kept_float"] == [] and record["int4_matmuls"] == 14
+    (feedback,) = record["int4_error_feedback"]
+    assert feedback["node"] == "node_linear_6" and "with error feedback" in feedback["reason"]
     assert record["int4_worst_sqnr_db"][0][0] == "node_linear_6" and record["int4_worst_sqnr_db"][0][1] < 30
-    nodes = {n.name: n for n in onnx.load(str(out)).graph.node}
+    assert record["int4_median_sqnr_db"] > 60 and record["verify"]["agreement"] > 0.9
+    int4 = onnx.load(str(out))
+    nodes, constants = {n.name: n for n in int4.graph.node}, _constants(int4)
+    assert "node_linear_6.offsets" not in nodes and f"node_linear_6{MINS}" not in constants  # the zero point holds it
+    grid = error_feedback_grids(load_onnx(gridded), {"node_linear_6"}, _calibration(), 16)["node_linear_6"]
+    assert np.allclose(dequantize(nodes["node_linear_6_Q4"], constants), grid_weight(*grid, 16), rtol=0, atol=1e-6)
+    node = onnx.NodeProto()
+    node.CopyFrom(nodes["node_linear_6_Q4"])
+    next(a for a in node.attribute if a.name == "accuracy_level").i = 0  # float activations: the weight alone
+    x = np.random.default_rng(0).standard_normal((5, grid[0].shape[0])).astype(np.float32)
+    assert np.allclose(_kernel_output(int4, node, x), x @ grid_weight(*grid, 16), rtol=1e-4, atol=1e-4)
+    record = int4_graphs(
+        [(gridded, eight)], _windows(), tol, Scheme(16, error_feedback=False), None, False, _calibration()
+    )[0]
+    assert [r["node"] for r in record["int4_int8"]] == ["node_linear_6"] and record["int4_error_feedback"] == []
+    assert "below" in record["int4_int8"][0]["reason"] and record["int4_matmuls"] == 13
+    nodes = {n.name: n for n in onnx.load(str(eight)).graph.node}
     assert next(a.i for a in nodes["node_linear_6_Q8"].attribute if a.name == "bits") == 8
-    assert record["int4_matmuls"] == 13 and record["verify"]["agreement"] > 0.9
 
 
 @pytest.mark.e2e
