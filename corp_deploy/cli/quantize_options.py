@@ -126,7 +126,8 @@ int4_options = group(
         "--int4-calib-windows",
         default=CALIB_WINDOWS,
         show_default=True,
-        help="INT4: calibration-document windows for gptq and --int4-keep-float.",
+        help="INT4: calibration-document windows for gptq and error feedback (the error ranking of outliers and "
+        "--int4-keep-float reads the first 16).",
     ),
     click.option("--tol-ppl-ratio", type=float, help=f"INT4 gate: perplexity / FP32's at most [{INT4.max_ppl_ratio}]."),
     click.option(
