@@ -21,6 +21,7 @@ from corp_deploy.exporters.int4_quant import (
     LM_HEAD,
     METHODS,
     OUTLIERS_DB,
+    RANK_WINDOWS,
     Scheme,
 )
 from corp_deploy.exporters.quantize import CALIB_METHODS
@@ -127,7 +128,7 @@ int4_options = group(
         default=CALIB_WINDOWS,
         show_default=True,
         help="INT4: calibration-document windows for gptq and error feedback (the error ranking of outliers and "
-        "--int4-keep-float reads the first 16).",
+        f"--int4-keep-float reads the first {RANK_WINDOWS}).",
     ),
     click.option("--tol-ppl-ratio", type=float, help=f"INT4 gate: perplexity / FP32's at most [{INT4.max_ppl_ratio}]."),
     click.option(
