@@ -286,11 +286,12 @@ def test_calib_mix_study_prunes_each_lever_from_one_calibration_at_the_uniform_m
     import argparse
     import random
 
+    from helpers import TEXT_VOCAB, tiny_text_folder
+
     from corp_deploy.families.hf.hub import load
     from corp_deploy.formats.text import Document
     from studies import calib_mix_study as study
     from studies.text_study import embed
-    from tests.helpers import TEXT_VOCAB, tiny_text_folder
 
     model, tokenizer = load(str(tiny_text_folder(tmp_path)))
     rng = random.Random(0)
