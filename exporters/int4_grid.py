@@ -42,17 +42,18 @@ def _round(row: np.ndarray, low: np.ndarray, step: np.ndarray) -> np.ndarray:
     return np.clip(np.round((row.astype(np.float32) - low) / step), 0, LEVELS).astype(np.uint8)
 
 
+def _empty(shape: tuple[int, int], block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Codes (K, N) and per-block minima and steps (ceil(K / block), N) to fill."""
+    k, n = shape
+    blocks = -(-k // block)
+    return np.empty((k, n), np.uint8), np.empty((blocks, n), np.float32), np.empty((blocks, n), np.float32)
+
+
 def minmax_grid(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each block's own minimum and step, every weight rounded to its nearest code: a weight already on such a grid
     (a dequantized GGUF Q4_1) comes back exactly, any other within half a step."""
-    k, n = w.shape
-    blocks = -(-k // block)
-    codes, lows, steps = (
-        np.empty((k, n), np.uint8),
-        np.empty((blocks, n), np.float32),
-        np.empty((blocks, n), np.float32),
-    )
-    for b in range(blocks):
+    codes, lows, steps = _empty(w.shape, block)
+    for b in range(len(lows)):
         rows = w[b * block : (b + 1) * block]
         lows[b], steps[b] = block_range(rows)
         codes[b * block : (b + 1) * block] = _round(rows, lows[b], steps[b])
@@ -79,13 +80,8 @@ def gptq_grid(
     h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
     u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: H^-1 = U^T U
     w = w.astype(np.float64).copy()
-    blocks = -(-k // block)
-    codes, lows, steps = (
-        np.empty((k, n), np.uint8),
-        np.empty((blocks, n), np.float32),
-        np.empty((blocks, n), np.float32),
-    )
-    for b in range(blocks):
+    codes, lows, steps = _empty((k, n), block)
+    for b in range(len(lows)):
         first, last = b * block, min((b + 1) * block, k)
         lows[b], steps[b] = low, step = block_range(w[first:last], integer_zero)
         errors = np.empty((last - first, n))
