@@ -157,10 +157,10 @@ class PruneConfig:
             self._check_budgeted()
         if SELECTIONS[self.selection].scored and not self.prunes("mlp"):
             raise CorpError(f"--selection {self.selection} chooses MLP channels across blocks; add mlp to --target")
-        obs_parts = self.ranker == "obs" and (self.prunes("mlp") or self.prunes("v"))
-        if obs_parts and (self.compensation != "corp" or SELECTIONS[self.selection].scored):
+        refits = RANKERS[self.ranker].refits and (self.prunes("mlp") or self.prunes("v"))
+        if refits and (self.compensation != "corp" or SELECTIONS[self.selection].scored):
             raise CorpError(
-                "--ranker obs orders each block's channels by the error CORP's compensation leaves: "
+                f"--ranker {self.ranker} orders each block's channels by the error CORP's compensation leaves: "
                 "use --compensation corp and --selection per-layer, or another ranker"
             )
         if self.depth:

@@ -43,19 +43,42 @@ def kept_width(width: int, sparsity: float, round_to: int, what: str) -> int:
     return kept
 
 
-Ranker = Callable[[MlpStats, Tensor, float], Tensor]
+ChannelScores = Callable[[MlpStats, Tensor, float], Tensor]
 """(the sums CORP gathered of a Linear's input, its weight (out, in) in float64, the ridge) -> one score per input
 channel (fc2: MLP channels; proj: V channels); higher is kept. Nested kept sets across widths come free: the top k."""
+ValueScores = Callable[[MlpStats, Tensor, int, int, float], Tensor]
+"""(proj's input sums, its weight, heads, query heads per K/V head, the ridge) -> (heads // group, head_dim)."""
+QkScores = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""(the logit energy, (heads, head_dim), the query and key weights as (heads, head_dim, in)) -> Q/K scores."""
+
+
+@dataclass(frozen=True)
+class Ranker:
+    """One ranker's rule for each part. Only the MLP rule is its own; V and Q/K default to what every diagonal score
+    does there, so a ranker that scores V or Q/K otherwise says so where it is registered, not in ``if`` branches."""
+
+    channels: ChannelScores
+    values: ValueScores | None = None
+    """V scores; None: ``channels`` summed over the query heads that share a V head (they keep the same channels)."""
+    qk: QkScores | None = None
+    """Q/K scores; None: the paper's logit energy ``E[||q_j||^2 ||k_j||^2]``, the only attention score it defines."""
+    refits: bool = False
+    """Whether the order reads the error CORP's own compensation leaves, so it holds only under ``--compensation
+    corp`` and a per-block selection (``PruneConfig`` refuses the rest)."""
+
+
 RANKERS: dict[str, Ranker] = {}
-"""MLP and V channel rankers by name (paper sec. 3.3, appendix E): a new ranker is a function and a ``register``.
+"""Rankers by name (paper sec. 3.3, appendix E): a new one is a ``ChannelScores`` function and a ``register``.
 ``combined`` = energy x magnitude is the paper's default; ``variance`` (centred second moment) is VBP's criterion;
 ``obs`` is greedy Optimal Brain Surgeon on the error CORP's compensation leaves (Q/K keep the logit energy)."""
 
 
-def register(name: str) -> Callable[[Ranker], Ranker]:
-    def add(ranker: Ranker) -> Ranker:
-        RANKERS[name] = ranker
-        return ranker
+def register(
+    name: str, values: ValueScores | None = None, qk: QkScores | None = None, refits: bool = False
+) -> Callable[[ChannelScores], ChannelScores]:
+    def add(channels: ChannelScores) -> ChannelScores:
+        RANKERS[name] = Ranker(channels, values, qk, refits)
+        return channels
 
     return add
 
@@ -64,15 +87,28 @@ def _magnitude(weight: Tensor) -> Tensor:
     return weight.double().norm(dim=0)
 
 
+def _qk_magnitude(logit_energy: Tensor, wq: Tensor, wk: Tensor) -> Tensor:
+    """||Wq_j|| ||Wk_j||: the data-free Q/K score."""
+    return wq.double().norm(dim=-1) * wk.double().norm(dim=-1)
+
+
+def _obs_values(s: MlpStats, weight: Tensor, heads: int, group: int, ridge: float) -> Tensor:
+    """Greedy OBS with the query heads that share a V head removed together as one unit, one per K/V head per round
+    (``obs.value_units``)."""
+    units, owner = (t.to(weight.device) for t in obs.value_units(heads, group, weight.shape[1] // heads))
+    order = obs.removal_order(s.mean(), s.second_moment(), weight, ridge, units, owner)[0]
+    return obs.rank_scores(order).view(heads // group, -1)
+
+
 @register("energy")
 def energy(s: MlpStats, weight: Tensor, ridge: float) -> Tensor:
     """E[x_i^2]."""
     return s.second_moment().diagonal()
 
 
-@register("magnitude")
+@register("magnitude", qk=_qk_magnitude)
 def magnitude(s: MlpStats, weight: Tensor, ridge: float) -> Tensor:
-    """||W[:, i]||_2: data-free."""
+    """||W[:, i]||_2: data-free (and so are its Q/K scores)."""
     return _magnitude(weight)
 
 
@@ -95,45 +131,39 @@ def variance(s: MlpStats, weight: Tensor, ridge: float) -> Tensor:
     return (energy(s, weight, ridge) - s.mean().double().square()).clamp_min(0)
 
 
-@register("obs")
+@register("obs", values=_obs_values, refits=True)
 def obs_order(s: MlpStats, weight: Tensor, ridge: float) -> Tensor:
     """The step at which greedy OBS removes each channel (``obs.removal_order`` damped by ``ridge``), so the top k
     are its kept set at width k, and the sets at all widths are nested as every ranker's."""
     return obs.rank_scores(obs.removal_order(s.mean(), s.second_moment(), weight, ridge)[0])
 
 
+def ranker_named(name: str) -> Ranker:
+    """``RANKERS[name]``, or one line naming the choices."""
+    if name not in RANKERS:
+        raise CorpError(f"unknown ranker {name!r}; choose one of {', '.join(RANKERS)}")
+    return RANKERS[name]
+
+
 def channel_scores(ranker: str, s: MlpStats, weight: Tensor, ridge: float = 0.0) -> Tensor:
-    """``ranker``'s scores of a Linear's input channels (``RANKERS``)."""
-    if ranker not in RANKERS:
-        raise CorpError(f"unknown ranker {ranker!r}; choose one of {', '.join(RANKERS)}")
-    return RANKERS[ranker](s, weight, ridge)
+    """``ranker``'s scores of a Linear's input channels."""
+    return ranker_named(ranker).channels(s, weight, ridge)
 
 
 def value_scores(ranker: str, s: MlpStats, weight: Tensor, heads: int, group: int, ridge: float = 0.0) -> Tensor:
-    """V channel scores per K/V head, (heads // group, head_dim), from proj's input sums and weight.
-
-    Query heads that share a V head (``group`` of them) keep the same channels: ranked by their summed scores, or
-    for ``obs`` removed together as one unit, one per K/V head per round (``obs.value_units``)."""
-    d = weight.shape[1] // heads
-    if ranker != "obs":
-        return channel_scores(ranker, s, weight).view(heads // group, group, d).sum(1)
-    units, owner = (t.to(weight.device) for t in obs.value_units(heads, group, d))
-    order = obs.removal_order(s.mean(), s.second_moment(), weight, ridge, units, owner)[0]
-    return obs.rank_scores(order).view(heads // group, d)
+    """V channel scores per K/V head, (heads // group, head_dim), from proj's input sums and weight: the ranker's
+    own V rule, else its channel scores summed over the ``group`` query heads that share a V head."""
+    rule = ranker_named(ranker)
+    if rule.values is not None:
+        return rule.values(s, weight, heads, group, ridge)
+    return rule.channels(s, weight, ridge).view(heads // group, group, -1).sum(1)
 
 
 def qk_scores(ranker: str, logit_energy: Tensor, wq: Tensor, wk: Tensor) -> Tensor:
-    """Importance of each Q/K dimension per head, (heads, head_dim); higher is kept.
-
-    Every data-driven ranker uses the paper's logit energy ``E[||q_j||^2 ||k_j||^2]``, the only
-    attention score the paper defines; ``magnitude`` is the data-free ``||Wq_j|| * ||Wk_j||``.
-    ``wq``/``wk`` are the query/key weights as (heads, head_dim, in_features).
-    """
-    if ranker == "magnitude":
-        return wq.double().norm(dim=-1) * wk.double().norm(dim=-1)
-    if ranker not in RANKERS:
-        raise CorpError(f"unknown ranker {ranker!r}; choose one of {', '.join(RANKERS)}")
-    return logit_energy
+    """Importance of each Q/K dimension per head, (heads, head_dim); higher is kept: the ranker's own Q/K rule, else
+    the paper's logit energy. ``wq``/``wk`` are the query/key weights as (heads, head_dim, in_features)."""
+    rule = ranker_named(ranker)
+    return logit_energy if rule.qk is None else rule.qk(logit_energy, wq, wk)
 
 
 def split_top(scores: Tensor, kept: int) -> tuple[Tensor, Tensor]:
