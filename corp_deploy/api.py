@@ -1,5 +1,5 @@
 """Pruning, end to end: the target a model's family takes by default (``for_model``), the one check of a config
-against the model before any data is read (``check``), a latency budget's closed loop (``latency_loop``; its
+against the model before any data is read (``check``), a latency budget's closed loop (``plan.loop``; its
 table: ``plan.speed.latency_table``), the calibration, the width plan (``plan.widths``: a sparsity, a budget, a
 measured latency through the closed loop), ``pruner.prune_model`` and the report, and ``save``. What calibration
 reads is ``calibration``; what a command was pointed at, ``sources``.
@@ -14,12 +14,13 @@ Calibrate once, prune many (``model`` stays dense; each result is a pruned copy 
 calib = corp_deploy.calibrated(model, batches, corp_deploy.PruneConfig(target="mlp,qk,v"), total=total)
 results = [calib.prune(corp_deploy.PruneConfig(sparsity=s, target="mlp,qk,v")) for s in (0.3, 0.5)]
 
-A latency budget, as ``corp-deploy prune --speedup 2 --latency-on ort-cpu-fp32 --latency-rounds 3`` plans it:
+A latency budget, as ``corp-deploy prune --speedup 2 --latency-on ort-cpu-fp32 --latency-rounds 3`` plans it
+(``from corp_deploy.plan import loop, speed``):
 
 on = speed.Latency(speed.check_backend("ort-cpu-fp32"), batch=32, rounds=3)
 config = corp_deploy.PruneConfig(budget="latency=0.5")  # prunes mlp,qk,v, as far as the family can
-table, loop = speed.latency_table(model, "deit_small", {}, on), api.latency_loop(on)
-result = corp_deploy.prune(model, batches, config, total=total, table=table, loop=loop)
+table = speed.latency_table(model, "deit_small", {}, on)
+result = corp_deploy.prune(model, batches, config, total=total, table=table, loop=loop.latency_loop(on))
 
 Label-free recovery after pruning (opt-in; ``corp_deploy.core.recover``): keep a dense copy, and the calibration batches
 recovery trains on as ``prune`` reads them (``recover.Kept``), then ``recover_pruned``:
@@ -53,10 +54,9 @@ from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for
 from corp_deploy.formats.artifact import save_pruned
 from corp_deploy.formats.calibration import Heldout, resolve_device
-from corp_deploy.plan import speed
 from corp_deploy.plan import widths as width_plan
-from corp_deploy.plan.allocation import widths_of
-from corp_deploy.plan.latency import LatencyTable, Timing, workload
+from corp_deploy.plan.latency import LatencyTable
+from corp_deploy.plan.loop import LatencyLoop, check_loop, close_loop
 from corp_deploy.plan.report import model_size, peak_memory
 from corp_deploy.plan.sensitivity import hold_out
 from corp_deploy.plan.widths import Replan
@@ -104,7 +104,7 @@ def check(
     """
     mode = calibration_mode(config, max_stats_gib, world.size)
     if loop is not None:
-        _check_loop(config, max_stats_gib, world.size, table)
+        check_loop(config, max_stats_gib, world.size, table)
     widths = width_plan.data_free(model, config, dense_macs, table)
     if mode != ONE_PASS:
         blockwise.plan_groups(model, config, max_stats_gib)
@@ -126,119 +126,6 @@ def calibration_mode(config: PruneConfig, max_stats_gib: float | None, processes
         what = "--budget" if config.budget is not None else f"--selection {config.selection}"
         raise CorpError(f"{what} compares every block's statistics at once; drop --max-stats-gib or {what}")
     return GROUPED
-
-
-def _check_loop(config: PruneConfig, max_stats_gib: float | None, processes: int, table: LatencyTable | None) -> None:
-    """What the closed loop (``LatencyLoop``) cannot re-plan."""
-    if config.budget is None or config.budget.kind != "latency":
-        raise CorpError("the latency check times a latency budget: pass --speedup S or --budget latency=F")
-    if config.sequential or max_stats_gib is not None:
-        raise CorpError(
-            "the latency check re-allocates from the statistics of one pass; --sequential would re-walk the data "
-            "for every plan, so it is refused here: drop --sequential, or use corp-deploy prune (no check)"
-        )
-    if processes > 1:
-        raise CorpError("the latency check times on one machine; run it without torchrun")
-    if table is None:
-        raise CorpError("the closed loop corrects a latency table: pass the table the budget was planned with")
-
-
-@dataclass(frozen=True)
-class LatencyLoop:
-    """A latency budget's closed loop: after pruning, ``timing(dense, pruned)`` measures both in one run on the
-    table's backend; while the measured speedup misses the target by more than the noise band, the table is
-    corrected with the measured point and the widths re-allocated from the same statistics, ``rounds`` at most."""
-
-    timing: Callable[[nn.Module, nn.Module], Timing]
-    rounds: int = 3
-
-    def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise CorpError(f"--latency-rounds must be >= 1, got {self.rounds}")
-
-
-def latency_loop(latency: speed.Latency, say: Callable[[str], None] = lambda line: None) -> LatencyLoop | None:
-    """The closed loop on ``latency``'s backend and batch (dense and pruned timed interleaved, each timing said), or
-    None without ``rounds``."""
-    if latency.rounds is None:
-        return None
-    threads = torch.get_num_threads()
-    at = workload({"batch": latency.batch, "seq_len": latency.seq_len})
-
-    def timing(dense: nn.Module, pruned: nn.Module) -> Timing:
-        say(f"latency check: timing dense and pruned on {latency.backend.name} at {at}, interleaved")
-        t = speed.measure_pair(
-            dense, pruned, latency.backend, latency.batch, threads, speed.LOOP_METHOD, latency.seq_len
-        )
-        say(f"  dense {t.dense_s * 1e3:.1f} ms, pruned {t.pruned_s * 1e3:.1f} ms: {t.speedup:.2f}x +-{t.band:.1%}")
-        return t
-
-    return LatencyLoop(timing, latency.rounds)
-
-
-def close_loop(
-    dense: nn.Module,
-    model: nn.Module,
-    blocks: list[dict],
-    stats: CalibrationStats,
-    config: PruneConfig,
-    replan: Replan,
-    table: LatencyTable,
-    widths: list[Widths],
-    record: dict[str, Any],
-    loop: LatencyLoop,
-    timer: Timer,
-) -> tuple[nn.Module, list[dict], dict[str, Any], dict[str, Any]]:
-    """Time, correct, re-plan and re-prune (from a copy of ``dense``) until the speedup is met or rounds run out.
-
-    Returns the pruned model, its block reports, the allocation record and the loop's record for ``corp.json``.
-    """
-    target = 1 / config.budget.fraction
-    history: list[dict[str, Any]] = []
-    while True:
-        start = time.perf_counter()
-        measured = loop.timing(dense, model)
-        timer.add("latency check", start)
-        history.append(
-            {
-                "predicted_speedup": record["latency"]["predicted_speedup"],
-                "measured_speedup": measured.speedup,
-                "spread": measured.band,
-                "dense_ms": measured.dense_s * 1e3,
-                "pruned_ms": measured.pruned_s * 1e3,
-                "widths": [list(widths_of(dense, w)) for w in widths],
-            }
-        )
-        met = abs(measured.speedup / target - 1) <= measured.band
-        if met or len(history) == loop.rounds:
-            break
-        planned = [widths_of(dense, w) for w in widths]
-        try:  # a pair no correction follows, or a corrected table that puts the target out of reach: keep this one
-            table = table.corrected(measured.dense_s, measured.pruned_s, planned)
-            widths, record = replan(table)
-        except CorpError as e:
-            history[-1]["stopped"] = str(e)
-            break
-        model = copy.deepcopy(dense)
-        blocks = prune_model(model, stats, config, widths, timer)
-    last = history[-1]
-    return (
-        model,
-        blocks,
-        record,
-        {
-            "backend": table.key["backend"],
-            "batch": table.key["batch"],
-            **({"seq_len": table.key["seq_len"]} if "seq_len" in table.key else {}),
-            "target_speedup": target,
-            "predicted_speedup": last["predicted_speedup"],
-            "measured_speedup": last["measured_speedup"],
-            "spread": last["spread"],
-            "rounds": len(history),
-            "met": met,
-            "history": history,
-        },
-    )
 
 
 @dataclass

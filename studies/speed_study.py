@@ -122,7 +122,7 @@ def closed_loop(
     time_pair: Callable[[torch.nn.Module, torch.nn.Module], Timing],
 ) -> tuple[torch.nn.Module, list[Widths], PruneConfig, Timing, list[dict[str, Any]]]:
     """``method``'s model at ``target``, timed against dense; while it misses by more than the band and ``rounds``
-    allow, the table is corrected with the measured pair and the method re-planned (``api.close_loop``'s rule, for
+    allow, the table is corrected with the measured pair and the method re-planned (``plan.loop.close_loop``'s rule, for
     every method alike: what a user of ``--speedup`` gets). The last model, plan, config, timing and the history."""
     history: list[dict[str, Any]] = []
     plan, config = planner.plan(method, target, table)

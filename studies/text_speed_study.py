@@ -44,6 +44,7 @@ from corp_deploy.formats.text import read_documents, text_batches, tokenize
 from corp_deploy.plan import speed
 from corp_deploy.plan.allocation import widths_of
 from corp_deploy.plan.latency import LatencyTable, Timing
+from corp_deploy.plan.loop import LatencyLoop
 from corp_deploy.plan.report import model_size
 from corp_deploy.plan.widths import plan_widths
 from studies.speed_study import bisect
@@ -69,7 +70,7 @@ def uniform_plan(dense: torch.nn.Module, table: LatencyTable, target: float) -> 
 def uniform_at(
     dense: torch.nn.Module, stats: Any, table: LatencyTable, target: float, rounds: int, time_pair: Any
 ) -> tuple[torch.nn.Module, float, Timing, list[dict[str, float]]]:
-    """Uniform CORP at ``target``'s measured speed: ``api.close_loop``'s rule (correct the table with the measured
+    """Uniform CORP at ``target``'s measured speed: ``plan.loop.close_loop``'s rule (correct the table with the measured
     pair, re-plan) with a uniform sparsity as the plan. The model, its sparsity, last timing and the history."""
     history: list[dict[str, float]] = []
     while True:
@@ -114,7 +115,7 @@ def run(a: argparse.Namespace) -> None:
     rows: list[dict[str, Any]] = []
     for target in a.speedups:
         config = PruneConfig(target=TARGET, budget=f"latency={1 / target!r}", sensitivity_images=len(split.held_docs))
-        loop = api.LatencyLoop(time_pair, a.rounds)
+        loop = LatencyLoop(time_pair, a.rounds)
         result = api.prune(
             copy.deepcopy(dense), batches(), config, "cpu", len(split.calib_docs), False, heldout=heldout,
             table=table, loop=loop,

@@ -23,7 +23,6 @@ import torch
 from torch import Tensor, nn
 
 from corp_deploy import api
-from corp_deploy.api import LatencyLoop
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir, atomic_file, check_writable
 from corp_deploy.base.steps import Steps
@@ -37,6 +36,7 @@ from corp_deploy.formats.artifact import read_meta
 from corp_deploy.formats.calibration import Heldout
 from corp_deploy.formats.run_folder import ARTIFACT, onnx_name
 from corp_deploy.plan.latency import LatencyTable
+from corp_deploy.plan.loop import LatencyLoop
 from corp_deploy.plan.report import model_size, verdict
 
 if TYPE_CHECKING:

@@ -14,7 +14,6 @@ from typing import Any
 import click
 import torch
 
-from corp_deploy import api
 from corp_deploy.apps import floor
 from corp_deploy.apps.sweep import (
     DEFAULT_SPARSITIES,
@@ -53,6 +52,7 @@ from corp_deploy.formats import calibration, evaluation, sources
 from corp_deploy.formats.artifact import META_FILE, read_meta
 from corp_deploy.formats.text import read_documents
 from corp_deploy.plan import latency, speed
+from corp_deploy.plan.loop import latency_loop
 
 timing_group = group(
     click.option("--warmup-iters", default=Method.warmup_iters, show_default=True),
@@ -407,7 +407,7 @@ def sweep(
     plan = None
     if backend is not None:
         table = speed.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)
-        plan = Speedups(targets, table, got.heldout, api.latency_loop(on, say))
+        plan = Speedups(targets, table, got.heldout, latency_loop(on, say))
     method = Method(warmup_iters=3, min_iters=5, min_seconds=min_seconds)  # large batches: seconds dominate
     settings = (backends, sizes, method, quiet, plan, latency, accuracy)
     if max_drop is not None:  # nothing is written unless a configuration passes

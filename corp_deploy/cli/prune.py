@@ -25,6 +25,7 @@ from corp_deploy.core.recover import Interrupted, Kept
 from corp_deploy.families import adapter_for
 from corp_deploy.families.hf import hub as hf
 from corp_deploy.formats.artifact import read_meta
+from corp_deploy.plan import loop as closed_loop
 from corp_deploy.plan import speed
 from corp_deploy.plan.report import format_report
 
@@ -98,8 +99,8 @@ def pruned(
 
     Under torchrun every rank calibrates its shard; rank 0 gets the result, the others ``None``. A latency
     budget's table is measured (or read) before calibration (``speed.latency_table``); ``latency_rounds`` closes the
-    loop (``api.latency_loop``); both time the models with ``rewrites`` (None: the backend's defaults), as they will
-    be exported.
+    loop (``plan.loop.latency_loop``); both time the models with ``rewrites`` (None: the backend's defaults), as they
+    will be exported.
 
     The dense model is kept (``keep_dense``, or for a recovery) as a copy made before pruning: one more model's
     weights in host memory (4 bytes a parameter in fp32: 88 MB for a ViT-S, 28 GB for a 7B decoder). A recovery
@@ -123,7 +124,7 @@ def pruned(
         if on is None
         else speed.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)
     )
-    loop = None if on is None else api.latency_loop(on, say)
+    loop = None if on is None else closed_loop.latency_loop(on, say)
     dense = copy.deepcopy(got.net) if keep_dense or recover is not None else None  # pruning works in place
     progress = not quiet and got.world.is_main
     batches = got.batches if recover is None else Kept(got.batches, adapter_for(got.net).count)

@@ -396,7 +396,7 @@ def check_table(
 class Latency:
     """Where a latency budget is measured: on ``backend`` (``plan.speed.check_backend``) at ``batch`` inputs (of
     ``seq_len`` tokens for a text encoder); ``table``: a table file instead of the cached or newly measured one;
-    ``rounds``: the closed loop's rounds (None: the speed is predicted, not checked: ``api.latency_loop``)."""
+    ``rounds``: the closed loop's rounds (None: the speed is predicted, not checked: ``plan.loop.latency_loop``)."""
 
     backend: Backend
     batch: int = 32

@@ -37,6 +37,7 @@ from corp_deploy.formats.text import synthetic_text_batches
 from corp_deploy.plan import latency, speed
 from corp_deploy.plan.allocation import allocate, plan_budget, widths_of
 from corp_deploy.plan.latency import LatencyTable, Shape, Timing
+from corp_deploy.plan.loop import LatencyLoop
 from corp_deploy.plan.report import format_report
 
 
@@ -271,7 +272,7 @@ def test_closed_loop_corrects_the_table_and_replans_from_the_same_statistics() -
         passes.append(1)
         yield from tiny_batches()
 
-    result = api.prune(model, batches(), config, progress=False, table=table, loop=api.LatencyLoop(timing, 3))
+    result = api.prune(model, batches(), config, progress=False, table=table, loop=LatencyLoop(timing, 3))
     check = result.report["latency"]
     assert len(passes) == 1 and check["rounds"] == len(timed) == 2 and check["met"]
     assert check["history"][0]["measured_speedup"] > 2 * 1.05 and check["target_speedup"] == 2
@@ -286,7 +287,7 @@ def test_closed_loop_keeps_the_last_model_when_the_corrected_table_puts_the_targ
     cost leaves no widths that reach 2x; the loop stops with the model it timed and says why, instead of failing
     after the calibration."""
     table = speed.build_table(tiny_vit(), table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
-    loop = api.LatencyLoop(lambda d, p: Timing(1.05, 1.0, 0.03), 3)
+    loop = LatencyLoop(lambda d, p: Timing(1.05, 1.0, 0.03), 3)
     config = PruneConfig(budget="latency=0.5", target="all", allocation="local")
     check = api.prune(tiny_vit(), tiny_batches(), config, progress=False, table=table, loop=loop).report["latency"]
     assert check["rounds"] == 1 and not check["met"] and "below the smallest model" in check["history"][0]["stopped"]
@@ -318,7 +319,7 @@ def test_a_correction_that_would_make_blocks_free_is_refused() -> None:
 
 
 def test_closed_loop_refuses_what_it_cannot_replan() -> None:
-    loop = api.LatencyLoop(lambda d, p: Timing(1, 1, 0.03))
+    loop = LatencyLoop(lambda d, p: Timing(1, 1, 0.03))
     table = tied_table(tiny_vit())
     for config, what in (
         (PruneConfig(budget="latency=0.5", target="all", sequential=True), "--sequential"),
@@ -327,7 +328,7 @@ def test_closed_loop_refuses_what_it_cannot_replan() -> None:
         with pytest.raises(CorpError, match=what):
             api.prune(tiny_vit(), tiny_batches(), config, progress=False, table=table, loop=loop)
     with pytest.raises(CorpError, match="--latency-rounds must be >= 1"):
-        api.LatencyLoop(loop.timing, 0)
+        LatencyLoop(loop.timing, 0)
 
 
 PRUNE = ["prune", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--calib", "synthetic", "--quiet"]
@@ -588,7 +589,7 @@ def test_the_closed_loop_runs_on_a_text_encoder_and_records_its_sequence(tmp_pat
 
     config = PruneConfig(budget="latency=0.5", target="all", allocation="local", round_to=4)
     batches = synthetic_text_batches(model.config.vocab_size, 16, SEQ, 8, 0)
-    result = api.prune(model, batches, config, progress=False, table=table, loop=api.LatencyLoop(timing, 3))
+    result = api.prune(model, batches, config, progress=False, table=table, loop=LatencyLoop(timing, 3))
     check = result.report["latency"]
     assert check["rounds"] == 2 and check["met"] and check["seq_len"] == SEQ and check["batch"] == 8
     assert check["history"][0]["measured_speedup"] > 2 * 1.05

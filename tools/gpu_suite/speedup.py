@@ -2,7 +2,7 @@
 
 A latency budget (``--speedup S``) of the plan's model on its backend (``torch-cuda-fp16-graph`` on a GPU) at
 each planned batch: the latency table measured on that backend (cached per key), CORP's allocation against it,
-and the closed loop (``api.LatencyLoop``: dense and pruned interleaved, corrected and re-allocated while the
+and the closed loop (``plan.loop.LatencyLoop``: dense and pruned interleaved, corrected and re-allocated while the
 measured speedup misses). Each row is judged against its goal (issue 23: >= 1.65x at batch 64; a p50 ratio
 <= 0.8, i.e. >= 1.25x, at batch 1) with the measured number, met or missed, never adjusted.
 
@@ -90,12 +90,13 @@ def _budgeted(
     from corp_deploy import api
     from corp_deploy.formats import calibration
     from corp_deploy.plan import speed
+    from corp_deploy.plan.loop import LatencyLoop
 
     threads = torch.get_num_threads()
     config = corp_deploy.PruneConfig(budget=f"latency={1 / goal!r}", **fields)
     key = speed.key(name, ctx.plan.models.get(name, {}), backend, batch, threads, config.depth, config.depth_fit)
     table = speed.table_for(model, key, backend)
-    loop = api.LatencyLoop(lambda d, p: speed.measure_pair(d, p, backend, batch, threads), rounds=3)
+    loop = LatencyLoop(lambda d, p: speed.measure_pair(d, p, backend, batch, threads), rounds=3)
     held = config.sensitivity_images if config.allocation == "sensitivity" else 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # noise images, on purpose
