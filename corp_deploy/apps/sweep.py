@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +31,9 @@ from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.bench.measure import Method
 from corp_deploy.bench.run import benchmark, pairs
 from corp_deploy.core.config import Budget, PruneConfig
+from corp_deploy.core.recover import Kept, Recovery
 from corp_deploy.exporters.pipeline import export_verified
+from corp_deploy.families import adapter_for
 from corp_deploy.formats.artifact import read_meta
 from corp_deploy.formats.calibration import Heldout
 from corp_deploy.formats.run_folder import ARTIFACT, onnx_name
@@ -108,12 +110,18 @@ def _pruned(
     calib: api.Calibrated,
     configs: dict[str, tuple[dict[str, float], PruneConfig]],
     speedups: Speedups | None,
+    recovery: Recovery | None = None,
+    kept: Kept | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> Iterator[tuple[str, dict[str, float], api.PruneResult]]:
     """(folder, label, result with its model on the CPU) per config, from the one calibration: speed targets share
-    one planner and, with the closed loop, are each timed against the dense model (``api.Calibrated``)."""
+    one planner and, with the closed loop, are each timed against the dense model (``api.Calibrated``); with
+    ``recovery``, each then trained towards the dense model on the calibration inputs ``kept`` from the pass."""
     table, loop = (None, None) if speedups is None else (speedups.table, speedups.loop)
     for name, (label, c) in configs.items():
         result = calib.prune(c, table, loop)
+        if recovery is not None:
+            api.recover_pruned(result, calib.dense, kept.batches, recovery, calib.heldout, say)
         result.model = result.model.to("cpu")
         yield name, label, result
 
@@ -136,6 +144,7 @@ def sweep(
     rewrites: Sequence[str] = (),
     resume: str | None = None,
     accuracy: Accuracy | None = None,
+    recovery: Recovery | None = None,
 ) -> dict[str, Any]:
     """Write ``out/s<sparsity>/`` per sparsity (or ``out/x<speedup>/`` per speed target, ``speedups``) and
     ``out/sweep.json``; return the sweep record. ``rewrites`` go into every exported graph (``exporters.rewrites``).
@@ -144,7 +153,9 @@ def sweep(
     (the command that continues it, said when a point stops): then its finished points (``bench.json`` written,
     last) are kept and read back, the others made again. A point that stops leaves the finished ones whole.
     ``accuracy`` (``floor.Accuracy``) adds each row's held-out drop and INT8 graphs, for the frontier; a resumed
-    point keeps the figures it wrote (``accuracy.json``, before ``bench.json``).
+    point keeps the figures it wrote (``accuracy.json``, before ``bench.json``). ``recovery`` trains every pruned
+    model after CORP (``api.recover_pruned``, on the first calibration inputs, kept as the one pass reads them), so
+    each point's graphs and figures are the recovered model's; plain removal's figures stay unrecovered.
     """
     if resume is None or not out.is_dir():
         check_writable(out, overwrite)
@@ -163,7 +174,10 @@ def sweep(
     }
     todo = {name: value for name, value in configs.items() if name not in finished}
     if todo:
-        calib = api.calibrated(model, batches, config, device, total, progress=total is not None, heldout=heldout)
+        kept = None if recovery is None else Kept(batches, adapter_for(model).count)
+        calib = api.calibrated(
+            model, kept or batches, config, device, total, progress=total is not None, heldout=heldout
+        )
         model = model.to("cpu")
         out.mkdir(parents=True, exist_ok=True)
         dense_onnx = out / onnx_name("dense")
@@ -173,7 +187,7 @@ def sweep(
         with steps("dense held-out reference"):
             accuracy.start(out / onnx_name("dense"))
     if todo:
-        points = _pruned(calib, todo, speedups)
+        points = _pruned(calib, todo, speedups, recovery, kept, progress)
         for name, (label, cfg) in todo.items():
             with steps(f"sweep point {name}"):
                 _, _, result = next(points)
@@ -199,6 +213,7 @@ def sweep(
         "method": (method or Method()).as_dict(),
         "rewrites": list(rewrites),
         **({"accuracy": accuracy.record()} if accuracy is not None else {}),
+        **({"recovery": asdict(recovery)} if recovery is not None else {}),
     }
     with atomic_file(out / "sweep.json", overwrite=True) as tmp:
         tmp.write_text(json.dumps(result, indent=2) + "\n")
@@ -262,6 +277,11 @@ def _row(
         "flop_ideal_speedup": dense_size["macs"] / size["macs"],
         "bench": pairs(json.loads((folder / "bench.json").read_text())),
         **({"latency": _latency_row(report)} if speedups is not None else {}),
+        **(
+            {"recovery": {k: v for k, v in report["recovery"].items() if k != "history"}}
+            if "recovery" in report
+            else {}
+        ),
         **({"accuracy": json.loads((folder / ACCURACY_FILE).read_text())} if scored else {}),
     }
 

@@ -43,7 +43,14 @@ from corp_deploy.bench.report import plot as draw
 from corp_deploy.bench.run import benchmark, parse_batch_sizes
 from corp_deploy.cli.inputs import inputs
 from corp_deploy.cli.options import ONNX_EXPORT, calib_options, group, model_options, needs, quiet_option
-from corp_deploy.cli.prune_options import latency_options, method_options, prune_config
+from corp_deploy.cli.prune_options import (
+    latency_options,
+    method_options,
+    prune_config,
+    recover_options,
+    recovery_setup,
+)
+from corp_deploy.core.recover import Recovery
 from corp_deploy.families.hf import hub as hf
 from corp_deploy.families.hf.adapter import max_positions
 from corp_deploy.families.registry import get as get_family
@@ -286,6 +293,7 @@ def _text_eval(
     show_default=True,
     help="--speedups: per target, times dense and pruned on --latency-on and re-allocates while it misses.",
 )
+@recover_options
 @click.option(
     "--backends",
     default="auto",
@@ -346,6 +354,7 @@ def sweep(
     heldout_dir: str | None,
     heldout_num: int,
     resume: bool,
+    recovery: dict[str, Any],
     **flags: Any,
 ) -> None:
     """Calibrate MODEL once, then prune, export and bench it at every sparsity (the paper's Table 10), or at
@@ -356,7 +365,10 @@ def sweep(
     dense model quantized: the accuracy-speed frontier, and the fastest configuration within --max-drop.
 
     A sweep that stops (Ctrl-C, a failed point) keeps its finished points whole and says the command that
-    continues it: the same one with --resume."""
+    continues it: the same one with --resume.
+
+    With --recover-steps (or --recover-minutes), every pruned model is trained towards the dense one after CORP,
+    before it is exported: each point's graphs, speeds and drops are the recovered model's."""
     if latency["speedup"] is not None:
         raise CorpError("sweep takes --speedups (a comma list), not --speedup")
     if sparsities is not None and speedups is not None:
@@ -377,6 +389,7 @@ def sweep(
     say = (lambda line: None) if quiet else click.echo
     if max_drop is not None and max_drop < 0:
         raise CorpError(f"--max-drop must be >= 0, got {max_drop}")
+    recover = recovery_setup(recovery)
     measured = frontier or max_drop is not None or metric is not None
     text = hf.modality(flags["model"]) == "text"
     seq_len = flags["seq_len"] if text else None
@@ -409,7 +422,7 @@ def sweep(
         table = speed.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)
         plan = Speedups(targets, table, got.heldout, latency_loop(on, say))
     method = Method(warmup_iters=3, min_iters=5, min_seconds=min_seconds)  # large batches: seconds dominate
-    settings = (backends, sizes, method, quiet, plan, latency, accuracy)
+    settings = (backends, sizes, method, quiet, plan, latency, accuracy, recover)
     if max_drop is not None:  # nothing is written unless a configuration passes
         with atomic_dir(out, overwrite) as tmp:
             result = _sweep_run(got, description, values, config, tmp, *settings)
@@ -441,6 +454,7 @@ def _sweep_run(
     plan: Speedups | None,
     latency: dict[str, Any],
     accuracy: floor.Accuracy | None,
+    recovery: Recovery | None,
     overwrite: bool = True,
     resume: str | None = None,
 ) -> dict[str, Any]:
@@ -463,6 +477,7 @@ def _sweep_run(
         rewrites_on(latency["latency_on"]),
         resume=resume,
         accuracy=accuracy,
+        recovery=recovery,
     )
     click.echo(format_sweep(result))
     return result
@@ -483,7 +498,8 @@ def _write_frontier(result: dict[str, Any], out: Path, max_drop: float | None) -
     (out / "frontier.json").write_text(json.dumps(record, indent=2) + "\n")
     click.echo(format_frontier(points, metric, chosen))
     try:
-        title = f"{Path(result['model']).name}: held-out {metric} drop vs speed ({floor.SPEED_ON}, largest batch)"
+        name = Path(result["model"]).name + (" (CORP + recovery)" if "recovery" in result else "")
+        title = f"{name}: held-out {metric} drop vs speed ({floor.SPEED_ON}, largest batch)"
         plot_frontier(points, out / "frontier.png", title, metric, max_drop)
     except CorpError as e:
         click.echo(f"no frontier plot: {e}")

@@ -377,6 +377,45 @@ def test_sweep_calibrates_once_and_each_sparsity_equals_a_direct_prune(tmp_path)
 
 
 @pytest.mark.e2e
+def test_sweep_recovers_every_point_as_prune_does(tmp_path) -> None:
+    """With a recovery, each point's artifact is what ``prune`` + ``recover_pruned`` make of the same data (the
+    command ``prune --recover-steps`` runs), not CORP alone, and the records say what the recovery did."""
+    pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
+    import copy
+
+    import torch
+    from helpers import TINY, pruned_copy, tiny_batches, tiny_vit
+
+    import corp_deploy
+    from corp_deploy import api
+    from corp_deploy.apps.sweep import sweep
+    from corp_deploy.core.config import PruneConfig
+    from corp_deploy.core.recover import Kept, Recovery
+    from corp_deploy.families import adapter_for
+    from corp_deploy.formats.sources import describe
+
+    recovery, config = Recovery(steps=4, lr=1e-3), PruneConfig(sparsity=0.5, round_to=4)
+    model = tiny_vit()
+    description = describe(model, "deit_tiny_patch16_224", {**TINY, "num_classes": 10}, "random")
+    fast = Method(warmup_iters=1, warmup_seconds=0, min_iters=2, min_seconds=0)
+    out, batches = tmp_path / "sw", tiny_batches()
+    result = sweep(model, description, batches, [0.5], config, out, "ort-cpu-fp32", (1,), fast, recovery=recovery)
+    assert result["recovery"] == {"steps": 4, "minutes": None, "lr": 1e-3, "target": "blocks"}
+    row = result["rows"][0]["recovery"]
+    assert row["steps"] == 4 and row["kept"] == "recovered" and "history" not in row
+    assert row["loss_after"] < row["loss_before"]
+
+    dense, kept = tiny_vit(), Kept(tiny_batches(), adapter_for(model).count)
+    direct = api.prune(copy.deepcopy(dense), kept, config, "cpu", progress=False)
+    api.recover_pruned(direct, dense, kept.batches, recovery)
+    got = corp_deploy.load_pruned(out / "s0.50" / "pruned").state_dict()
+    for key, value in direct.model.state_dict().items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6)
+    alone = pruned_copy(tiny_vit(), config)[0].state_dict()
+    assert max((got[k] - v).abs().max().item() for k, v in alone.items()) > 1e-4  # recovered, not CORP alone
+
+
+@pytest.mark.e2e
 def test_sweep_command_line(tmp_path, capsys) -> None:
     pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
     argv = ["sweep", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
