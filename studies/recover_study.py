@@ -10,15 +10,16 @@ same sample, are held out as the sensitivity pass would hold them: never trained
 measured their speed), with CORP's compensation, the mean shift alone (``mean``) or none (plain removal): one set of
 widths, so every row of the table runs the same graph at the same speed, and only the weights differ; ``--speed-on
 BACKEND`` measures that speed in the run (CORP's pruned model against the dense one, interleaved:
-``speed.measure_pair``, the closed loop's timing). Each row is a start (``corp``, ``mean`` or ``removal``), a recipe
-(``corp_deploy.core.recover`` settings,
-``RECIPES``) and a step budget; its accuracy is the DENSE model's linear probe on
-the digits AND the Fashion-MNIST test images (images no calibration or recovery ever saw), top-1 with its standard
-error, and the mean feature cosine to the dense model on those images. ``more`` recipes train on ``--more`` train
-images of the calibration dataset instead of the calibration ones (still never a test image: the test split is
-disjoint, checked by content). Rows are appended to ``<out>.jsonl`` as they finish (a long run that is stopped keeps
-what it measured); ``<out>.md/.json`` are written from all rows at the end (``--report`` only rewrites them; what
-``<out>.md`` holds below its ``HAND_WRITTEN`` line, the command-line runs, is kept)."""
+``speed.measure_pair``, the closed loop's timing). Each row is a start (``STARTS``: ``corp``, ``mean``, ``removal``,
+``obs``; ``allocated`` and ``allocated-floor`` prune other widths at the same MACs), a recipe
+(``corp_deploy.core.recover`` settings, ``RECIPES``) and a step budget; its accuracy is the DENSE model's linear
+probe on the digits AND the Fashion-MNIST test images (images no calibration or recovery ever saw), top-1 with its
+standard error, and the mean feature cosine to the dense model on those images; every test image's hit is kept, so
+the table gives each row's difference with dense on the same images and its paired standard error. ``more`` recipes
+train on ``--more`` train images of the calibration dataset instead of the calibration ones (still never a test
+image: the test split is disjoint, checked by content). Rows are appended to ``<out>.jsonl`` as they finish (a long
+run that is stopped keeps what it measured); ``<out>.md/.json`` are written from all rows at the end (``--report``
+only rewrites them; what ``<out>.md`` holds below its ``HAND_WRITTEN`` line, the command-line runs, is kept)."""
 
 from __future__ import annotations
 
