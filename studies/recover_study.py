@@ -10,15 +10,16 @@ same sample, are held out as the sensitivity pass would hold them: never trained
 measured their speed), with CORP's compensation, the mean shift alone (``mean``) or none (plain removal): one set of
 widths, so every row of the table runs the same graph at the same speed, and only the weights differ; ``--speed-on
 BACKEND`` measures that speed in the run (CORP's pruned model against the dense one, interleaved:
-``speed.measure_pair``, the closed loop's timing). Each row is a start (``corp``, ``mean`` or ``removal``), a recipe
-(``corp_deploy.core.recover`` settings,
-``RECIPES``) and a step budget; its accuracy is the DENSE model's linear probe on
-the digits AND the Fashion-MNIST test images (images no calibration or recovery ever saw), top-1 with its standard
-error, and the mean feature cosine to the dense model on those images. ``more`` recipes train on ``--more`` train
-images of the calibration dataset instead of the calibration ones (still never a test image: the test split is
-disjoint, checked by content). Rows are appended to ``<out>.jsonl`` as they finish (a long run that is stopped keeps
-what it measured); ``<out>.md/.json`` are written from all rows at the end (``--report`` only rewrites them; what
-``<out>.md`` holds below its ``HAND_WRITTEN`` line, the command-line runs, is kept)."""
+``speed.measure_pair``, the closed loop's timing). Each row is a start (``STARTS``: ``corp``, ``mean``, ``removal``,
+``obs``; ``allocated`` and ``allocated-floor`` prune other widths at the same MACs), a recipe
+(``corp_deploy.core.recover`` settings, ``RECIPES``) and a step budget; its accuracy is the DENSE model's linear
+probe on the digits AND the Fashion-MNIST test images (images no calibration or recovery ever saw), top-1 with its
+standard error, and the mean feature cosine to the dense model on those images; every test image's hit is kept, so
+the table gives each row's difference with dense on the same images and its paired standard error. ``more`` recipes
+train on ``--more`` train images of the calibration dataset instead of the calibration ones (still never a test
+image: the test split is disjoint, checked by content). Rows are appended to ``<out>.jsonl`` as they finish (a long
+run that is stopped keeps what it measured); ``<out>.md/.json`` are written from all rows at the end (``--report``
+only rewrites them; what ``<out>.md`` holds below its ``HAND_WRITTEN`` line, the command-line runs, is kept)."""
 
 from __future__ import annotations
 
@@ -36,19 +37,36 @@ import torch
 from corp_deploy.apps.real import probe_task, real_task
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import markdown_table
+from corp_deploy.bench.accuracy import cosine, outputs
 from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.recover import recover
+from corp_deploy.exporters.runners import TorchRunner
 from corp_deploy.families import structure
 from corp_deploy.formats import calibration
 from corp_deploy.formats.artifact import read_meta
 from corp_deploy.formats.offline import datasets, img_focus
 from corp_deploy.plan import speed
+from corp_deploy.plan.allocation import error_curves, plan_budget
+from corp_deploy.plan.report import model_size
+from corp_deploy.plan.sensitivity import measure
 from corp_deploy.plan.widths import plan_widths
-from studies.speed_study import scores
+from studies.speed_study import standard_error
 
 TARGET = "mlp,qk,v"
-STARTS = {"corp": "corp", "removal": "none", "mean": "mean"}
+STARTS: dict[str, dict[str, Any]] = {
+    "corp": {"compensation": "corp"},
+    "removal": {"compensation": "none"},
+    "mean": {"compensation": "mean"},
+    "obs": {"compensation": "corp", "ranker": "obs"},
+    "allocated": {"compensation": "corp"},
+    "allocated-floor": {"compensation": "corp"},
+}
+"""Starts: ``PruneConfig`` settings at the study's widths; ``obs`` ranks channels by greedy OBS on CORP's error,
+``allocated`` is CORP at the widths ``--allocation`` chooses for the same MACs (its sensitivity pass on the held-out
+calibration images: all a user calibrating on ``--calib-dataset`` has); ``allocated-floor`` the same with no part of any
+block below ``--floor`` of its full width (OWL's bound on how far a layer's sparsity may stray from uniform: the
+sensitivities are measured on the calibration domain, and a block that domain barely uses may matter to another)."""
 RECIPES: dict[str, dict[str, Any]] = {
     "none": {},
     "feat-adamw-1e-5": {"target": "features", "lr": 1e-5},
@@ -115,6 +133,30 @@ def parse_rows(text: str) -> list[tuple[str, str, int]]:
     return rows
 
 
+def scores(model: torch.nn.Module | None, tasks: dict[str, Any]) -> dict[str, Any]:
+    """Every probe's top-1 (with its standard error), feature cosine to dense, and each test image's hit ("1"/"0",
+    in test order; ``None``: the dense model): rows scored on the same images compare pairwise (``paired``)."""
+    out = {}
+    for name, task in tasks.items():
+        features = task.dense if model is None else outputs(TorchRunner(model), task.images)
+        hits = task.probe(features).argmax(-1) == task.labels
+        top1 = float(hits.double().mean())
+        out[name] = {
+            "top1": top1,
+            "top1_se": standard_error(top1, len(hits)),
+            "cosine": float(cosine(task.dense, features).mean()),
+            "hits": "".join("01"[h] for h in hits.tolist()),
+        }
+    return out
+
+
+def paired(hits: str, reference: str) -> tuple[float, float]:
+    """Top-1 of ``hits`` minus ``reference``'s on the same images, and the standard error of that mean difference
+    (the images on which both are right or both wrong add nothing to it)."""
+    d = torch.tensor([int(a) - int(b) for a, b in zip(hits, reference, strict=True)], dtype=torch.float64)
+    return float(d.mean()), float(d.std() / len(d) ** 0.5)
+
+
 def calib_folder(a: argparse.Namespace) -> Path:
     """The calibration pool: ``--calib-train`` train images of ``--calib-dataset`` (the probe's own train folder
     when they are the same)."""
@@ -130,12 +172,41 @@ def setup(a: argparse.Namespace) -> tuple[torch.nn.Module, dict, list, torch.Ten
     tasks = {p: real.task if p == "digits" else probe_task(dense, *folders[p]) for p in a.probes}
     calib = image_batches(dense, calib_folder(a), a.num_calib, a.batch, a.heldout)
     stats = calibrate(dense, calib.batches, PruneConfig(target=TARGET), "cpu", progress=False)
+    widths = widths or plan_widths(dense, PruneConfig(sparsity=a.sparsity, target=TARGET), stats)
     pruned = {}
-    for name, compensation in STARTS.items():
+    for name in dict.fromkeys(["corp", *(s for s, _, _ in a.rows)]):  # corp: the speed pair and the MACs budget
         pruned[name] = copy.deepcopy(dense)
-        config = PruneConfig(sparsity=a.sparsity, target=TARGET, compensation=compensation)
-        prune_model(pruned[name], stats, config, widths or plan_widths(dense, config, stats))
+        config = PruneConfig(target=TARGET, **STARTS[name])
+        if name.startswith("allocated"):
+            floor = a.floor if name == "allocated-floor" else 0.0
+            config, kept = allocated(dense, stats, pruned["corp"], calib.heldout, a.allocation, floor)
+        prune_model(pruned[name], stats, config, kept if name.startswith("allocated") else widths)
     return dense, tasks, calib.batches, calib.heldout.images, pruned
+
+
+def allocated(
+    dense: torch.nn.Module,
+    stats: Any,
+    uniform: torch.nn.Module,
+    heldout: calibration.Heldout,
+    criterion: str,
+    floor: float = 0.0,
+) -> tuple[PruneConfig, list[Widths]]:
+    """The budget config and widths that ``criterion`` allocates at the MACs of ``uniform`` (the study's widths),
+    as ``corp-deploy prune --budget macs=F --allocation CRITERION`` would from the same calibration; with ``floor``,
+    every part of every block keeps at least that fraction of its full width (the allocator never sees a narrower
+    candidate)."""
+    dense_macs = model_size(dense)["macs"]
+    fraction = model_size(uniform)["macs"] / dense_macs
+    config = PruneConfig(target=TARGET, budget=f"macs={fraction:.6f}", allocation=criterion)
+    weights = measure(dense, stats, config, heldout.images) if criterion == "sensitivity" else None
+    curves = {
+        key: ([w for w in widths if w >= floor * widths[0]], errors[: sum(w >= floor * widths[0] for w in widths)])
+        for key, (widths, errors) in error_curves(dense, stats, config, config.target).items()
+    }
+    widths, _ = plan_budget(dense, stats, config, dense_macs, weights, curves)
+    print(f"allocated ({criterion}, floor {floor:g}) at {fraction:.3f} of the dense MACs", flush=True)
+    return config, widths
 
 
 def measured_speed(a: argparse.Namespace, dense: torch.nn.Module, pruned: torch.nn.Module) -> dict[str, Any] | None:
@@ -174,7 +245,13 @@ def run(a: argparse.Namespace) -> None:
     jsonl.parent.mkdir(parents=True, exist_ok=True)
     with jsonl.with_suffix(".dense.json").open("w") as f:  # first: a run stopped between rows keeps it
         args = {k: str(v) for k, v in vars(a).items()}
-        meta = {"dense": scores(None, tasks), "args": args, "date": time.strftime("%Y-%m-%d"), "speed": timing}
+        meta = {
+            "dense": scores(None, tasks),
+            "dense_macs": model_size(dense)["macs"],
+            "args": args,
+            "date": time.strftime("%Y-%m-%d"),
+            "speed": timing,
+        }
         json.dump(meta, f, indent=2)
     for start_name, recipe, steps in a.rows:
         model = copy.deepcopy(pruned[start_name])
@@ -203,6 +280,7 @@ def run(a: argparse.Namespace) -> None:
             "widths_from": str(a.widths_from) if a.widths_from else None,
             "calib_dir": str(calib_folder(a)),
             "structure": structure(model),
+            "macs": model_size(model)["macs"],
             "recovery": record,
             "load": os.getloadavg()[0],
             **scores(model, tasks),
@@ -220,13 +298,21 @@ def run(a: argparse.Namespace) -> None:
     report(a.out)
 
 
+def paired_cell(row: dict[str, Any], dense: dict[str, Any]) -> str:
+    """A row's top-1 minus dense's in points, on the same images, +- its paired standard error ("-": no hits)."""
+    if "hits" not in row or "hits" not in dense:
+        return "-"
+    diff, se = paired(row["hits"], dense["hits"])
+    return f"{100 * diff:+.1f} +- {100 * se:.1f}"
+
+
 def report(out: Path) -> None:
     """``<out>.md`` and ``<out>.json`` from every row in ``<out>.jsonl``."""
     rows = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines() if line.strip()]
     meta = json.loads(out.with_suffix(".dense.json").read_text())
     dense = meta["dense"]
     head = ["start", "recipe", "steps", "recovery s", "held-out objective", *(f"{p} top-1 %" for p in dense)]
-    head += [f"{p} cosine" for p in dense]
+    head += [f"{p} cosine" for p in dense] + [f"{p} - dense (paired)" for p in dense] + ["MACs / dense"]
     body = []
     for r in rows:
         rec = r["recovery"]
@@ -239,6 +325,8 @@ def report(out: Path) -> None:
                 f"{rec['check_before']:.4f} -> {rec['check_after']:.4f}" if rec else "-",
                 *(f"{100 * r[p]['top1']:.1f} +- {100 * r[p]['top1_se']:.1f}" for p in dense),
                 *(f"{r[p]['cosine']:.4f}" for p in dense),
+                *(paired_cell(r[p], dense[p]) for p in dense),
+                f"{r['macs'] / meta['dense_macs']:.3f}" if "macs" in r else "-",
             ]
         )
     dense_line = ", ".join(f"{p} {100 * dense[p]['top1']:.1f} +- {100 * dense[p]['top1_se']:.1f}" for p in dense)
@@ -296,6 +384,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--speed-on", help="measure the widths' speed against dense on this bench backend (ort-cpu-fp32)")
     p.add_argument("--speed-batch", type=int, default=32, help="--speed-on's batch size")
     p.add_argument("--probes", type=lambda t: t.split(","), default=["digits", "fashion-mnist"])
+    p.add_argument("--allocation", default="sensitivity", help="the allocated starts' criterion (sensitivity, local)")
+    p.add_argument(
+        "--floor", type=float, default=0.2, help="allocated-floor: the least fraction of a part's width kept"
+    )
     a = p.parse_args(argv)
     if a.report:
         report(a.out)

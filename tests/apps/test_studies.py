@@ -212,6 +212,36 @@ def test_recover_study_prunes_at_a_runs_widths_calibrated_on_another_dataset(tmp
             recover_study.run_widths(bad)
 
 
+def test_recover_study_starts_from_obs_and_from_widths_allocated_at_the_same_macs(tmp_path, tiny_real) -> None:
+    """``obs``: the study's widths, channels ranked by OBS (other weights than CORP's); ``allocated``: per-block
+    widths the sensitivity pass chooses within the MACs of the study's uniform widths; ``allocated-floor``: the same,
+    no part below ``--floor`` of its width."""
+    out = tmp_path / "recover"
+    small = ["--train", "40", "--test", "20", "--num-calib", "16", "--heldout", "4", "--batch", "8"]
+    small += ["--probes", "digits", "--sparsity", "0.5", "--floor", "0.4"]
+    rows = "corp:none:0,obs:none:0,allocated:none:0,allocated-floor:none:0"
+    recover_study.main([*small, "--rows", rows, "--out", str(out)])
+
+    record = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["start"]: r for r in record["rows"]}
+    assert rows["obs"]["structure"] == rows["corp"]["structure"]
+    assert rows["obs"]["digits"]["cosine"] != rows["corp"]["digits"]["cosine"]
+
+    assert rows["allocated"]["structure"] != rows["corp"]["structure"]
+    for start in ("allocated", "allocated-floor"):
+        assert rows[start]["macs"] <= rows["corp"]["macs"] < record["dense_macs"]
+    full = {"mlp_hidden": 4 * TINY["embed_dim"], "qk_dim": 16, "v_dim": 16}
+    narrowest = {k: min(b[k] / w for b in rows["allocated"]["structure"]) for k, w in full.items()}
+    assert min(narrowest.values()) < 0.4  # the allocation alone goes below the floor somewhere, the floor stops it
+    assert all(b[k] >= 0.4 * w for b in rows["allocated-floor"]["structure"] for k, w in full.items())
+    for r in rows.values():  # every test image's hit: the top-1 and the paired comparison with dense agree
+        hits, dense = r["digits"]["hits"], record["dense"]["digits"]["hits"]
+        assert len(hits) == 20 and r["digits"]["top1"] == pytest.approx(hits.count("1") / 20)
+        diff, se = recover_study.paired(hits, dense)
+        assert diff == pytest.approx(r["digits"]["top1"] - record["dense"]["digits"]["top1"]) and se >= 0
+    assert "MACs / dense" in out.with_suffix(".md").read_text()
+
+
 def test_decode_profile_sums_a_decode_steps_kernels_by_operator(tmp_path) -> None:
     """``studies.decode_profile`` on a tiny Llama's key/value-cache graph: a decode step runs (every cache input at
     its layer's width), the per-operator shares add up to the profiled kernels, an FP32 graph has no INT4 share."""
