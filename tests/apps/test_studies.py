@@ -327,6 +327,7 @@ def test_calib_mix_study_prunes_each_lever_from_one_calibration_at_the_uniform_m
     rng = random.Random(0)
     docs = [Document(" ".join(rng.choices(TEXT_VOCAB[5:], k=rng.randint(6, 14))), "x") for _ in range(40)]
     a = argparse.Namespace(seed=0, seq_len=16, heldout=4, sparsity=0.5, target="mlp,qk", ridges="0.001,0.1")
+    a.removal, a.recover_steps = False, []
     sets = {"x": docs[32:]}
     refs = {"x": embed(model, tokenizer, sets["x"], study.EVAL_TOKENS, 8)}
     rows_of = study.variants(a, ["combined"], ["uniform", "sensitivity", "mlp-only"])
@@ -336,3 +337,43 @@ def test_calib_mix_study_prunes_each_lever_from_one_calibration_at_the_uniform_m
     assert sensitivity["macs"] <= uniform["macs"] < mlp_only["macs"] < 1.0
     assert all(0.0 < r["scores"]["x"]["cosine"] <= 1.0 + 1e-6 and len(r["scores"]["x"]["items"]) == 8 for r in rows)
     assert rows[0]["scores"]["x"]["items"] != rows[1]["scores"]["x"]["items"]  # the ridge reaches the fit
+
+
+def test_calib_mix_study_recovers_each_start_and_pairs_it_with_that_start(tmp_path) -> None:
+    """``--recover-steps`` adds a recovered row after each start (CORP's and, with ``--removal``, plain removal's),
+    scored on the same documents and paired against the start it came from."""
+    import argparse
+    import random
+
+    from helpers import TEXT_VOCAB, tiny_text_folder
+
+    from corp_deploy.families.hf.hub import load
+    from corp_deploy.formats.text import Document
+    from studies import calib_mix_study as study
+    from studies.text_study import embed
+
+    model, tokenizer = load(str(tiny_text_folder(tmp_path)))
+    rng = random.Random(0)
+    docs = [Document(" ".join(rng.choices(TEXT_VOCAB[5:], k=rng.randint(6, 14))), "x") for _ in range(40)]
+    a = argparse.Namespace(seed=0, seq_len=16, heldout=4, sparsity=0.5, target="mlp,qk", ridges="0.001")
+    a.removal, a.recover_steps, a.recover_target = True, [3], "blocks"
+    sets = {"x": docs[32:]}
+    refs = {"x": embed(model, tokenizer, sets["x"], study.EVAL_TOKENS, 8)}
+    rows = study.run(
+        model, tokenizer, docs[:24], docs[24:32], 16, a, sets, refs, study.variants(a, ["obs"], ["uniform"])
+    )
+    rows = [r | {"source": "mix"} for r in rows]
+    assert [(r["ranker"], r.get("compensation", "corp"), "recovery" in r) for r in rows] == [
+        ("obs", "corp", False),
+        ("obs", "corp", True),
+        ("combined", "none", False),
+        ("combined", "none", True),
+    ]
+    for start, done in (rows[:2], rows[2:]):
+        assert done["recovery"]["steps"] == 3 and done["recovery"]["inputs"] == 16
+        assert study.start_of(done, rows) is start
+        moved = done["scores"]["x"]["items"] != start["scores"]["x"]["items"]
+        assert moved == (done["recovery"]["kept"] == "recovered")  # the recovered model unless CORP's went back
+    assert rows[3]["recovery"]["kept"] == "recovered"  # removal's start is far enough off to gain in 3 steps
+    text = study.tables({"sets": {"x": 8}, "sources": rows, "curve": []})
+    assert "Paired, recovered minus its start" in text and "| 3 (" in text
