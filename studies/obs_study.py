@@ -32,7 +32,7 @@ per-window log-perplexities (``share``).
     python -m studies.obs_study --models smollm --sparsity 0.2,0.3 --mix gcide,wordnet --held-out-corpus fortunes \
         --rows corp,removal,obs@0.3,ridge=0.01@0.2,ridge=0.1@0.2 --loop-prompts 5 --out docs/obs-study-smollm
     python -m studies.obs_study --models smollm --seq-len 256 --num-calib 96 --held-out-corpus fortunes \
-        --sparsity 0.2 --rows removal,alloc+recover,removal+recover --recover-steps 50 \
+        --sparsity 0.2 --rows removal,alloc+recover,removal+recover --recover-steps 30 \
         --out docs/obs-study-smollm-recover
 """
 
