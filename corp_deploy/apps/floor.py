@@ -41,6 +41,7 @@ from corp_deploy.bench.drop import (
     value,
 )
 from corp_deploy.core.config import PruneConfig, Widths
+from corp_deploy.core.ranking import RANKERS
 from corp_deploy.exporters.int8_recipes import dynamic_int8
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.exporters.text_onnx import graph
@@ -262,12 +263,14 @@ class Accuracy:
             shutil.copyfile(self._dense_int8, pruned_onnx.with_name(DENSE_INT8))
 
     def score(self, folder: Path, calib: api.Calibrated, config: PruneConfig, result: api.PruneResult) -> dict:
-        """One row's held-out figures: CORP's graphs as exported, removal's model at CORP's widths."""
+        """One row's held-out figures: CORP's graphs as exported, removal's model at CORP's widths (its channels by
+        the same ranker, or by the paper's where that ranker orders them by CORP's own refit, which removal lacks)."""
         row = {"corp": {"fp32": self._score(OrtRunner(folder / onnx_name("pruned"), "cpu"))}}
         if self.int8:
             row["corp"]["int8"] = self._score(OrtRunner(folder / onnx_name("pruned", "int8"), "cpu"))
         if self.removal:
-            plain = replace(config, compensation="none", budget=None)
+            ranker = PruneConfig.ranker if RANKERS[config.ranker].refits else config.ranker
+            plain = replace(config, compensation="none", budget=None, ranker=ranker)
             removed = calib.prune(plain, widths=widths_of(result.model, config)).model
             row["removal"] = {"fp32": self._score(runner(removed))}
         return row

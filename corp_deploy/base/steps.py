@@ -24,10 +24,12 @@ class Stopped(CorpError):
     """A step stopped after earlier results were written: the CLI prints it as its one line and exits with
     ``exit_code``; ``bug`` is the unexpected exception behind it, if any (its traceback is printed first)."""
 
-    def __init__(self, message: str, interrupted: bool, bug: BaseException | None = None) -> None:
+    def __init__(self, message: str, interrupted: bool, bug: BaseException | None = None, what: str = "") -> None:
         super().__init__(message)
         self.exit_code = INTERRUPTED if interrupted else 1
         self.bug = bug
+        self.what = what or message
+        """What stopped and why, without what the folder holds: for a caller whose folder is not kept."""
 
 
 def holds(folder: Path) -> str:
@@ -73,4 +75,4 @@ class Steps:
 
     def stopped(self, what: str, interrupted: bool, bug: BaseException | None = None) -> Stopped:
         """``what`` stopped: the line that says so, what the folder holds (all whole), and how to finish."""
-        return Stopped(f"{what}; {holds(self.folder)} (all whole); to finish: {self.finish()}", interrupted, bug)
+        return Stopped(f"{what}; {holds(self.folder)} (all whole); to finish: {self.finish()}", interrupted, bug, what)

@@ -27,6 +27,7 @@ from corp_deploy.apps.sweep import sweep as run_sweep
 from corp_deploy.base.env import device_name
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir, atomic_file, check_writable
+from corp_deploy.base.steps import INTERRUPTED, Stopped
 from corp_deploy.bench import gate
 from corp_deploy.bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
 from corp_deploy.bench.backends import RunFolder, rewrites_on
@@ -424,9 +425,13 @@ def sweep(
     method = Method(warmup_iters=3, min_iters=5, min_seconds=min_seconds)  # large batches: seconds dominate
     settings = (backends, sizes, method, quiet, plan, latency, accuracy, recover)
     if max_drop is not None:  # nothing is written unless a configuration passes
-        with atomic_dir(out, overwrite) as tmp:
-            result = _sweep_run(got, description, values, config, tmp, *settings)
-            _write_frontier(result, tmp, max_drop)
+        try:
+            with atomic_dir(out, overwrite) as tmp:
+                result = _sweep_run(got, description, values, config, tmp, *settings)
+                _write_frontier(result, tmp, max_drop)
+        except Stopped as e:  # its staging folder is gone: nothing to resume
+            reason = f"{e.what}; nothing written (--max-drop writes {out} whole or not at all): run the command again"
+            raise Stopped(reason, e.exit_code == INTERRUPTED, e.bug) from None
     else:
         result = _sweep_run(got, description, values, config, Path(out), *settings, overwrite, _resumed())
         if accuracy is not None:

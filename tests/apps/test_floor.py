@@ -257,7 +257,9 @@ def test_sweep_of_a_tiny_bert_writes_the_frontier_with_pareto_flags(tmp_path, ca
 
 
 @pytest.mark.e2e
-def test_max_drop_chooses_or_refuses_in_one_line_writing_nothing(tmp_path, capsys, image_dir) -> None:
+def test_max_drop_chooses_or_refuses_in_one_line_writing_nothing(tmp_path, capsys, image_dir, monkeypatch) -> None:
+    """Refused, chosen (with a ranker that needs CORP's refit: removal's reference takes the paper's), and a point
+    that fails: one line saying nothing was written, since a --max-drop sweep is staged whole."""
     base = [
         "sweep",
         "deit_tiny",
@@ -277,13 +279,26 @@ def test_max_drop_chooses_or_refuses_in_one_line_writing_nothing(tmp_path, capsy
     assert "no configuration keeps the cosine drop within 0: the best reached" in err
     assert not out.exists() and not list(tmp_path.glob(".refused*"))  # nothing half-written
     out = tmp_path / "chosen"
-    code, stdout, err = run([*base, "--max-drop", "1", "--metric", "agreement", "--out", str(out)], capsys)
+    code, stdout, err = run(
+        [*base, "--max-drop", "1", "--metric", "agreement", "--ranker", "obs", "--out", str(out)], capsys
+    )
     assert code == 0, err
     record = json.loads((out / "frontier.json").read_text())
     candidates = [p for p in record["points"] if p["candidate"]]
     assert all(p["passes"] for p in candidates) and record["floor"]["metric"] == "agreement"
     assert record["floor"]["chosen"]["speedup"] == max(p["speedup"] for p in candidates)
     assert (out / record["floor"]["file"]).is_file() and f"chose {record['floor']['file']}" in stdout
+    assert any(p["method"] == "removal" for p in record["points"])
+
+    def broken(*args, **kwargs) -> None:
+        raise CorpError("disk on fire")
+
+    monkeypatch.setattr("corp_deploy.apps.sweep._point", broken)
+    out = tmp_path / "failed"
+    code, _, err = run([*base, "--max-drop", "1", "--out", str(out)], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "sweep point s0.50 failed: disk on fire; nothing written" in err and "--resume" not in err
+    assert not out.exists() and not list(tmp_path.glob(".failed*"))
 
 
 @pytest.mark.e2e
