@@ -19,9 +19,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -247,11 +250,11 @@ def build_engine(
     require_precision(proto, onnx_path, options.precision)
     flavour, trt = select_flavour(options)
     log = _build_log(trt, flavour)
-    builder = trt.Builder(log)
-    network = builder.create_network(_strongly_typed_flag(trt))
-    parser = trt.OnnxParser(network, log)
-    parsed = parser.parse_from_file(str(onnx_path))
-    log.resume()
+    with _interrupt_after():
+        builder = trt.Builder(log)
+        network = builder.create_network(_strongly_typed_flag(trt))
+        parser = trt.OnnxParser(network, log)
+        parsed = parser.parse_from_file(str(onnx_path))
     if not parsed:
         errors = "; ".join(str(parser.get_error(i).desc()) for i in range(parser.num_errors))
         raise CorpError(f"{flavour.label} cannot parse {onnx_path}: {errors}")
@@ -272,8 +275,8 @@ def build_engine(
         _use_timing_cache(config, cache_path)
 
     start = time.perf_counter()
-    serialized = builder.build_serialized_network(network, config)
-    log.resume()
+    with _interrupt_after():
+        serialized = builder.build_serialized_network(network, config)
     seconds = time.perf_counter() - start
     if serialized is None:
         why = log.last_error or "no error logged; try a larger --workspace-gib or a smaller max batch"
@@ -353,23 +356,14 @@ def _build_log(trt, flavour: Flavour):
             trt.ILogger.__init__(self)
             self.layer_lists: list[str] = []
             self.last_error: str | None = None
-            self.interrupted = False
 
         def log(self, severity, msg: str) -> None:
-            try:
-                if "LayerType:" in msg:
-                    self.layer_lists.append(msg)
-                elif severity <= trt.ILogger.ERROR:
-                    self.last_error = " ".join(msg.split())
-                elif severity == trt.ILogger.WARNING:
-                    warnings.warn(f"{flavour.label}: {' '.join(msg.split())}", stacklevel=2)
-            except KeyboardInterrupt:  # raised into TensorRT's C++ caller, which swallows it: kept for ``resume``
-                self.interrupted = True
-
-        def resume(self) -> None:
-            """After a TensorRT call: a Ctrl-C that landed in this logger is raised now."""
-            if self.interrupted:
-                raise KeyboardInterrupt
+            if "LayerType:" in msg:
+                self.layer_lists.append(msg)
+            elif severity <= trt.ILogger.ERROR:
+                self.last_error = " ".join(msg.split())
+            elif severity == trt.ILogger.WARNING:
+                warnings.warn(f"{flavour.label}: {' '.join(msg.split())}", stacklevel=2)
 
         def attention(self) -> dict[str, Any]:
             if not self.layer_lists:
@@ -378,6 +372,27 @@ def _build_log(trt, flavour: Flavour):
             return {"fused_mha_layers": len(names), "seen_in": "the builder's layer list (verbose log)"}
 
     return BuildLog()
+
+
+@contextmanager
+def _interrupt_after() -> Iterator[None]:
+    """Ctrl-C during TensorRT calls, raised when they return.
+
+    Python raises KeyboardInterrupt in whatever Python code runs when the signal arrives; during a build that is the
+    logger's callback, whose C++ caller catches it ("Exception caught in log()") and builds on: the interrupt was lost.
+    So SIGINT only takes a note here (main thread only: elsewhere Python delivers no signals anyway).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+    if seen:
+        raise KeyboardInterrupt
 
 
 def _strongly_typed_flag(trt) -> int:
