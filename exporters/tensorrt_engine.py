@@ -19,12 +19,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +32,7 @@ import torch
 from corp_deploy.base import env
 from corp_deploy.base.deps import install_hint, optional
 from corp_deploy.base.errors import CorpError
-from corp_deploy.base.fsio import atomic_file, cache_dir, check_writable, sha256, staged
+from corp_deploy.base.fsio import atomic_file, cache_dir, check_writable, held_interrupt, sha256, staged
 from corp_deploy.base.version import __version__
 from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, onnx_sha256, read_metadata
 
@@ -250,7 +247,9 @@ def build_engine(
     require_precision(proto, onnx_path, options.precision)
     flavour, trt = select_flavour(options)
     log = _build_log(trt, flavour)
-    with _interrupt_after():
+    # A Ctrl-C raised inside TensorRT's logger callback is caught by its C++ caller ("Exception caught in log()") and
+    # the build goes on: during TensorRT's calls SIGINT is held and delivered when they return.
+    with held_interrupt():
         builder = trt.Builder(log)
         network = builder.create_network(_strongly_typed_flag(trt))
         parser = trt.OnnxParser(network, log)
@@ -275,7 +274,7 @@ def build_engine(
         _use_timing_cache(config, cache_path)
 
     start = time.perf_counter()
-    with _interrupt_after():
+    with held_interrupt():
         serialized = builder.build_serialized_network(network, config)
     seconds = time.perf_counter() - start
     if serialized is None:
@@ -372,27 +371,6 @@ def _build_log(trt, flavour: Flavour):
             return {"fused_mha_layers": len(names), "seen_in": "the builder's layer list (verbose log)"}
 
     return BuildLog()
-
-
-@contextmanager
-def _interrupt_after() -> Iterator[None]:
-    """Ctrl-C during TensorRT calls, raised when they return.
-
-    Python raises KeyboardInterrupt in whatever Python code runs when the signal arrives; during a build that is the
-    logger's callback, whose C++ caller catches it ("Exception caught in log()") and builds on: the interrupt was lost.
-    So SIGINT only takes a note here (main thread only: elsewhere Python delivers no signals anyway).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    seen: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
-    if seen:
-        raise KeyboardInterrupt
 
 
 def _strongly_typed_flag(trt) -> int:
