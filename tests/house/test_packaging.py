@@ -58,8 +58,8 @@ def _project_copy(tmp_path: Path) -> Path:
 
 
 def test_the_wheel_installs_one_package(tmp_path) -> None:
-    """``pip install corp-deploy`` adds ``corp_deploy`` and nothing else at the top level: ``exporters/`` and
-    ``bench/`` install inside it, and the studies and the GPU suite stay in the repository."""
+    """``pip install corp-deploy`` adds ``corp_deploy`` and nothing else at the top level, and the studies and the
+    GPU suite stay in the repository."""
     project = _project_copy(tmp_path)
     (tmp_path / "dist").mkdir()
     wheel, _ = _hook("build_wheel", project, tmp_path / "dist")
@@ -88,7 +88,7 @@ def test_the_wheel_installs_one_package(tmp_path) -> None:
 
 def test_an_offline_editable_install_maps_the_folders(tmp_path) -> None:
     """What the GPU machine does (``pip install --no-deps --no-build-isolation -e .``, no network): the editable
-    wheel's import hook finds ``corp_deploy.exporters`` and ``corp_deploy.bench`` in the checkout's own folders,
+    wheel's import hook finds ``corp_deploy`` and its libraries in the checkout's own folders,
     from any working directory. ``-S`` plus the bare site-packages path keeps this checkout's own editable hook out."""
     project = _project_copy(tmp_path)
     (tmp_path / "wheel").mkdir()
@@ -111,8 +111,8 @@ def test_an_offline_editable_install_maps_the_folders(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     files = [Path(line) for line in done.stdout.split()]
     assert files == [
-        project / "exporters/pipeline.py",
-        project / "bench/run.py",
+        project / "corp_deploy/exporters/pipeline.py",
+        project / "corp_deploy/bench/run.py",
         project / "corp_deploy/base/version.py",
     ]
 

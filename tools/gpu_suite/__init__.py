@@ -5,9 +5,8 @@
     python -m tools.gpu_suite --out DIR --smoke --device cpu   # every code path on a tiny model, seconds (CI)
     python -m tools.gpu_suite --ingest DIR [DIR ...]           # fold the records into docs/BENCHMARKS.md
 
-Runs from the repository root once the package is installed from it, offline and editable
-(``pip install --no-deps --no-build-isolation -e .``: ``make gpu-suite`` does it first), so that
-``corp_deploy.exporters`` and ``corp_deploy.bench`` map to their folders. Sections
+Runs from the repository root, which puts the checkout's ``corp_deploy`` on the path: nothing is installed on
+the GPU machine (it has no network). Sections
 (``registry.SECTIONS``) run in order, each timed and each failing alone: its traceback goes to the
 log and the others still run; a time budget skips what would not finish before the machine's
 command limit. DIR gets ``suite.json`` (environment, plan, per-section status and records),

@@ -40,8 +40,8 @@ def run_tests(ctx: Context) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}"]
         cmd += list(ctx.plan.pytest_args)
         ctx.log("$ " + " ".join(cmd))
-        # the package comes from its install (``check_installed``), the tests from REPO, carried wheels from the
-        # PYTHONPATH that ``wheels.activate`` set for this process and its children
+        # the package and the tests come from REPO, carried wheels from the PYTHONPATH that ``wheels.activate`` set
+        # for this process and its children
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(ctx.time_left(), 60))
         ctx.log(proc.stdout + proc.stderr)
         cases = _junit_cases(junit) if junit.is_file() else []
@@ -119,7 +119,7 @@ def prune_markdown(p: dict[str, Any]) -> list[str]:
 
 def _pair(ctx: Context, models: dict[str, nn.Module], precision: str, batch: int, graphed: bool) -> dict[str, Any]:
     x = torch.randn(batch, *input_size(models["dense"]), device=ctx.device, dtype=DTYPES[precision])
-    from corp_deploy.bench.backends import torch_forward  # after suite.check_installed: see there
+    from corp_deploy.bench.backends import torch_forward
 
     stats = measure(ctx, {k: torch_forward(m, x, graphed) for k, m in models.items()}, batch)
     d, p, v = stats["dense"], stats["pruned"], stats["pruned_v"]
@@ -147,7 +147,7 @@ def run_latency(ctx: Context) -> dict[str, Any]:
             pair = on_device(ctx, plain, precision)
             modes = [("eager", pair, ctx.plan.batches)]
             if precision in ctx.plan.compile_precisions:
-                from corp_deploy.bench.backends import compile_model  # after suite.check_installed
+                from corp_deploy.bench.backends import compile_model
 
                 compiled = {k: compile_model(m, ctx.plan.compile_backend) for k, m in pair.items()}
                 modes.append(("compile", compiled, ctx.plan.compile_batches))
@@ -247,7 +247,7 @@ def run_profile(ctx: Context) -> dict[str, Any]:
     out: dict[str, Any] = {"model": name, "precision": precision, "batch": batch, "iterations": 5, "models": {}}
     for which, model in on_device(ctx, plain, precision).items():
         x = torch.randn(batch, *input_size(model), device=ctx.device, dtype=DTYPES[precision])
-        from corp_deploy.bench.backends import torch_forward  # after suite.check_installed
+        from corp_deploy.bench.backends import torch_forward
 
         run = torch_forward(model, x)
         with precision_mode(precision):

@@ -42,7 +42,7 @@ graph, deit_base, batch 1) replacing attention alone lowered the floor only from
 def run_speedup(ctx: Context) -> dict[str, Any]:
     """Per lever and (batch, goal) of the plan: the latency-budgeted prune, its prediction and its measured speedup;
     the whole section skipped, with the reason, where the plan's backend cannot run."""
-    from corp_deploy.plan import speed  # after suite.check_installed: see there
+    from corp_deploy.plan import speed
 
     name, backend_name, goals = ctx.plan.speedup
     try:

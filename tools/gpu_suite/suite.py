@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib
 import sys
 import time
 import traceback
@@ -102,20 +101,6 @@ def parse_only(text: str | None) -> list[str]:
     return names
 
 
-def check_installed() -> None:
-    """The sections need ``corp_deploy.bench`` and ``corp_deploy.exporters``, which only an install of this checkout
-    maps to their folders (``bench/``, ``exporters/``): without one, one line before any section runs, not a
-    traceback in every section of a GPU loan."""
-    try:
-        for name in ("corp_deploy.bench", "corp_deploy.exporters"):
-            importlib.import_module(name)
-    except ImportError as e:
-        raise SuiteError(
-            f"{e.name or name} is not importable: install this checkout first, offline "
-            "(pip install --no-deps --no-build-isolation -e .; make gpu-suite does it)"
-        ) from None
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m tools.gpu_suite", description=DOC, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -136,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if a.out is None:
             raise SuiteError("pass --out DIR to run the suite, or --ingest DIR to fold a run into the docs")
-        check_installed()
         only = parse_only(a.only)
         plan = narrow(Plan.smoke() if a.smoke else Plan.full(), a.models, a.precisions)
         if a.device != "cpu" and not a.device.startswith("cuda"):
