@@ -4,16 +4,12 @@ runs), its ingest into the docs, and its bad inputs (one line, exit 2)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT
 
 from corp_deploy.families import structure
 from corp_deploy.plan import speed

@@ -3,11 +3,11 @@ imported), so a new arrow fails here.
 
 Floors, bottom up (a module may import its own floor and those below): ``corp_deploy.base`` (errors, files,
 tables, the optional-dependency gate, the environment); ``families`` (what a model is); ``core`` (the pruning
-algorithm); ``formats`` (artifacts, inputs, evaluation); the libraries ``exporters`` and ``bench``, which read the pruning side only through ``base``,
-``families`` and ``formats``; ``plan`` (widths under a budget or a measured speed, which exports and times
-candidates); ``corp_deploy.api`` and the package itself (the facade); and on top the apps: ``apps``, the CLI, the
-entry point and the scripts outside the package (``studies/``, ``tools/``), which nothing in the package imports.
-Nothing but the entry point imports the CLI.
+algorithm); ``formats`` (artifacts, inputs, evaluation); the libraries ``exporters`` and ``bench``, which read the
+pruning side only through ``base``, ``families`` and ``formats``; ``plan`` (widths under a budget or a measured
+speed, which exports and times candidates); ``corp_deploy.api`` and the package itself (the facade); and on top the
+apps: ``apps``, the CLI, the entry point and the scripts outside the package (``studies/``, ``tools/``), which nothing
+in the package imports. Nothing but the entry point imports the CLI.
 """
 
 from __future__ import annotations
