@@ -151,6 +151,8 @@ class Calibrated:
     heldout: Heldout | None = None
     seconds: float = 0.0
     """The calibration pass's wall time, charged to every result's ``seconds``."""
+    progress: bool = True
+    """A bar over the blocks while they are compensated."""
     _planners: dict[tuple, Replan] = field(default_factory=dict, repr=False)
 
     def prune(
@@ -218,7 +220,7 @@ class Calibrated:
             if widths is None:
                 widths, record = replan(table)
             timer.add("allocation", start)
-        blocks = prune_model(model, self.stats, config, widths, timer)
+        blocks = prune_model(model, self.stats, config, widths, timer, self.progress)
         if loop is not None:
             model, blocks, record, checked = close_loop(
                 self.dense, model, blocks, self.stats, config, replan, table, widths, record, loop, timer
@@ -252,7 +254,8 @@ def calibrated(
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     stats = calibrate(model.to(device).eval(), batches, config, device, total=total, progress=progress)
-    return Calibrated(model, stats, config, device, heldout, Timer().add("calibration", start) - start)
+    seconds = Timer().add("calibration", start) - start
+    return Calibrated(model, stats, config, device, heldout, seconds, progress=progress)
 
 
 def _report(
@@ -350,7 +353,7 @@ def prune(
         if not world.is_main:
             return None
         dense_model = copy.deepcopy(model) if loop is not None else model  # the loop re-prunes from it
-        result = Calibrated(dense_model, stats, config, device, heldout)._prune(
+        result = Calibrated(dense_model, stats, config, device, heldout, progress=progress)._prune(
             model, config, dense, table, loop, widths, timer
         )
         result.report["calibration"]["processes"] = world.size

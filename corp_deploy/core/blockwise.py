@@ -248,7 +248,7 @@ def walk(
     timer.add("calibration", start)
     report = []
     step = _sequential_block if config.sequential else _dense_group
-    for group in tqdm(groups, unit="group", desc="blocks", disable=not progress):
+    for group in tqdm(groups, unit="group", desc="calibration and compensation", disable=not progress):
         report += step(model, adapter, group, plan, cache, config, world, dist_timeout, timer)
     passes = len(plan) * (4 if config.sequential else 1)
     return report, {

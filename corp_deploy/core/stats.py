@@ -51,8 +51,28 @@ def _add_outer(into: Tensor, a: Tensor, b: Tensor, scale: float = 1.0) -> None:
     bc = ac if b is a else b - mb
     ta, tb = a.sum(0, dtype=torch.float64), b.sum(0, dtype=torch.float64)
     ma, mb = ma.double(), mb.double()
-    into.add_(ac.T @ bc, alpha=scale)
+    if bc is ac:
+        _add_gram(into, ac, scale)
+    else:
+        into.add_(ac.T @ bc, alpha=scale)
     into.addr_(ma, tb, alpha=scale).addr_(ta, mb, alpha=scale).addr_(ma, mb, alpha=-n * scale)
+
+
+GRAM_STRIP = 1024
+"""Columns per strip of ``_add_gram``: 8 strips of an 8192-wide input do 56% of the full product's FLOPs."""
+
+
+def _add_gram(into: Tensor, x: Tensor, scale: float) -> None:
+    """``into += scale * x^T x`` from the lower triangle only, in column strips, each mirrored into the upper one.
+
+    The Gram of a width-w input is half of its w x w product; strips of ``GRAM_STRIP`` columns skip the blocks above
+    the diagonal (the MLP input's Gram costs as much as the block's whole forward); the mirrored product is symmetric.
+    """
+    width, s = x.shape[1], GRAM_STRIP
+    for j in range(0, width, s):
+        strip = x[:, j:].T @ x[:, j : j + s]  # rows j.., columns j..j+s
+        into[j:, j : j + s].add_(strip, alpha=scale)
+        into[j : j + s, j + s :].add_(strip[s:].T, alpha=scale)
 
 
 class _Sums:
