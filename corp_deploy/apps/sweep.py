@@ -291,7 +291,9 @@ def _latency_row(report: dict[str, Any]) -> dict[str, Any]:
     planned = report["allocation"]["latency"]
     row = {"backend": planned["backend"], "batch": planned["batch"], "predicted_speedup": planned["predicted_speedup"]}
     if check := report.get("latency"):
-        row |= {k: check[k] for k in ("predicted_speedup", "measured_speedup", "spread", "rounds", "met")}
+        row |= {
+            k: check[k] for k in ("predicted_speedup", "measured_speedup", "spread", "rounds", "met", "within_band")
+        }
     return row
 
 
