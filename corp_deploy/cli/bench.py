@@ -43,7 +43,15 @@ from corp_deploy.bench.report import format_markdown, format_table, skipped_line
 from corp_deploy.bench.report import plot as draw
 from corp_deploy.bench.run import benchmark, parse_batch_sizes
 from corp_deploy.cli.inputs import inputs
-from corp_deploy.cli.options import ONNX_EXPORT, calib_options, group, model_options, needs, quiet_option
+from corp_deploy.cli.options import (
+    ONNX_EXPORT,
+    calib_options,
+    group,
+    model_options,
+    needs,
+    quiet_option,
+    result_options,
+)
 from corp_deploy.cli.prune_options import (
     latency_options,
     method_options,
@@ -483,6 +491,7 @@ def _sweep_run(
         resume=resume,
         accuracy=accuracy,
         recovery=recovery,
+        options=result_options("sparsities", "speedups"),  # a point's result does not depend on the others
     )
     click.echo(format_sweep(result))
     return result
