@@ -129,6 +129,7 @@ def test_cli_prunes_a_llama_folder_and_refuses_qk_in_one_line_before_any_data(tm
     folder = tmp_path / "tiny-llama"
     tiny_llama().save_pretrained(folder)
     tokenizer().save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
     common = ["--seq-len", "16", "--calib-batch-size", "4", "--round-to", "2", "--quiet"]
     out = tmp_path / "pruned"
     code, _, err = run(
@@ -136,6 +137,12 @@ def test_cli_prunes_a_llama_folder_and_refuses_qk_in_one_line_before_any_data(tm
     )
     assert code == 0, err
     assert read_meta(out)["family"] == "hf-llama" and type(load_pruned(out)) is LlamaForCausalLM
+    for name in ("chat_template.jinja", "generation_config.json"):  # issue 50, item 3: how the source is used
+        assert (out / name).read_text() == (folder / name).read_text()
+    chat = transformers.AutoTokenizer.from_pretrained(out).apply_chat_template([{"role": "user", "content": "the"}])
+    assert chat == transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        [{"role": "user", "content": "the"}]
+    )
     default = tmp_path / "default"  # --target left out: the default drops Q/K, which RoPE refuses
     code, report, err = run(["prune", str(folder), "--calib-dir", str(text), *common, "--out", str(default)], capsys)
     assert code == 0, err
