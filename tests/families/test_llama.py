@@ -190,3 +190,18 @@ def test_smollm2_gguf_converts_to_a_folder_that_loads_as_an_hf_llama_model(tmp_p
     model, tok = hf.load(str(convert_gguf(smollm2_gguf())))
     assert adapter_for(model) is get("hf-llama") and tok is not None
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # SmolLM2 uses GQA (9 over 3)
+
+
+def test_a_truncated_safetensors_file_is_one_line_not_a_traceback(tmp_path: Path, capsys) -> None:
+    """Issue 50, item 4: a folder whose model.safetensors was cut short (an interrupted copy)."""
+    folder = tmp_path / "tiny-llama"
+    tiny_llama().save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    out = tmp_path / "pruned"
+    capsys.readouterr()  # the save's progress bar
+    code, _, err = run(["prune", str(folder), "--calib", "synthetic", "--quiet", "--out", str(out)], capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert code == 1 and len(lines) == 1 and "its weights file is damaged" in lines[0], err
+    assert "copy or download the folder again" in lines[0] and not out.exists()
