@@ -203,6 +203,9 @@ def bench(
             )
         if base:
             record["quantize_only_baseline"] = base[1]
+    if not record["results"]:  # a record of nothing would read as a run that passed
+        why = "; ".join(f"{k}: {v}" for k, v in record["skipped"].items())
+        raise CorpError(f"nothing measured: every backend was skipped ({why}); pass --backends with one that runs here")
     env = record["environment"]
     click.echo(
         f"{record['model']} | cpu {env['cpu']} ({env['torch_threads']} threads)"
