@@ -11,13 +11,13 @@ import click
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_file, check_writable
+from corp_deploy.base.timing import Method
 from corp_deploy.bench import gate
 from corp_deploy.bench.backends import RunFolder
 from corp_deploy.bench.backends import select as select_backends
 from corp_deploy.bench.baseline import quantize_only_baseline
 from corp_deploy.bench.decode import NEW_TOKENS, PROMPTS, decode_benchmark, parse_prompts
 from corp_deploy.bench.decode import select as select_decoders
-from corp_deploy.bench.measure import Method
 from corp_deploy.bench.report import format_markdown, format_table, to_csv
 from corp_deploy.bench.report import plot as draw
 from corp_deploy.bench.run import benchmark, parse_batch_sizes
@@ -156,6 +156,9 @@ def bench(
             )
         if base:
             record["quantize_only_baseline"] = base[1]
+    if not record["results"]:  # a record of nothing would read as a run that passed
+        why = "; ".join(f"{k}: {v}" for k, v in record["skipped"].items())
+        raise CorpError(f"nothing measured: every backend was skipped ({why}); pass --backends with one that runs here")
     env = record["environment"]
     click.echo(
         f"{record['model']} | cpu {env['cpu']} ({env['torch_threads']} threads)"

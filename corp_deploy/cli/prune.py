@@ -18,6 +18,7 @@ from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable
 from corp_deploy.base.steps import Stopped
+from corp_deploy.bench import meter
 from corp_deploy.cli.inputs import inputs
 from corp_deploy.cli.options import model_options, out_options, out_path
 from corp_deploy.cli.prune_options import prune_config, prune_options, recovery_setup
@@ -115,7 +116,7 @@ def pruned(
     recover = recovery_setup(recovery)
     if recover is not None and distributed.launched():
         raise CorpError("--recover-steps/--recover-minutes train in one process; run it without torchrun")
-    backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"], rewrites)
+    backend = None if latency["latency_on"] is None else meter.check_backend(latency["latency_on"], rewrites)
     seq_len = flags["seq_len"] if hf.modality(flags["model"]) == "text" else None  # a text encoder: at --seq-len
     say = (lambda line: None) if quiet else click.echo
     on = None
@@ -195,7 +196,7 @@ def profile(
         check_writable(out, overwrite)
     if latency_batch < 1 or check < 0:
         raise CorpError("--latency-batch must be >= 1 and --check >= 0")
-    backend = speed.check_backend(latency_on)
+    backend = meter.check_backend(latency_on)
     net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=parse_model_args(model_arg))
     key = speed.key(resolve_name(model), parse_model_args(model_arg), backend, latency_batch, torch.get_num_threads())
     start = time.perf_counter()

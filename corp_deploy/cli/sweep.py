@@ -24,13 +24,22 @@ from corp_deploy.apps.sweep import sweep as run_sweep
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir, check_writable
 from corp_deploy.base.steps import INTERRUPTED, Stopped
+from corp_deploy.base.timing import Method
+from corp_deploy.bench import meter
 from corp_deploy.bench.backends import rewrites_on
 from corp_deploy.bench.drop import METRICS, declared_pooling, default_metric
 from corp_deploy.bench.frontier import format_frontier, plot_frontier
-from corp_deploy.bench.measure import Method
 from corp_deploy.bench.run import parse_batch_sizes
 from corp_deploy.cli.inputs import inputs
-from corp_deploy.cli.options import ONNX_EXPORT, calib_options, group, model_options, needs, quiet_option
+from corp_deploy.cli.options import (
+    ONNX_EXPORT,
+    calib_options,
+    group,
+    model_options,
+    needs,
+    quiet_option,
+    result_options,
+)
 from corp_deploy.cli.prune_options import (
     latency_options,
     method_options,
@@ -149,7 +158,7 @@ def sweep(
     sizes = parse_batch_sizes(batch_sizes)
     speedup = None if targets is None else max(targets)  # checked as --speedup; each target replaces its budget
     config = prune_config(pruning, latency | {"speedup": speedup}, **({} if targets else {"sparsity": max(values)}))
-    backend = None if targets is None else speed.check_backend(latency["latency_on"])
+    backend = None if targets is None else meter.check_backend(latency["latency_on"])
     if Path(out).is_dir() and not (resume or overwrite):
         raise CorpError(
             f"output {out} already exists; pass --resume to continue its sweep, or --overwrite, or another --out"
@@ -253,6 +262,7 @@ def _sweep_run(
         resume=resume,
         accuracy=accuracy,
         recovery=recovery,
+        options=result_options("sparsities", "speedups"),  # a point's result does not depend on the others
     )
     click.echo(format_sweep(result))
     return result
