@@ -43,7 +43,15 @@ from corp_deploy.bench.report import format_markdown, format_table, skipped_line
 from corp_deploy.bench.report import plot as draw
 from corp_deploy.bench.run import benchmark, parse_batch_sizes
 from corp_deploy.cli.inputs import inputs
-from corp_deploy.cli.options import ONNX_EXPORT, calib_options, group, model_options, needs, quiet_option
+from corp_deploy.cli.options import (
+    ONNX_EXPORT,
+    calib_options,
+    group,
+    model_options,
+    needs,
+    quiet_option,
+    result_options,
+)
 from corp_deploy.cli.prune_options import (
     latency_options,
     method_options,
@@ -195,6 +203,9 @@ def bench(
             )
         if base:
             record["quantize_only_baseline"] = base[1]
+    if not record["results"]:  # a record of nothing would read as a run that passed
+        why = "; ".join(f"{k}: {v}" for k, v in record["skipped"].items())
+        raise CorpError(f"nothing measured: every backend was skipped ({why}); pass --backends with one that runs here")
     env = record["environment"]
     click.echo(
         f"{record['model']} | cpu {env['cpu']} ({env['torch_threads']} threads)"
@@ -242,11 +253,12 @@ def _quantize_only(run: RunFolder, backends: list, tmp: Path, skipped: dict[str,
 
 
 def _text_eval(
-    source: str, text: str, seq_len: int | None, all_text: bool, batch_size: int, num: int, quiet: bool
+    run_dir: str, source: str, text: str, seq_len: int | None, all_text: bool, batch_size: int, num: int, quiet: bool
 ) -> None:
     """``eval --text``: perplexity of ``source`` and, for a prune artifact, of its dense original when that loads
     (the transformers folder or hf:NAME it was pruned from; skipped with the reason when it does not), on the
-    first ``num`` windows; each line printed as soon as it is measured."""
+    first ``num`` windows; each line printed as soon as it is measured, the record appended to RUN_DIR/eval.json
+    (a local folder; hf:NAME has none)."""
     if num < 1:
         raise CorpError(f"--num must be >= 1, got {num}")
     hf.transformers_module("evaluating a text model")
@@ -254,12 +266,17 @@ def _text_eval(
     if not (artifact or hf.is_source(source)):
         raise CorpError(f"{source} is neither a prune artifact nor a transformers folder (config.json) or hf:NAME")
     read_documents(text)  # a folder without text fails before any model loads
+    local = Path(run_dir).is_dir()
+    if local:
+        check_writable(Path(run_dir) / "eval.json", overwrite=True)
     device = calibration.resolve_device("auto")
+    results: dict[str, Any] = {}
 
     def line(label: str, where: str) -> str:
         model, tokenizer = sources.text_model(where)
         length = seq_len or min(2048, max_positions(model.config))
         r = evaluation.text_perplexity(model, tokenizer, text, length, batch_size, device, all_text, num, not quiet)
+        results[label] = {**r, "model": where}
         return (
             f"{label}: perplexity {r['perplexity']:.3f} on {r['windows']} of {r['of_windows']} windows of "
             f"{r['seq_len']} tokens ({r['part']}: {r['documents']} of {r['of_documents']} documents of {text}) "
@@ -272,7 +289,12 @@ def _text_eval(
         try:
             click.echo(line("dense", origin))
         except CorpError as e:
+            results["dense"] = {"skipped": str(e)}
             click.echo(f"dense: skipped ({e})")
+    if local:
+        record = {"metric": "perplexity", "text": str(text), "results": results}
+        record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": device_name(torch.device("cpu"))}
+        click.echo(f"appended to {append_evaluation(run_dir, record)}")
 
 
 @click.command()
@@ -483,6 +505,7 @@ def _sweep_run(
         resume=resume,
         accuracy=accuracy,
         recovery=recovery,
+        options=result_options("sparsities", "speedups"),  # a point's result does not depend on the others
     )
     click.echo(format_sweep(result))
     return result
@@ -571,7 +594,7 @@ def eval_command(
             _encoder_eval(run_dir, text, seq_len, all_text, kwargs)
             return
         source = str(floor.artifact_of(run_dir)) if Path(run_dir, "pruned", META_FILE).is_file() else run_dir
-        _text_eval(source, text, seq_len, all_text, kwargs["batch_size"] or 1, kwargs["num"], quiet)
+        _text_eval(run_dir, source, text, seq_len, all_text, kwargs["batch_size"] or 1, kwargs["num"], quiet)
         return
     kwargs["batch_size"] = kwargs["batch_size"] or 32
     check_writable(Path(run_dir) / "eval.json", overwrite=True)

@@ -9,6 +9,7 @@ compensations, ``core.fit``), install (``Adapter.install``: the family's modules
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +96,19 @@ def prune_model(
     return [prune_block(adapter, blocks[i], i, stats, widths, config, timer) for i, widths in enumerate(plan)]
 
 
+def check_tokens(tokens: int, width: int) -> None:
+    """A warning when calibration holds fewer tokens than the MLP is wide: the compensation's least squares then fits
+    the calibration tokens exactly, every block's error reads 0.000 on them, and nothing is learnt about any other
+    input. Said once (block 0: every block sees the same tokens)."""
+    if tokens < width:
+        warnings.warn(
+            f"{tokens} calibration tokens for an MLP width of {width}: the compensation fits them exactly (every "
+            "block's error reads 0.000 on them) and says nothing about other inputs; calibrate on more data (at "
+            f"least {width} tokens, many times that for a fit that holds)",
+            stacklevel=2,
+        )
+
+
 LogitTargets = Callable[[Tensor], tuple[Tensor, Tensor]]
 """Sequential Q/K: kept dims (heads, d') -> (``sum_b (Q~_S^T Q)(K^T K~_S)`` per head, dense logit energy per head)."""
 
@@ -121,6 +135,8 @@ def prune_block(
     """
     t = time.perf_counter()
     cuts = select(adapter, block, i, stats, widths, config)
+    if i == 0 and "mlp" in cuts:
+        check_tokens(int(stats.mlp[i].count), cuts["mlp"].size["width"])
     t = timer.add("ranking", t)
     targets = None
     if logit_targets is not None and "qk" in cuts and cuts["qk"].keep is not None:

@@ -103,8 +103,8 @@ def close_loop(
                 "widths": [list(widths_of(dense, w)) for w in widths],
             }
         )
-        met = abs(measured.speedup / target - 1) <= measured.band
-        if met or len(history) == loop.rounds:
+        within_band = abs(measured.speedup / target - 1) <= measured.band
+        if within_band or len(history) == loop.rounds:
             break
         planned = [widths_of(dense, w) for w in widths]
         try:  # a pair no correction follows, or a corrected table that puts the target out of reach: keep this one
@@ -116,6 +116,7 @@ def close_loop(
         model = copy.deepcopy(dense)
         blocks = prune_model(model, stats, config, widths, timer)
     last = history[-1]
+    reached = last["measured_speedup"] >= target
     return (
         model,
         blocks,
@@ -129,7 +130,8 @@ def close_loop(
             "measured_speedup": last["measured_speedup"],
             "spread": last["spread"],
             "rounds": len(history),
-            "met": met,
+            "met": reached,
+            "within_band": within_band,
             "history": history,
         },
     )

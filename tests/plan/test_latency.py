@@ -278,7 +278,8 @@ def test_closed_loop_corrects_the_table_and_replans_from_the_same_statistics() -
 
     result = api.prune(model, batches(), config, progress=False, table=table, loop=LatencyLoop(timing, 3))
     check = result.report["latency"]
-    assert len(passes) == 1 and check["rounds"] == len(timed) == 2 and check["met"]
+    assert len(passes) == 1 and check["rounds"] == len(timed) == 2 and check["within_band"]
+    assert check["met"] == (check["measured_speedup"] >= 2)
     assert check["history"][0]["measured_speedup"] > 2 * 1.05 and check["target_speedup"] == 2
     assert check["measured_speedup"] == pytest.approx(2, rel=0.05)
     assert timed[1] != timed[0] and block_widths(result.model) == timed[1]
@@ -295,6 +296,18 @@ def test_closed_loop_keeps_the_last_model_when_the_corrected_table_puts_the_targ
     config = PruneConfig(budget="latency=0.5", target="all", allocation="local")
     check = api.prune(tiny_vit(), tiny_batches(), config, progress=False, table=table, loop=loop).report["latency"]
     assert check["rounds"] == 1 and not check["met"] and "below the smallest model" in check["history"][0]["stopped"]
+
+
+def test_a_speedup_inside_the_band_but_short_of_the_target_is_not_recorded_as_met() -> None:
+    """corp.json said ``"met": true`` while the printed line said "not reached" (issue 50, item 2): a pair measured
+    2% short of a 2x target inside a +-5% band stops the loop, and the record and the words agree it was not met."""
+    table = speed.build_table(tiny_vit(), table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    loop = LatencyLoop(lambda d, p: Timing(1.96, 1.0, 0.05), 3)
+    config = PruneConfig(budget="latency=0.5", target="all", allocation="local")
+    report = api.prune(tiny_vit(), tiny_batches(), config, progress=False, table=table, loop=loop).report
+    check = report["latency"]
+    assert check["rounds"] == 1 and check["within_band"] and not check["met"]
+    assert ": within the noise band, not reached after 1 round" in format_report(report)
 
 
 def test_a_latency_budget_plans_sequential_pruning_from_the_table() -> None:
@@ -382,7 +395,7 @@ def test_prune_export_with_a_speedup_records_the_check(tmp_path, capsys, cache, 
     code, stdout, err = run(argv, capsys)
     assert code == 0, err
     check = json.loads((out / "pruned" / "corp.json").read_text())["report"]["latency"]
-    assert check["target_speedup"] == pytest.approx(1.3) and check["rounds"] == 1 and check["met"]
+    assert check["target_speedup"] == pytest.approx(1.3) and check["rounds"] == 1 and check["within_band"]
     assert check["measured_speedup"] == pytest.approx(check["predicted_speedup"]) and check["spread"] == speed.MIN_BAND
     assert "target 1.30x" in stdout and ": met after 1 round" in stdout
     assert len(list(cache.iterdir())) == 1
@@ -418,7 +431,7 @@ def test_recovery_runs_after_the_closed_loop_and_keeps_its_widths(tmp_path, caps
     last_timed = [w for kind, w in events if kind == "timed"][-1]
     assert all(w == last_timed for kind, w in events if kind == "trained")
     meta = json.loads((out / "pruned" / "corp.json").read_text())
-    assert meta["report"]["latency"]["met"] and meta["report"]["recovery"]["steps"] == 2
+    assert meta["report"]["latency"]["within_band"] and meta["report"]["recovery"]["steps"] == 2
     assert meta["structure"] == last_timed
     assert "speed is the pruned model's" in stdout
 
@@ -500,7 +513,9 @@ def test_sweep_of_speedups_calibrates_once_and_checks_every_target(tmp_path, cap
     assert [r["speedup"] for r in rows] == [1.3, 1.6] and rows[0]["macs"] > rows[1]["macs"]
     for row in rows:
         t = row["latency"]
-        assert t["met"] and t["rounds"] == 2 and t["measured_speedup"] == pytest.approx(row["speedup"], rel=0.05)
+        assert (
+            t["within_band"] and t["rounds"] == 2 and t["measured_speedup"] == pytest.approx(row["speedup"], rel=0.05)
+        )
         check = json.loads((out / f"x{row['speedup']:.2f}" / "pruned" / "corp.json").read_text())["report"]["latency"]
         assert check["history"][0]["measured_speedup"] > row["speedup"] * (1 + speed.MIN_BAND)  # uncorrected: overshot
         assert (out / f"x{row['speedup']:.2f}" / "bench.json").is_file()
@@ -595,7 +610,7 @@ def test_the_closed_loop_runs_on_a_text_encoder_and_records_its_sequence(tmp_pat
     batches = synthetic_text_batches(model.config.vocab_size, 16, SEQ, 8, 0)
     result = api.prune(model, batches, config, progress=False, table=table, loop=LatencyLoop(timing, 3))
     check = result.report["latency"]
-    assert check["rounds"] == 2 and check["met"] and check["seq_len"] == SEQ and check["batch"] == 8
+    assert check["rounds"] == 2 and check["within_band"] and check["seq_len"] == SEQ and check["batch"] == 8
     assert check["history"][0]["measured_speedup"] > 2 * 1.05
     assert check["measured_speedup"] == pytest.approx(2, rel=0.05) and check["spread"] == 0.05
     assert result.report["allocation"]["latency"]["seq_len"] == SEQ
@@ -615,7 +630,7 @@ def test_prune_export_of_a_text_encoder_with_a_speedup_records_the_check(tmp_pat
     code, stdout, err = run([*argv, "--precision", "fp32", "--out", str(out)], capsys)
     assert code == 0, err
     check = json.loads((out / "pruned" / "corp.json").read_text())["report"]["latency"]
-    assert check["target_speedup"] == pytest.approx(1.3) and check["met"] and check["rounds"] == 1
+    assert check["target_speedup"] == pytest.approx(1.3) and check["within_band"] and check["rounds"] == 1
     assert check["seq_len"] == SEQ and check["measured_speedup"] == pytest.approx(check["predicted_speedup"])
     assert "at batch 2 x 16 tokens: target 1.30x" in stdout
     (table,) = cache.iterdir()
