@@ -49,7 +49,7 @@ from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.exporters.onnx_export import export_onnx
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
-from corp_deploy.families.timm.modules import head_widths
+from corp_deploy.families.timm.surgery import head_widths
 from corp_deploy.formats import calibration
 from corp_deploy.formats.data import input_size
 from corp_deploy.plan.allocation import error_curves, plan_budget

@@ -73,7 +73,7 @@ from corp_deploy.exporters.tensorrt_engine import (
     select_flavour,
 )
 from corp_deploy.families.hf import hub as hf
-from corp_deploy.families.timm import modules as surgery
+from corp_deploy.families.timm import surgery
 from corp_deploy.families.timm.models import parse_model_args
 from corp_deploy.formats import calibration, evaluation, sources
 from corp_deploy.formats.artifact import META_FILE

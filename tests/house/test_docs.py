@@ -190,7 +190,7 @@ def test_the_name_check_knows_gone_modules_from_present_ones() -> None:
         "base.timing.interleaved",
         "corp_deploy.plan.speed.table_for",
         "exporters/rewrites.py",
-        "families.timm.modules.replace_branch",
+        "families.timm.surgery.replace_branch",
         "plan.speed.Meter",
         "torch.compile",
         "Adapter.install",
