@@ -60,7 +60,7 @@ from corp_deploy.cli.prune_options import (
     recovery_setup,
 )
 from corp_deploy.core.recover import Recovery
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.families.hf.adapter import max_positions
 from corp_deploy.families.registry import get as get_family
 from corp_deploy.families.timm.models import create_model, parse_model_args, resolve_name
@@ -261,9 +261,9 @@ def _text_eval(
     (a local folder; hf:NAME has none)."""
     if num < 1:
         raise CorpError(f"--num must be >= 1, got {num}")
-    hf.transformers_module("evaluating a text model")
+    hub.transformers_module("evaluating a text model")
     artifact = Path(source, META_FILE).is_file()
-    if not (artifact or hf.is_source(source)):
+    if not (artifact or hub.is_source(source)):
         raise CorpError(f"{source} is neither a prune artifact nor a transformers folder (config.json) or hf:NAME")
     read_documents(text)  # a folder without text fails before any model loads
     local = Path(run_dir).is_dir()
@@ -414,7 +414,7 @@ def sweep(
         raise CorpError(f"--max-drop must be >= 0, got {max_drop}")
     recover = recovery_setup(recovery)
     measured = frontier or max_drop is not None or metric is not None
-    text = hf.modality(flags["model"]) == "text"
+    text = hub.modality(flags["model"]) == "text"
     seq_len = flags["seq_len"] if text else None
     on = (
         None
@@ -425,7 +425,7 @@ def sweep(
     description = sources.describe(got.net, got.name, got.args, got.weights, *([seq_len] if text else []))
     accuracy = None
     if measured:
-        tokenizer = hf.load_tokenizer(flags["model"], got.net.config.vocab_size) if text else None
+        tokenizer = hub.load_tokenizer(flags["model"], got.net.config.vocab_size) if text else None
         num_calib = got.total + (got.heldout.images.shape[0] if got.heldout is not None and not text else 0)
         held = floor.heldout_for(
             got.net,

@@ -72,7 +72,7 @@ from corp_deploy.exporters.tensorrt_engine import (
     require_precision,
     select_flavour,
 )
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.families.timm import surgery
 from corp_deploy.families.timm.models import parse_model_args
 from corp_deploy.formats import calibration, evaluation, sources
@@ -116,7 +116,7 @@ def _int4_windows(tokenizer_source: str | Path | None, data: str, vocab: int, in
     """The held-out windows (numpy) that verify INT4 graphs: ``data``'s held-out documents, or random tokens."""
     tokenizer = None
     if data != SYNTHETIC and tokenizer_source is not None:
-        tokenizer = hf.load_tokenizer(tokenizer_source, vocab)
+        tokenizer = hub.load_tokenizer(tokenizer_source, vocab)
     windows = evaluation.heldout_windows(tokenizer, data, vocab, int4["int4_seq_len"], int4["int4_windows"], seed)
     return windows.numpy()
 
@@ -130,7 +130,7 @@ def _int4_calibration(
         return {}
     tokenizer = None
     if data != SYNTHETIC and tokenizer_source is not None:
-        tokenizer = hf.load_tokenizer(tokenizer_source, vocab)
+        tokenizer = hub.load_tokenizer(tokenizer_source, vocab)
     num, seq_len = int4["int4_calib_windows"], int4["int4_seq_len"]
     windows = calibration.calibration_windows(tokenizer, data, vocab, seq_len, num, seed).numpy()
     part = "random tokens" if data == SYNTHETIC else "calibration documents (disjoint from the held-out ones)"
@@ -151,7 +151,7 @@ def _text_int8(
 
     def feeds(proto) -> Data:
         meta = read_metadata(proto)
-        tokenizer = None if source == SYNTHETIC else hf.load_tokenizer(tokenizer_from, meta["vocab_size"])
+        tokenizer = None if source == SYNTHETIC else hub.load_tokenizer(tokenizer_from, meta["vocab_size"])
         if source != SYNTHETIC and tokenizer is None:
             raise CorpError(f"{tokenizer_from} has no tokenizer; text INT8 calibrates on documents tokenized by it")
         return int8_feeds(tokenizer, source, meta["vocab_size"], num_calib, num_verify, meta["seq_len"], seed)
@@ -212,7 +212,7 @@ def export(
     rewrites_ = parse_rewrites(rewrites)
     out_ = Path(out)
     if out_.suffix != ".onnx":
-        if not (hf.is_source(source) or Path(source).is_dir()):
+        if not (hub.is_source(source) or Path(source).is_dir()):
             raise CorpError(f"--out must be a .onnx file ({genai.folder_is()}), got {out}")
         flags = (fp16, pad_qk, simplify, bool(rewrites_))
         _genai_export(source, out_, overwrite, opset, flags, opts, prompts, seq_len, decode_graph)
@@ -512,7 +512,7 @@ def prune_export(
     started = time.perf_counter()
     precisions_ = precisions(precision)
     recipes = parse_recipes(int8_recipe)
-    text = hf.modality(prune_args["model"]) == "text"
+    text = hub.modality(prune_args["model"]) == "text"
     decoder = text and sources.is_decoder(prune_args["model"])
     _int4_refused(precisions_, decoder)
     int4_setup(int4)  # a bad INT4 flag fails here
