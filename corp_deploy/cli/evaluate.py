@@ -17,7 +17,7 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable
 from corp_deploy.bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
 from corp_deploy.bench.report import skipped_lines
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.families.hf.adapter import max_positions
 from corp_deploy.families.registry import get as get_family
 from corp_deploy.formats import calibration, evaluation, sources
@@ -34,9 +34,9 @@ def _text_eval(
     (a local folder; hf:NAME has none)."""
     if num < 1:
         raise CorpError(f"--num must be >= 1, got {num}")
-    hf.transformers_module("evaluating a text model")
+    hub.transformers_module("evaluating a text model")
     artifact = Path(source, META_FILE).is_file()
-    if not (artifact or hf.is_source(source)):
+    if not (artifact or hub.is_source(source)):
         raise CorpError(f"{source} is neither a prune artifact nor a transformers folder (config.json) or hf:NAME")
     read_documents(text)  # a folder without text fails before any model loads
     local = Path(run_dir).is_dir()

@@ -59,7 +59,7 @@ from corp_deploy.exporters.tensorrt_engine import (
     build_missing,
     for_graph,
 )
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.formats import sources
 from corp_deploy.formats.run_folder import (
     ARTIFACT,
@@ -142,7 +142,7 @@ def prune_export(
     started = time.perf_counter()
     precisions_ = precisions(precision)
     recipes = parse_recipes(int8_recipe)
-    text = hf.modality(prune_args["model"]) == "text"
+    text = hub.modality(prune_args["model"]) == "text"
     decoder = text and sources.is_decoder(prune_args["model"])
     _int4_refused(precisions_, decoder)
     int4_setup(int4)  # a bad INT4 flag fails here
