@@ -10,11 +10,14 @@ down with it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
 from corp_deploy.base.errors import CorpError, first_line
+
+T = TypeVar("T")
 
 INTERRUPTED = 130
 """The exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it."""
@@ -76,3 +79,41 @@ class Steps:
     def stopped(self, what: str, interrupted: bool, bug: BaseException | None = None) -> Stopped:
         """``what`` stopped: the line that says so, what the folder holds (all whole), and how to finish."""
         return Stopped(f"{what}; {holds(self.folder)} (all whole); to finish: {self.finish()}", interrupted, bug, what)
+
+
+def _given(flag: str, value: Any) -> str:
+    """One option as a command line would say it: ``--seq-len 32``, ``--frontier``, ``no --max-drop``."""
+    if value is None or value is False:
+        return f"no {flag}"
+    return flag if value is True else f"{flag} {value}"
+
+
+def check_resume(folder: Path, made_with: dict[str, Any] | None, options: dict[str, Any]) -> None:
+    """``--resume`` continues ``folder`` only with the options its finished parts were made with (``made_with``, the
+    fingerprint its record holds): results of two settings would mix silently. One line names the first option
+    that differs."""
+    if made_with is None:
+        raise CorpError(
+            f"--resume: {folder} records no options (made by an older version), so mixing settings cannot be ruled "
+            "out; start again with --overwrite"
+        )
+    for flag in sorted(made_with.keys() | options.keys()):
+        if made_with.get(flag) != options.get(flag):
+            raise CorpError(
+                f"--resume: {folder} was made with {_given(flag, made_with.get(flag))}, this command has "
+                f"{_given(flag, options.get(flag))}; resume with the options it was made with, or start again with "
+                "--overwrite"
+            )
+
+
+def each(what: str, items: Iterable[tuple[str, T]], say: Callable[[str], None] = print) -> Iterator[T]:
+    """``items`` ((label, item) pairs) one at a time, each announced before it runs: its place, how long the step has
+    run, and about how long the rest will take (the mean of the items done so far): a step over many slow items
+    (graphs exported and verified, recipes tried, folders built) is never minutes of one silent line."""
+    items = list(items)
+    start = time.perf_counter()
+    for done, (label, item) in enumerate(items):
+        elapsed = time.perf_counter() - start
+        eta = f", about {elapsed / done * (len(items) - done):.0f} s left" if done else ""
+        say(f"  {what} {done + 1}/{len(items)}: {label} ({elapsed:.0f} s so far{eta})")
+        yield item

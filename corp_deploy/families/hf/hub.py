@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from corp_deploy.base import memory
@@ -70,6 +71,11 @@ def load(source: str) -> tuple[nn.Module, Any]:
         config = transformers.AutoConfig.from_pretrained(where, **offline)
         cls = architecture(transformers, config)
         model = cls.from_pretrained(where, attn_implementation="sdpa", dtype=torch.float32, **offline)
+    except SafetensorError as e:  # a truncated or corrupt weights file: not the hub's, the folder's
+        raise CorpError(
+            f"cannot load the transformers model {source}: its weights file is damaged ({first_line(e)}); copy or "
+            "download the folder again"
+        ) from None
     except (OSError, ValueError, KeyError) as e:
         if offline:
             raise CorpError(
