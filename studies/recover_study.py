@@ -1,6 +1,6 @@
 """Label-free recovery after pruning, measured against CORP alone (issue 33).
 
-    nice -n 5 python -m studies.recover_study --out docs/recover-study            # hours on a 2-core CPU
+    nice -n 5 python -m studies.recover_study --out studies/results/recover-study            # hours on a 2-core CPU
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (MLP, Q/K and V) on ``--num-calib`` train images of
 ``--calib-dataset`` (digits by default; ``--calib-train`` of them in the pool; ``--heldout`` more, drawn across the
@@ -37,6 +37,7 @@ import torch
 from corp_deploy.apps.real import probe_task, real_task
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import markdown_table
+from corp_deploy.bench import meter
 from corp_deploy.bench.accuracy import cosine, outputs
 from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.pruner import calibrate, prune_model
@@ -215,7 +216,7 @@ def measured_speed(a: argparse.Namespace, dense: torch.nn.Module, pruned: torch.
     if not a.speed_on:
         return None
     load = os.getloadavg()[0]
-    t = speed.measure_pair(dense, pruned, speed.check_backend(a.speed_on), a.speed_batch, a.threads)
+    t = speed.measure_pair(dense, pruned, meter.check_backend(a.speed_on), a.speed_batch, a.threads)
     record = {"backend": a.speed_on, "batch": a.speed_batch, "threads": a.threads, "dense_s": t.dense_s}
     record |= {"pruned_s": t.pruned_s, "speedup": t.speedup, "band": t.band, "load": [load, os.getloadavg()[0]]}
     print(f"measured {t.speedup:.2f}x (+-{t.band:.0%}) dense on {a.speed_on} at batch {a.speed_batch}", flush=True)
@@ -225,7 +226,7 @@ def measured_speed(a: argparse.Namespace, dense: torch.nn.Module, pruned: torch.
 def run(a: argparse.Namespace) -> None:
     if a.speed_on:
         try:
-            speed.check_backend(a.speed_on)  # before any model is built
+            meter.check_backend(a.speed_on)  # before any model is built
         except CorpError as e:
             raise SystemExit(str(e).replace("--latency-on", "--speed-on")) from None
     torch.set_num_threads(a.threads)
@@ -357,7 +358,7 @@ def report(out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/recover-study"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/recover-study"))
     p.add_argument("--report", action="store_true", help="only rewrite <out>.md/.json from <out>.jsonl")
     p.add_argument("--rows", type=parse_rows, default=parse_rows("corp:none:0,removal:none:0"))
     p.add_argument("--sparsity", type=float, default=0.5, help="uniform sparsity of MLP, Q/K and V in every block")

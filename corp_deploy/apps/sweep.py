@@ -25,10 +25,10 @@ from torch import Tensor, nn
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir, atomic_file, check_writable
-from corp_deploy.base.steps import Steps
+from corp_deploy.base.steps import Steps, check_resume
 from corp_deploy.base.tables import text_table
+from corp_deploy.base.timing import Method
 from corp_deploy.bench.backends import RunFolder, select
-from corp_deploy.bench.measure import Method
 from corp_deploy.bench.run import benchmark, pairs
 from corp_deploy.core.config import Budget, PruneConfig
 from corp_deploy.core.recover import Kept, Recovery
@@ -145,6 +145,7 @@ def sweep(
     resume: str | None = None,
     accuracy: Accuracy | None = None,
     recovery: Recovery | None = None,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write ``out/s<sparsity>/`` per sparsity (or ``out/x<speedup>/`` per speed target, ``speedups``) and
     ``out/sweep.json``; return the sweep record. ``rewrites`` go into every exported graph (``exporters.rewrites``).
@@ -156,12 +157,16 @@ def sweep(
     point keeps the figures it wrote (``accuracy.json``, before ``bench.json``). ``recovery`` trains every pruned
     model after CORP (``api.recover_pruned``, on the first calibration inputs, kept as the one pass reads them), so
     each point's graphs and figures are the recovered model's; plain removal's figures stay unrecovered.
+    ``options`` (the command's result-changing options, ``cli.options.result_options``) go into every point's
+    ``bench.json`` and ``sweep.json``; a resume whose options differ from a finished point's is refused in one line.
     """
     if resume is None or not out.is_dir():
         check_writable(out, overwrite)
     config = api.for_model(config, model)
     configs = _configs(model, config, sparsities, speedups)  # every row must be possible before calibrating
     finished = {name for name in configs if resume is not None and (out / name / "bench.json").is_file()}
+    for name in sorted(finished) if options is not None else ():
+        check_resume(out / name, json.loads((out / name / "bench.json").read_text()).get("options"), options)
     steps = Steps(out, lambda: resume or "run the same command again with --resume", progress)
     if finished:
         progress(f"resuming {out}: {', '.join(sorted(finished))} finished, kept")
@@ -204,6 +209,7 @@ def sweep(
                     progress,
                     accuracy,
                     score,
+                    options,
                 )
             rows[name] = _row(label, out / name, dense_size, speedups, accuracy is not None)
     result = {
@@ -214,6 +220,7 @@ def sweep(
         "rewrites": list(rewrites),
         **({"accuracy": accuracy.record()} if accuracy is not None else {}),
         **({"recovery": asdict(recovery)} if recovery is not None else {}),
+        **({"options": options} if options is not None else {}),
     }
     with atomic_file(out / "sweep.json", overwrite=True) as tmp:
         tmp.write_text(json.dumps(result, indent=2) + "\n")
@@ -232,6 +239,7 @@ def _point(
     progress: Callable[[str], None],
     accuracy: Accuracy | None = None,
     score: Callable[[Path], dict[str, Any]] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> None:
     """One point's run folder: pruned artifact and graphs (staged as one; with ``accuracy`` its INT8 graph too), then
     its held-out figures (``score``: ``accuracy.json``), then its bench, ``bench.json`` last (the finished mark)."""
@@ -254,6 +262,7 @@ def _point(
     size = result.report["pruned"]
     progress(f"{folder.name}: params {size['params'] / 1e6:.2f}M, MACs {size['macs'] / 1e9:.3f}G")
     record = benchmark(run, chosen, batch_sizes, method, skipped=skipped, progress=progress)
+    record |= {"options": options} if options is not None else {}
     with atomic_file(folder / "bench.json", overwrite=True) as tmp:
         tmp.write_text(json.dumps(record, indent=2) + "\n")
 
@@ -291,7 +300,9 @@ def _latency_row(report: dict[str, Any]) -> dict[str, Any]:
     planned = report["allocation"]["latency"]
     row = {"backend": planned["backend"], "batch": planned["batch"], "predicted_speedup": planned["predicted_speedup"]}
     if check := report.get("latency"):
-        row |= {k: check[k] for k in ("predicted_speedup", "measured_speedup", "spread", "rounds", "met")}
+        row |= {
+            k: check[k] for k in ("predicted_speedup", "measured_speedup", "spread", "rounds", "met", "within_band")
+        }
     return row
 
 

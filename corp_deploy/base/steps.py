@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from corp_deploy.base.errors import CorpError, first_line
 
@@ -79,6 +79,31 @@ class Steps:
     def stopped(self, what: str, interrupted: bool, bug: BaseException | None = None) -> Stopped:
         """``what`` stopped: the line that says so, what the folder holds (all whole), and how to finish."""
         return Stopped(f"{what}; {holds(self.folder)} (all whole); to finish: {self.finish()}", interrupted, bug, what)
+
+
+def _given(flag: str, value: Any) -> str:
+    """One option as a command line would say it: ``--seq-len 32``, ``--frontier``, ``no --max-drop``."""
+    if value is None or value is False:
+        return f"no {flag}"
+    return flag if value is True else f"{flag} {value}"
+
+
+def check_resume(folder: Path, made_with: dict[str, Any] | None, options: dict[str, Any]) -> None:
+    """``--resume`` continues ``folder`` only with the options its finished parts were made with (``made_with``, the
+    fingerprint its record holds): results of two settings would mix silently. One line names the first option
+    that differs."""
+    if made_with is None:
+        raise CorpError(
+            f"--resume: {folder} records no options (made by an older version), so mixing settings cannot be ruled "
+            "out; start again with --overwrite"
+        )
+    for flag in sorted(made_with.keys() | options.keys()):
+        if made_with.get(flag) != options.get(flag):
+            raise CorpError(
+                f"--resume: {folder} was made with {_given(flag, made_with.get(flag))}, this command has "
+                f"{_given(flag, options.get(flag))}; resume with the options it was made with, or start again with "
+                "--overwrite"
+            )
 
 
 def each(what: str, items: Iterable[tuple[str, T]], say: Callable[[str], None] = print) -> Iterator[T]:

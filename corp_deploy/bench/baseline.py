@@ -13,8 +13,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from corp_deploy.base.timing import Step
 from corp_deploy.bench.backends import Backend, RunFolder, cpu_step, inputs_for
-from corp_deploy.bench.measure import Step
 from corp_deploy.exporters.int8_recipes import BASELINE_WHAT, dynamic_int8
 from corp_deploy.exporters.onnx_export import onnx_files
 from corp_deploy.formats.run_folder import BASELINE
@@ -54,3 +54,15 @@ def loader(path: Path) -> Loader:
         return at
 
     return load
+
+
+def quantize_only_baseline(run: RunFolder, backends: list[Backend], tmp: Path, skipped: dict[str, str]) -> tuple | None:
+    """(the quantize-only baseline's loader, where its graph came from) when an onnxruntime CPU backend runs and the
+    run folder has dense.onnx; else None, the reason in ``skipped``."""
+    if not any(runs_beside(b) for b in backends):
+        return None
+    if not run.onnx("dense").is_file():
+        skipped["quantize-only baseline"] = f"no dense.onnx in {run.root} to quantize"
+        return None
+    graph, origin = baseline_graph(run, tmp)
+    return loader(graph), origin

@@ -10,6 +10,7 @@ command: ``prune_options``, ``export_options``, ``quantize_options``, and ``benc
 from __future__ import annotations
 
 import functools
+import json
 import re
 import shlex
 import sys
@@ -44,6 +45,24 @@ def group(*decorators: Callable, into: str | None = None) -> Callable:
         return f
 
     return apply
+
+
+NOT_RESULTS = frozenset({"out", "overwrite", "resume", "quiet", "verbose"})
+"""Options that change where results go or what is printed, never the results: outside a resume's fingerprint."""
+
+
+def result_options(*which: str) -> dict[str, Any]:
+    """The running command's options that change its results, by their longest flag (arguments by name), but not
+    ``which`` (those that choose which results, e.g. a sweep's points): the fingerprint a resumable record stores
+    and ``--resume`` compares (``steps.check_resume``)."""
+    ctx = click.get_current_context()
+    found = {}
+    for p in ctx.command.params:
+        if p.name in NOT_RESULTS or p.name in which or p.name not in ctx.params:
+            continue
+        flag = max(p.opts, key=len) if isinstance(p, click.Option) else p.name.upper()
+        found[flag] = json.loads(json.dumps(ctx.params[p.name], default=str))  # tuples as lists, as read back
+    return found
 
 
 def _names(decorators: tuple[Callable, ...]) -> list[str]:

@@ -112,7 +112,9 @@ def calibration_data(
             heldout = Heldout(images, {SYNTHETIC: hold_out})
         return Calibration(batches, total, heldout)
     root = Path(source)
-    files, held = split(sample(list_images(root), num, seed), hold_out, seed)
+    found = list_images(root)
+    short(source, len(found), num, "images")
+    files, held = split(sample(found, num, seed), hold_out, seed)
     files = shard(files, world)
     workers = min(8, os.cpu_count() or 1) if workers is None else workers
     heldout = None
@@ -122,6 +124,13 @@ def calibration_data(
             raise CorpError(f"none of the {len(held)} held-out calibration images could be read; check the files")
         heldout = Heldout(torch.cat(loaded), folder_counts(held, root))
     return Calibration(folder_batches(files, data_config(model), batch_size, workers), len(files), heldout)
+
+
+def short(source: str | Path, found: int, asked: int, what: str) -> None:
+    """A warning when ``source`` holds fewer calibration items than asked for: the pass uses what there is, and the
+    report's count (and its errors, fit on less data) would otherwise read as what was asked."""
+    if found < asked:
+        warnings.warn(f"{source} holds {found} {what}, not the {asked} asked for: calibrating on {found}", stacklevel=3)
 
 
 def _own_batches(batches: Iterable[T], num: int, batch_size: int, world: World) -> tuple[Iterable[T], int]:
@@ -186,12 +195,10 @@ def text_calibration_data(
             )
     if causal:
         ids = packed_sequences(tokenizer, shuffled(parts.calibration, seed), seq_len, num)
-        if ids.shape[0] < num:
-            warnings.warn(
-                f"{source} holds {ids.shape[0]} calibration sequences of {seq_len} tokens, not {num}", stacklevel=2
-            )
+        short(source, ids.shape[0], num, f"calibration sequences of {seq_len} tokens")
         mine = ids[world.rank :: world.size]  # this rank's shard of the packed windows (``distributed.shard``)
         return Calibration(packed_batches(mine, batch_size), mine.shape[0], heldout)
+    short(source, len(parts.calibration), num, "calibration documents")
     docs = shard(sample(parts.calibration, num, seed), world)
     return Calibration(text_batches(tokenizer, docs, seq_len, batch_size), len(docs), heldout)
 

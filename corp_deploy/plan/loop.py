@@ -62,10 +62,8 @@ def latency_loop(latency: speed.Latency, say: Callable[[str], None] = lambda lin
     at = workload({"batch": latency.batch, "seq_len": latency.seq_len})
 
     def timing(dense: nn.Module, pruned: nn.Module) -> Timing:
-        say(f"latency check: timing dense and pruned on {latency.backend.name} at {at}, interleaved")
-        t = speed.measure_pair(
-            dense, pruned, latency.backend, latency.batch, threads, speed.LOOP_METHOD, latency.seq_len
-        )
+        say(f"latency check: timing dense and pruned on {latency.meter.name} at {at}, interleaved")
+        t = speed.measure_pair(dense, pruned, latency.meter, latency.batch, threads, speed.LOOP_METHOD, latency.seq_len)
         say(f"  dense {t.dense_s * 1e3:.1f} ms, pruned {t.pruned_s * 1e3:.1f} ms: {t.speedup:.2f}x +-{t.band:.1%}")
         return t
 
@@ -105,8 +103,8 @@ def close_loop(
                 "widths": [list(widths_of(dense, w)) for w in widths],
             }
         )
-        met = abs(measured.speedup / target - 1) <= measured.band
-        if met or len(history) == loop.rounds:
+        within_band = abs(measured.speedup / target - 1) <= measured.band
+        if within_band or len(history) == loop.rounds:
             break
         planned = [widths_of(dense, w) for w in widths]
         try:  # a pair no correction follows, or a corrected table that puts the target out of reach: keep this one
@@ -118,6 +116,7 @@ def close_loop(
         model = copy.deepcopy(dense)
         blocks = prune_model(model, stats, config, widths, timer)
     last = history[-1]
+    reached = last["measured_speedup"] >= target
     return (
         model,
         blocks,
@@ -131,7 +130,8 @@ def close_loop(
             "measured_speedup": last["measured_speedup"],
             "spread": last["spread"],
             "rounds": len(history),
-            "met": met,
+            "met": reached,
+            "within_band": within_band,
             "history": history,
         },
     )

@@ -77,11 +77,12 @@ def _spent(alloc: dict[str, Any]) -> str:
 
 
 def verdict(check: dict[str, Any]) -> str:
-    """A measured speedup against its target: ``met`` only when reached; inside the noise band below it, the loop
-    stops (no correction can tell the difference) but the target was not reached, and the words say so."""
+    """A measured speedup against its target: ``met`` only when reached (the record's ``met`` says the same);
+    inside the noise band below it, the loop stops (no correction can tell the difference) but the target was not
+    reached, and the words say so. Records written before ``within_band`` held the band test in ``met``."""
     if check["measured_speedup"] >= check["target_speedup"]:
         return "met"
-    return "within the noise band, not reached" if check["met"] else "MISSED"
+    return "within the noise band, not reached" if check.get("within_band", check["met"]) else "MISSED"
 
 
 def _checked(check: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import launch, run, run_here, tiny_text_folder
 
+from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.run import pairs
 from corp_deploy.cli import main
 from corp_deploy.exporters.compare import FP32, compare
@@ -118,6 +119,28 @@ def test_bad_text_bench_input_is_one_line(text_run, tmp_path, capsys, args, expe
     code, _, stderr = run(["bench", str(text_run), *args, "--json", str(out), *FAST], capsys)
     lines = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert code == 1 and len(lines) == 1 and expected in lines[0] and "Traceback" not in stderr
+    assert not out.exists()
+
+
+@pytest.mark.e2e
+def test_a_bench_where_every_backend_was_skipped_fails_and_writes_nothing(text_run, tmp_path, capsys, monkeypatch):
+    """Issue 50, item 7: it exited 0 with an empty table, as if something had been measured."""
+    import dataclasses
+
+    from corp_deploy.bench.backends import BACKENDS
+
+    def cannot(*args):
+        raise CorpError("out of memory (simulated)")
+
+    monkeypatch.setitem(BACKENDS, "ort-cpu-fp32", dataclasses.replace(BACKENDS["ort-cpu-fp32"], load=cannot))
+    out = tmp_path / "bench.json"
+    argv = ["bench", str(text_run), "--backends", "ort-cpu-fp32", "--no-quantize-only", "--json", str(out), *FAST]
+    code, _, stderr = run(argv, capsys)
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert code == 1 and lines == [
+        "error: nothing measured: every backend was skipped (ort-cpu-fp32: out of memory (simulated)); pass "
+        "--backends with one that runs here"
+    ]
     assert not out.exists()
 
 

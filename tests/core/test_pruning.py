@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from timm.models.deit import VisionTransformerDistilled
 import corp_deploy
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core.config import PruneConfig
-from corp_deploy.families.timm.modules import PrunedAttention, fill_attention
+from corp_deploy.families.timm.surgery import PrunedAttention, fill_attention
 from corp_deploy.formats.calibration import Heldout
 
 
@@ -245,3 +246,14 @@ def test_one_calibration_prunes_many_ways_as_one_shot_pruning_does() -> None:
         calib.prune(PruneConfig(sequential=True))
     with pytest.raises(CorpError, match="held-out"):  # refused before the pass: the stream is never read
         corp_deploy.calibrated(model, iter(()), PruneConfig(budget="macs=0.5"), "cpu", progress=False)
+
+
+def test_fewer_calibration_tokens_than_the_mlp_width_is_said_not_reported_as_perfect() -> None:
+    """Issue 50, item 8: 4 images of 17 tokens (68) for an MLP 128 wide: the fit is exact on them and every block's
+    error read ``corp 0.000`` without a word. Enough tokens: no warning."""
+    config = PruneConfig(sparsity=0.5, target="mlp")
+    with pytest.warns(UserWarning, match="68 calibration tokens for an MLP width of 128: the compensation fits them"):
+        pruned_copy(tiny_vit(), config, tiny_batches(n=4, batch=4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pruned_copy(tiny_vit(), config)

@@ -25,7 +25,7 @@ from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.ranking import RANKERS, channel_scores, split_top
 from corp_deploy.core.stats import ACTIVE_EPS, CalibrationStats, MlpStats, QKStats
-from corp_deploy.families.timm.modules import PrunedAttention
+from corp_deploy.families.timm.surgery import PrunedAttention
 from corp_deploy.plan.widths import plan_widths
 
 

@@ -37,7 +37,7 @@ from corp_deploy.exporters.int4_quant import (  # noqa: E402
 )
 from corp_deploy.exporters.onnx_export import load_onnx  # noqa: E402
 from corp_deploy.exporters.text_onnx import export_text_onnx  # noqa: E402
-from corp_deploy.families.hf import hub as hf  # noqa: E402
+from corp_deploy.families.hf import hub  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned  # noqa: E402
 
 SEQ = 16
@@ -48,7 +48,7 @@ def decoder(tmp_path_factory) -> tuple[Path, Path, Path]:
     """(model folder, text folder, its FP32 logits graph)."""
     root = tmp_path_factory.mktemp("int4")
     folder, text = tiny_llama_folder(root)
-    model, _ = hf.load(str(folder))
+    model, _ = hub.load(str(folder))
     graph = export_text_onnx(model, root / "dense.onnx", metadata={"modality": "text", "vocab_size": 300})
     return folder, text, graph
 
@@ -415,7 +415,7 @@ def test_prune_export_writes_int4_genai_folders_that_generate_and_bench_and_quan
     assert "MatMulNBits" in {n.op_type for n in onnx.load(str(int4_folder / "model.onnx")).graph.node}
 
     og = pytest.importorskip("onnxruntime_genai")
-    from corp_deploy.bench.decode import GenaiSession
+    from corp_deploy.base.timing import GenaiSession
 
     session = GenaiSession(og, og.Model(str(out / "pruned-genai")), 300, batch=2, prompt=6, new_tokens=4)
     session.start()

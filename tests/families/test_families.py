@@ -247,3 +247,16 @@ def test_prune_export_takes_a_transformers_vision_folder_and_its_images(tmp_path
     code, _, err = run(["prune-export", str(folder), *args, "--out", str(tmp_path / "again")], capsys)
     assert code != 0 and "has no preprocessor_config.json" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "again").exists()
+
+
+def test_unknown_names_and_transformers_folders_get_true_words(tmp_path) -> None:
+    """Issue 50, item 12: ``deit_tinyy`` suggested ``rdnet_tiny`` (which is then refused), and ``create_model`` of a
+    folder holding a config.json said it had none."""
+    from corp_deploy.families.timm.models import create_model, resolve_name
+
+    with pytest.raises(CorpError, match="did you mean") as e:
+        resolve_name("deit_tinyy")
+    assert "deit_tiny" in str(e.value) and "rdnet" not in str(e.value)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CorpError, match="is a transformers model folder and create_model builds timm models"):
+        create_model(str(tmp_path))

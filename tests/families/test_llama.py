@@ -129,6 +129,7 @@ def test_cli_prunes_a_llama_folder_and_refuses_qk_in_one_line_before_any_data(tm
     folder = tmp_path / "tiny-llama"
     tiny_llama().save_pretrained(folder)
     tokenizer().save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
     common = ["--seq-len", "16", "--calib-batch-size", "4", "--round-to", "2", "--quiet"]
     out = tmp_path / "pruned"
     code, _, err = run(
@@ -136,6 +137,12 @@ def test_cli_prunes_a_llama_folder_and_refuses_qk_in_one_line_before_any_data(tm
     )
     assert code == 0, err
     assert read_meta(out)["family"] == "hf-llama" and type(load_pruned(out)) is LlamaForCausalLM
+    for name in ("chat_template.jinja", "generation_config.json"):  # issue 50, item 3: how the source is used
+        assert (out / name).read_text() == (folder / name).read_text()
+    chat = transformers.AutoTokenizer.from_pretrained(out).apply_chat_template([{"role": "user", "content": "the"}])
+    assert chat == transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        [{"role": "user", "content": "the"}]
+    )
     default = tmp_path / "default"  # --target left out: the default drops Q/K, which RoPE refuses
     code, report, err = run(["prune", str(folder), "--calib-dir", str(text), *common, "--out", str(default)], capsys)
     assert code == 0, err
@@ -177,9 +184,24 @@ def test_a_missing_gguf_file_is_refused_in_one_line(tmp_path: Path) -> None:
 )
 def test_smollm2_gguf_converts_to_a_folder_that_loads_as_an_hf_llama_model(tmp_path: Path) -> None:
     from corp_deploy.families import adapter_for
-    from corp_deploy.families.hf import hub as hf
+    from corp_deploy.families.hf import hub
     from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
 
-    model, tok = hf.load(str(convert_gguf(smollm2_gguf())))
+    model, tok = hub.load(str(convert_gguf(smollm2_gguf())))
     assert adapter_for(model) is get("hf-llama") and tok is not None
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # SmolLM2 uses GQA (9 over 3)
+
+
+def test_a_truncated_safetensors_file_is_one_line_not_a_traceback(tmp_path: Path, capsys) -> None:
+    """Issue 50, item 4: a folder whose model.safetensors was cut short (an interrupted copy)."""
+    folder = tmp_path / "tiny-llama"
+    tiny_llama().save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    out = tmp_path / "pruned"
+    capsys.readouterr()  # the save's progress bar
+    code, _, err = run(["prune", str(folder), "--calib", "synthetic", "--quiet", "--out", str(out)], capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert code == 1 and len(lines) == 1 and "its weights file is damaged" in lines[0], err
+    assert "copy or download the folder again" in lines[0] and not out.exists()

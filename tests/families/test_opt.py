@@ -26,7 +26,7 @@ from corp_deploy.core.config import PruneConfig  # noqa: E402
 from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.core.stats import QKStats  # noqa: E402
 from corp_deploy.families import adapter_for, get  # noqa: E402
-from corp_deploy.families.hf import hub as hf  # noqa: E402
+from corp_deploy.families.hf import hub  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedOptAttention  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
 from corp_deploy.formats.calibration import text_calibration_data  # noqa: E402
@@ -281,6 +281,9 @@ def test_cli_prunes_an_opt_folder_and_evaluates_its_perplexity(tmp_path: Path, c
     windows = packed_sequences(tok, split_documents(read_documents(text)).evaluation, 16)
     assert pruned == pytest.approx(perplexity(loaded, windows), rel=1e-3)
     assert dense == pytest.approx(perplexity(tiny_opt(), windows), rel=1e-3)
+    record = json.loads((tmp_path / "txt" / "eval.json").read_text())[-1]  # issue 50, item 6: as the help says
+    assert record["metric"] == "perplexity" and f"appended to {tmp_path / 'txt' / 'eval.json'}" in out
+    assert [round(record["results"][k]["perplexity"], 3) for k in ("pruned", "dense")] == [pruned, dense]
 
     assert windows.shape[0] > 1  # --num caps the windows, first ones first
     argv = ["eval", str(tmp_path / "txt"), "--text", str(text), "--seq-len", "16", "--num", "1"]
@@ -291,6 +294,8 @@ def test_cli_prunes_an_opt_folder_and_evaluates_its_perplexity(tmp_path: Path, c
     shutil.rmtree(model)  # the dense folder moved: the pruned model is still evaluated, the dense skipped
     code, out, err = run(["eval", str(tmp_path / "txt"), "--text", str(text), "--seq-len", "16"], capsys)
     assert code == 0 and out.startswith("pruned: perplexity") and "dense: skipped (cannot load" in out, err
+    records = json.loads((tmp_path / "txt" / "eval.json").read_text())
+    assert len(records) == 3 and "cannot load" in records[-1]["results"]["dense"]["skipped"]
 
 
 def test_cli_refuses_bad_decoder_input_in_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:
@@ -357,7 +362,7 @@ def test_a_float16_checkpoint_loads_in_float32_and_a_folder_without_tokenizer_fi
     """OPT's published checkpoints are float16: calibration and perplexity must not run in it on a CPU. Without
     tokenizer files transformers builds an EMPTY tokenizer of the config's class, which would tokenize to nothing."""
     tiny_opt().half().save_pretrained(tmp_path / "half")
-    model, tok = hf.load(str(tmp_path / "half"))
+    model, tok = hub.load(str(tmp_path / "half"))
     assert model.dtype == torch.float32 and tok is None and not model.training
 
 

@@ -250,6 +250,12 @@ def test_a_sweep_stopped_at_a_point_keeps_the_finished_ones_and_resumes(tmp_path
     code, _, stderr = run(argv, capsys)
     assert code == 1 and "pass --resume to continue its sweep" in stderr
     before = (out / "s0.00" / "bench.json").read_text()
+    code, _, stderr = run([*argv, "--min-seconds", "0.001", "--resume"], capsys)  # issue 50, item 1: no mixing
+    assert code == 1 and stderr.strip().splitlines() == [
+        f"error: --resume: {out / 's0.00'} was made with --min-seconds 0.0, this command has --min-seconds 0.001; "
+        "resume with the options it was made with, or start again with --overwrite"
+    ]
+    assert len(benched) == 2 and (out / "s0.00" / "bench.json").read_text() == before
     code, stdout, stderr = run([*argv, "--resume"], capsys)
     assert code == 0, stderr
     assert len(benched) == 3 and "s0.00 finished, kept" in stdout  # only s0.50 was benched again

@@ -14,7 +14,8 @@ The artifact folder IS the model folder: config.json, model.safetensors and the 
   ``from_pretrained(folder, trust_remote_code=True)`` loads it. Why it is not the family's own format is one
   line, printed and recorded in ``corp.json``.
 
-The source's tokenizer files, or an image model's ``preprocessor_config.json``, are copied beside them.
+The source's tokenizer files, chat template and generation defaults, or an image model's
+``preprocessor_config.json``, are copied beside them.
 A sentence-transformers source (``modules.json`` with the Transformer module at its root) keeps its modules
 (``1_Pooling/``, ``2_Normalize/``...) and configs, so ``SentenceTransformer(folder)`` loads the pruned model with
 the source's pooling.
@@ -50,6 +51,9 @@ TOKENIZER_FILES = (
     "spiece.model",
 )
 """Tokenizer files copied from the source folder into the artifact (whichever exist)."""
+USAGE_FILES = ("chat_template.jinja", "chat_template.json", "generation_config.json")
+"""How the source is meant to be prompted and to generate (its chat template, its generation defaults: EOS ids,
+sampling), copied like the tokenizer: without them ``apply_chat_template`` fails on the pruned folder."""
 
 
 def dense_head(config: Any) -> int:
@@ -166,7 +170,7 @@ def write(model: nn.Module, folder: Path) -> dict[str, Any]:
         loads_with = f"{auto}.from_pretrained(folder, trust_remote_code=True)"
     config.save_pretrained(folder)
     source = Path(getattr(model.config, "_name_or_path", "") or "")
-    for name in (*TOKENIZER_FILES, PREPROCESSOR_FILE):
+    for name in (*TOKENIZER_FILES, *USAGE_FILES, PREPROCESSOR_FILE):
         if (source / name).is_file():
             shutil.copy2(source / name, folder / name)
     record = {"form": plan.form, "loads_with": loads_with} | ({"why": plan.why} if plan.why else {})

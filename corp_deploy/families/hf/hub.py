@@ -13,8 +13,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
+from corp_deploy.base import memory
 from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.families import adapter_for, for_model_type
@@ -61,10 +63,19 @@ def load(source: str) -> tuple[nn.Module, Any]:
     transformers = transformers_module("pruning a transformers model")
     transformers.utils.logging.disable_progress_bar()  # corp-deploy prints its own progress
     where, offline = source.removeprefix(HUB_PREFIX), _offline(source)
+    if Path(where).is_dir():  # before loading: float32 weights the machine cannot hold are refused in one line
+        memory.Plan({"weights": memory.safetensors_bytes(where, itemsize=4)}, memory.available(), "host").check(
+            "corp-deploy holds the weights in float32 on the host: run on a machine with more memory"
+        )
     try:
         config = transformers.AutoConfig.from_pretrained(where, **offline)
         cls = architecture(transformers, config)
         model = cls.from_pretrained(where, attn_implementation="sdpa", dtype=torch.float32, **offline)
+    except SafetensorError as e:  # a truncated or corrupt weights file: not the hub's, the folder's
+        raise CorpError(
+            f"cannot load the transformers model {source}: its weights file is damaged ({first_line(e)}); copy or "
+            "download the folder again"
+        ) from None
     except (OSError, ValueError, KeyError) as e:
         if offline:
             raise CorpError(

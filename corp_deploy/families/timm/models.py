@@ -46,6 +46,10 @@ SUPPORTED = (
 )
 
 
+SUPPORTED_MODULES = ["vision_transformer", "deit"]
+"""timm's modules of ``VisionTransformer`` models: where an unknown name's suggestions come from."""
+
+
 def resolve_name(name: str) -> str:
     """Alias or timm name -> timm name; unknown names get the closest suggestions."""
     import timm  # here, not at the top: only image models pay for timm and torchvision (~3 s of a start)
@@ -54,6 +58,11 @@ def resolve_name(name: str) -> str:
     if full in timm.list_models():
         return full
     path = Path(name).expanduser()
+    if (path / "config.json").is_file():  # the CLI loads these itself; a Python caller came to the timm door
+        raise CorpError(
+            f"{name} is a transformers model folder and create_model builds timm models: load it with transformers "
+            "(AutoModel.from_pretrained, or corp_deploy.families.hf.hub.load for the model and its tokenizer)"
+        )
     if path.is_dir():
         raise CorpError(
             f"{name} is a folder without a config.json: pass a transformers model folder (its config.json and "
@@ -61,7 +70,7 @@ def resolve_name(name: str) -> str:
         )
     if path.is_absolute() or name.startswith((".", "~")) or "/" in name:
         raise CorpError(f"no such folder: {name}; pass an existing transformers model folder or a timm model name")
-    candidates = list(ALIASES) + timm.list_models()
+    candidates = list(ALIASES) + timm.list_models(module=SUPPORTED_MODULES)  # never a name check_supported refuses
     close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else "; see `timm.list_models()` for names"
     raise CorpError(f"unknown model {name!r}{hint}")
