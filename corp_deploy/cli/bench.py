@@ -605,7 +605,9 @@ def eval_command(
         click.echo(line)
     probe = record["probe"]
     header = (
-        f"{record['images']} images from {record['data']} ({'labelled' if record['labelled'] else 'unlabelled'}), "
+        f"{record['images']} images from {record['data']} ({'labelled' if record['labelled'] else 'unlabelled'}"
+        + (f"; {record['skipped_files']} unreadable, skipped" if record["skipped_files"] else "")
+        + "), "
         f"input {'x'.join(map(str, record['input_size']))}"
         + (f"; linear probe fit on {probe['train_images']} dense features (ridge {probe['ridge']:g})" if probe else "")
     )
