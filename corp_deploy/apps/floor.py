@@ -419,6 +419,19 @@ def evaluate_text(
     }
 
 
+def heldout_words(source: dict[str, Any]) -> str:
+    """A held-out set's source as a sentence (the record keeps the dict): ``docs/ (part evaluation, documents 12:
+    class0 5, class1 7, seq len 32)``."""
+
+    def said(value: Any) -> str:
+        if isinstance(value, dict):
+            return f"{sum(value.values())}: " + ", ".join(f"{Path(k).name or k} {v}" for k, v in value.items())
+        return str(value)
+
+    rest = ", ".join(f"{k.replace('_', ' ')} {said(v)}" for k, v in source.items() if k != "folder")
+    return f"{source.get('folder', '?')}" + (f" ({rest})" if rest else "")
+
+
 def format_scores(record: dict[str, Any]) -> str:
     """One line per model and backend: each metric and its drop against the dense reference."""
     metrics = list(record["metrics"])

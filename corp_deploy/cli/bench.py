@@ -439,7 +439,7 @@ def sweep(
             declared_pooling(flags["model"]) if text and Path(flags["model"]).is_dir() else None,
         )
         accuracy = floor.Accuracy(held, metric or default_metric(held.kind))
-        say(f"held-out {accuracy.metric} ({METRICS[accuracy.metric].what}) on {held.source}")
+        say(f"held-out {accuracy.metric} ({METRICS[accuracy.metric].what}) on {floor.heldout_words(held.source)}")
     plan = None
     if backend is not None:
         table = speed.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)
@@ -635,7 +635,7 @@ def _encoder_eval(run_dir: str, text: str, seq_len: int | None, all_text: bool, 
     num = min(kwargs["num"], floor.HELDOUT_NUM * 4)
     record = floor.evaluate_text(run_dir, text, (), all_text, num, seq_len, kwargs["batch_size"] or 16, kwargs["seed"])
     record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": device_name(torch.device("cpu"))}
-    click.echo(f"held-out: {record['heldout']}")
+    click.echo(f"held-out: {floor.heldout_words(record['heldout'])}")
     click.echo(floor.format_scores(record))
     click.echo(f"appended to {append_evaluation(run_dir, record)}")
 
