@@ -15,9 +15,9 @@ calib = corp_deploy.calibrated(model, batches, corp_deploy.PruneConfig(target="m
 results = [calib.prune(corp_deploy.PruneConfig(sparsity=s, target="mlp,qk,v")) for s in (0.3, 0.5)]
 
 A latency budget, as ``corp-deploy prune --speedup 2 --latency-on ort-cpu-fp32 --latency-rounds 3`` plans it
-(``from corp_deploy.plan import loop, speed``):
+(``from corp_deploy.bench import meter``; ``from corp_deploy.plan import loop, speed``):
 
-on = speed.Latency(speed.check_backend("ort-cpu-fp32"), batch=32, rounds=3)
+on = speed.Latency(meter.check_backend("ort-cpu-fp32"), batch=32, rounds=3)
 config = corp_deploy.PruneConfig(budget="latency=0.5")  # prunes mlp,qk,v, as far as the family can
 table = speed.latency_table(model, "deit_small", {}, on)
 result = corp_deploy.prune(model, batches, config, total=total, table=table, loop=loop.latency_loop(on))

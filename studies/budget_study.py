@@ -41,7 +41,7 @@ import torch
 
 from corp_deploy.apps.real import add_setup_arguments, real_task, write_study
 from corp_deploy.base.tables import markdown_table
-from corp_deploy.bench.measure import Method, interleaved, summarize
+from corp_deploy.base.timing import Method, interleaved, summarize
 from corp_deploy.core import blockwise
 from corp_deploy.core import compensation as C
 from corp_deploy.core.config import PruneConfig

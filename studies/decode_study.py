@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from corp_deploy.apps.real import write_study
+from corp_deploy.base.timing import Method, interleaved, summarize
 from corp_deploy.bench.backends import RunFolder
 from corp_deploy.bench.decode import DECODE_BACKENDS, PHASES, TorchSession, decode_benchmark, rows
-from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.exporters.genai import write_genai_folder

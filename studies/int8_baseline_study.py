@@ -7,7 +7,7 @@
 For each run folder, on onnxruntime's CPU provider at ``--batch`` (a text run: x its exported sequence length, all
 tokens real): dense FP32, pruned FP32, the quantize-only baseline (``baseline.int8.onnx``), ``quantize_dynamic`` of the
 same pruned graph (per channel, made here), and the chosen INT8 graphs (dense and pruned, ``int8_recipe`` in their
-metadata), all warmed up then timed interleaved (``bench.measure.interleaved``), ``--repeats`` times; the p50 of each
+metadata), all warmed up then timed interleaved (``base.timing.interleaved``), ``--repeats`` times; the p50 of each
 is the median over repeats. Prints and writes ``<out>.md`` / ``<out>.json`` with the load average before and after,
 the CPU's features, and each graph's speed against dense FP32 and against the baseline.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from corp_deploy.base.env import cpu_features, describe_cpu
-from corp_deploy.bench.measure import Method
+from corp_deploy.base.timing import Method
 from corp_deploy.exporters.int8_recipes import dynamic_int8, ort_timer, shape_of, timing_feed
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 

@@ -8,7 +8,7 @@ dense and pruned exported to FP32 ONNX and quantized to static INT8 (``corp_depl
 calibrated on the same 256 seeded images CORP read, verified on the next 64). For dense fp32,
 dense int8, pruned fp32 and pruned int8: the dense model's linear probe (top-1, agreement, feature
 cosine on held-out test images), then batch-1 and batch-32 timing with all four interleaved in the
-same loop (``corp_deploy.bench.measure.interleaved``) at a recorded thread count, machine load beside it. An
+same loop (``corp_deploy.base.timing.interleaved``) at a recorded thread count, machine load beside it. An
 onnxruntime profile of the batch-32 runs says where time goes per op type (what limits INT8).
 
 ``--calib-dataset``: CORP and INT8 calibrate on another dataset's train images than the probe is fitted and
@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from corp_deploy.apps.real import add_setup_arguments, calibration, real_setup, real_task, write_study
+from corp_deploy.base.timing import Method, interleaved, summarize
 from corp_deploy.bench.backends import cpu_step
-from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.int8_recipes import quantize_graphs

@@ -26,7 +26,7 @@ import onnxruntime as ort
 import torch
 
 from corp_deploy.base.env import cpu_model
-from corp_deploy.bench.measure import Method, interleaved
+from corp_deploy.base.timing import Method, interleaved
 from corp_deploy.exporters.kv_cache import DecodeStep, export_decoder_onnx, positions, verify_decoder_onnx
 from corp_deploy.formats import sources
 
@@ -65,7 +65,7 @@ def measure(model: torch.nn.Module, folder: Path, batches: list[int], pasts: lis
 
 
 def _timer(session: ort.InferenceSession, inputs: dict[str, np.ndarray]) -> Callable[[], float]:
-    """A ``bench.measure`` step: one ``session.run``, wall clock (CPU)."""
+    """A ``base.timing`` step: one ``session.run``, wall clock (CPU)."""
 
     def step() -> float:
         begin = time.perf_counter()

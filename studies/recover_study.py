@@ -37,6 +37,7 @@ import torch
 from corp_deploy.apps.real import probe_task, real_task
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import markdown_table
+from corp_deploy.bench import meter
 from corp_deploy.bench.accuracy import cosine, outputs
 from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.pruner import calibrate, prune_model
@@ -215,7 +216,7 @@ def measured_speed(a: argparse.Namespace, dense: torch.nn.Module, pruned: torch.
     if not a.speed_on:
         return None
     load = os.getloadavg()[0]
-    t = speed.measure_pair(dense, pruned, speed.check_backend(a.speed_on), a.speed_batch, a.threads)
+    t = speed.measure_pair(dense, pruned, meter.check_backend(a.speed_on), a.speed_batch, a.threads)
     record = {"backend": a.speed_on, "batch": a.speed_batch, "threads": a.threads, "dense_s": t.dense_s}
     record |= {"pruned_s": t.pruned_s, "speedup": t.speedup, "band": t.band, "load": [load, os.getloadavg()[0]]}
     print(f"measured {t.speedup:.2f}x (+-{t.band:.0%}) dense on {a.speed_on} at batch {a.speed_batch}", flush=True)
@@ -225,7 +226,7 @@ def measured_speed(a: argparse.Namespace, dense: torch.nn.Module, pruned: torch.
 def run(a: argparse.Namespace) -> None:
     if a.speed_on:
         try:
-            speed.check_backend(a.speed_on)  # before any model is built
+            meter.check_backend(a.speed_on)  # before any model is built
         except CorpError as e:
             raise SystemExit(str(e).replace("--latency-on", "--speed-on")) from None
     torch.set_num_threads(a.threads)

@@ -22,7 +22,8 @@ import torch
 
 import corp_deploy
 from corp_deploy.base.env import cpu_model
-from corp_deploy.bench.measure import Method
+from corp_deploy.base.timing import Method
+from corp_deploy.bench import meter
 from corp_deploy.exporters.rewrites import REWRITES, rewritten
 from corp_deploy.plan import speed
 
@@ -34,7 +35,7 @@ def measure(
     candidate, applied = rewritten(model, [rewrite])
     if not applied:
         raise corp_deploy.CorpError(f"{rewrite} does not apply to this model")
-    b = speed.check_backend(backend)
+    b = meter.check_backend(backend)
     times = speed.time_models({"none": model, rewrite: candidate}, b, batch, threads, method, rewrites=())
     none, new = float(np.median(times["none"])), float(np.median(times[rewrite]))
     band = speed.speedup_band(times["none"], times[rewrite], method.round_iters)

@@ -22,7 +22,7 @@ from corp_deploy.apps.real import calibration, real_model, write_study
 from corp_deploy.core import compensation as C
 from corp_deploy.core.config import DEFAULT_RIDGE, PruneConfig
 from corp_deploy.core.ranking import channel_scores
-from corp_deploy.families.timm.modules import linear_float64
+from corp_deploy.families.layers import linear_float64
 from corp_deploy.formats.offline import datasets, img_focus
 from corp_deploy.plan.allocation import allocate, candidate_widths, macs_layout, per_unit
 from corp_deploy.plan.report import model_size

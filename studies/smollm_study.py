@@ -43,7 +43,7 @@ from corp_deploy.core.recover import recover
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for
 from corp_deploy.families.hf.hub import load
-from corp_deploy.families.timm.modules import linear_float64
+from corp_deploy.families.layers import linear_float64
 from corp_deploy.formats.calibration import Heldout
 from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
 from corp_deploy.formats.perplexity import perplexity

@@ -38,6 +38,7 @@ import torch
 from corp_deploy.apps.real import probe_task, real_task, write_study
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import markdown_table
+from corp_deploy.bench import meter
 from corp_deploy.bench.accuracy import ProbeTask
 from corp_deploy.core.config import PARTS, PruneConfig, Widths
 from corp_deploy.core.pruner import calibrate, prune_model
@@ -172,7 +173,7 @@ def run(a: argparse.Namespace) -> None:
     calib = PruneConfig(target=TARGET, budget="latency=1", depth=DEPTH)  # width AND replacement statistics
     stats = calibrate(dense, data.batches, calib, "cpu", progress=False)
     planner = Planner(dense, stats, data.heldout.images)
-    backend, threads = speed.check_backend(a.backend), torch.get_num_threads()
+    backend, threads = meter.check_backend(a.backend), torch.get_num_threads()
     rows: list[dict[str, Any]] = []
     unreachable: list[dict[str, Any]] = []
     for batch in a.batches:

@@ -28,7 +28,7 @@ from sklearn.linear_model import RidgeClassifier
 
 from corp_deploy.base.env import cpu_model
 from corp_deploy.base.errors import CorpError
-from corp_deploy.bench.measure import Method, interleaved, summarize
+from corp_deploy.base.timing import Method, interleaved, summarize
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.families.hf.hub import load_tokenizer

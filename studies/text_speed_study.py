@@ -35,6 +35,7 @@ from corp_deploy.apps.real import write_study
 from corp_deploy.base.env import cpu_model
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.tables import markdown_table
+from corp_deploy.bench import meter
 from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.families.hf.adapter import count_macs_at
@@ -104,7 +105,7 @@ def run(a: argparse.Namespace) -> None:
     )
     batches = functools.partial(text_batches, tokenizer, split.calib_docs, a.seq_len, a.calib_batch)
 
-    backend, threads = speed.check_backend(a.backend), torch.get_num_threads()
+    backend, threads = meter.check_backend(a.backend), torch.get_num_threads()
     key = speed.key(MODEL, {}, backend, a.batch, threads, seq_len=a.seq_len)
     table = speed.table_for(dense, key, backend, say=print)
     time_pair = functools.partial(

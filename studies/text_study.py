@@ -36,7 +36,7 @@ from corp_deploy.api import prune
 from corp_deploy.apps.real import write_study
 from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError
-from corp_deploy.bench.measure import Method, interleaved, summarize
+from corp_deploy.base.timing import Method, interleaved, summarize
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.exporters.text_onnx import example_inputs, export_text_onnx, verify_text_onnx

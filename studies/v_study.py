@@ -6,7 +6,7 @@ DINOv2 ViT-S/14 (real weights) is calibrated once (statistics for every part). F
 and sparsity a copy is pruned with CORP's compensation and one without, and each is scored by the
 dense model's linear probe (top-1, agreement with dense, feature cosine). Compensation does not
 change the structure, so throughput is measured once per (target, sparsity): dense and pruned
-interleaved in the same loop (``corp_deploy.bench.measure``), in onnxruntime (CPU) and torch (CPU), at a
+interleaved in the same loop (``corp_deploy.base.timing``), in onnxruntime (CPU) and torch (CPU), at a
 small and a large batch; the table reports the same-run ratio beside the images/s. Writes
 ``<out>.md``, ``<out>.json`` and ``<out>.png`` (probe top-1 against measured throughput).
 """
@@ -26,8 +26,8 @@ import torch
 
 from corp_deploy.apps.real import add_setup_arguments, real_setup, write_study
 from corp_deploy.apps.sweep import parse_sparsities
+from corp_deploy.base.timing import Method, interleaved, summarize
 from corp_deploy.bench.backends import cpu_step
-from corp_deploy.bench.measure import Method, interleaved, summarize
 from corp_deploy.bench.run import parse_batch_sizes
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.onnx_export import export_onnx

@@ -23,8 +23,8 @@ from corp_deploy.apps.real import probe_task, real_model
 from corp_deploy.base.env import device_name
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.fsio import atomic_dir
+from corp_deploy.base.timing import Method
 from corp_deploy.bench.backends import RunFolder, select
-from corp_deploy.bench.measure import Method
 from corp_deploy.bench.report import skipped_lines
 from corp_deploy.bench.run import benchmark, pairs
 from corp_deploy.core.config import PruneConfig

@@ -27,8 +27,8 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir, atomic_file, check_writable
 from corp_deploy.base.steps import Steps, check_resume
 from corp_deploy.base.tables import text_table
+from corp_deploy.base.timing import Method
 from corp_deploy.bench.backends import RunFolder, select
-from corp_deploy.bench.measure import Method
 from corp_deploy.bench.run import benchmark, pairs
 from corp_deploy.core.config import Budget, PruneConfig
 from corp_deploy.core.recover import Kept, Recovery

@@ -246,7 +246,7 @@ DenseLoader = Callable[[dict[str, Any]], tuple[torch.nn.Module | None, str]]
 """An artifact's ``corp.json`` -> (its dense original with real weights, "") or (None, why not).
 
 Rebuilding a dense timm model with its weights (hub, checkpoint) is the caller's business: the CLI
-passes ``corp_deploy.api.dense_original``."""
+passes ``corp_deploy.formats.sources.dense_original``."""
 
 
 def graph_name(which: str, backend: Backend) -> str:

@@ -23,7 +23,7 @@ from torch import nn
 from corp_deploy.base.deps import missing as uninstalled
 from corp_deploy.base.deps import optional
 from corp_deploy.base.errors import CorpError, first_line
-from corp_deploy.bench.measure import Step
+from corp_deploy.base.timing import Step
 from corp_deploy.exporters.compare import Feed
 from corp_deploy.exporters.onnx_export import image_graph
 from corp_deploy.exporters.rewrites import PATCH_LINEAR, rewritten

@@ -13,8 +13,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from corp_deploy.base.timing import Step
 from corp_deploy.bench.backends import Backend, RunFolder, cpu_step, inputs_for
-from corp_deploy.bench.measure import Step
 from corp_deploy.exporters.int8_recipes import BASELINE_WHAT, dynamic_int8
 from corp_deploy.exporters.onnx_export import onnx_files
 from corp_deploy.formats.run_folder import BASELINE

@@ -7,7 +7,7 @@ tokens/s = batch / latency). A decode step is what generation repeats, so its p5
 model generates. Each model keeps its own session: the prompt is prefilled once, untimed, then every timed call
 decodes one greedy token; after ``new_tokens`` steps the session starts again from a fresh prefill (untimed), so
 the context stays between ``prompt_len`` and ``prompt_len + new_tokens`` tokens whatever the iteration count.
-Dense and pruned alternate in rounds (``measure.interleaved``), as every bench does.
+Dense and pruned alternate in rounds (``timing.interleaved``), as every bench does.
 
 The runtimes are backends of their own (``DECODE_BACKENDS``): the model in torch (``transformers``' own cache, as
 ``generate`` runs it) and onnxruntime-genai on the CPU from ``prune-export``'s genai folders (FP32, and INT4 weights
@@ -17,7 +17,6 @@ where ``--precision int4`` wrote them). Token ids are random (values do not chan
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -29,51 +28,25 @@ from torch import nn
 from corp_deploy.base.deps import missing as uninstalled
 from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError, first_line
+from corp_deploy.base.timing import (
+    NEW_TOKENS,
+    GenaiSession,
+    Method,
+    Session,
+    Stats,
+    Step,
+    interleaved,
+    median_of_repeats,
+    summarize,
+)
 from corp_deploy.bench.backends import MODELS, RunFolder
 from corp_deploy.bench.backends import select as select_backends
-from corp_deploy.bench.measure import Method, Stats, Step, interleaved, median_of_repeats, summarize
 from corp_deploy.bench.run import new_record
 from corp_deploy.exporters.int4_gate import gate_words
 from corp_deploy.formats.run_folder import BASELINE, BASELINE_GENAI, GENAI_CONFIG, genai_name
 
 PHASES = ("prefill", "decode")
 PROMPTS = "128,512"
-NEW_TOKENS = 32
-"""Decode steps per session before a fresh prefill: the context grows by at most this much while timed."""
-
-
-class Session:
-    """One model generating greedily at (batch, prompt): ``prefill`` and ``decode`` return their own seconds.
-
-    Subclasses run a runtime; this class keeps the cache bookkeeping: ``decode`` prefills afresh (untimed) when
-    ``new_tokens`` steps have been taken, so every timed step sees a context in the same band."""
-
-    def __init__(self, batch: int, prompt: int, vocab: int, new_tokens: int = NEW_TOKENS) -> None:
-        if new_tokens < 1:
-            raise CorpError(f"--new-tokens must be >= 1, got {new_tokens}")
-        self.ids = np.random.default_rng(batch * 100003 + prompt).integers(0, vocab, (batch, prompt))
-        self.new_tokens, self.steps = new_tokens, new_tokens
-
-    def start(self) -> np.ndarray:
-        """Run the prompt from an empty cache; return the next token per sequence (batch, 1)."""
-        raise NotImplementedError
-
-    def step(self, tokens: np.ndarray) -> np.ndarray:
-        """Feed one token per sequence through the cache; return the next ones."""
-        raise NotImplementedError
-
-    def prefill(self) -> float:
-        begin = time.perf_counter()
-        self.start()
-        return time.perf_counter() - begin
-
-    def decode(self) -> float:
-        if self.steps >= self.new_tokens:
-            self.tokens, self.steps = self.start(), 0
-        begin = time.perf_counter()
-        self.tokens = self.step(self.tokens)
-        self.steps += 1
-        return time.perf_counter() - begin
 
 
 class TorchSession(Session):
@@ -98,29 +71,6 @@ class TorchSession(Session):
         out = self.model(input_ids=ids, attention_mask=self.mask, cache=self.cache, use_cache=True)
         self.cache = out.cache
         return out.logits[:, -1:].argmax(-1).numpy()
-
-
-class GenaiSession(Session):
-    """An onnxruntime-genai ``Model`` generating greedily: ``append_tokens`` runs the prompt (prefill), each
-    ``generate_next_token`` picks a token and runs it through the graph with genai's own cache (decode). genai picks
-    the first new token in the first step, so ``start`` returns the prompt's last token and ``step`` ignores its
-    argument. ``min_length`` equals ``max_length``: end-of-sequence never stops a session early."""
-
-    def __init__(self, og: Any, model: Any, vocab: int, batch: int, prompt: int, new_tokens: int = NEW_TOKENS) -> None:
-        super().__init__(batch, prompt, vocab, new_tokens)
-        self.og, self.model = og, model
-
-    def start(self) -> np.ndarray:
-        params = self.og.GeneratorParams(self.model)
-        total = self.ids.shape[1] + self.new_tokens + 1
-        params.set_search_options(batch_size=self.ids.shape[0], max_length=total, min_length=total, do_sample=False)
-        self.generator = self.og.Generator(self.model, params)
-        self.generator.append_tokens(self.ids.astype(np.int32))
-        return self.generator.get_next_tokens()
-
-    def step(self, tokens: np.ndarray) -> np.ndarray:
-        self.generator.generate_next_token()
-        return self.generator.get_next_tokens()
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import torch
 
 from corp_deploy.base import env
 from corp_deploy.base.errors import CorpError, first_line
+from corp_deploy.base.timing import Method, interleaved, median_of_repeats, summarize
 from corp_deploy.bench.backends import BACKENDS, MODELS, Backend, RunFolder
-from corp_deploy.bench.measure import Method, interleaved, median_of_repeats, summarize
 from corp_deploy.exporters.tensorrt_engine import FLAVOURS
 from corp_deploy.formats.run_folder import BASELINE
 

@@ -28,7 +28,8 @@ from corp_deploy.base.env import device_name
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir, atomic_file, check_writable
 from corp_deploy.base.steps import INTERRUPTED, Stopped
-from corp_deploy.bench import gate
+from corp_deploy.base.timing import Method
+from corp_deploy.bench import gate, meter
 from corp_deploy.bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
 from corp_deploy.bench.backends import RunFolder, rewrites_on
 from corp_deploy.bench.backends import select as select_backends
@@ -38,7 +39,6 @@ from corp_deploy.bench.decode import NEW_TOKENS, PROMPTS, decode_benchmark, pars
 from corp_deploy.bench.decode import select as select_decoders
 from corp_deploy.bench.drop import METRICS, declared_pooling, default_metric
 from corp_deploy.bench.frontier import format_frontier, mark_pareto, plot_frontier
-from corp_deploy.bench.measure import Method
 from corp_deploy.bench.report import format_markdown, format_table, skipped_lines, to_csv
 from corp_deploy.bench.report import plot as draw
 from corp_deploy.bench.run import benchmark, parse_batch_sizes
@@ -401,7 +401,7 @@ def sweep(
     sizes = parse_batch_sizes(batch_sizes)
     speedup = None if targets is None else max(targets)  # checked as --speedup; each target replaces its budget
     config = prune_config(pruning, latency | {"speedup": speedup}, **({} if targets else {"sparsity": max(values)}))
-    backend = None if targets is None else speed.check_backend(latency["latency_on"])
+    backend = None if targets is None else meter.check_backend(latency["latency_on"])
     if Path(out).is_dir() and not (resume or overwrite):
         raise CorpError(
             f"output {out} already exists; pass --resume to continue its sweep, or --overwrite, or another --out"
@@ -669,7 +669,7 @@ def profile(
         check_writable(out, overwrite)
     if latency_batch < 1 or check < 0:
         raise CorpError("--latency-batch must be >= 1 and --check >= 0")
-    backend = speed.check_backend(latency_on)
+    backend = meter.check_backend(latency_on)
     net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=parse_model_args(model_arg))
     key = speed.key(resolve_name(model), parse_model_args(model_arg), backend, latency_batch, torch.get_num_threads())
     start = time.perf_counter()

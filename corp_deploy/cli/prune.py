@@ -16,6 +16,7 @@ from torch import nn
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.steps import Stopped
+from corp_deploy.bench import meter
 from corp_deploy.cli.inputs import inputs
 from corp_deploy.cli.options import out_options, out_path
 from corp_deploy.cli.prune_options import prune_config, prune_options, recovery_setup
@@ -112,7 +113,7 @@ def pruned(
     recover = recovery_setup(recovery)
     if recover is not None and distributed.launched():
         raise CorpError("--recover-steps/--recover-minutes train in one process; run it without torchrun")
-    backend = None if latency["latency_on"] is None else speed.check_backend(latency["latency_on"], rewrites)
+    backend = None if latency["latency_on"] is None else meter.check_backend(latency["latency_on"], rewrites)
     seq_len = flags["seq_len"] if hf.modality(flags["model"]) == "text" else None  # a text encoder: at --seq-len
     say = (lambda line: None) if quiet else click.echo
     on = None

@@ -33,7 +33,7 @@ BUDGET_KINDS = ("macs", "latency")
 CRITERIA = ("sensitivity", "local")
 """How errors of different blocks are put on one scale: measured end-to-end sensitivity, or none."""
 MODULES = ("attn", "mlp")
-"""What ``--depth`` may replace whole: a block's attention or its MLP (``surgery.AffineBranch``)."""
+"""What ``--depth`` may replace whole: a block's attention or its MLP (``families.layers.AffineBranch``)."""
 DEFAULT_RIDGE = 1e-3
 """Relative ridge damping alpha: lam = alpha * mean(diag(system)); see docs/BENCHMARKS.md."""
 

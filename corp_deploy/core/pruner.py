@@ -25,8 +25,7 @@ from corp_deploy.core.fit import Cut, fit
 from corp_deploy.core.ranking import channel_scores, qk_scores, split_top, value_scores
 from corp_deploy.core.stats import CalibrationStats, collect, empty_stats
 from corp_deploy.families import Adapter, adapter_for
-from corp_deploy.families.timm import modules as surgery
-from corp_deploy.families.timm.modules import AffineBranch, linear_float64
+from corp_deploy.families.layers import AffineBranch, linear_float64
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ def prune_block(
 
     Three steps, each over every part: ``select`` the kept channels (ranking, on the dense block's weights), ``fit``
     their compensations and the stand-ins of replaced modules from the statistics (float64, ``core.fit``), install
-    the stand-ins (``surgery.replace_branch``) and the folded weights (``Adapter.install``). The parts touch
+    the stand-ins (``Adapter.replace_branch``) and the folded weights (``Adapter.install``). The parts touch
     disjoint weights (fc1/fc2; the query and key projections; the value projection and proj's columns; a replaced
     module's widths are None), so every selection sees the dense block. ``stats`` holds at least block i's sums;
     ``PairStats`` and ``logit_targets`` make the fits sequential.
@@ -147,7 +146,7 @@ def prune_block(
     folds, replaced = fit(cuts, branches, stats, i, config.compensation, config.ridge, targets)
     for module, fold in replaced.items():  # install: the stand-ins, then every cut part's folded weights
         w, b = fold.weights
-        surgery.replace_branch(block, module, AffineBranch(b.shape[0], fold.report["fit"]).fill(w.float(), b.float()))
+        adapter.replace_branch(block, module, AffineBranch(b.shape[0], fold.report["fit"]).fill(w.float(), b.float()))
     for part in (p for p in PARTS if p in folds and folds[p].weights):  # Q/K before V: V rebuilds the attention
         adapter.install(block, part, cuts[part].keep, folds[part].weights)
     timer.add("compensation", t)

@@ -30,7 +30,7 @@ from corp_deploy.base.env import cpu_features
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable, staged
 from corp_deploy.base.tables import text_table
-from corp_deploy.bench.measure import Method, interleaved
+from corp_deploy.base.timing import Method, interleaved
 from corp_deploy.exporters.int4_gate import INT4, DecoderTolerance, compare_decoders, gate_words
 from corp_deploy.exporters.int4_quant import (
     QUANTIZED_OP,
@@ -135,10 +135,10 @@ TIMING = Method(warmup_iters=8, warmup_seconds=0.5, min_iters=48, min_seconds=1.
 
 def decode_ms(folders: dict[str, Path]) -> dict[str, float]:
     """Decode ms/token (the median step) of each genai folder at batch 1 in onnxruntime-genai on the CPU, the
-    folders interleaved in rounds after a warm-up (``bench.measure.interleaved``): the same-run comparison the
+    folders interleaved in rounds after a warm-up (``base.timing.interleaved``): the same-run comparison the
     choice rests on, not an absolute figure."""
     og = require("onnxruntime_genai", "timing INT4 candidates")
-    from corp_deploy.bench.decode import GenaiSession
+    from corp_deploy.base.timing import GenaiSession
     from corp_deploy.exporters.genai import CONFIG
 
     steps = {}

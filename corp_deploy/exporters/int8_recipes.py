@@ -40,7 +40,7 @@ from corp_deploy.base.deps import require
 from corp_deploy.base.env import cpu_features, describe_cpu
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.fsio import check_writable, staged
-from corp_deploy.bench.measure import Method, interleaved
+from corp_deploy.base.timing import Method, interleaved
 from corp_deploy.exporters.compare import FP32, Comparison, Feed, Tolerance
 from corp_deploy.exporters.onnx_export import add_metadata, input_shape, load_onnx, onnx_files, read_metadata
 from corp_deploy.exporters.quantize import (
@@ -234,7 +234,7 @@ Timer = Callable[[dict[str, Path], Feed], dict[str, float]]
 
 
 def ort_timer(threads: int | None = None, method: Method = TIME_METHOD, repeats: int = TIME_REPEATS) -> Timer:
-    """onnxruntime's CPU provider: every graph warmed up, then timed interleaved (``bench.measure.interleaved``),
+    """onnxruntime's CPU provider: every graph warmed up, then timed interleaved (``base.timing.interleaved``),
     ``repeats`` times; each graph's p50 is the median over the repeats."""
 
     def time_graphs(graphs: dict[str, Path], feed: Feed) -> dict[str, float]:

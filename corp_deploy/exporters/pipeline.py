@@ -228,7 +228,7 @@ def export_run(
     ``rewrites`` go into every model's graph alike (``export_verified``), so dense and pruned stay comparable.
 
     ``models`` maps a stem (``dense``, ``pruned``) to (model, description). ``quantize`` turns
-    (FP32 graph, INT8 file) pairs into verified INT8 graphs (``corp_deploy.exporters.quantize.quantize_graphs``
+    (FP32 graph, INT8 file) pairs into verified INT8 graphs (``corp_deploy.exporters.int8_recipes.quantize_graphs``
     bound to calibration images); INT8 engines need it. Engines are skipped, with the reason
     recorded, where no TensorRT flavour can build them, unless ``require_engines``.
 

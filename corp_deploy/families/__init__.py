@@ -2,7 +2,7 @@
 
 A family is one file: its ``Adapter`` (where the model keeps its blocks, how a block is pruned and rebuilt) ending
 in ``register(...)``. ``transformers`` families sharing the usual layout (separate q/k/v Linears and an output
-projection, an MLP of one or two producing Linears and one reader) describe it by names (``hf_text.Names``)
+projection, an MLP of one or two producing Linears and one reader) describe it by names (``families.hf.adapter.Names``)
 and are a registration, not code: see ``mistral.py`` and ``qwen2.py``.
 """
 

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from corp_deploy.base.errors import CorpError
+from corp_deploy.families.layers import AffineBranch
 
 QKHook = Callable[[Tensor, Tensor], None]
 """Called with (q, k), each (batch, tokens, heads, d), once per forward of an attention."""
@@ -233,6 +234,10 @@ class Adapter(ABC):
 
     def on_branch(self, block: nn.Module, module: str, fn: BranchHook) -> list[RemovableHandle]:
         """Hooks handing ``module``'s (``attn`` or ``mlp``) branch input and output to ``fn`` (``--depth``)."""
+        raise CorpError(f"--depth (replacing whole modules) does not support {self.name} models yet")
+
+    def replace_branch(self, block: nn.Module, module: str, branch: AffineBranch) -> None:
+        """Make ``block``'s ``module`` (``attn`` or ``mlp``) branch ``branch(x)``, its norm and scale folded in."""
         raise CorpError(f"--depth (replacing whole modules) does not support {self.name} models yet")
 
     def structure(self, block: nn.Module) -> dict[str, int | str]:

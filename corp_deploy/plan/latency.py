@@ -14,8 +14,8 @@ the smallest measured width with the last segment's slope, plus their interactio
 parts (``JOINT_GRID``) measure what a block saves beyond the sum of the two savings (they share its memory traffic),
 interpolated bilinearly over (MLP width, mean head width) with zero on the axes; never below 0.
 With ``--depth`` the grid adds a model with every block's attention (``no-attn``) or MLP (``no-mlp``) replaced by
-its fitted stand-in (``surgery.AffineBranch``): a removed module's time replaces that part's, and a width of 0 in
-a (mlp, qk, v) triple means the module is replaced (``REMOVED``).
+its fitted stand-in (``families.layers.AffineBranch``): a removed module's time replaces that part's, and a width
+of 0 in a (mlp, qk, v) triple means the module is replaced (``REMOVED``).
 Backends whose fused attention needs one head size (torch SDPA's flash kernels, TensorRT's MHA:
 ``bench.backends.Backend.equal_heads``) measure and allocate equal Q/K and V widths only (``tied``).
 

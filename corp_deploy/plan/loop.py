@@ -62,10 +62,8 @@ def latency_loop(latency: speed.Latency, say: Callable[[str], None] = lambda lin
     at = workload({"batch": latency.batch, "seq_len": latency.seq_len})
 
     def timing(dense: nn.Module, pruned: nn.Module) -> Timing:
-        say(f"latency check: timing dense and pruned on {latency.backend.name} at {at}, interleaved")
-        t = speed.measure_pair(
-            dense, pruned, latency.backend, latency.batch, threads, speed.LOOP_METHOD, latency.seq_len
-        )
+        say(f"latency check: timing dense and pruned on {latency.meter.name} at {at}, interleaved")
+        t = speed.measure_pair(dense, pruned, latency.meter, latency.batch, threads, speed.LOOP_METHOD, latency.seq_len)
         say(f"  dense {t.dense_s * 1e3:.1f} ms, pruned {t.pruned_s * 1e3:.1f} ms: {t.speedup:.2f}x +-{t.band:.1%}")
         return t
 

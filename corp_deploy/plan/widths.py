@@ -22,7 +22,7 @@ from corp_deploy.core.fit import COMPENSATIONS
 from corp_deploy.core.ranking import SELECTIONS, channel_scores, per_layer
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import Adapter, adapter_for
-from corp_deploy.families.timm.modules import linear_float64
+from corp_deploy.families.layers import linear_float64
 from corp_deploy.formats.calibration import Heldout
 from corp_deploy.plan.allocation import budget_limit, error_curves, plan_budget
 from corp_deploy.plan.latency import LatencyTable

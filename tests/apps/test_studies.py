@@ -110,13 +110,14 @@ def test_loop_band_runs_the_command_again_and_reports_the_spread(tmp_path, monke
     from helpers import TINY, TINY_CLI_ARGS, fake_timer
 
     from corp_deploy.bench.backends import BACKENDS
+    from corp_deploy.bench.meter import BackendMeter
     from corp_deploy.families.timm.models import create_model
     from corp_deploy.plan import latency, speed
     from studies import loop_band
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     args = {**TINY, "num_classes": 10}
-    backend = BACKENDS["torch-cpu-fp32"]
+    backend = BackendMeter(BACKENDS["torch-cpu-fp32"])
     key = speed.key("deit_tiny_patch16_224", args, backend, 2, torch.get_num_threads())
     model = create_model("deit_tiny", weights="random", model_args=args)
     table = latency.write(speed.build_table(model, key, backend, timer=fake_timer), tmp_path / "table.json")

@@ -12,6 +12,7 @@ import torch
 from helpers import RECORD, TINY_CLI_ARGS, bench_record, pruned_copy, run, tiny_vit
 
 from corp_deploy.base.errors import CorpError
+from corp_deploy.base.timing import Method, interleaved, median_of_repeats, summarize
 from corp_deploy.bench import backends, gate
 from corp_deploy.bench.backends import (
     BACKENDS,
@@ -23,7 +24,6 @@ from corp_deploy.bench.backends import (
     select,
     torch_forward,
 )
-from corp_deploy.bench.measure import Method, interleaved, median_of_repeats, summarize
 from corp_deploy.bench.report import skipped_lines
 from corp_deploy.bench.run import SCHEMA, benchmark, pairs, parse_batch_sizes
 from corp_deploy.cli import main

@@ -22,10 +22,10 @@ import transformers  # noqa: E402
 
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError  # noqa: E402
+from corp_deploy.base.timing import Method, Stats  # noqa: E402
 from corp_deploy.bench import gate  # noqa: E402
 from corp_deploy.bench.backends import RunFolder  # noqa: E402
 from corp_deploy.bench.decode import DECODE_BACKENDS, TorchSession, decode_benchmark, rows  # noqa: E402
-from corp_deploy.bench.measure import Method, Stats  # noqa: E402
 from corp_deploy.bench.run import pairs  # noqa: E402
 from corp_deploy.core.config import PruneConfig  # noqa: E402
 from corp_deploy.formats import sources  # noqa: E402

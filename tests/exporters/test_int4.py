@@ -415,7 +415,7 @@ def test_prune_export_writes_int4_genai_folders_that_generate_and_bench_and_quan
     assert "MatMulNBits" in {n.op_type for n in onnx.load(str(int4_folder / "model.onnx")).graph.node}
 
     og = pytest.importorskip("onnxruntime_genai")
-    from corp_deploy.bench.decode import GenaiSession
+    from corp_deploy.base.timing import GenaiSession
 
     session = GenaiSession(og, og.Model(str(out / "pruned-genai")), 300, batch=2, prompt=6, new_tokens=4)
     session.start()

@@ -11,6 +11,7 @@ from helpers import TINY_CLI_ARGS, pruned_copy, run, tiny_vit
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.backends import BACKENDS, rewrites_on
+from corp_deploy.bench.meter import BackendMeter
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import export_verified
@@ -84,8 +85,8 @@ def test_the_latency_key_holds_the_rewrites(monkeypatch) -> None:
     """A table measured with the rewrite is not one without it: the key says which were applied (a CPU backend's
     key, which applies none, stays what it was, so its cached tables stay valid)."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "a GPU")
-    cuda = speed.key("deit_tiny", {}, BACKENDS["torch-cuda-fp16-graph"], 1, 2)
-    cpu = speed.key("deit_tiny", {}, BACKENDS["ort-cpu-fp32"], 1, 2)
+    cuda = speed.key("deit_tiny", {}, BackendMeter(BACKENDS["torch-cuda-fp16-graph"]), 1, 2)
+    cpu = speed.key("deit_tiny", {}, BackendMeter(BACKENDS["ort-cpu-fp32"]), 1, 2)
     assert cuda["rewrites"] == {"applied": [PATCH_LINEAR]} and cpu["rewrites"] == {"opset": 20}
     assert BACKENDS["torch-cuda-fp16-graph"].rewrites == (PATCH_LINEAR,) and BACKENDS["ort-cpu-fp32"].rewrites == ()
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from helpers import PRUNE, run, tiny_batches, tiny_vit
 
+from corp_deploy.base.timing import Method
 from corp_deploy.bench.backends import MODELS, RunFolder, compile_model, cuda_step, select, torch_forward
-from corp_deploy.bench.measure import Method
 from corp_deploy.bench.run import benchmark
 from corp_deploy.cli import main
 from corp_deploy.core.config import PruneConfig

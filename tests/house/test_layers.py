@@ -2,10 +2,12 @@
 imported), so a new arrow fails here.
 
 Floors, bottom up (a module may import its own floor and those below): ``corp_deploy.base`` (errors, files,
-tables, the optional-dependency gate, the environment); ``families`` (what a model is); ``core`` (the pruning
-algorithm); ``formats`` (artifacts, inputs, evaluation); the libraries ``exporters`` and ``bench``, which read the
-pruning side only through ``base``, ``families`` and ``formats``; ``plan`` (widths under a budget or a measured
-speed, which exports and times candidates); ``corp_deploy.api`` and the package itself (the facade); and on top the
+tables, the optional-dependency gate, the environment, timing); ``families`` (what a model is); ``core`` (the pruning
+algorithm); ``formats`` (artifacts, inputs, evaluation); the libraries ``exporters`` and, above it, ``bench``, which
+read the pruning side only through ``base``, ``families`` and ``formats`` (the exporters never import the benchmarks:
+what both time with is in ``base.timing``); ``plan`` (widths under a budget or a measured speed), which reads neither
+library: a latency measurement is handed in where the API is wired (``plan.speed.Meter``), so a plain sparsity prune
+never loads the export stack; ``corp_deploy.api`` and the package itself (the facade); and on top the
 apps: ``apps``, the CLI, the entry point and the scripts outside the package (``studies/``, ``tools/``), which nothing
 in the package imports. Nothing but the entry point imports the CLI.
 """
@@ -35,15 +37,18 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("families", ("corp_deploy.families",)),
     ("core", ("corp_deploy.core",)),
     ("formats", ("corp_deploy.formats",)),
-    ("library", ("corp_deploy.exporters", "corp_deploy.bench")),
+    ("exporters", ("corp_deploy.exporters",)),
+    ("bench", ("corp_deploy.bench",)),
     ("plan", ("corp_deploy.plan",)),
     ("api", ("corp_deploy.api",)),
     ("app", ("corp_deploy.apps", "corp_deploy.cli", "corp_deploy.__main__", *SCRIPTS)),
 )
 """Folder prefixes of each floor, bottom up (a prefix covers its submodules); the package itself is ``api``."""
 RANK = {name: rank for rank, (name, _) in enumerate(FLOORS)}
-LIBRARY_READS = frozenset({"base", "families", "formats", "library"})
-"""The libraries time and convert what the pruning side wrote: they read it only through these floors."""
+SKIPPED = {"exporters": frozenset({"core"}), "bench": frozenset({"core"}), "plan": frozenset({"exporters", "bench"})}
+"""Floors below a floor that it still may not read. The libraries convert and time what the pruning side wrote:
+they read it through ``base``, ``families`` and ``formats``, never the algorithm. The plan is handed its latency
+measurement (``plan.speed.Meter``), never the export stack."""
 CLI = "corp_deploy.cli"
 ENTRY_POINTS = frozenset({"corp_deploy.__main__"})
 TOP_LEVEL = frozenset({"__init__.py", "__main__.py", "api.py"})
@@ -70,9 +75,7 @@ def allowed(src: str, dst: str) -> bool:
     if dst.split(".")[0] in SCRIPTS and src.split(".")[0] not in SCRIPTS:
         return False
     here, there = floor(src), floor(dst)
-    if here == "library":
-        return there in LIBRARY_READS
-    return RANK[there] <= RANK[here]
+    return RANK[there] <= RANK[here] and there not in SKIPPED.get(here, ())
 
 
 @functools.cache
@@ -135,6 +138,10 @@ def test_no_import_runs_upward() -> None:
         ("corp_deploy.apps.demo", "from corp_deploy.cli import main"),
         ("corp_deploy.apps.demo", "from studies.budget_study import main"),
         ("corp_deploy.bench.run", "from tools.gpu_suite.core import measure"),
+        ("corp_deploy.plan.speed", "from corp_deploy.exporters.onnx_export import export_onnx"),
+        ("corp_deploy.plan.loop", "def f():\n    from corp_deploy.bench.meter import check_backend"),
+        ("corp_deploy.exporters.int4", "from corp_deploy.bench.decode import GenaiSession"),
+        ("corp_deploy.exporters.int8_recipes", "from corp_deploy.bench import run"),
     ],
 )
 def test_the_check_catches_an_upward_import(module: str, source: str) -> None:
@@ -155,6 +162,10 @@ def test_the_check_allows_the_floors_below() -> None:
             "from corp_deploy.formats.artifact import load_pruned\nfrom corp_deploy.exporters.runners import OrtRunner",
         ),
         ("corp_deploy.apps.sweep", "from corp_deploy.core.pruner import calibrate"),
+        ("corp_deploy.plan.speed", "from corp_deploy.base.timing import interleaved"),
+        ("corp_deploy.exporters.int4", "from corp_deploy.base.timing import GenaiSession"),
+        ("corp_deploy.bench.meter", "from corp_deploy.exporters.onnx_export import export_onnx"),
+        ("corp_deploy.cli.prune", "from corp_deploy.bench.meter import check_backend"),
         ("corp_deploy.__main__", "from corp_deploy.cli import main"),
         (
             "studies.budget_study",
@@ -277,3 +288,14 @@ def test_the_development_layout_lists_every_module_under_its_folder() -> None:
     packages = {p for p in on_disk if p.endswith("__init__.py")}
     assert sorted(on_disk - packages - listed) == [], "modules missing from the layout"
     assert sorted(listed - on_disk) == [], "listed in the layout, not on disk"
+
+
+def test_the_plan_and_the_facade_load_no_export_stack() -> None:
+    """A plain sparsity prune through the API loads neither the exporters nor the benchmarks (nor onnx): the plan is
+    handed its latency measurement where one is asked for (``plan.speed.Meter``)."""
+    code = (
+        "import sys, corp_deploy.api, corp_deploy.plan.loop, corp_deploy.plan.speed, corp_deploy.plan.widths; "
+        "print(sorted(m for m in sys.modules if m.startswith(('corp_deploy.exporters', 'corp_deploy.bench', 'onnx'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -14,13 +14,15 @@ from timm.models.vision_transformer import ResPostBlock
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.backends import BACKENDS
+from corp_deploy.bench.meter import BackendMeter
 from corp_deploy.core import compensation as C
 from corp_deploy.core.config import MODULES, PruneConfig, Widths
 from corp_deploy.core.distributed import World
 from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.core.stats import BranchStats, collect, empty_stats
 from corp_deploy.families import structure
-from corp_deploy.families.timm.modules import AffineBranch, replace_branch
+from corp_deploy.families.layers import AffineBranch
+from corp_deploy.families.timm.modules import replace_branch
 from corp_deploy.formats.artifact import load_pruned, save_pruned
 from corp_deploy.plan import latency, speed
 from corp_deploy.plan.allocation import MODULE_KEYS, budget_limit, error_curves, plan_budget
@@ -194,9 +196,9 @@ def fake_time(model: torch.nn.Module) -> float:
 
 
 def depth_table() -> LatencyTable:
-    key = speed.key("deit_tiny", {"depth": 2}, BACKENDS["ort-cpu-fp32"], 8, 2, ("attn", "mlp"))
+    key = speed.key("deit_tiny", {"depth": 2}, BackendMeter(BACKENDS["ort-cpu-fp32"]), 8, 2, ("attn", "mlp"))
     timer = lambda models: {n: fake_time(m) for n, m in models.items()}  # noqa: E731
-    return speed.build_table(tiny_vit(), key, BACKENDS["ort-cpu-fp32"], timer=timer)
+    return speed.build_table(tiny_vit(), key, BackendMeter(BACKENDS["ort-cpu-fp32"]), timer=timer)
 
 
 def test_latency_table_learns_blocks_with_a_module_replaced() -> None:

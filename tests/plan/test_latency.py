@@ -11,6 +11,7 @@ import dataclasses
 import json
 import re
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from helpers import (
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.bench.backends import BACKENDS
+from corp_deploy.bench.meter import BackendMeter, check_backend
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate
 from corp_deploy.families import structure as block_widths
@@ -42,7 +44,7 @@ from corp_deploy.plan.report import format_report
 
 
 def table_key(batch: int = 8, backend: str = "ort-cpu-fp32") -> dict:
-    return speed.key("deit_tiny", {"depth": 2}, BACKENDS[backend], batch, 2)
+    return speed.key("deit_tiny", {"depth": 2}, BackendMeter(BACKENDS[backend]), batch, 2)
 
 
 @pytest.fixture
@@ -66,7 +68,7 @@ def test_grid_measures_uniform_models_and_only_equal_heads_when_tied() -> None:
 
 def test_fitted_table_predicts_mixed_widths_of_an_additive_cost_exactly() -> None:
     model = tiny_vit()
-    table = speed.build_table(model, table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    table = speed.build_table(model, table_key(), BackendMeter(BACKENDS["ort-cpu-fp32"]), timer=fake_timer)
     assert table.fixed_s == pytest.approx(FIXED_S)
     assert table.dense_s == pytest.approx(fake_time(model))
     for widths in ([(40, 12, 4), (128, 2, 16)], [(8, 16, 8), (100, 5, 13)]):  # between and below the grid
@@ -89,7 +91,7 @@ def test_the_joint_models_measure_what_narrowing_both_parts_saves_beyond_their_s
         }
 
     model = tiny_vit()  # MLP 128, heads of 16
-    table = speed.build_table(model, table_key(), BACKENDS["ort-cpu-fp32"], timer=timer)
+    table = speed.build_table(model, table_key(), BackendMeter(BACKENDS["ort-cpu-fp32"]), timer=timer)
     assert table.joint and all(s < 0 for s in table.joint.values())
     for m, h in table.joint:  # the measured points, exactly
         assert table.block_s(m, h, h) == pytest.approx(joint_block_s(m, h, h))
@@ -119,7 +121,7 @@ def test_interpolation_is_piecewise_linear_and_never_negative() -> None:
 
 
 def test_table_is_cached_per_key_and_refused_for_another(cache, tmp_path) -> None:
-    model, backend = tiny_vit(), BACKENDS["ort-cpu-fp32"]
+    model, backend = tiny_vit(), BackendMeter(BACKENDS["ort-cpu-fp32"])
     calls = []
 
     def counting(models):
@@ -143,7 +145,7 @@ def test_table_is_cached_per_key_and_refused_for_another(cache, tmp_path) -> Non
         latency.read(path, table_key())
 
 
-def test_timing_against_the_dense_model_cancels_a_steady_slowdown(monkeypatch) -> None:
+def test_timing_against_the_dense_model_cancels_a_steady_slowdown() -> None:
     """The machine slows 5% per call: alternating each model with the reference recovers the true ratios."""
     calls = [0]
 
@@ -155,9 +157,10 @@ def test_timing_against_the_dense_model_cancels_a_steady_slowdown(monkeypatch) -
         return timed
 
     base = {"dense": 1.0, "a": 0.5, "b": 0.8}
-    fake = contextmanager(lambda models, *_: iter([{name: step(base[name]) for name in models}]))
-    monkeypatch.setattr(speed, "loaded", fake)
-    seconds = speed.time_against("dense", dict.fromkeys(base), None, 8, 2, speed.TABLE_METHOD)
+    steps = contextmanager(lambda models, *_: iter([{name: step(base[name]) for name in models}]))
+    meter = SimpleNamespace(loaded=steps)
+    models = dict.fromkeys(base, tiny_vit())
+    seconds = speed.time_against("dense", models, meter, 8, 2, speed.TABLE_METHOD)
     assert seconds["a"] / seconds["dense"] == pytest.approx(0.5) and seconds["b"] / seconds["dense"] == pytest.approx(
         0.8
     )
@@ -171,7 +174,7 @@ def test_a_table_is_measured_from_the_dense_model_only() -> None:
 
 def test_correction_goes_through_a_measured_pair_and_takes_the_median_of_several() -> None:
     model = tiny_vit()
-    table = speed.build_table(model, table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    table = speed.build_table(model, table_key(), BackendMeter(BACKENDS["ort-cpu-fp32"]), timer=fake_timer)
     pruned = [(64, 8, 8), (32, 16, 8)]
     fixed = table.corrected(0.9, 0.5, pruned)
     assert fixed.dense_s == pytest.approx(0.9) and fixed.predict(pruned) == pytest.approx(0.5)
@@ -190,7 +193,7 @@ def test_blocks_that_save_more_than_the_table_says_scale_its_savings(tmp_path) -
     """A speedup beyond what even a zero fixed cost gives (heavily pruned blocks saving more than the additive
     model): no fixed cost can explain it, so the blocks' savings are scaled, and the pair is then predicted."""
     model = tiny_vit()
-    table = speed.build_table(model, table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    table = speed.build_table(model, table_key(), BackendMeter(BACKENDS["ort-cpu-fp32"]), timer=fake_timer)
     pruned = [(32, 8, 8), (32, 8, 8)]
     blocks = table.shape.depth * table.dense_block_s
     ceiling = blocks / sum(table.block_s(*w) for w in pruned)  # the speedup at zero fixed cost
@@ -216,7 +219,8 @@ def test_allocator_jumps_across_a_cost_plateau() -> None:
 
 
 def tied_table(model: torch.nn.Module) -> LatencyTable:
-    return speed.build_table(model, table_key(backend="torch-cpu-fp32"), BACKENDS["torch-cpu-fp32"], timer=fake_timer)
+    meter = BackendMeter(BACKENDS["torch-cpu-fp32"])
+    return speed.build_table(model, table_key(backend="torch-cpu-fp32"), meter, timer=fake_timer)
 
 
 def test_latency_budget_meets_the_predicted_time_with_equal_heads_when_tied() -> None:
@@ -257,7 +261,7 @@ def test_latency_plan_stays_within_the_widths_the_table_measured() -> None:
 def test_closed_loop_corrects_the_table_and_replans_from_the_same_statistics() -> None:
     """A backend twice as slow per block as the table says: round 1 overshoots 2x, the corrected table meets it."""
     model = tiny_vit()
-    table = speed.build_table(model, table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    table = speed.build_table(model, table_key(), BackendMeter(BACKENDS["ort-cpu-fp32"]), timer=fake_timer)
     timed = []
 
     def timing(dense, pruned) -> Timing:
@@ -287,7 +291,7 @@ def test_closed_loop_keeps_the_last_model_when_the_corrected_table_puts_the_targ
     """A pair measured at 1.05x for a 2x target (a machine far noisier than the table): the corrected table's fixed
     cost leaves no widths that reach 2x; the loop stops with the model it timed and says why, instead of failing
     after the calibration."""
-    table = speed.build_table(tiny_vit(), table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    table = speed.build_table(tiny_vit(), table_key(), BackendMeter(BACKENDS["ort-cpu-fp32"]), timer=fake_timer)
     loop = LatencyLoop(lambda d, p: Timing(1.05, 1.0, 0.03), 3)
     config = PruneConfig(budget="latency=0.5", target="all", allocation="local")
     check = api.prune(tiny_vit(), tiny_batches(), config, progress=False, table=table, loop=loop).report["latency"]
@@ -310,7 +314,7 @@ def test_a_latency_budget_plans_sequential_pruning_from_the_table() -> None:
     """Without the closed loop, --sequential takes a latency budget: its widths come from the one pass's statistics
     and the table (the table once went missing there, after the calibration pass)."""
     model = tiny_vit()
-    table = speed.build_table(model, table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    table = speed.build_table(model, table_key(), BackendMeter(BACKENDS["ort-cpu-fp32"]), timer=fake_timer)
     config = PruneConfig(budget="latency=0.7", target="all", allocation="local", round_to=4, sequential=True)
     result = api.prune(model, tiny_batches(), config, progress=False, table=table)
     planned = result.report["allocation"]["latency"]
@@ -322,7 +326,7 @@ def test_a_correction_that_would_make_blocks_free_is_refused() -> None:
     """A pair measured far faster than any block can be (noise on a tiny model): the savings factor that explains it
     would predict some widths to cost nothing, and every later plan a division by zero; the correction is refused
     in one line, which the closed loops turn into "keep the model timed" (a pair a little faster is still taken)."""
-    table = speed.build_table(tiny_vit(), table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    table = speed.build_table(tiny_vit(), table_key(), BackendMeter(BACKENDS["ort-cpu-fp32"]), timer=fake_timer)
     half = [(table.shape.mlp // 2, table.shape.head_dim, table.shape.head_dim)] * table.shape.depth
     dense_s = table.dense_s
     taken = table.corrected(dense_s, 0.97 * table.predict(half), half)
@@ -370,7 +374,7 @@ def test_bad_latency_flags_fail_in_one_line_before_any_work(tmp_path, capsys, ca
 
 
 def test_table_from_another_model_is_refused_and_nothing_written(tmp_path, capsys, cache) -> None:
-    table = speed.build_table(tiny_vit(), table_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    table = speed.build_table(tiny_vit(), table_key(), BackendMeter(BACKENDS["ort-cpu-fp32"]), timer=fake_timer)
     path = latency.write(table, tmp_path / "table.json")
     out = tmp_path / "run"
     flags = ["--speedup", "2", "--latency-on", "ort-cpu-fp32", "--latency-table", str(path), "--out", str(out)]
@@ -437,8 +441,8 @@ def test_prune_export_times_the_rewrites_it_exports(tmp_path, capsys, cache, mon
     default, so a patch-linear export must be planned and checked with patch-linear (its table key says so)."""
     timed: list[tuple[str, ...]] = []
 
-    def fake_time_models(models, backend, *_, **__):
-        timed.append(backend.rewrites)
+    def fake_time_models(models, meter, *_, **__):
+        timed.append(meter.backend.rewrites)
         return {n: [fake_time(m)] * 6 for n, m in models.items()}
 
     monkeypatch.setattr(speed, "time_models", fake_time_models)
@@ -522,10 +526,10 @@ def test_cuda_backends_are_allowed_where_cuda_is_available(monkeypatch) -> None:
     """The refusal is for a machine without CUDA only: with a GPU visible the torch-cuda backends pass."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name in ("torch-cuda-fp16-graph", "torch-cuda-fp16", "torch-cuda-bf16-graph", "torch-cuda-fp32"):
-        assert speed.check_backend(name) is BACKENDS[name]
+        assert check_backend(name).backend is BACKENDS[name]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(CorpError, match="no CUDA GPU visible"):
-        speed.check_backend("torch-cuda-fp16-graph")
+        check_backend("torch-cuda-fp16-graph")
 
 
 # ------------------------------------------------------------------------------------- text encoders
@@ -539,13 +543,13 @@ def tiny_encoder(tmp_path):
 
 
 def text_key(batch: int = 8, seq_len: int = SEQ, backend: str = "ort-cpu-fp32") -> dict:
-    return speed.key("tiny-bert", {}, BACKENDS[backend], batch, 2, seq_len=seq_len)
+    return speed.key("tiny-bert", {}, BackendMeter(BACKENDS[backend]), batch, 2, seq_len=seq_len)
 
 
 def test_a_text_table_times_bert_layers_at_a_sequence_length_in_its_key(tmp_path, cache) -> None:
     """The same table code on BERT layers: embeddings + pooler are the fixed cost (the block-free model), the key
     names the sequence length (another length is another table), and mixed widths are predicted exactly."""
-    model, backend = tiny_encoder(tmp_path), BACKENDS["ort-cpu-fp32"]
+    model, backend = tiny_encoder(tmp_path), BackendMeter(BACKENDS["ort-cpu-fp32"])
     assert speed.shape_of(model) == Shape(depth=2, mlp=128, head_dim=16)
     assert len(speed.with_widths(model, None).encoder.layer) == 0
     table = speed.table_for(model, text_key(), backend, timer=fake_timer)
@@ -565,7 +569,7 @@ def test_a_text_table_times_bert_layers_at_a_sequence_length_in_its_key(tmp_path
 def test_a_text_table_refuses_a_sequence_past_the_positions_a_missing_one_and_decoders(tmp_path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model, backend = tiny_encoder(tmp_path), BACKENDS["ort-cpu-fp32"]
+    model, backend = tiny_encoder(tmp_path), BackendMeter(BACKENDS["ort-cpu-fp32"])
     for key, message in (
         (text_key(seq_len=41), "--seq-len must be between 1 and 40"),
         (table_key(), "timed at a sequence length"),
@@ -588,7 +592,7 @@ def test_text_models_are_timed_as_exported_at_batch_and_sequence(tmp_path, backe
     model = tiny_encoder(tmp_path)
     method = dataclasses.replace(speed.TABLE_METHOD, min_iters=2)
     models = {"dense": model, "fixed": speed.with_widths(model, None)}
-    times = speed.time_models(models, BACKENDS[backend], 3, 1, method, None, SEQ)
+    times = speed.time_models(models, BackendMeter(BACKENDS[backend]), 3, 1, method, None, SEQ)
     assert set(times) == {"dense", "fixed"} and all(len(t) >= 2 and min(t) > 0 for t in times.values())
 
 
@@ -596,7 +600,7 @@ def test_the_closed_loop_runs_on_a_text_encoder_and_records_its_sequence(tmp_pat
     """A backend twice as slow per layer as the table: round 1 overshoots, the corrected table meets the target;
     corp.json's record names the backend, batch and sequence, the target, prediction, measurement, band, rounds."""
     model = tiny_encoder(tmp_path)
-    table = speed.build_table(model, text_key(), BACKENDS["ort-cpu-fp32"], timer=fake_timer)
+    table = speed.build_table(model, text_key(), BackendMeter(BACKENDS["ort-cpu-fp32"]), timer=fake_timer)
 
     def timing(dense, pruned) -> Timing:
         real = [FIXED_S + 2 * (fake_time(m) - FIXED_S) for m in (dense, pruned)]

@@ -217,7 +217,7 @@ def step(ctx: Context, call: Callable[[], object]) -> Callable[[], float]:
 
 def measure(ctx: Context, calls: dict[str, Callable[[], object]], batch: int) -> dict[str, dict[str, float]]:
     """Interleaved timing of named calls (same run, alternating rounds); summary statistics per call."""
-    from corp_deploy.bench.measure import Method, interleaved, summarize
+    from corp_deploy.base.timing import Method, interleaved, summarize
 
     method = Method(
         warmup_iters=3 if ctx.smoke else 10,

@@ -42,11 +42,11 @@ graph, deit_base, batch 1) replacing attention alone lowered the floor only from
 def run_speedup(ctx: Context) -> dict[str, Any]:
     """Per lever and (batch, goal) of the plan: the latency-budgeted prune, its prediction and its measured speedup;
     the whole section skipped, with the reason, where the plan's backend cannot run."""
-    from corp_deploy.plan import speed
+    from corp_deploy.bench import meter
 
     name, backend_name, goals = ctx.plan.speedup
     try:
-        backend = speed.check_backend(backend_name)
+        backend = meter.check_backend(backend_name)
     except CorpError as e:
         ctx.log(f"speedup: skipped: {e}")
         return {"model": name, "backend": backend_name, "skipped": str(e), "rows": []}

@@ -38,7 +38,7 @@ WIDTHS_KEY = "corp_layers"
 """The config attribute holding the per-layer widths in a remote-code folder."""
 NAMES_KEY = "corp_names"
 """The config attribute holding where the family keeps its layers in a remote-code folder (corp-deploy's
-``families.hf_text.Names``: ``layers``, ``attention``, ``kind``, ``q``/``k``/``v``, ``proj``, ``mlp_in``,
+``families.hf.adapter.Names``: ``layers``, ``attention``, ``kind``, ``q``/``k``/``v``, ``proj``, ``mlp_in``,
 ``mlp_out`` as attribute paths)."""
 
 

@@ -1,4 +1,4 @@
-"""Module surgery: physically smaller, ordinary ``nn.Module`` trees.
+"""The pruned timm modules: physically smaller, ordinary ``nn.Module`` trees.
 
 The builders here only create modules of the pruned shapes; the pruner fills them with
 compensated weights and ``load_pruned`` fills them from a checkpoint. Both go through the same
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from corp_deploy.base.errors import CorpError
+from corp_deploy.families.layers import AffineBranch
 
 if TYPE_CHECKING:  # annotations only: only image models pay for importing timm (and torchvision: ~3 s)
     from timm.layers import Mlp
@@ -69,42 +70,6 @@ class PrunedAttention(nn.Module):
         return self.proj(x)
 
 
-class AffineBranch(nn.Module):
-    """A removed module's closed-form stand-in (``--depth``): ``y = x W^T + x_bar U^T + b`` per token.
-
-    ``x`` is the block's residual stream where the branch reads it (before the branch's norm), ``x_bar`` its mean
-    over the image's tokens, ``y`` what the branch added to the residual (after its LayerScale): the fit
-    (``compensation.branch_fit``) replaces norm, module and LayerScale together, so nothing is folded through
-    a LayerNorm. ``fit`` (``compensation.DEPTH_FITS``) says which terms exist: ``mean`` keeps only b,
-    ``affine`` adds W, ``affine-mean`` adds U. Ordinary ops only (Linear, mean, add), so it exports to ONNX.
-    """
-
-    def __init__(self, dim: int, fit: str) -> None:
-        super().__init__()
-        self.fit = fit
-        self.bias = nn.Parameter(torch.zeros(dim))
-        self.linear = nn.Linear(dim, dim, bias=False) if fit != "mean" else None
-        self.token_mean = nn.Linear(dim, dim, bias=False) if fit == "affine-mean" else None
-
-    def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-        """timm's Block calls its attention with ``attn_mask``/``is_causal``; a fitted map has no use for them."""
-        y = self.bias.expand_as(x) if self.linear is None else self.linear(x) + self.bias
-        if self.token_mean is not None:
-            y = y + self.token_mean(x.mean(1, keepdim=True))
-        return y
-
-    @torch.no_grad()
-    def fill(self, w: Tensor, b: Tensor) -> AffineBranch:
-        """Set the fitted ``y ~ W z + b`` with ``z = [x, x_bar]`` (W: dim x |features of the fit|)."""
-        dim = self.bias.numel()
-        self.bias.copy_(b)
-        if self.linear is not None:
-            self.linear.weight.copy_(w[:, :dim])
-        if self.token_mean is not None:
-            self.token_mean.weight.copy_(w[:, dim:])
-        return self
-
-
 BRANCHES = {"attn": ("norm1", "attn", "ls1"), "mlp": ("norm2", "mlp", "ls2")}
 """Per removable module of a timm Block: (its norm, the module, its LayerScale); the branch is ls(module(norm(x)))."""
 
@@ -136,13 +101,6 @@ def check_v_prunable(attn: nn.Module, block: int) -> None:
         problem = "no proj bias to take the compensation's constant"
     if problem:
         raise CorpError(f"V pruning is not supported for block {block}: it has {problem}; use --target mlp,qk")
-
-
-def linear_float64(linear: nn.Linear, dev: torch.device) -> tuple[Tensor, Tensor]:
-    """A Linear's weight and bias (zeros when it has none) in float64 on the statistics' device."""
-    w = linear.weight.detach().to(dev, torch.float64)
-    b = torch.zeros(w.shape[0], dtype=w.dtype, device=dev) if linear.bias is None else linear.bias.detach()
-    return w, b.to(dev, torch.float64)
 
 
 def head_widths(attn: Attention | PrunedAttention) -> tuple[int, int]:

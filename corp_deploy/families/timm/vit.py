@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.families.base import Adapter, BranchHook, QKHook
+from corp_deploy.families.layers import AffineBranch
 from corp_deploy.families.registry import register
 from corp_deploy.families.timm import modules as surgery
 from corp_deploy.families.timm.models import ALIASES
@@ -101,6 +102,9 @@ class TimmViT(Adapter):
             norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0])),
             scale.register_forward_hook(lambda _m, _args, out: fn(seen.pop(), out)),
         ]
+
+    def replace_branch(self, block: nn.Module, module: str, branch: AffineBranch) -> None:
+        surgery.replace_branch(block, module, branch)
 
     def structure(self, block: nn.Module) -> dict[str, int | str]:
         """A replaced module is recorded as its fit (``attn``/``mlp``) instead of its widths."""

@@ -1,7 +1,11 @@
-"""Timing: warm-up, interleaved timed iterations, and the statistics reported from them.
+"""Timing: warm-up, interleaved timed iterations, the statistics reported from them, and a decoder's generation as
+timed steps (``Session``: prefill, then decode a token at a time).
 
 Dense and pruned are measured in the same loop, alternating in rounds (and alternating which goes
 first), so clock boosts, thermal drift and noisy neighbours hit both alike and cancel in the ratio.
+Here, below every floor that times something, so the exporters (choosing the fastest INT8 or INT4 recipe) and the
+benchmarks share one method without importing each other. Loads neither torch nor an inference runtime: a
+session's runtime is handed in (``GenaiSession``'s onnxruntime-genai module).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -95,3 +100,64 @@ def median_of_repeats(repeats: list[Stats]) -> Stats:
     fields = {k: float(np.median([getattr(s, k) for s in repeats])) for k in asdict(repeats[0])}
     fields["iters"] = int(sum(s.iters for s in repeats))
     return Stats(**fields)
+
+
+NEW_TOKENS = 32
+"""Decode steps per session before a fresh prefill: the context grows by at most this much while timed."""
+
+
+class Session:
+    """One model generating greedily at (batch, prompt): ``prefill`` and ``decode`` return their own seconds.
+
+    Subclasses run a runtime; this class keeps the cache bookkeeping: ``decode`` prefills afresh (untimed) when
+    ``new_tokens`` steps have been taken, so every timed step sees a context in the same band."""
+
+    def __init__(self, batch: int, prompt: int, vocab: int, new_tokens: int = NEW_TOKENS) -> None:
+        if new_tokens < 1:
+            raise CorpError(f"--new-tokens must be >= 1, got {new_tokens}")
+        self.ids = np.random.default_rng(batch * 100003 + prompt).integers(0, vocab, (batch, prompt))
+        self.new_tokens, self.steps = new_tokens, new_tokens
+
+    def start(self) -> np.ndarray:
+        """Run the prompt from an empty cache; return the next token per sequence (batch, 1)."""
+        raise NotImplementedError
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed one token per sequence through the cache; return the next ones."""
+        raise NotImplementedError
+
+    def prefill(self) -> float:
+        begin = time.perf_counter()
+        self.start()
+        return time.perf_counter() - begin
+
+    def decode(self) -> float:
+        if self.steps >= self.new_tokens:
+            self.tokens, self.steps = self.start(), 0
+        begin = time.perf_counter()
+        self.tokens = self.step(self.tokens)
+        self.steps += 1
+        return time.perf_counter() - begin
+
+
+class GenaiSession(Session):
+    """An onnxruntime-genai ``Model`` generating greedily: ``append_tokens`` runs the prompt (prefill), each
+    ``generate_next_token`` picks a token and runs it through the graph with genai's own cache (decode). genai picks
+    the first new token in the first step, so ``start`` returns the prompt's last token and ``step`` ignores its
+    argument. ``min_length`` equals ``max_length``: end-of-sequence never stops a session early."""
+
+    def __init__(self, og: Any, model: Any, vocab: int, batch: int, prompt: int, new_tokens: int = NEW_TOKENS) -> None:
+        super().__init__(batch, prompt, vocab, new_tokens)
+        self.og, self.model = og, model
+
+    def start(self) -> np.ndarray:
+        params = self.og.GeneratorParams(self.model)
+        total = self.ids.shape[1] + self.new_tokens + 1
+        params.set_search_options(batch_size=self.ids.shape[0], max_length=total, min_length=total, do_sample=False)
+        self.generator = self.og.Generator(self.model, params)
+        self.generator.append_tokens(self.ids.astype(np.int32))
+        return self.generator.get_next_tokens()
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        self.generator.generate_next_token()
+        return self.generator.get_next_tokens()
