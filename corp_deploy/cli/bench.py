@@ -35,7 +35,7 @@ from corp_deploy.bench.backends import RunFolder, rewrites_on
 from corp_deploy.bench.backends import select as select_backends
 from corp_deploy.bench.baseline import baseline_graph, runs_beside
 from corp_deploy.bench.baseline import loader as baseline_loader
-from corp_deploy.bench.decode import NEW_TOKENS, PROMPTS, decode_benchmark, parse_prompts
+from corp_deploy.bench.decode import DECODE_BACKENDS, NEW_TOKENS, PROMPTS, decode_benchmark, parse_prompts
 from corp_deploy.bench.decode import select as select_decoders
 from corp_deploy.bench.drop import METRICS, declared_pooling, default_metric
 from corp_deploy.bench.frontier import format_frontier, mark_pareto, plot_frontier
@@ -191,7 +191,7 @@ def bench(
             run, chosen, sizes, prompts, method, repeats, new_tokens, threads, skipped, click.echo, not no_quantize_only
         )
     else:
-        chosen, skipped = select_backends(backends, run)
+        chosen, skipped = select_backends(backends, run, elsewhere=("decoder runs", DECODE_BACKENDS))
         click.echo(
             f"method: {method.describe()}; {repeats} repeat(s); inputs on the device"
             + (" (host copies timed)" if include_copies else " (copies not timed)")
@@ -646,7 +646,7 @@ def _encoder_eval(run_dir: str, text: str, seq_len: int | None, all_text: bool, 
 @click.option("--latency-on", required=True, metavar="BACKEND", help="The bench backend to measure (ort-cpu-fp32...).")
 @click.option("--latency-batch", default=32, show_default=True, help="Batch size the table is for.")
 @click.option("--check", default=0, show_default=True, help="Also time N random mixed-width models: the error.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the table here (for --latency-table).")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the table here (for prune --latency-table).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
 def profile(
     model: str,

@@ -326,7 +326,8 @@ def build_engine(
     type=click.Choice(("int8", "int4")),
     default="int8",
     show_default=True,
-    help="int8: static Q/DQ (image models); int4: weight-only MatMulNBits (decoders).",
+    help="int8: the fastest INT8 recipe that passes the gate (--int8-recipe: static Q/DQ, dynamic, smoothed); "
+    "int4: weight-only MatMulNBits (decoders).",
 )
 @click.option(
     "--calib-dir", type=click.Path(), help="The images CORP calibrated on (same --seed); int4: the text folder."
@@ -357,7 +358,8 @@ def quantize(
     workers: int,
     overwrite: bool,
 ) -> None:
-    """Static INT8 (Q/DQ) of SOURCE (a prune-export folder's dense/pruned.onnx, or one .onnx): <name>.int8.onnx.
+    """INT8 of SOURCE (a prune-export folder's dense/pruned.onnx, or one .onnx): <name>.int8.onnx, by the fastest
+    --int8-recipe that passes the INT8 gate (static Q/DQ, onnxruntime's dynamic, smoothed).
 
     Calibrated on the first --int8-calib images of CORP's seeded sample, verified against the FP32
     graph on the next --int8-verify; written only if it passes the INT8 gate. A text encoder's graph calibrates
@@ -470,7 +472,9 @@ def _int8_pairs(source: Path) -> list[tuple[Path, Path]]:
     help="A latency budget: times dense and pruned on --latency-on, and re-allocates while the measured speedup "
     "misses the target by more than the noise band, this many timings at most.",
 )
-@click.option("--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (static INT8, Q/DQ), verified.")
+@click.option(
+    "--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (the fastest --int8-recipe that passes), verified."
+)
 @int8_options
 @int4_options
 @out_options("Run folder")

@@ -45,7 +45,8 @@ onnx_options = group(
         default="auto",
         show_default=True,
         help="Exact rewrites in every exported graph, dense and pruned alike: patch-linear (the patch-embedding "
-        "conv as reshape + GEMM), none, or auto: those measured to pay on the --latency-on backend (none without).",
+        "conv as reshape + GEMM), none, or auto: those measured to pay on a latency budget's backend (prune-export "
+        "--latency-on; none without one).",
     ),
     click.option(
         "--decode-graph",
@@ -64,7 +65,8 @@ engine_group = group(
     click.option(
         "--seq-range",
         metavar="MIN:OPT:MAX",
-        help="Text encoders: the engine's tokens-per-sequence range [1:SEQ:SEQ, SEQ the graph's --seq-len].",
+        help="Text encoders: the engine's tokens-per-sequence range [1:SEQ:SEQ, SEQ the graph's sequence length: "
+        "export --seq-len].",
     ),
     click.option("--workspace-gib", default=8.0, show_default=True, help="TensorRT workspace limit."),
     click.option("--opt-level", default=3, show_default=True, help="TensorRT builder optimization level 0..5."),
