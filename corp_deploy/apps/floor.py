@@ -17,7 +17,7 @@ import copy
 import shutil
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -40,19 +40,23 @@ from corp_deploy.bench.drop import (
     scores,
     value,
 )
+from corp_deploy.bench.frontier import mark_pareto
 from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.ranking import RANKERS
 from corp_deploy.exporters.int8_recipes import dynamic_int8
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.exporters.text_onnx import graph
 from corp_deploy.families import adapter_for
+from corp_deploy.families.hf import hub as hf
 from corp_deploy.families.hf.adapter import max_positions
+from corp_deploy.formats import calibration, evaluation, sources
 from corp_deploy.formats.artifact import META_FILE, read_meta
 from corp_deploy.formats.data import data_config, folder_batches, image_folder, labelled_batches, list_images, sample
 from corp_deploy.formats.run_folder import ARTIFACT, MODELS, onnx_name
 from corp_deploy.formats.text import (
     evaluation_documents,
     packed_sequences,
+    read_documents,
     shuffled,
     tokenize,
 )
@@ -440,3 +444,65 @@ def format_scores(record: dict[str, Any]) -> str:
         label = f"{name} (reference)" if name == record["reference"] else name
         lines.append((label, *(f"{row[c]:.5f}" for m in metrics for c in (m, f"{m}_drop"))))
     return text_table(lines)
+
+
+def frontier_record(
+    result: dict[str, Any], max_drop: float | None
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+    """(frontier.json's record, its points with Pareto flags, the floor's choice) of a sweep ``result``: every point;
+    with ``max_drop``, each candidate's pass/fail and the fastest that passes (``choose``: one line when none does)."""
+    metric = result["accuracy"]["metric"]
+    points = mark_pareto(candidates(result))
+    chosen = None
+    if max_drop is not None:
+        points = [p | ({"passes": p["drop"] <= max_drop} if p["candidate"] else {}) for p in points]
+        chosen = choose(points, max_drop, metric)
+    record = {"model": result["model"], "accuracy": result["accuracy"], "speed_on": SPEED_ON, "points": points}
+    if max_drop is not None:
+        record["floor"] = {"max_drop": max_drop, "metric": metric, "chosen": chosen, "file": file_of(chosen)}
+    return record, points, chosen
+
+
+def decoder_perplexities(
+    source: str,
+    text: str,
+    seq_len: int | None,
+    all_text: bool,
+    batch_size: int,
+    num: int,
+    progress: bool,
+    results: dict[str, Any] | None = None,
+) -> Iterator[str]:
+    """``eval --text`` of a decoder: one line for ``source``'s perplexity and, for a prune artifact, one for its dense
+    original when that loads (the transformers folder or hf:NAME it was pruned from; skipped with the reason when it
+    does not), on the first ``num`` windows; each line yielded as soon as it is measured, and its figures put in
+    ``results`` by label (the record ``eval.json`` keeps)."""
+    results = {} if results is None else results
+    if num < 1:
+        raise CorpError(f"--num must be >= 1, got {num}")
+    hf.transformers_module("evaluating a text model")
+    artifact = Path(source, META_FILE).is_file()
+    if not (artifact or hf.is_source(source)):
+        raise CorpError(f"{source} is neither a prune artifact nor a transformers folder (config.json) or hf:NAME")
+    read_documents(text)  # a folder without text fails before any model loads
+    device = calibration.resolve_device("auto")
+
+    def line(label: str, where: str) -> str:
+        model, tokenizer = sources.text_model(where)
+        length = seq_len or min(2048, max_positions(model.config))
+        r = evaluation.text_perplexity(model, tokenizer, text, length, batch_size, device, all_text, num, progress)
+        results[label] = {**r, "model": where}
+        return (
+            f"{label}: perplexity {r['perplexity']:.3f} on {r['windows']} of {r['of_windows']} windows of "
+            f"{r['seq_len']} tokens ({r['part']}: {r['documents']} of {r['of_documents']} documents of {text}) "
+            f"[{where}]"
+        )
+
+    yield line("pruned" if artifact else "model", source)  # first: its errors are the user's to fix
+    if artifact:
+        origin = read_meta(source)["model"]["name"]
+        try:
+            yield line("dense", origin)
+        except CorpError as e:
+            results["dense"] = {"skipped": str(e)}
+            yield f"dense: skipped ({e})"
