@@ -14,7 +14,7 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.cli.options import group
 from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance
 from corp_deploy.exporters.genai import GRAPHS
-from corp_deploy.exporters.onnx_export import DEFAULT_OPSET
+from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, OPSETS
 from corp_deploy.exporters.pipeline import VerifyOptions
 from corp_deploy.exporters.tensorrt_engine import (
     RUNTIMES,
@@ -32,7 +32,13 @@ verify_group = group(
 
 
 onnx_options = group(
-    click.option("--opset", default=DEFAULT_OPSET, show_default=True, help="ONNX opset (18..23)."),
+    click.option(  # checked as the flags are read: before a prune that would be lost to it
+        "--opset",
+        type=click.IntRange(OPSETS.start, OPSETS.stop - 1),
+        default=DEFAULT_OPSET,
+        show_default=True,
+        help="ONNX opset.",
+    ),
     click.option("--simplify", is_flag=True, help="Simplify the graph with onnxslim."),
     click.option(
         "--pad-qk",

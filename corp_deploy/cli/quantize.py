@@ -19,6 +19,7 @@ from corp_deploy.cli.export_options import (
 )
 from corp_deploy.cli.options import (
     calibration_source,
+    command_line,
     needs,
 )
 from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options
@@ -36,6 +37,7 @@ from corp_deploy.exporters.pipeline import (
     format_summary,
     fp16_graph,
     is_text,
+    record_quantized,
 )
 from corp_deploy.exporters.quant_data import int4_calibration, int4_windows, text_int8
 from corp_deploy.exporters.tensorrt_engine import (
@@ -47,8 +49,10 @@ from corp_deploy.exporters.tensorrt_engine import (
 from corp_deploy.formats.artifact import META_FILE
 from corp_deploy.formats.run_folder import (
     ARTIFACT,
+    RECORD,
     int4_pairs,
     int8_pairs,
+    write_readme,
 )
 
 
@@ -183,6 +187,14 @@ def quantize(
     )
     click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}))
     click.echo(f"wrote {', '.join(str(out.parent / r['file']) for r in records)} (each with a .json record)")
+    _recorded(Path(source), onnx=records)
+
+
+def _recorded(folder: Path, **quantized: Any) -> None:
+    """A run folder's export.json and README.md updated with what quantize wrote (nothing for a lone graph)."""
+    if folder.is_dir() and (record := record_quantized(folder, **quantized)) is not None:
+        summary = format_summary(record, {k: v["params"] for k, v in record.get("size", {}).items()})
+        click.echo(f"updated {folder / RECORD} and {write_readme(folder, record, summary, command_line())}")
 
 
 def _quantize_int4(source: Path, data: str, int4: dict[str, Any], seed: int, overwrite: bool) -> None:
@@ -206,3 +218,4 @@ def _quantize_int4(source: Path, data: str, int4: dict[str, Any], seed: int, ove
     records = int4_graphs(pairs, windows, tol, scheme, info, overwrite, **calibration, candidates=candidates)
     click.echo(format_int4(records))
     click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
+    _recorded(source, int4=records)
