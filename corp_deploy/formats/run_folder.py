@@ -134,7 +134,11 @@ KINDS = (
         "onnxruntime_genai.Model({p})",
     ),
     (f"*{GENAI_SUFFIX}/", "onnxruntime-genai folder (FP32 decode-step graph)", "onnxruntime_genai.Model({p})"),
-    ("*.plan", "TensorRT engine (its .json: the build and its check)", "corp-deploy bench RUN (TensorRT's runtime)"),
+    (
+        "*.plan",
+        "TensorRT engine (its .json: the build and its check)",
+        "corp-deploy bench <this folder> (TensorRT's runtime)",
+    ),
     ("*.int8.onnx", "INT8 ONNX graph (its .json: the recipe and the gate)", "onnxruntime.InferenceSession({p})"),
     ("*.fp16.onnx", "FP16 ONNX graph, FP32 inputs and outputs", "onnxruntime.InferenceSession({p})"),
     ("*.onnx", "FP32 ONNX graph (its .json: how it was verified)", "onnxruntime.InferenceSession({p})"),
@@ -167,7 +171,8 @@ def write_readme(root: str | Path, record: dict[str, Any], summary: str, command
     config = record.get("prune_config", {})
     pruned = ", ".join(f"{k} {config[k]}" for k in ("target", "sparsity", "budget") if config.get(k) is not None)
     rows = ["| entry | what it is | how to load it |", "|---|---|---|"]
-    rows += [f"| `{n}` | {w} | {f'`{h}`' if h else ''} |" for n in written(root) for w, h in [describe_entry(n)]]
+    entries = sorted({*written(root), README})  # this file among them
+    rows += [f"| `{n}` | {w} | {f'`{h}`' if h else ''} |" for n in entries for w, h in [describe_entry(n)]]
     text = "\n".join(
         [
             f"# {record.get('model', root.name)}: a CORP run folder",
