@@ -68,7 +68,7 @@ from corp_deploy.formats.text import (
     split_documents,
     text_batches,
 )
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 from studies.smollm_study import allocate
 from studies.text_recover_study import parts
 from studies.text_study import cosine, embed, package_folder

@@ -27,7 +27,7 @@ from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.exporters.runners import TorchRunner
 from corp_deploy.formats import calibration
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 
 @torch.inference_mode()

@@ -49,7 +49,7 @@ from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
 from corp_deploy.formats.perplexity import perplexity
 from corp_deploy.formats.text import packed_batches, packed_sequences, read_documents, shuffled, split_documents
 from corp_deploy.plan.report import model_size
-from corp_deploy.plan.widths import plan, plan_widths
+from corp_deploy.plan.width_plan import plan, plan_widths
 from studies.text_study import package_folder
 
 COMPENSATIONS = ("corp", "mean", "none")

@@ -50,7 +50,7 @@ from corp_deploy.plan.allocation import error_curves, plan_budget, widths_of
 from corp_deploy.plan.latency import LatencyTable, Timing
 from corp_deploy.plan.report import model_size
 from corp_deploy.plan.sensitivity import measure
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 TARGET = "mlp,qk,v"
 METHODS = ("uniform", "macs", "latency", "latency+depth")

@@ -167,7 +167,7 @@ def walk(
     timer: Timer | None = None,
 ) -> tuple[list[dict], dict[str, Any]]:
     """Calibrate and prune ``model`` (on ``device``, eval mode) in place, block by block, to ``plan``'s widths
-    (``corp_deploy.plan.widths``).
+    (``corp_deploy.plan.width_plan``).
 
     Returns the per-block report (as ``pruner.prune_model``'s) and what the walk did: images, groups, passes,
     peak statistics bytes and cache size.
