@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from corp_deploy.base import memory
 from corp_deploy.base.env import device_name, exact_fp32, versions
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import blockwise
@@ -149,6 +151,8 @@ class Calibrated:
     heldout: Heldout | None = None
     seconds: float = 0.0
     """The calibration pass's wall time, charged to every result's ``seconds``."""
+    progress: bool = True
+    """A bar over the blocks while they are compensated."""
     _planners: dict[tuple, Replan] = field(default_factory=dict, repr=False)
 
     def prune(
@@ -216,7 +220,7 @@ class Calibrated:
             if widths is None:
                 widths, record = replan(table)
             timer.add("allocation", start)
-        blocks = prune_model(model, self.stats, config, widths, timer)
+        blocks = prune_model(model, self.stats, config, widths, timer, self.progress)
         if loop is not None:
             model, blocks, record, checked = close_loop(
                 self.dense, model, blocks, self.stats, config, replan, table, widths, record, loop, timer
@@ -250,7 +254,8 @@ def calibrated(
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     stats = calibrate(model.to(device).eval(), batches, config, device, total=total, progress=progress)
-    return Calibrated(model, stats, config, device, heldout, Timer().add("calibration", start) - start)
+    seconds = Timer().add("calibration", start) - start
+    return Calibrated(model, stats, config, device, heldout, seconds, progress=progress)
 
 
 def _report(
@@ -329,6 +334,9 @@ def prune(
                 "text_calibration_data(..., hold_out=n), or use --allocation local"
             )
         heldout, batches, total = hold_out(batches, config.heldout_images, total)
+    batches, plan, bound = _memory_plan(model, config, batches, total, device, max_stats_gib, loop is not None)
+    if bound is not None and mode == ONE_PASS:  # one pass does not fit: the same result, block group by group
+        mode, max_stats_gib = GROUPED, bound
     model.to(device).eval()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -345,10 +353,11 @@ def prune(
         if not world.is_main:
             return None
         dense_model = copy.deepcopy(model) if loop is not None else model  # the loop re-prunes from it
-        result = Calibrated(dense_model, stats, config, device, heldout)._prune(
+        result = Calibrated(dense_model, stats, config, device, heldout, progress=progress)._prune(
             model, config, dense, table, loop, widths, timer
         )
         result.report["calibration"]["processes"] = world.size
+        result.report["memory"]["plan"] = plan.to_dict()
         return result
     statistics = 0
     if stats is not None:  # sequential with widths from the statistics: plan them from this pass
@@ -366,7 +375,36 @@ def prune(
     statistics = max(statistics, walk.pop("statistics_bytes"))
     calibration = {"images": walk.pop("images"), "skipped": walk.pop("skipped"), **walk}
     report = _report(model, config, device, calibration, timer, statistics, dense, blocks, record, None, world.size)
+    report["memory"]["plan"] = plan.to_dict()
     return PruneResult(model, report)
+
+
+def _memory_plan(
+    model: nn.Module,
+    config: PruneConfig,
+    batches: Iterable[tuple[Any, int]],
+    total: int | None,
+    device: torch.device,
+    max_stats_gib: float | None,
+    closed_loop: bool,
+) -> tuple[Iterable[tuple[Any, int]], memory.Plan, float | None]:
+    """``blockwise.memory_plan`` sized from the first calibration batch (put back in front of the rest): the batches,
+    the plan, and the statistics bound to run with (None: one pass)."""
+    stream = iter(batches)
+    first = next(stream, None)
+    if first is None:
+        return [], memory.Plan({}, None), max_stats_gib
+    inputs = first[0]
+    n = adapter_for(model).count(inputs)
+    if isinstance(inputs, dict):
+        tokens = inputs["input_ids"].shape[-1]
+    else:  # images: the patch grid of the model's patch embedding (+ a class token), 1 when it has none
+        tokens = 1 + max(
+            (m.num_patches for m in model.modules() if isinstance(getattr(m, "num_patches", None), int)), default=0
+        )
+    one_pass = width_plan.from_statistics(config) or closed_loop
+    plan, bound = blockwise.memory_plan(model, config, total or n, tokens, n, device, max_stats_gib, one_pass)
+    return itertools.chain([first], stream), plan, bound
 
 
 def recover_pruned(

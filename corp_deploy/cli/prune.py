@@ -11,22 +11,25 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import click
+import torch
 from torch import nn
 
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import check_writable
 from corp_deploy.base.steps import Stopped
 from corp_deploy.bench import meter
 from corp_deploy.cli.inputs import inputs
-from corp_deploy.cli.options import out_options, out_path
+from corp_deploy.cli.options import model_options, out_options, out_path
 from corp_deploy.cli.prune_options import prune_config, prune_options, recovery_setup
 from corp_deploy.core import distributed
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.recover import Interrupted, Kept
 from corp_deploy.families import adapter_for
 from corp_deploy.families.hf import hub
+from corp_deploy.families.timm.models import create_model, parse_model_args, resolve_name
 from corp_deploy.formats.artifact import read_meta
-from corp_deploy.plan import speed
+from corp_deploy.plan import latency, speed
 from corp_deploy.plan.loop import latency_loop
 from corp_deploy.plan.report import format_report
 
@@ -162,3 +165,52 @@ def again() -> str:
     given = click.get_current_context().find_root().obj
     argv = ["corp-deploy", *(sys.argv[1:] if given is None else given)]
     return shlex.join(argv + ([] if "--overwrite" in argv else ["--overwrite"]))
+
+
+@click.command()
+@click.argument("model")
+@model_options
+@click.option("--latency-on", required=True, metavar="BACKEND", help="The bench backend to measure (ort-cpu-fp32...).")
+@click.option("--latency-batch", default=32, show_default=True, help="Batch size the table is for.")
+@click.option("--check", default=0, show_default=True, help="Also time N random mixed-width models: the error.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the table here (for --latency-table).")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
+def profile(
+    model: str,
+    weights: str,
+    checkpoint: str | None,
+    model_arg: tuple[str, ...],
+    latency_on: str,
+    latency_batch: int,
+    check: int,
+    out: str | None,
+    overwrite: bool,
+) -> None:
+    """Measure (or read from the cache) MODEL's latency table on a backend: every block's time by its widths.
+
+    The table is what --speedup / --budget latency=F allocate against. It is measured from a few uniform-width
+    models with random weights (values do not change a dense model's time) and cached per model, backend,
+    device, precision, batch, threads and library versions.
+    """
+    if out is not None:
+        check_writable(out, overwrite)
+    if latency_batch < 1 or check < 0:
+        raise CorpError("--latency-batch must be >= 1 and --check >= 0")
+    backend = meter.check_backend(latency_on)
+    net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=parse_model_args(model_arg))
+    key = speed.key(resolve_name(model), parse_model_args(model_arg), backend, latency_batch, torch.get_num_threads())
+    start = time.perf_counter()
+    table = speed.table_for(net, key, backend, say=click.echo)
+    click.echo(latency.format_table(table))
+    click.echo(f"table ready in {time.perf_counter() - start:.1f} s")
+    if check:
+        errors = speed.check_table(net, table, backend, check)
+        for e in errors:
+            click.echo(
+                f"mixed-width model: predicted {e['predicted_s'] * 1e3:.1f} ms, "
+                f"measured {e['measured_s'] * 1e3:.1f} ms "
+                f"({100 * e['error']:+.1f}%); speedup over dense measured with it: {100 * e['speedup_error']:+.1f}%"
+            )
+    if out is not None:
+        latency.write(table, out)
+        click.echo(f"wrote {out}")

@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 
 from corp_deploy.base.env import describe_cpu
-from corp_deploy.base.errors import CorpError
+from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.fsio import atomic_file, staged
 from corp_deploy.base.tables import text_table
 from corp_deploy.exporters.compare import (
@@ -41,6 +41,7 @@ from corp_deploy.exporters.compare import (
     verify,
 )
 from corp_deploy.exporters.fp16 import convert_fp16
+from corp_deploy.exporters.int4 import int4_baseline, int4_speed
 from corp_deploy.exporters.onnx_export import (
     DEFAULT_OPSET,
     check_opset,
@@ -62,7 +63,15 @@ from corp_deploy.exporters.tensorrt_engine import (
     build_missing,
 )
 from corp_deploy.exporters.text_onnx import export_text_onnx, graph
-from corp_deploy.formats.run_folder import RECORD, engine_name, onnx_name, read_sidecar, write_sidecar
+from corp_deploy.formats.run_folder import (
+    BASELINE_GENAI,
+    RECORD,
+    engine_name,
+    genai_name,
+    onnx_name,
+    read_sidecar,
+    write_sidecar,
+)
 
 
 @dataclass(frozen=True)
@@ -297,6 +306,29 @@ def write_export_record(
     with atomic_file(out / RECORD, overwrite=True) as tmp:  # last: a run folder with it is whole
         tmp.write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def genai_brief(record: dict[str, Any]) -> dict[str, Any]:
+    """A genai folder's checks and cache layout, for ``export.json`` (its ``model.onnx.json`` has it all)."""
+    genai_ = record["genai"]
+    equal = all(p["genai_equal"] for p in genai_["prompts"])
+    checks = {"runtime": genai_["runtime"], "prompts": len(genai_["prompts"]), "new_tokens": genai_["new_tokens"]}
+    brief = {"verify": record["verify"], "genai": {**checks, "tokens_equal": equal}, "kv_cache": record["kv_cache"]}
+    return brief | {k: record[k] for k in ("writer", "why_not_fused") if k in record}
+
+
+def decoder_int4_baseline(
+    run_dir: Path, folders: list[str], windows, tol, source, info: dict[str, Any]
+) -> dict[str, Any]:
+    """The decoder's quantize-only baseline (genai's builder ``-p int4`` of the dense model, gated) and its decode
+    speed beside the INT4 ``folders``, interleaved in one run: ``export.json``'s ``int4_baseline`` and
+    ``int4_speed``. A model the builder does not take leaves the reason instead."""
+    try:
+        dense = run_dir / genai_name("dense")
+        baseline = int4_baseline(dense, run_dir / BASELINE_GENAI, windows, tol, source, info)
+    except CorpError as e:
+        return {"int4_baseline": {"error": first_line(e)}}
+    return {"int4_baseline": baseline, "int4_speed": int4_speed(run_dir, [*folders, BASELINE_GENAI])}
 
 
 def format_summary(record: dict[str, Any], params: dict[str, int] | None = None) -> str:

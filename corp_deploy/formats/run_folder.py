@@ -84,3 +84,32 @@ def check(root: str | Path) -> Path:
             f"{root} is not a prune-export folder (no {ARTIFACT}/{META_FILE}); run `corp-deploy prune-export`"
         )
     return root
+
+
+def fp32_graphs(source: Path) -> list[Path]:
+    """A run folder's dense and pruned FP32 graphs, or one .onnx file."""
+    if source.is_dir():
+        graphs = [source / onnx_name(m) for m in MODELS if (source / onnx_name(m)).is_file()]
+        if not graphs:
+            raise CorpError(
+                f"{source} has no dense.onnx or pruned.onnx; run `corp-deploy prune-export` or pass a .onnx"
+            )
+    elif source.suffix == ".onnx":
+        graphs = [source]
+    else:
+        raise CorpError(f"{source} is neither a prune-export folder nor a .onnx file")
+    return graphs
+
+
+def int8_pairs(source: Path) -> list[tuple[Path, Path]]:
+    """(FP32 graph, INT8 file) for a run folder's dense and pruned graphs, or for one .onnx file."""
+    return [(g, g.with_name(onnx_name(g.stem, "int8"))) for g in fp32_graphs(source)]
+
+
+def int4_pairs(source: Path) -> list[tuple[Path, Path]]:
+    """(FP32, INT4) for a decoder's genai folders (a run folder's ``*-genai/``, or one such folder), else for its
+    dense/pruned.onnx or one .onnx file (``<name>.int4.onnx``)."""
+    genai_folders = [source] if (source / GENAI_CONFIG).is_file() else sorted(source.glob(f"*{GENAI_SUFFIX}"))
+    if source.is_dir() and genai_folders:
+        return [(f, f.with_name(f"{f.name}{INT4_SUFFIX}")) for f in genai_folders]
+    return [(g, g.with_name(f"{g.stem}.int4.onnx")) for g in fp32_graphs(source)]

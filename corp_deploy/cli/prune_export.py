@@ -1,0 +1,328 @@
+"""``prune-export``: prune, then export dense and pruned (graphs, engines, INT8, a decoder's genai and INT4
+folders), each verified; a step that stops names the commands that make the rest."""
+
+from __future__ import annotations
+
+import functools
+import shlex
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from corp_deploy import api
+from corp_deploy.base.env import versions
+from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import atomic_dir
+from corp_deploy.base.steps import Steps, Stopped
+from corp_deploy.bench.backends import rewrites_on
+from corp_deploy.cli import genai
+from corp_deploy.cli.export import export, padded_qk, refuse_text_flags
+from corp_deploy.cli.export_options import (
+    build_options,
+    engine_group,
+    onnx_options,
+    verify_group,
+    verify_options,
+)
+from corp_deploy.cli.options import (
+    calibration_source,
+    needs,
+    onnx_needs,
+    out_options,
+    out_path,
+    precisions,
+)
+from corp_deploy.cli.prune import again, pruned, say_folder
+from corp_deploy.cli.prune_options import prune_config, prune_options
+from corp_deploy.cli.quantize import build_engine, quantize
+from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options
+from corp_deploy.exporters.genai import tokenizer_files, write_genai_folder
+from corp_deploy.exporters.int4 import (
+    format_int4,
+    format_int4_speed,
+    int4_graphs,
+)
+from corp_deploy.exporters.int8_recipes import parse_recipes, quantize_graphs
+from corp_deploy.exporters.pipeline import (
+    decoder_int4_baseline,
+    export_run,
+    format_summary,
+    genai_brief,
+    write_export_record,
+)
+from corp_deploy.exporters.quant_data import int4_calibration, int4_windows, text_int8
+from corp_deploy.exporters.rewrites import parse_rewrites
+from corp_deploy.exporters.tensorrt_engine import (
+    build_missing,
+    for_graph,
+)
+from corp_deploy.families.hf import hub
+from corp_deploy.formats import sources
+from corp_deploy.formats.run_folder import (
+    ARTIFACT,
+    engine_name,
+    genai_name,
+    onnx_name,
+)
+from corp_deploy.plan.report import format_report
+
+DECODER_ENGINES = (
+    "decoders get none: an engine of the full-sequence logits graph cannot generate token by token (the genai "
+    "folders are a decoder's runtime), and engines of the key/value-cache graph are not built yet"
+)
+
+
+def _int4_refused(precisions_: tuple[str, ...], decoder: bool) -> None:
+    """INT4 weights are for decoders (their gate is perplexity): one line for a vision model or an encoder."""
+    if "int4" in precisions_ and not decoder:
+        raise CorpError(
+            "--precision int4 is for decoders (OPT, Llama, Mistral, Qwen2: weight-only MatMulNBits gated on "
+            "perplexity); use fp32, fp16 or int8 here"
+        )
+
+
+@click.command("prune-export")
+@prune_options
+@onnx_options
+@verify_group
+@engine_group
+@click.option(
+    "--precision", default="fp32,fp16", show_default=True, help="Engine precisions: fp32, fp16, int8 (implies --int8)."
+)
+@click.option("--require-engines", is_flag=True, help="Fail (instead of skipping engines) where none can be built.")
+@click.option(
+    "--latency-rounds",
+    default=3,
+    show_default=True,
+    help="A latency budget: times dense and pruned on --latency-on, and re-allocates while the measured speedup "
+    "misses the target by more than the noise band, this many timings at most.",
+)
+@click.option("--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (static INT8, Q/DQ), verified.")
+@int8_options
+@int4_options
+@out_options("Run folder")
+def prune_export(
+    opset: int,
+    simplify: bool,
+    pad_qk: bool,
+    rewrites: str,
+    decode_graph: str,
+    verify: dict[str, Any],
+    engine: dict[str, Any],
+    precision: str,
+    require_engines: bool,
+    latency_rounds: int,
+    int8: bool,
+    int8_calib: int,
+    int8_verify: int,
+    calib_method: str,
+    smooth_alpha: float,
+    int8_recipe: str,
+    int8_batch: int,
+    int4: dict[str, Any],
+    out: str | None,
+    overwrite: bool,
+    **prune_args: Any,
+) -> None:
+    """Prune MODEL, export dense and pruned to ONNX, build TensorRT engines; verify every step that can run.
+
+    Writes --out/{pruned/, dense.onnx, pruned.onnx, *.fp16.onnx, *.plan, export.json}: pruned/ as soon as the
+    prune is done, then each file as it is verified, export.json last. A step that fails or is interrupted keeps
+    pruned/ and the finished files, and names the corp-deploy commands that make the rest. Engines
+    built ahead of time by TensorRT-RTX without a supported GPU are marked built, not executed.
+    With --speedup S (or --budget latency=F) the pruned model is timed against the dense one on --latency-on
+    before anything is written, and re-allocated from the same statistics while it misses (--latency-rounds).
+    A decoder gets dense-genai/ and pruned-genai/ (onnxruntime-genai folders) and, with --precision int4,
+    dense-genai-int4/ and pruned-genai-int4/ (weight-only MatMulNBits), verified on --int4-windows held-out
+    windows of the --calib-dir text.
+    """
+    started = time.perf_counter()
+    precisions_ = precisions(precision)
+    recipes = parse_recipes(int8_recipe)
+    text = hub.modality(prune_args["model"]) == "text"
+    decoder = text and sources.is_decoder(prune_args["model"])
+    _int4_refused(precisions_, decoder)
+    int4_setup(int4)  # a bad INT4 flag fails here
+    if text:
+        refuse_text_flags(pad_qk, simplify)
+    config = prune_config(prune_args.pop("pruning"), prune_args["latency"])
+    rewrites_ = parse_rewrites(rewrites, rewrites_on(prune_args["latency"]["latency_on"]))
+    opts = verify_options(verify)
+    build = for_graph(build_options(engine, "fp32", opts), prune_args["seq_len"] if text else None)
+    no_engines = DECODER_ENGINES if decoder else None  # engines of logits graphs nobody can generate with
+    if require_engines and (no_engines or build_missing(build)):
+        raise CorpError(f"--require-engines: cannot build TensorRT engines here: {no_engines or build_missing(build)}")
+    out = out_path(out, prune_args["model"], config, overwrite)
+    needs("prune-export", *onnx_needs(precisions_, simplify))
+    if decoder:
+        genai.needs_genai()
+    quantize = None
+    if int8 or "int8" in precisions_:  # INT8 engines are built from the INT8 graphs
+        source = calibration_source(prune_args["calib_dir"], prune_args["calib"], text)
+        feeds = text_int8(prune_args["model"], source, int8_calib, int8_verify, prune_args["seed"]) if text else None
+        quantize = functools.partial(
+            quantize_graphs,
+            source=source,
+            tol=opts.int8,
+            num_calib=int8_calib,
+            num_verify=int8_verify,
+            seed=prune_args["seed"],
+            method=calib_method,
+            smooth_alpha=smooth_alpha,
+            workers=prune_args["workers"] or 0,
+            text=feeds,
+            say=click.echo,
+            recipes=recipes,
+            batch=int8_batch,
+            baseline=True,
+        )
+    rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
+    run = pruned(config, **prune_args, keep_dense=True, transformers=True, latency_rounds=rounds, rewrites=rewrites_)
+    if run is None:
+        return
+    prune_seconds = time.perf_counter() - started  # the model, the data, any latency table, the prune, a recovery
+    click.echo(format_report(run.result.report))
+    seq_len = prune_args["seq_len"]
+    models = {
+        "dense": (run.dense, sources.describe(run.dense, run.name, run.args, run.weights, seq_len)),
+        "pruned": (
+            run.result.model,
+            padded_qk(
+                run.result.model, sources.describe(run.result.model, run.name, run.args, "corp-pruned", seq_len), pad_qk
+            ),
+        ),
+    }
+    run_dir = Path(out)
+    with atomic_dir(run_dir, overwrite) as tmp:  # first, alone: a later step that stops leaves the prune
+        api.save(run.result, tmp / ARTIFACT, run.name, run.args, weights=run.weights)
+    engines = tuple(p for p in precisions_ if p != "int4")
+    buildable = no_engines is None and not build_missing(build)
+    finish = _finisher(run_dir, prune_args["model"], engines, quantize is not None, decoder, precisions_, buildable)
+    if run.stopped:
+        raise Stopped(
+            f"{run.stopped}; wrote {run_dir}/pruned/ with CORP's weights, not recovered (its corp.json says so); "
+            f"to export it: {finish()}; to recover, run {again()}",
+            interrupted=True,
+        )
+    click.echo(f"wrote {run_dir}/pruned/ (the pruned model); now the exports")
+    steps = Steps(run_dir, finish, click.echo)
+    record = export_run(
+        models, run_dir, engines, opset, simplify, opts, build, require_engines, quantize, rewrites_, no_engines, steps
+    )
+    genai_records = {}
+    if decoder:
+        with steps("genai folders (dense, pruned)"):
+            for stem, (model, description) in models.items():
+                with atomic_dir(run_dir / genai_name(stem)) as folder:
+                    genai_records[stem] = write_genai_folder(
+                        model, folder, description, run_dir / ARTIFACT, opset, None, opts.fp32, graph=decode_graph
+                    )
+                if line := genai.filled(genai_records[stem], genai_name(stem)):
+                    click.echo(line)
+        # each folder's model.onnx.json has it all; export.json names the folders and their checks
+        record["genai"] = {genai_name(stem): genai_brief(r) for stem, r in genai_records.items()}
+    if "int4" in precisions_:
+        with steps("INT4 quantization"):
+            data, seed = calibration_source(prune_args["calib_dir"], prune_args["calib"]), prune_args["seed"]
+            vocab = run.dense.config.vocab_size
+            windows = int4_windows(prune_args["model"], data, vocab, int4["int4_seq_len"], int4["int4_windows"], seed)
+            pairs = [(run_dir / genai_name(s), run_dir / genai_name(s, int4=True)) for s in models]
+            scheme, tol = int4_setup(int4)
+            calibration = int4_calibration(
+                prune_args["model"], data, vocab, int4["int4_seq_len"], int4["int4_calib_windows"], seed, scheme
+            )
+            inputs = [(model, tokenizer_files(run_dir / ARTIFACT)) for model, _ in models.values()]
+            info, candidates = {"text": data, "seed": seed}, int4_candidates(int4, scheme)
+            record["int4"] = int4_graphs(
+                pairs, windows, tol, scheme, info, **calibration, candidates=candidates, sources=inputs
+            )
+            record |= decoder_int4_baseline(run_dir, [out.name for _, out in pairs], windows, tol, inputs[0], info)
+    record = write_export_record(run_dir, run.name, run.result.report, record, versions())
+    click.echo(format_summary(record, {k: v["params"] for k, v in record["size"].items()}))
+    if "int4" in record:
+        click.echo(format_int4(record["int4"]))
+        if "int4_speed" in record:
+            click.echo(format_int4_speed([*record["int4"], record["int4_baseline"]], record["int4_speed"]))
+        elif "int4_baseline" in record:
+            click.echo(f"quantize-only baseline not built: {record['int4_baseline']['error']}")
+    for stem, genai_record in genai_records.items():
+        click.echo(genai.summary(genai_record, genai_name(stem), None))  # random-token prompts
+    folders = ", ".join(f"{genai_name(stem)}/" for stem in genai_records)
+    click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json{', ' + folders if folders else ''})")
+    say_folder(run_dir / ARTIFACT)
+    click.echo(steps.wall_time(time.perf_counter() - started, {"prune (model, data, tables, recovery)": prune_seconds}))
+
+
+def _finisher(
+    out: Path,
+    model: str,
+    engines: tuple[str, ...],
+    int8: bool,
+    decoder: bool,
+    precisions_: tuple[str, ...],
+    buildable: bool,
+) -> Callable[[], str]:
+    """The commands that make what a stopped ``prune-export`` left unwritten, each with the flags this one was
+    given that it takes; made now (while the command's options are at hand), read when a step stops."""
+    sources_ = {"dense": model, "pruned": str(out / ARTIFACT)}
+    not_for_artifact = ("weights", "checkpoint", "model_arg")
+    quantize_flags = _given(quantize, ("tol_cosine", "tol_rel"))  # prune-export's tolerances are its FP32 gates
+    made: list[tuple[tuple[Path, ...], list[str]]] = []  # (what a command writes, the command)
+    for stem, source in sources_.items():
+        graphs = (out / onnx_name(stem), *((out / onnx_name(stem, "fp16"),) if "fp16" in engines else ()))
+        flags = [
+            *_given(export, not_for_artifact if stem == "pruned" else ()),
+            *(["--fp16"] if len(graphs) > 1 else []),
+        ]
+        made.append((graphs, ["export", source, *flags, "--out", str(graphs[0])]))
+    if int8:
+        made.append((tuple(out / onnx_name(s, "int8") for s in sources_), ["quantize", str(out), *quantize_flags]))
+    for stem, source in sources_.items() if decoder else ():
+        folder = out / genai_name(stem)
+        skip = ("fp16", "pad_qk", "simplify", "rewrites", *(not_for_artifact if stem == "pruned" else ()))
+        made.append(((folder,), ["export", source, *_given(export, skip), "--out", str(folder)]))
+    if "int4" in precisions_:
+        int4_out = tuple(out / genai_name(s, int4=True) for s in sources_)
+        made.append((int4_out, ["quantize", str(out), "--precision", "int4", *quantize_flags]))
+    for precision in engines if buildable else ():
+        for stem in sources_:
+            plan = out / engine_name(stem, precision)
+            graph = out / onnx_name(stem, "int8" if precision == "int8" else "fp32")
+            argv = ["build-engine", str(graph), "--precision", precision, *_given(build_engine), "--out", str(plan)]
+            made.append(((plan,), argv))
+
+    def finish() -> str:
+        todo = [  # a command whose outputs are partly there replaces them: they are remade together
+            [*argv, *(["--overwrite"] if any(p.exists() for p in outputs) else [])]
+            for outputs, argv in made
+            if not all(p.exists() for p in outputs)
+        ]
+        if not todo:
+            return "every file is written; only export.json, the record of a whole run, is missing"
+        return " && ".join(shlex.join(["corp-deploy", *argv]) for argv in todo)
+
+    return finish
+
+
+def _given(command: click.Command, skip: tuple[str, ...] = ()) -> list[str]:
+    """The options of the running command that came from its command line and that ``command`` takes too (but
+    ``skip``, ``--out``, ``--overwrite``, ``--precision``), as flags again: a follow-up command that does what it
+    would have done."""
+    ctx = click.get_current_context()
+    takes = {p.name for p in command.params if isinstance(p, click.Option)}
+    flags: list[str] = []
+    for p in ctx.command.params:
+        if not isinstance(p, click.Option) or p.name not in takes or p.name in (*skip, "out", "overwrite", "precision"):
+            continue
+        if ctx.get_parameter_source(p.name) is not click.core.ParameterSource.COMMANDLINE:
+            continue
+        value = ctx.params[p.name]
+        if p.is_flag:
+            flags += [p.opts[0]] if value else list(p.secondary_opts[:1])
+        else:
+            for v in value if p.multiple else (value,):
+                flags += [p.opts[0], str(v)]
+    return flags
