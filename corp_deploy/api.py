@@ -225,7 +225,7 @@ class Calibrated:
             model, blocks, record, checked = close_loop(
                 self.dense, model, blocks, self.stats, config, replan, table, widths, record, loop, timer
             )
-        calibration = {"images": self.stats.images, "skipped": self.stats.skipped, "mode": ONE_PASS}
+        calibration = {"samples": self.stats.samples, "skipped": self.stats.skipped, "mode": ONE_PASS}
         return PruneResult(
             model,
             _report(
@@ -273,7 +273,7 @@ def _report(
 ) -> dict[str, Any]:
     """What ``corp.json`` records of one pruning (``calibration`` counts ``images``: text models count sequences)."""
     adapter = adapter_for(model)
-    calibration = {adapter.unit: calibration.pop("images"), "unit": adapter.unit, **calibration}
+    calibration = {adapter.unit: calibration.pop("samples"), "unit": adapter.unit, **calibration}
     report = {
         "config": config.to_dict(),
         "mlp_out": adapter.mlp_out_name,
@@ -373,7 +373,7 @@ def prune(
     if not world.is_main:
         return None
     statistics = max(statistics, walk.pop("statistics_bytes"))
-    calibration = {"images": walk.pop("images"), "skipped": walk.pop("skipped"), **walk}
+    calibration = {"samples": walk.pop("samples"), "skipped": walk.pop("skipped"), **walk}
     report = _report(model, config, device, calibration, timer, statistics, dense, blocks, record, None, world.size)
     report["memory"]["plan"] = plan.to_dict()
     return PruneResult(model, report)

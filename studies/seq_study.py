@@ -101,7 +101,7 @@ def main() -> None:
     dense = setup.task.score()
     title = (
         f"One-pass vs sequential CORP: vit_small_patch14_dinov2 (real weights), joint MLP + Q/K, {setup.dataset} "
-        f"probe on {dense['images']} test images, {setup.stats.images} calibration images, 2-core CPU "
+        f"probe on {dense['images']} test images, {setup.stats.samples} calibration images, 2-core CPU "
         f"(s: calibration + pruning)"
     )
     write_study(a.out, title, dense, rows, format_table(rows, dense, calib_seconds), vars(a), start)

@@ -81,7 +81,7 @@ def calibrate(
         collect(model, batches, stats, device, total=total, progress=progress)
     if merge is not None:
         stats = merge(stats)
-    if stats.images == 0:
+    if stats.samples == 0:
         raise CorpError(f"none of the {stats.skipped} calibration images could be read; check the files")
     return stats
 
