@@ -259,11 +259,13 @@ def _builder_candidate(recipe: str, src: Path, folder: Path, scheme: Scheme, sou
 def _why(chosen: str, outcomes: dict[str, dict], forced: bool) -> str:
     """One line: which recipe, and why it and not the others."""
     timed = {n: o["decode_ms_per_token"] for n, o in outcomes.items() if o.get("decode_ms_per_token") is not None}
-    failed = [  # why a candidate was not built is in its record: onnxruntime's reasons run to paragraphs
-        f"{n} x{o['verify']['ppl_ratio']:.3f} / {o['verify']['agreement']:.3f}" if "verify" in o else f"{n} not built"
+    failed = [  # measured and refused by the gate
+        f"{n} x{o['verify']['ppl_ratio']:.3f} / {o['verify']['agreement']:.3f}"
         for n, o in outcomes.items()
-        if not o.get("passed")
+        if not o.get("passed") and "verify" in o
     ]
+    unbuilt = [n for n, o in outcomes.items() if not o.get("passed") and "verify" not in o]  # never reached the gate
+
     if forced:
         why = "forced (--int4-method)"
     elif timed:
@@ -271,7 +273,8 @@ def _why(chosen: str, outcomes: dict[str, dict], forced: bool) -> str:
         why = f"the fastest passing candidate (decode ms/token, batch 1, genai CPU: {speeds})"
     else:
         why = "the only candidate that passes the gate"
-    return why + (f"; failed the gate: {', '.join(failed)}" if failed else "")
+    why += f"; failed the gate: {', '.join(failed)}" if failed else ""
+    return why + (f"; not built (why: in the record): {', '.join(unbuilt)}" if unbuilt else "")
 
 
 def int4_genai_folder(
@@ -472,7 +475,7 @@ def format_int4(records: Sequence[dict[str, Any]]) -> str:
         v, s = r["verify"], r["int4_scheme"]
         rows.append(
             (
-                r["file"],
+                f"{r['folder']}/{r['file']}" if "folder" in r else r["file"],  # two folders' graphs: model.onnx
                 f"{r['bytes'] / 2**20:.1f}",
                 s.get("method", "rtn"),
                 str(s["block_size"]),

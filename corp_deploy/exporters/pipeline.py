@@ -311,6 +311,24 @@ def write_export_record(
     return record
 
 
+def record_quantized(
+    out: Path, onnx: Sequence[dict[str, Any]] = (), int4: list[dict[str, Any]] | None = None
+) -> dict[str, Any] | None:
+    """``out/export.json`` after ``quantize`` wrote into the run folder: its INT8 graphs' records replace those of the
+    same files (or join them), an INT4 run's ``int4`` is replaced; the updated record, or None when ``out`` has no
+    export.json (a lone graph's folder)."""
+    if not (out / RECORD).is_file():
+        return None
+    record = json.loads((out / RECORD).read_text())
+    files = {r["file"] for r in onnx}
+    record["onnx"] = [r for r in record.get("onnx", []) if r["file"] not in files] + list(onnx)
+    if int4 is not None:
+        record["int4"] = int4
+    with atomic_file(out / RECORD, overwrite=True) as tmp:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
 def genai_brief(record: dict[str, Any]) -> dict[str, Any]:
     """A genai folder's checks and cache layout, for ``export.json`` (its ``model.onnx.json`` has it all)."""
     genai_ = record["genai"]
