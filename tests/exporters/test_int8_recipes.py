@@ -195,6 +195,9 @@ def test_the_baseline_row_appears_in_the_summary_beside_dense_and_pruned(vits, t
     pruned_row = next(line for line in summary.splitlines() if line.startswith("pruned.int8.onnx"))
     assert pruned_row.split()[-2:] == ["10.0", "2.00x"]
     assert "dense.onnx 40.0 ms" in summary.splitlines()[-1]
+    flipped = [r | {"verify": r["verify"] | {"top1": 0.0}} if r["file"] == "pruned.int8.onnx" else r for r in records]
+    summary = format_summary({"onnx": flipped, "engines": [], "engines_skipped": None})  # issue 50, item 11
+    assert "top-1 below 1.00 (pruned.int8.onnx): " in summary and "reported, never gated" in summary
 
 
 def test_the_quantize_only_gate_reads_the_baseline_beside_pruned_int8() -> None:
