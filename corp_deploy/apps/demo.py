@@ -74,7 +74,7 @@ def run_demo(
     base = PruneConfig(sparsity=config.sparsity, target=config.target)
     calib = api.calibrated(dense, batches, base, device_, total, progress=False)
     dense = dense.to("cpu")
-    step(f"calibrated once on {calib.stats.images} unlabelled train images ({device_name(device_)})")
+    step(f"calibrated once on {calib.stats.samples} unlabelled train images ({device_name(device_)})")
 
     variants: dict[str, torch.nn.Module] = {}
     with atomic_dir(out, overwrite=True) as tmp:  # the whole folder appears at the end, or nothing

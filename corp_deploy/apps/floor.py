@@ -47,7 +47,7 @@ from corp_deploy.exporters.int8_recipes import dynamic_int8
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.exporters.text_onnx import graph
 from corp_deploy.families import adapter_for
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.families.hf.adapter import max_positions
 from corp_deploy.formats import calibration, evaluation, sources
 from corp_deploy.formats.artifact import META_FILE, read_meta
@@ -480,9 +480,9 @@ def decoder_perplexities(
     results = {} if results is None else results
     if num < 1:
         raise CorpError(f"--num must be >= 1, got {num}")
-    hf.transformers_module("evaluating a text model")
+    hub.transformers_module("evaluating a text model")
     artifact = Path(source, META_FILE).is_file()
-    if not (artifact or hf.is_source(source)):
+    if not (artifact or hub.is_source(source)):
         raise CorpError(f"{source} is neither a prune artifact nor a transformers folder (config.json) or hf:NAME")
     read_documents(text)  # a folder without text fails before any model loads
     device = calibration.resolve_device("auto")

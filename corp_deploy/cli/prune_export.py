@@ -16,7 +16,7 @@ from corp_deploy import api
 from corp_deploy.base.env import versions
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir
-from corp_deploy.base.steps import Steps, Stopped, written
+from corp_deploy.base.steps import Steps, Stopped, each, written
 from corp_deploy.bench.backends import rewrites_on
 from corp_deploy.cli import genai
 from corp_deploy.cli.export import export, padded_qk, refuse_text_flags
@@ -60,7 +60,7 @@ from corp_deploy.exporters.tensorrt_engine import (
     build_missing,
     for_graph,
 )
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.formats import sources
 from corp_deploy.formats.run_folder import (
     ARTIFACT,
@@ -147,7 +147,7 @@ def prune_export(
     started = time.perf_counter()
     precisions_ = precisions(precision)
     recipes = parse_recipes(int8_recipe)
-    text = hf.modality(prune_args["model"]) == "text"
+    text = hub.modality(prune_args["model"]) == "text"
     decoder = text and sources.is_decoder(prune_args["model"])
     _int4_refused(precisions_, decoder)
     int4_setup(int4)  # a bad INT4 flag fails here
@@ -215,12 +215,26 @@ def prune_export(
     click.echo(f"wrote {run_dir}/pruned/ (the pruned model); now the exports")
     steps = Steps(run_dir, finish, click.echo)
     record = export_run(
-        models, run_dir, engines, opset, simplify, opts, build, require_engines, quantize, rewrites_, no_engines, steps
+        models,
+        run_dir,
+        engines,
+        opset,
+        simplify,
+        opts,
+        build,
+        require_engines,
+        quantize,
+        rewrites_,
+        no_engines,
+        steps,
+        click.echo,
     )
     genai_records = {}
     if decoder:
         with steps("genai folders (dense, pruned)"):
-            for stem, (model, description) in models.items():
+            for stem, (model, description) in each(
+                "genai folder", [(genai_name(s), (s, m)) for s, m in models.items()], click.echo
+            ):
                 with atomic_dir(run_dir / genai_name(stem)) as folder:
                     genai_records[stem] = write_genai_folder(
                         model, folder, description, run_dir / ARTIFACT, opset, None, opts.fp32, graph=decode_graph
@@ -242,7 +256,7 @@ def prune_export(
             inputs = [(model, tokenizer_files(run_dir / ARTIFACT)) for model, _ in models.values()]
             info, candidates = {"text": data, "seed": seed}, int4_candidates(int4, scheme)
             record["int4"] = int4_graphs(
-                pairs, windows, tol, scheme, info, **calibration, candidates=candidates, sources=inputs
+                pairs, windows, tol, scheme, info, **calibration, candidates=candidates, sources=inputs, say=click.echo
             )
             record |= decoder_int4_baseline(run_dir, [out.name for _, out in pairs], windows, tol, inputs[0], info)
     record = write_export_record(run_dir, run.name, run.result.report, record, versions())

@@ -137,7 +137,8 @@ max_stats_option = click.option(
     "--max-stats-gib",
     type=float,
     help="Bound the calibration statistics held at once (GiB): blocks are calibrated in groups that fit "
-    "(the same result as one pass; for big models on small GPUs).",
+    "(the same result as one pass). [default: planned from the memory available (MemAvailable, the cgroup's limit, "
+    "the GPU's free memory; CORP_DEPLOY_MEMORY_GIB overrides): one pass when it fits, else 1 GiB groups]",
 )
 
 

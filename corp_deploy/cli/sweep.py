@@ -48,7 +48,7 @@ from corp_deploy.cli.prune_options import (
     recovery_setup,
 )
 from corp_deploy.core.recover import Recovery
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.formats import sources
 from corp_deploy.plan import speed
 from corp_deploy.plan.loop import latency_loop
@@ -171,7 +171,7 @@ def sweep(
         raise CorpError(f"--max-drop must be >= 0, got {max_drop}")
     recover = recovery_setup(recovery)
     measured = frontier or max_drop is not None or metric is not None
-    text = hf.modality(flags["model"]) == "text"
+    text = hub.modality(flags["model"]) == "text"
     seq_len = flags["seq_len"] if text else None
     on = (
         None
@@ -182,7 +182,7 @@ def sweep(
     description = sources.describe(got.net, got.name, got.args, got.weights, *([seq_len] if text else []))
     accuracy = None
     if measured:
-        tokenizer = hf.load_tokenizer(flags["model"], got.net.config.vocab_size) if text else None
+        tokenizer = hub.load_tokenizer(flags["model"], got.net.config.vocab_size) if text else None
         num_calib = got.total + (got.heldout.images.shape[0] if got.heldout is not None and not text else 0)
         held = floor.heldout_for(
             got.net,

@@ -29,6 +29,7 @@ from corp_deploy.base.deps import require
 from corp_deploy.base.env import cpu_features
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable, staged
+from corp_deploy.base.steps import each
 from corp_deploy.base.tables import text_table
 from corp_deploy.base.timing import Method, interleaved
 from corp_deploy.exporters.int4_gate import INT4, DecoderTolerance, compare_decoders, gate_words
@@ -423,13 +424,14 @@ def int4_graphs(
     candidates: Sequence[str] | None = None,
     sources: Sequence[BuilderInput | None] | None = None,
     timer: Timer = decode_ms,
+    say: Callable[[str], None] = lambda line: None,
 ) -> list[dict[str, Any]]:
-    """Quantize each (FP32 graph, INT4 file) pair, verified; every graph and destination is checked before any
-    work. Each INT4 file and its ``.json`` record appear only when verified. A pair of folders is an
-    onnxruntime-genai folder and its INT4 copy, chosen among ``candidates`` (``int4_genai_folder``; the builder's
-    reading the model and tokenizer of the pair's entry in ``sources``); a single graph takes ``scheme``.
-    ``calibration``: token windows drawn apart from ``windows`` (GPTQ, ``keep_float``), described by
-    ``calibration_info`` in each record."""
+    """Quantize each (FP32 graph, INT4 file) pair, verified, ``say`` told as each starts (``steps.each``: minutes each
+    for a decoder's candidates); every graph and destination is checked before any work. Each INT4 file and its
+    ``.json`` record appear only when verified. A pair of folders is an onnxruntime-genai folder and its INT4 copy,
+    chosen among ``candidates`` (``int4_genai_folder``; the builder's reading the model and tokenizer of the pair's
+    entry in ``sources``); a single graph takes ``scheme``. ``calibration``: token windows drawn apart from
+    ``windows`` (GPTQ, ``keep_float``), described by ``calibration_info`` in each record."""
     from corp_deploy.exporters.genai import GRAPH
 
     needs_calibration(scheme, calibration)
@@ -439,7 +441,7 @@ def int4_graphs(
             raise CorpError(f"--int4-method {candidates[0]} writes genai folders; a single graph takes {scheme.method}")
         check_writable(out, overwrite)
     records = []
-    for i, (src, out) in enumerate(pairs):
+    for i, (src, out) in enumerate(each("INT4", [(out.name, (src, out)) for src, out in pairs], say)):
         with staged(out, overwrite) as stage:
             args = (src, stage / out.name, windows, tol, scheme, info, calibration, calibration_info)
             if src.is_dir():

@@ -27,6 +27,7 @@ from torch import nn
 from corp_deploy.base.env import describe_cpu
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.fsio import atomic_file, staged
+from corp_deploy.base.steps import each
 from corp_deploy.base.tables import text_table
 from corp_deploy.exporters.compare import (
     FP16,
@@ -230,6 +231,7 @@ def export_run(
     rewrites: Sequence[str] = (),
     no_engines: str | None = None,
     step: Callable[[str], AbstractContextManager] = lambda what: nullcontext(),
+    say: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """ONNX for every model (FP16 and INT8 too when asked), then an engine per model and precision, unless
     ``no_engines`` says why not (recorded as the skip reason).
@@ -243,13 +245,14 @@ def export_run(
 
     Every file is staged on its own into ``out`` (an existing folder), so a run that stops keeps each file that
     finished, whole; ``step`` wraps each phase (``corp_deploy.base.steps.Steps``: it announces, times, and turns a stop
-    into one line).
+    into one line); ``say`` gets a line as each model's export starts, with the time the rest should take
+    (``corp_deploy.base.steps.each``: a decoder's graph is minutes of tracing).
     """
     if "int8" in precisions and quantize is None:
         raise CorpError("INT8 engines are built from INT8 Q/DQ graphs: quantize with calibration images first")
     record: dict[str, Any] = {"onnx": [], "engines": [], "engines_skipped": None}
     with step(f"ONNX export and verification ({', '.join(models)})"):
-        for stem, (model, description) in models.items():
+        for stem, (model, description) in each("ONNX export", [(s, (s, m)) for s, m in models.items()], say):
             fp32 = out / onnx_name(stem)
             with staged(fp32) as stage:
                 record["onnx"].append(

@@ -133,7 +133,7 @@ def _docs(root: Path, per_class: int = 40) -> Path:
 
 def test_heldout_inputs_are_never_calibrated_on(tmp_path, image_dir, monkeypatch) -> None:
     """What calibration reads (captured where it is read) and what the floor scores never meet."""
-    from corp_deploy.families.hf import hub as hf
+    from corp_deploy.families.hf import hub
     from corp_deploy.formats import calibration
 
     read: dict[str, list] = {"calibration": [], "heldout": []}
@@ -155,7 +155,7 @@ def test_heldout_inputs_are_never_calibrated_on(tmp_path, image_dir, monkeypatch
     assert not set(read["calibration"]) & set(read["heldout"])
 
     folder, docs = tiny_text_folder(tmp_path), _docs(tmp_path)
-    net, tokenizer = hf.load(str(folder))
+    net, tokenizer = hub.load(str(folder))
     calib_texts, held_texts = [], []
     tokenize = calibration.text_batches
     monkeypatch.setattr(
@@ -192,7 +192,7 @@ def test_eval_of_a_text_encoder_run_is_the_embedding_cosine(tmp_path, capsys) ->
     """``eval RUN --text DIR`` on an encoder: the mean cosine of mean-pooled embeddings of the evaluation documents,
     recomputed here from the two models and the split, and kept in eval.json."""
     import corp_deploy
-    from corp_deploy.families.hf import hub as hf
+    from corp_deploy.families.hf import hub
     from corp_deploy.formats.data import sample
     from corp_deploy.formats.text import read_documents, split_documents, tokenize
 
@@ -200,7 +200,7 @@ def test_eval_of_a_text_encoder_run_is_the_embedding_cosine(tmp_path, capsys) ->
     code, out, err = run(["eval", str(artifact), "--text", str(docs), "--seq-len", "32"], capsys)
     assert code == 0, err
     got = json.loads((artifact / "eval.json").read_text())[-1]["results"]["pruned torch-cpu-fp32"]["cosine"]
-    dense, tokenizer = hf.load(str(folder))
+    dense, tokenizer = hub.load(str(folder))
     pruned = corp_deploy.load_pruned(artifact)
     picked = sample(split_documents(read_documents(docs)).evaluation, floor.HELDOUT_NUM, 0)
     inputs = tokenize(tokenizer, [d.text for d in picked], 32)

@@ -33,7 +33,7 @@ from corp_deploy.exporters.int4 import (  # noqa: E402
 )
 from corp_deploy.exporters.int4_gate import DecoderTolerance  # noqa: E402
 from corp_deploy.exporters.int4_quant import Scheme  # noqa: E402
-from corp_deploy.families.hf import hub as hf  # noqa: E402
+from corp_deploy.families.hf import hub  # noqa: E402
 from corp_deploy.formats.run_folder import BASELINE_GENAI  # noqa: E402
 
 SEQ = 16
@@ -48,7 +48,7 @@ def fused(tmp_path_factory) -> tuple[Path, tuple]:
     """(the FP32 genai folder written by genai's builder, the builder's input: model and tokenizer files)."""
     root = tmp_path_factory.mktemp("int4-choice")
     folder, _ = tiny_llama_folder(root, layers=1)
-    model, _ = hf.load(str(folder))
+    model, _ = hub.load(str(folder))
     genai = root / "dense-genai"
     write_genai_folder(model, genai, {"modality": "text"}, folder, graph="fused")
     return genai, (model, tokenizer_files(folder))
