@@ -236,6 +236,9 @@ def test_the_baseline_row_appears_in_the_summary_beside_dense_and_pruned(vits, t
     pruned_row = next(line for line in summary.splitlines() if line.startswith("pruned.int8.onnx"))
     assert pruned_row.split()[-2:] == ["10.0", "2.00x"]
     assert "dense.onnx 40.0 ms" in summary.splitlines()[-1]
+    flipped = [r | {"verify": r["verify"] | {"top1": 0.0}} if r["file"] == "pruned.int8.onnx" else r for r in records]
+    summary = format_summary({"onnx": flipped, "engines": [], "engines_skipped": None})  # issue 50, item 11
+    assert "top-1 below 1.00 (pruned.int8.onnx): " in summary and "reported, never gated" in summary
 
 
 def test_the_quantize_only_gate_reads_the_baseline_beside_pruned_int8() -> None:
@@ -267,6 +270,8 @@ def test_prune_export_int8_then_bench_show_and_gate_the_quantize_only_baseline(t
     code, stdout, err = run([*argv, "--int8-verify", "8", "--int8-batch", "4", "--out", str(out)], capsys)
     assert code == 0, err
     assert "pruned.int8.onnx: INT8 recipe " in stdout and "baseline.int8.onnx (quantize-only baseline)" in stdout
+    p50 = [line for line in stdout.splitlines() if "baseline.int8.onnx" in line and " ms" in line and "p50" in line]
+    assert len(p50) == 1, p50  # issue 50, item 11: the p50 line was printed twice (the step, then the summary)
     record = json.loads((out / "export.json").read_text())
     assert [r["file"] for r in record["onnx"] if r["precision"] == "int8"][-1] == "baseline.int8.onnx"
     fast = ["--min-iters", "2", "--min-seconds", "0", "--warmup-iters", "1", "--warmup-seconds", "0"]
