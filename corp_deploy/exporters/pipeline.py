@@ -54,6 +54,7 @@ from corp_deploy.exporters.onnx_export import (
 )
 from corp_deploy.exporters.rewrites import rewritten
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
+from corp_deploy.exporters.targets import Job, Target
 from corp_deploy.exporters.tensorrt_engine import (
     TEXT_ENGINES,
     VERIFIED,
@@ -230,6 +231,8 @@ def export_run(
     rewrites: Sequence[str] = (),
     no_engines: str | None = None,
     step: Callable[[str], AbstractContextManager] = lambda what: nullcontext(),
+    targets: Sequence[Target] = (),
+    data: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
     """ONNX for every model (FP16 and INT8 too when asked), then an engine per model and precision, unless
     ``no_engines`` says why not (recorded as the skip reason).
@@ -244,6 +247,10 @@ def export_run(
     Every file is staged on its own into ``out`` (an existing folder), so a run that stops keeps each file that
     finished, whole; ``step`` wraps each phase (``corp_deploy.base.steps.Steps``: it announces, times, and turns a stop
     into one line).
+
+    ``targets`` (``exporters.targets``: OpenVINO...) each convert the verified FP32 graphs (and, with ``int8``, quantize
+    them on ``data``: graph -> its calibration and held-out inputs) after the ONNX files, recorded under
+    ``record["targets"][name]``.
     """
     if "int8" in precisions and quantize is None:
         raise CorpError("INT8 engines are built from INT8 Q/DQ graphs: quantize with calibration images first")
@@ -261,6 +268,10 @@ def export_run(
     if quantize is not None:
         with step("INT8 quantization"):
             record["onnx"] += quantize([(out / onnx_name(stem), out / onnx_name(stem, "int8")) for stem in models])
+    for target in targets:
+        with step(f"{target.name}: {target.what}"):
+            job = Job(out, tuple(models), tuple(precisions), opts, data)
+            record.setdefault("targets", {})[target.name] = target.write(job)
     build = build or BuildOptions()
     reason = no_engines or build_missing(build)
     if reason:
@@ -332,12 +343,14 @@ def decoder_int4_baseline(
 
 
 def format_summary(record: dict[str, Any], params: dict[str, int] | None = None) -> str:
-    """What ``prune-export`` prints: the ONNX files with their verification, then the engines."""
+    """What ``prune-export`` prints: the ONNX files and every export target's (``record["targets"]``) with their
+    verification, then the engines."""
     params = params or {}
+    files = [*record["onnx"], *(r for written in record.get("targets", {}).values() for r in written)]
     rows = [("file", "precision", "MB", "params", "reference", "runtime", "max-abs", "cosine", "top-1", "seconds")]
     timed = any("speed" in r for r in record["onnx"])
     rows[0] += ("p50 ms", "vs quantize-only") if timed else ()
-    for r in record["onnx"]:
+    for r in files:
         v, stem = r["verify"], r["file"].split(".")[0]
         rows.append(
             (
@@ -354,7 +367,7 @@ def format_summary(record: dict[str, Any], params: dict[str, int] | None = None)
             )
             + (_speed(r.get("speed")) if timed else ())
         )
-    lines = [text_table(rows)] if record["onnx"] else []
+    lines = [text_table(rows)] if files else []
     if timed:
         speed = next(r["speed"] for r in record["onnx"] if "speed" in r)
         lines.append(
