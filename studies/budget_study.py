@@ -1,10 +1,10 @@
 """Uniform vs budget-allocated (vs allocated + sequential) CORP at the same MACs, on real weights (issues 16, 22).
 
-    python -m studies.budget_study --dataset fashion-mnist --out docs/budget-study-fashion-mnist
-    python -m studies.budget_study --dataset digits --out docs/budget-study-digits
-    python -m studies.budget_study --plot docs/budget-study.png docs/budget-study-*.json
+    python -m studies.budget_study --dataset fashion-mnist --out studies/results/budget-study-fashion-mnist
+    python -m studies.budget_study --dataset digits --out studies/results/budget-study-digits
+    python -m studies.budget_study --plot studies/results/budget-study.png studies/results/budget-study-*.json
     python -m studies.budget_study --methods local,allocated --dataset digits --test 200 --sparsities 0.6,0.7 \
-        --out docs/alloc-study        # the allocation criteria: plain local vs sensitivity-weighted errors
+        --out studies/results/alloc-study        # the allocation criteria: plain local vs sensitivity-weighted errors
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (MLP + Q/K, joint) on ``--num-calib`` train images; the
 ``--heldout`` more images of the same seeded sample, drawn across it (``calibration.calibration_data``, as the CLI draws
@@ -49,13 +49,13 @@ from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.exporters.onnx_export import export_onnx
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
-from corp_deploy.families.timm.modules import head_widths
+from corp_deploy.families.timm.surgery import head_widths
 from corp_deploy.formats import calibration
 from corp_deploy.formats.data import input_size
 from corp_deploy.plan.allocation import error_curves, plan_budget
 from corp_deploy.plan.report import model_size
 from corp_deploy.plan.sensitivity import measure
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 ALLOCATED = ("local", "allocated", "allocated+sequential")
 METHODS = ("uniform", *ALLOCATED)
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         help=f"compared with uniform CORP at its MACs, a comma list of {', '.join(ALLOCATED)}",
     )
     p.add_argument("--seconds", type=float, default=2.0, help="timed seconds per model for the throughput")
-    p.add_argument("--out", default="docs/budget-study")
+    p.add_argument("--out", default="studies/results/budget-study")
     p.add_argument("--plot", nargs="+", metavar=("PNG", "JSON"), help="plot PNG from study JSON records, then stop")
     a = p.parse_args(argv)
     if a.plot:

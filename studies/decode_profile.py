@@ -1,7 +1,7 @@
 """Where a decode step's time goes: onnxruntime's own profiler over the decode steps of genai folders' graphs.
 
     python -m studies.decode_profile runs/smollm2-mlp30/dense-genai runs/smollm2-mlp30-int4/pruned-genai-int4 \
-        --out docs/decode-profile
+        --out studies/results/decode-profile
 
 Each folder's ``model.onnx`` (a key/value-cache graph, ``exporters.kv_cache``) runs one decode step at a time at
 batch 1 after ``--past`` cached tokens (random cache values: a step's work does not depend on them) in a plain
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--top", type=int, default=5, help="other operators named per row")
-    p.add_argument("--out", type=Path, default=Path("docs/decode-profile"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/decode-profile"))
     a = p.parse_args(argv)
     load = os.getloadavg()[0]
     rows = [profile(f, a.past, a.steps, a.threads) for f in a.folders]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.formats.artifact import load_pruned, read_meta
 from corp_deploy.formats.text import read_documents
 
@@ -98,7 +98,7 @@ def check(folder: Path, docs: list[str], a: argparse.Namespace) -> str:
     record = meta.get("folder") or {}
     trust = record.get("form") == "remote-code"
     model = load_pruned(folder)
-    tokenizer = hf.load_tokenizer(folder, model.config.vocab_size)
+    tokenizer = hub.load_tokenizer(folder, model.config.vocab_size)
     job = {"path": str(folder), "trust": trust, "sentences": [], "prompts": [], "new": a.new_tokens}
     why = record.get("why", "the family's own format")
     head = f"{folder.name}: {record.get('form')} form ({why})"

@@ -28,7 +28,7 @@ from corp_deploy.base.env import cpu_features, cpu_model
 from corp_deploy.exporters.genai import CONFIG, GRAPH
 from corp_deploy.exporters.int4 import decode_ms
 from corp_deploy.exporters.int4_gate import compare_decoders
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.formats import evaluation
 
 STEMS = ("dense", "pruned")
@@ -95,7 +95,7 @@ def main() -> None:
     records = {f"{s}-genai-int4": json.loads((run / f"{s}-genai-int4" / f"{GRAPH}.json").read_text()) for s in STEMS}
     verify = records["dense-genai-int4"]["verify"]
     vocab = json.loads((run / "dense-genai" / CONFIG).read_text())["model"]["vocab_size"]
-    tokenizer = hf.load_tokenizer(str(args.model), vocab)
+    tokenizer = hub.load_tokenizer(str(args.model), vocab)
     windows = evaluation.heldout_windows(
         tokenizer, args.calib_dir, vocab, verify["seq_len"], verify["windows"], verify["seed"]
     ).numpy()

@@ -2,7 +2,7 @@
 
     corp-deploy prune-export ... --int8 --out RUN         # RUN/{dense,pruned}.onnx, *.int8.onnx (chosen recipe),
                                                           # baseline.int8.onnx (quantize_dynamic of dense.onnx)
-    python -m studies.int8_baseline_study RUN [RUN ...] --out docs/int8-baseline-study
+    python -m studies.int8_baseline_study RUN [RUN ...] --out studies/results/int8-baseline-study
 
 For each run folder, on onnxruntime's CPU provider at ``--batch`` (a text run: x its exported sequence length, all
 tokens real): dense FP32, pruned FP32, the quantize-only baseline (``baseline.int8.onnx``), ``quantize_dynamic`` of the

@@ -1,7 +1,8 @@
 """Prune + INT8 on real weights: accuracy and onnxruntime-CPU throughput of four variants, one run.
 
-    python -m studies.int8_study --out docs/int8-study          # make int8-study
-    python -m studies.int8_study --dataset digits --calib-dataset fashion-mnist --batches 32 --out docs/int8-study-shift
+    python -m studies.int8_study --out studies/results/int8-study          # make int8-study
+    python -m studies.int8_study --dataset digits --calib-dataset fashion-mnist --batches 32 \
+        --out studies/results/int8-study-shift
 
 DINOv2 ViT-S/14 (real weights) and the demo's labelled images: CORP at 50% joint sparsity, then
 dense and pruned exported to FP32 ONNX and quantized to static INT8 (``corp_deploy.exporters.quantize``,
@@ -115,7 +116,7 @@ def format_table(accuracy: dict[str, dict], rows: list[dict], threads: int) -> s
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/int8-study"), help="prefix of .md/.json")
+    p.add_argument("--out", type=Path, default=Path("studies/results/int8-study"), help="prefix of .md/.json")
     add_setup_arguments(p)
     p.add_argument("--sparsity", type=float, default=0.5)
     p.add_argument("--target", default="mlp,qk", help="what CORP prunes (mlp,qk,v: V channels too)")

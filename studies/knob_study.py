@@ -1,6 +1,6 @@
 """Which defaults hold up on real weights: ridge damping, ranker, calibration images, width rounding.
 
-    python -m studies.knob_study --out docs/knob-study        # make knob-study
+    python -m studies.knob_study --out studies/results/knob-study        # make knob-study
 
 Each knob is varied alone around the defaults (50% joint sparsity, CORP), on DINOv2 ViT-S/14 with
 real weights, scored by the dense model's linear probe on held-out labelled images and by the
@@ -64,7 +64,7 @@ def format_table(rows: list[dict[str, Any]], dense: dict[str, float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/knob-study"), help="prefix of .md/.json")
+    p.add_argument("--out", type=Path, default=Path("studies/results/knob-study"), help="prefix of .md/.json")
     add_setup_arguments(p)
     p.add_argument("--sparsity", type=float, default=0.5)
     a = p.parse_args()
@@ -75,7 +75,7 @@ def main() -> None:
     title = (
         f"Knob study: vit_small_patch14_dinov2 (real weights), {a.sparsity:.0%} joint sparsity, {setup.dataset} "
         f"probe on {dense['images']} test images; defaults: ridge {DEFAULT_RIDGE:g}, ranker combined, round_to 8, "
-        f"{setup.stats.images} calibration images"
+        f"{setup.stats.samples} calibration images"
     )
     write_study(a.out, title, dense, rows, format_table(rows, dense), vars(a), start)
 

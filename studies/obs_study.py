@@ -1,6 +1,6 @@
 """Greedy OBS selection (``--ranker obs``) against the paper's ranker and plain removal, on text calibration never saw.
 
-    python -m studies.obs_study --out docs/obs-study        # ~30 min on 2 shared CPU cores
+    python -m studies.obs_study --out studies/results/obs-study        # ~30 min on 2 shared CPU cores
 
 Offline packages as ``studies.smollm_study`` and ``studies.text_recover_study``. Every BBC News article of the
 ``--unseen`` class is set apart; calibration documents come from the other classes, and so do the seen-class
@@ -30,10 +30,10 @@ removal's increase (against the uniform plain removal row) carries a delta-metho
 per-window log-perplexities (``share``).
 
     python -m studies.obs_study --models smollm --sparsity 0.2,0.3 --mix gcide,wordnet --held-out-corpus fortunes \
-        --rows corp,removal,obs@0.3,ridge=0.01@0.2,ridge=0.1@0.2 --loop-prompts 5 --out docs/obs-study-smollm
+        --rows corp,removal,obs@0.3,ridge=0.01@0.2,ridge=0.1@0.2 --loop-prompts 5 --out studies/results/obs-study-smollm
     python -m studies.obs_study --models smollm --seq-len 256 --num-calib 96 --held-out-corpus fortunes \
         --sparsity 0.2 --rows removal,alloc+recover,removal+recover --recover-steps 30 \
-        --out docs/obs-study-smollm-recover
+        --out studies/results/obs-study-smollm-recover
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.core.recover import recover
 from corp_deploy.families import adapter_for
 from corp_deploy.families.hf.hub import load
+from corp_deploy.formats.evaluation import perplexity
 from corp_deploy.formats.offline.corpora import text_mix
 from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
-from corp_deploy.formats.perplexity import perplexity
 from corp_deploy.formats.repetition import loop_report
 from corp_deploy.formats.text import (
     packed_batches,
@@ -68,7 +68,7 @@ from corp_deploy.formats.text import (
     split_documents,
     text_batches,
 )
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 from studies.smollm_study import allocate
 from studies.text_recover_study import parts
 from studies.text_study import cosine, embed, package_folder
@@ -95,8 +95,8 @@ PROMPTS = (
     "Scientists have discovered that",
 )
 """``--loop-prompts``' fixed prompts: plain text, no chat template. Dense SmolLM2 loops on the last by the rule
-("can be found in the human" three times in 64 tokens: docs/obs-study-smollm.json), so it counts only where dense
-does not loop."""
+("can be found in the human" three times in 64 tokens: studies/results/obs-study-smollm.json), so it counts only
+where dense does not loop."""
 
 
 def row_specs(rows: str, sparsity: float) -> list[tuple[str, str, str, float, bool]]:
@@ -351,7 +351,7 @@ def table(result: dict[str, Any], group: dict[str, Any], metric: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/obs-study"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/obs-study"))
     p.add_argument("--models", default="minilm,smollm")
     p.add_argument("--unseen", default="tech", help="the BBC News class calibration never sees")
     p.add_argument("--sparsity", default="0.3", help="MLP sparsities, comma-separated")

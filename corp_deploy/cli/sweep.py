@@ -48,7 +48,7 @@ from corp_deploy.cli.prune_options import (
     recovery_setup,
 )
 from corp_deploy.core.recover import Recovery
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.formats import sources
 from corp_deploy.plan import speed
 from corp_deploy.plan.loop import latency_loop
@@ -171,7 +171,7 @@ def sweep(
         raise CorpError(f"--max-drop must be >= 0, got {max_drop}")
     recover = recovery_setup(recovery)
     measured = frontier or max_drop is not None or metric is not None
-    text = hf.modality(flags["model"]) == "text"
+    text = hub.modality(flags["model"]) == "text"
     seq_len = flags["seq_len"] if text else None
     on = (
         None
@@ -182,7 +182,7 @@ def sweep(
     description = sources.describe(got.net, got.name, got.args, got.weights, *([seq_len] if text else []))
     accuracy = None
     if measured:
-        tokenizer = hf.load_tokenizer(flags["model"], got.net.config.vocab_size) if text else None
+        tokenizer = hub.load_tokenizer(flags["model"], got.net.config.vocab_size) if text else None
         num_calib = got.total + (got.heldout.images.shape[0] if got.heldout is not None and not text else 0)
         held = floor.heldout_for(
             got.net,
@@ -196,7 +196,7 @@ def sweep(
             declared_pooling(flags["model"]) if text and Path(flags["model"]).is_dir() else None,
         )
         accuracy = floor.Accuracy(held, metric or default_metric(held.kind))
-        say(f"held-out {accuracy.metric} ({METRICS[accuracy.metric].what}) on {held.source}")
+        say(f"held-out {accuracy.metric} ({METRICS[accuracy.metric].what}) on {floor.heldout_words(held.source)}")
     plan = None
     if backend is not None:
         table = speed.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from corp_deploy.base import memory
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.distributed import SINGLE_PROCESS, World, all_reduce_stats, all_reduce_tensors
@@ -94,6 +95,64 @@ def plan_groups(model: nn.Module, config: PruneConfig, max_stats_gib: float | No
         groups[-1].append(i)
         used += size
     return groups
+
+
+GROUP_GIB = 1.0
+"""The statistics bound picked by default when one pass does not fit: groups cost no extra work (every block is still
+visited once, the cache re-read per group), so a small bound only lowers the peak. Judgement."""
+
+
+def memory_plan(
+    model: nn.Module,
+    config: PruneConfig,
+    inputs: int,
+    tokens: int,
+    batch: int,
+    device: torch.device,
+    max_stats_gib: float | None,
+    one_pass: bool,
+) -> tuple[memory.Plan, float | None]:
+    """The predicted peak of calibrating and pruning ``model`` (already loaded) on ``inputs`` of ``tokens`` tokens in
+    batches of ``batch``, and the statistics bound to run with: ``max_stats_gib`` when given, else None (one pass)
+    when everything fits the machine, else ``GROUP_GIB`` or one block's statistics (grouped: the same result).
+    ``one_pass``: the run needs every block's statistics at once (a budget or a scored selection).
+
+    Parts: the weights (float32 as loaded), the statistics held at once, the token cache between groups, one batch's
+    activations through one block (its widest layer's outputs, SwiGLU's three, the softmax maps) with the fp32
+    product of its widest statistic, and the compensation's float64 copies of its widest covariance.
+    Refuses in one line, naming what would fit, when even one block's statistics do not."""
+    adapter = adapter_for(model)
+    block = adapter.blocks(model)[0]
+    widest = max(adapter.mlp_out(block).in_features, adapter.dim(block))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_block = [block_stats(model, config, [i], "meta").nbytes() for i in range(len(adapter.blocks(model)))]
+    streams = 2 if config.sequential else 1
+    maps = batch * adapter.heads(block) * tokens * tokens * 4
+    parts = {
+        "weights": weights,
+        "activations": batch * tokens * widest * 4 * (adapter.mlp_projections + 2) * streams + maps + widest**2 * 4,
+        "compensation": 3 * widest**2 * 8,
+    }
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        room = free + sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
+        where = "GPU"
+    else:
+        room = memory.available()
+        room = None if room is None else room + weights  # loaded already: MemAvailable no longer counts them
+        where = "host"
+    cache = inputs * tokens * adapter.dim(block) * 4 * streams
+    one = memory.Plan({**parts, "statistics": sum(per_block)}, room, where)
+    fixes = "calibrate on fewer inputs (--num-calib) or shorter ones (--seq-len)"
+    if config.sequential or max_stats_gib is not None:
+        bound = max_stats_gib
+    elif one.fits() or one_pass:
+        return one.check(f"{fixes}, or a machine with more memory"), None
+    else:
+        bound = max(GROUP_GIB, max(per_block) / GIB)
+    held = max(block_stats(model, config, g, "meta").nbytes() for g in plan_groups(model, config, bound))
+    grouped = memory.Plan({**parts, "statistics": held, "cache": cache}, room, where)
+    return grouped.check(f"{fixes}, run on a machine with more memory or on a GPU that holds it"), bound
 
 
 @dataclass
@@ -167,9 +226,9 @@ def walk(
     timer: Timer | None = None,
 ) -> tuple[list[dict], dict[str, Any]]:
     """Calibrate and prune ``model`` (on ``device``, eval mode) in place, block by block, to ``plan``'s widths
-    (``corp_deploy.plan.widths``).
+    (``corp_deploy.plan.width_plan``).
 
-    Returns the per-block report (as ``pruner.prune_model``'s) and what the walk did: images, groups, passes,
+    Returns the per-block report (as ``pruner.prune_model``'s) and what the walk did: samples, groups, passes,
     peak statistics bytes and cache size.
     """
     adapter = adapter_for(model)
@@ -180,20 +239,20 @@ def walk(
     peak = max(block_stats(model, config, g, "meta").nbytes() for g in groups)
     cache = TokenCache(device, 2 if config.sequential else 1, device_budget(device, peak))
     start = time.perf_counter()
-    images, skipped = _cache_stem(model, adapter, batches, cache, total, progress)
-    counts = torch.tensor([images, skipped], dtype=torch.float64, device=device)
+    samples, skipped = _cache_stem(model, adapter, batches, cache, total, progress)
+    counts = torch.tensor([samples, skipped], dtype=torch.float64, device=device)
     all_reduce_tensors([counts], world, dist_timeout)
-    images, skipped = int(counts[0]), int(counts[1])
-    if images == 0:
+    samples, skipped = int(counts[0]), int(counts[1])
+    if samples == 0:
         raise CorpError(f"none of the {skipped} calibration {adapter.unit} could be read; check the files")
     timer.add("calibration", start)
     report = []
     step = _sequential_block if config.sequential else _dense_group
-    for group in tqdm(groups, unit="group", desc="blocks", disable=not progress):
+    for group in tqdm(groups, unit="group", desc="calibration and compensation", disable=not progress):
         report += step(model, adapter, group, plan, cache, config, world, dist_timeout, timer)
     passes = len(plan) * (4 if config.sequential else 1)
     return report, {
-        "images": images,
+        "samples": samples,
         "skipped": skipped,
         "mode": "sequential" if config.sequential else "blockwise",
         "groups": len(groups),
@@ -214,7 +273,7 @@ def _cache_stem(
     progress: bool,
 ) -> tuple[int, int]:
     """Every batch once through the model up to block 0 (``Adapter.block_call``): the cache's chunks."""
-    images = skipped = 0
+    samples = skipped = 0
     with torch.inference_mode(), tqdm(total=total, unit="input", desc="stem", disable=not progress) as bar:
         for inputs, bad in batches:
             skipped += bad
@@ -226,9 +285,9 @@ def _cache_stem(
                     doubled = map_tensors(inputs, lambda t: torch.cat([t, t]))
                     paired = adapter.block_call(model, doubled, cache.device)[1]
                 cache.add(x, call, adapter.token_mask(inputs, cache.device), paired)
-                images += n
+                samples += n
             bar.update(n + bad)
-    return images, skipped
+    return samples, skipped
 
 
 def _dense_group(

@@ -132,5 +132,6 @@ def fit_reader(
         return *C.fold_regression(w, b, keep, *fits[compensation]), errors
     mean, second = s.mean(), s.second_moment()
     fits = {k: m.affine(mean, second, keep, prune, alpha) for k, m in COMPENSATIONS.items()}
-    errors = {k: float(C.mlp_output_error(mean, second, w, b, keep, prune, *bc)) for k, bc in fits.items()}
+    energy = C.output_energy(mean, second, w, b)
+    errors = {k: float(C.mlp_output_error(mean, second, w, b, keep, prune, *bc, energy)) for k, bc in fits.items()}
     return *C.fold_mlp(w, b, keep, prune, *fits[compensation]), errors

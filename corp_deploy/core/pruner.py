@@ -1,7 +1,7 @@
 """CORP end to end on one model: calibrate once, then select, fit and install every block.
 
 ``calibrate`` is the only step that sees images; ``prune_model`` works from the statistics alone, to the widths a
-plan gave (``corp_deploy.plan.widths``), so a sweep calibrates once and prunes at many sparsities (on copies of the
+plan gave (``corp_deploy.plan.width_plan``), so a sweep calibrates once and prunes at many sparsities (on copies of the
 dense model). One block (``prune_block``) is three steps over its parts: ``select`` (ranking), ``fit`` (the
 compensations, ``core.fit``), install (``Adapter.install``: the family's modules).
 """
@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from corp_deploy.base.env import exact_fp32
 from corp_deploy.base.errors import CorpError
@@ -80,20 +81,27 @@ def calibrate(
         collect(model, batches, stats, device, total=total, progress=progress)
     if merge is not None:
         stats = merge(stats)
-    if stats.images == 0:
+    if stats.samples == 0:
         raise CorpError(f"none of the {stats.skipped} calibration images could be read; check the files")
     return stats
 
 
 def prune_model(
-    model: nn.Module, stats: CalibrationStats, config: PruneConfig, plan: list[Widths], timer: Timer | None = None
+    model: nn.Module,
+    stats: CalibrationStats,
+    config: PruneConfig,
+    plan: list[Widths],
+    timer: Timer | None = None,
+    progress: bool = True,
 ) -> list[dict]:
     """Prune ``model`` in place from ``stats`` to ``plan`` (every block's widths, made before any block is changed:
-    ``corp_deploy.plan.widths``, so a bad plan never leaves a half-pruned model); returns per-block diagnostics."""
+    ``corp_deploy.plan.width_plan``, so a bad plan never leaves a half-pruned model); returns per-block diagnostics.
+    A bar with an ETA over the blocks: a 1.7B decoder's solves take seconds per block."""
     timer = timer or Timer()
     adapter = adapter_for(model)
     blocks = adapter.blocks(model)
-    return [prune_block(adapter, blocks[i], i, stats, widths, config, timer) for i, widths in enumerate(plan)]
+    steps = tqdm(enumerate(plan), total=len(plan), unit="block", desc="compensation", disable=not progress)
+    return [prune_block(adapter, blocks[i], i, stats, widths, config, timer) for i, widths in steps]
 
 
 def check_tokens(tokens: int, width: int) -> None:

@@ -58,7 +58,7 @@ def export_onnx(
     onnx = _onnx()
     check_opset(opset)
     model = image_graph(model.to("cpu").eval())
-    external = sum(p.numel() * p.element_size() for p in model.parameters()) >= MAX_SINGLE_FILE
+    external = external_weights(model)
     proto = _trace(model, torch.randn(EXAMPLE_BATCH, *input_size), opset, _forward_params(model)[0])
     if simplify:
         proto = _simplify(proto)
@@ -67,6 +67,12 @@ def export_onnx(
     onnx.save(proto, str(path), save_as_external_data=external, location=f"{path.name}.data")
     check_onnx(path)
     return path
+
+
+def external_weights(model: nn.Module) -> bool:
+    """Whether ``model``'s graph keeps its weights in ``<graph>.data`` beside it: at ``MAX_SINGLE_FILE`` and above,
+    which one protobuf message cannot hold."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) >= MAX_SINGLE_FILE
 
 
 class ImageGraph(nn.Module):

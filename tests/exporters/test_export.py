@@ -8,14 +8,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import pruned_copy, tf32_state, tiny_vit
+from helpers import pruned_copy, tf32_state, tiny_llama, tiny_vit
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core.config import PruneConfig
+from corp_deploy.exporters import onnx_export
 from corp_deploy.exporters.compare import FP16, FP32, Tolerance, check, compare, image_inputs, random_inputs, verify
 from corp_deploy.exporters.fp16 import KEEP_FP32, convert_fp16
-from corp_deploy.exporters.onnx_export import graph_precision, input_shape, load_onnx, onnx_sha256, read_metadata
-from corp_deploy.exporters.pipeline import VerifyOptions, convert_verified, export_verified
+from corp_deploy.exporters.onnx_export import (
+    graph_precision,
+    input_shape,
+    load_onnx,
+    onnx_bytes,
+    onnx_files,
+    onnx_sha256,
+    read_metadata,
+)
+from corp_deploy.exporters.pipeline import VerifyOptions, convert_verified, export_run, export_verified
 from corp_deploy.exporters.quantize import compare_on
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner, ort_providers
 from corp_deploy.exporters.tensorrt_engine import (
@@ -64,6 +73,33 @@ def test_onnx_matches_pytorch_at_several_batch_sizes(exported, name) -> None:
     meta = read_metadata(load_onnx(exported[name]))
     assert meta["input_size"] == [3, 32, 32] and meta["precision"] == "fp32"
     assert meta["preprocessing"]["mean"] and len(meta["structure"]) == 2
+
+
+def test_a_decoder_over_the_protobuf_limit_keeps_its_weights_in_external_data(tmp_path, monkeypatch) -> None:
+    """A 1.7B decoder's logits graph (6.8 GB of FP32 weights) cannot be one protobuf message: the weights go to
+    ``<graph>.data``. The limit is lowered here so that a tiny Llama takes the same path; the graph round-trips through
+    onnxruntime (the verification) and carries its metadata."""
+    monkeypatch.setattr(onnx_export, "MAX_SINGLE_FILE", 1)
+    model = tiny_llama()
+    path = tmp_path / "dense.onnx"
+    record = export_verified(model, path, describe(model, "tiny-llama", {}, "random", 16))
+    assert onnx_files(path) == [path, tmp_path / "dense.onnx.data"]
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert (tmp_path / "dense.onnx.data").stat().st_size >= 0.9 * weights  # all but the smallest tensors
+    assert record["bytes"] == onnx_bytes(path) and record["verify"]["cosine"] > FP32.min_cosine
+    assert read_metadata(load_onnx(path, weights=False))["precision"] == "fp32"
+
+
+def test_the_onnx_export_step_says_which_model_it_is_on_and_how_long_the_rest_takes(tmp_path) -> None:
+    """Issue 50 item 9: 409 s of one line "ONNX export and verification (dense, pruned)..."; now a line per model."""
+    lines: list[str] = []
+    models = {name: (m, describe(m, "tiny", {}, "random")) for name, m in tiny_models().items()}
+    export_run(models, tmp_path, precisions=("fp32",), no_engines="not here", say=lines.append)
+    assert [line.split(" (")[0] for line in lines] == ["  ONNX export 1/2: dense", "  ONNX export 2/2: pruned"]
+    assert lines[1].endswith("s left)") and sorted(p.name for p in tmp_path.glob("*.onnx")) == [
+        "dense.onnx",
+        "pruned.onnx",
+    ]
 
 
 def test_pruned_onnx_is_smaller_and_has_pruned_widths(exported) -> None:

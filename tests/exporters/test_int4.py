@@ -37,7 +37,7 @@ from corp_deploy.exporters.int4_quant import (  # noqa: E402
 )
 from corp_deploy.exporters.onnx_export import load_onnx  # noqa: E402
 from corp_deploy.exporters.text_onnx import export_text_onnx  # noqa: E402
-from corp_deploy.families.hf import hub as hf  # noqa: E402
+from corp_deploy.families.hf import hub  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned  # noqa: E402
 
 SEQ = 16
@@ -48,7 +48,7 @@ def decoder(tmp_path_factory) -> tuple[Path, Path, Path]:
     """(model folder, text folder, its FP32 logits graph)."""
     root = tmp_path_factory.mktemp("int4")
     folder, text = tiny_llama_folder(root)
-    model, _ = hf.load(str(folder))
+    model, _ = hub.load(str(folder))
     graph = export_text_onnx(model, root / "dense.onnx", metadata={"modality": "text", "vocab_size": 300})
     return folder, text, graph
 

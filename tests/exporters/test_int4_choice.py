@@ -33,7 +33,7 @@ from corp_deploy.exporters.int4 import (  # noqa: E402
 )
 from corp_deploy.exporters.int4_gate import DecoderTolerance  # noqa: E402
 from corp_deploy.exporters.int4_quant import Scheme  # noqa: E402
-from corp_deploy.families.hf import hub as hf  # noqa: E402
+from corp_deploy.families.hf import hub  # noqa: E402
 from corp_deploy.formats.run_folder import BASELINE_GENAI  # noqa: E402
 
 SEQ = 16
@@ -48,7 +48,7 @@ def fused(tmp_path_factory) -> tuple[Path, tuple]:
     """(the FP32 genai folder written by genai's builder, the builder's input: model and tokenizer files)."""
     root = tmp_path_factory.mktemp("int4-choice")
     folder, _ = tiny_llama_folder(root, layers=1)
-    model, _ = hf.load(str(folder))
+    model, _ = hub.load(str(folder))
     genai = root / "dense-genai"
     write_genai_folder(model, genai, {"modality": "text"}, folder, graph="fused")
     return genai, (model, tokenizer_files(folder))
@@ -143,7 +143,11 @@ def test_without_the_model_the_builder_is_recorded_as_not_built_and_the_scheme_s
     assert choice["chosen"] == "minmax" and choice["why"].startswith("the only candidate")
     assert all("prune-export" in c["error"] for c in choice["candidates"] if c["recipe"] in RECIPES)
     line = format_int4([record]).splitlines()[-1]
-    assert line.startswith("dense-genai-int4: minmax, the only candidate") and "builder not built" in line
+    assert (
+        line.startswith("dense-genai-int4: minmax, the only candidate") and "not built (why: in the record): " in line
+    )
+    assert "failed the gate" not in line  # issue 50, item 11: a candidate never built did not fail the gate
+    assert "dense-genai-int4/model.onnx" in format_int4([record])  # two folders' rows were both "model.onnx"
 
 
 def test_the_sidecar_round_trips_and_the_method_option_names_the_candidates(fused, tmp_path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.compare import FP32, INT8, Tolerance
 from corp_deploy.exporters.int8_recipes import (
     RECIPES,
+    TRIAL_BATCH,
     Job,
     Recipe,
     choose_int8,
@@ -29,7 +31,7 @@ from corp_deploy.exporters.int8_recipes import (
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import export_verified, format_summary
 from corp_deploy.exporters.quantize import compare_on
-from corp_deploy.exporters.runners import OrtRunner
+from corp_deploy.exporters.runners import Memo, OrtRunner
 from corp_deploy.formats.calibration import noise_arrays
 from corp_deploy.formats.sources import describe
 from corp_deploy.formats.text import int8_feeds
@@ -77,10 +79,11 @@ class FakeTimer:
     """p50 by candidate name (default 10 ms); remembers what it was asked to time."""
 
     def __init__(self, ms: dict[str, float]) -> None:
-        self.ms, self.timed = ms, []
+        self.ms, self.timed, self.batches = ms, [], []
 
     def __call__(self, graphs: dict[str, Path], feed) -> dict[str, float]:
         self.timed.append(sorted(graphs))
+        self.batches.append(len(feed))
         return {name: self.ms.get(name, 10.0) for name in graphs}
 
 
@@ -93,11 +96,13 @@ def test_the_choice_keeps_the_fastest_passing_candidate_never_a_failing_one(vits
     choice = record["int8_recipe"]
     by_name = {(c["recipe"], c["graph"]): c for c in choice["candidates"]}
     assert set(by_name) == {("static", "plain"), ("dynamic", "plain"), ("dynamic", "fused"), ("broken", "plain")}
-    assert not by_name["broken", "plain"]["passed"] and by_name["broken", "plain"]["p50_ms"] is None
-    assert timer.timed == [["dynamic", "dynamic (fused)", "static"]]  # only the passing ones are timed
+    assert by_name["broken", "plain"]["passed"] is False and by_name["broken", "plain"]["p50_ms"] == 0.1
+    assert timer.timed == [["broken", "dynamic", "dynamic (fused)", "static"]]  # one race, then gated fastest first
     recipe, graph = fastest.split(" (")[0], "fused" if "fused" in fastest else "plain"
-    assert (choice["chosen"], choice["graph"]) == (recipe, graph)
-    assert "broken (cosine" in choice["why"] and "fastest of 3 passing" in choice["why"]
+    assert (choice["chosen"], choice["graph"]) == (recipe, graph) and by_name[recipe, graph]["passed"]
+    slower = [c for key, c in by_name.items() if key not in {("broken", "plain"), (recipe, graph)}]
+    assert [c["passed"] for c in slower] == [None, None] and all("cosine" not in c for c in slower)  # never gated
+    assert "broken (cosine" in choice["why"] and "the fastest that passes of 4 raced" in choice["why"]
     assert record["verify"]["cosine"] >= INT8.min_cosine  # the shipped graph's own check, on held-out images
     out = OrtRunner(tmp_path / "pruned.int8.onnx", "cpu")(noise_arrays(4, (3, 32, 32), seed=5)[0])
     assert out.shape == (4, 10)
@@ -130,7 +135,7 @@ def test_a_graph_no_recipe_passes_is_refused_in_one_line_and_writes_nothing(vits
 def test_the_recorded_choice_round_trips_through_the_graph_and_its_sidecar(vits, tmp_path) -> None:
     src = _copy(vits["dense"], tmp_path)
     out = tmp_path / "dense.int8.onnx"
-    record = choose_int8(src, out, _job(), ("static", "dynamic-per-tensor"), 4, FakeTimer({"static": 2.0}))
+    record = choose_int8(src, out, _job(), ("static", "dynamic-per-tensor"), 32, FakeTimer({"static": 2.0}))
     meta = read_metadata(load_onnx(out, weights=False))
     sidecar = json.loads(Path(f"{out}.json").read_text())
     assert meta["int8_recipe"] == sidecar["int8_recipe"] == record["int8_recipe"]
@@ -138,11 +143,46 @@ def test_the_recorded_choice_round_trips_through_the_graph_and_its_sidecar(vits,
     assert choice["chosen"] == "static" and meta["int8_scheme"]["format"] == "QDQ"
     assert choice["asked"] == ["static", "dynamic-per-tensor"] and choice["timing"]["shape"] == "batch 4"
     assert isinstance(choice["cpu"]["model"], str) and isinstance(choice["cpu"]["flags"], list | None)
-    for c in choice["candidates"]:
-        assert c["passed"] and c["cosine"] >= INT8.min_cosine and c["rel_error"] <= INT8.max_rel_error
-        assert c["p50_ms"] == (2.0 if c["recipe"] == "static" else 10.0)
+    static, *dynamic = choice["candidates"]
+    assert static["passed"] and static["cosine"] >= INT8.min_cosine and static["rel_error"] <= INT8.max_rel_error
+    assert static["p50_ms"] == 2.0 and [(c["p50_ms"], c["passed"]) for c in dynamic] == [(10.0, None)] * 2  # slower
     assert choice["fusion"]["fused"]["SkipLayerNormalization"] > 0  # verified: its figures are recorded
     assert choice["fusion"]["cosine"] >= FP32.min_cosine
+
+
+def test_the_choice_races_once_at_a_small_batch_and_gates_only_until_one_passes(vits, tmp_path) -> None:
+    """Issue 49: seven recipes timed at batch 32 and every one gated took 608 s of a deit_small export. Now: one race
+    at ``TRIAL_BATCH`` whatever ``--int8-batch`` is, one gate where the fastest passes, the FP32 reference run once
+    per held-out input for the fused graph's check and every gate."""
+    src = _copy(vits["pruned"], tmp_path)
+    job = replace(_job(), reference=Memo(OrtRunner(src, "cpu")))
+    timer = FakeTimer({"dynamic (fused)": 1.0})
+    lines = []
+    record = choose_int8(src, tmp_path / "pruned.int8.onnx", replace(job, say=lines.append), ("auto",), 32, timer)
+    candidates = record["int8_recipe"]["candidates"]
+    assert len(timer.timed) == 1 and len(timer.timed[0]) == len(candidates) == 5 and timer.batches == [TRIAL_BATCH]
+    assert "smooth-dynamic" not in {c["recipe"] for c in candidates}  # dynamic passed: nothing to rescue
+    assert [c["recipe"] for c in candidates if "cosine" in c] == ["dynamic"]  # the fastest, passing: the only gate
+    assert record["int8_recipe"]["timing"]["shape"] == f"batch {TRIAL_BATCH}"
+    assert job.reference.runs == 2  # one sample and all held-out: the fused check and the gate read the same outputs
+    progress = [line for line in lines if "INT8 candidate" in line]
+    assert len(progress) == 5 and progress[0].startswith("  INT8 candidate 1/5: static (")
+    assert "s left)" in progress[-1]
+
+
+def test_a_rescuing_recipe_is_written_only_where_the_one_it_rescues_missed(vits, tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(RECIPES, "broken", Recipe("broken", _broken, fusable=False))
+    monkeypatch.setitem(RECIPES, "fixed", Recipe("fixed", RECIPES["dynamic"].write, fusable=False, rescues="broken"))
+    src = _copy(vits["pruned"], tmp_path)
+    timer = FakeTimer({"broken": 1.0})
+    record = choose_int8(src, tmp_path / "pruned.int8.onnx", _job(), ("static", "broken", "fixed"), 4, timer)
+    choice = record["int8_recipe"]
+    assert timer.timed == [["broken", "static"]] and choice["chosen"] == "fixed"  # never raced: written after the miss
+    assert [(c["recipe"], c["passed"]) for c in choice["candidates"]] == [
+        ("static", None),
+        ("broken", False),
+        ("fixed", True),
+    ]
 
 
 def test_fused_graphs_match_the_fp32_graph_on_a_tiny_bert(bert_graph, tmp_path) -> None:

@@ -43,10 +43,10 @@ from corp_deploy.base.errors import CorpError  # noqa: E402
 from corp_deploy.core.config import PruneConfig  # noqa: E402
 from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.families import get, structure  # noqa: E402
-from corp_deploy.families.hf import hub as hf  # noqa: E402
+from corp_deploy.families.hf import hub  # noqa: E402
 from corp_deploy.families.hf.folder import MODELING_FILE, REMOTE, STANDARD  # noqa: E402
 from corp_deploy.formats.artifact import build, load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.plan.widths import check_standard, plan_widths  # noqa: E402
+from corp_deploy.plan.width_plan import check_standard, plan_widths  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(40)]
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
@@ -188,7 +188,7 @@ CHILD = textwrap.dedent(
 def folders(tmp_path_factory) -> dict:
     """Every family pruned both ways and saved; their pruned models; what the child loaded from each folder."""
     root = tmp_path_factory.mktemp("folders")
-    bert, tokenizer = hf.load(str(sentence_source(root / "st-source")))
+    bert, tokenizer = hub.load(str(sentence_source(root / "st-source")))
     dense = {"bert": bert, "opt": tiny_opt(), "llama": tiny_llama(), "dinov2": tiny_dinov2()}
     models, jobs = {}, {}
     for family, net in dense.items():

@@ -28,7 +28,7 @@ from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.families import get  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedRopeAttention  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.plan.widths import check_parts, plan_widths  # noqa: E402
+from corp_deploy.plan.width_plan import check_parts, plan_widths  # noqa: E402
 
 
 def _pruned(dense: LlamaForCausalLM, target: str, compensation: str, sparsity: float = 0.5) -> LlamaForCausalLM:
@@ -184,10 +184,10 @@ def test_a_missing_gguf_file_is_refused_in_one_line(tmp_path: Path) -> None:
 )
 def test_smollm2_gguf_converts_to_a_folder_that_loads_as_an_hf_llama_model(tmp_path: Path) -> None:
     from corp_deploy.families import adapter_for
-    from corp_deploy.families.hf import hub as hf
+    from corp_deploy.families.hf import hub
     from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
 
-    model, tok = hf.load(str(convert_gguf(smollm2_gguf())))
+    model, tok = hub.load(str(convert_gguf(smollm2_gguf())))
     assert adapter_for(model) is get("hf-llama") and tok is not None
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # SmolLM2 uses GQA (9 over 3)
 

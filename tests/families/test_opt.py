@@ -26,13 +26,13 @@ from corp_deploy.core.config import PruneConfig  # noqa: E402
 from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.core.stats import QKStats  # noqa: E402
 from corp_deploy.families import adapter_for, get  # noqa: E402
-from corp_deploy.families.hf import hub as hf  # noqa: E402
+from corp_deploy.families.hf import hub  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedOptAttention  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
 from corp_deploy.formats.calibration import text_calibration_data  # noqa: E402
-from corp_deploy.formats.perplexity import perplexity  # noqa: E402
+from corp_deploy.formats.evaluation import perplexity  # noqa: E402
 from corp_deploy.formats.text import Document, packed_sequences, read_documents, shuffled, split_documents  # noqa: E402
-from corp_deploy.plan.widths import check_parts, plan_widths  # noqa: E402
+from corp_deploy.plan.width_plan import check_parts, plan_widths  # noqa: E402
 
 # ------------------------------------------------------------------------------------- causal Q/K moments
 
@@ -362,7 +362,7 @@ def test_a_float16_checkpoint_loads_in_float32_and_a_folder_without_tokenizer_fi
     """OPT's published checkpoints are float16: calibration and perplexity must not run in it on a CPU. Without
     tokenizer files transformers builds an EMPTY tokenizer of the config's class, which would tokenize to nothing."""
     tiny_opt().half().save_pretrained(tmp_path / "half")
-    model, tok = hf.load(str(tmp_path / "half"))
+    model, tok = hub.load(str(tmp_path / "half"))
     assert model.dtype == torch.float32 and tok is None and not model.training
 
 

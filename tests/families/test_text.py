@@ -26,7 +26,7 @@ from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.families import adapter_for, get  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedSelfAttention  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.plan.widths import plan_widths  # noqa: E402
+from corp_deploy.plan.width_plan import plan_widths  # noqa: E402
 
 
 def _captured(model: BertModel, batches: list[tuple[dict, int]], block: int) -> dict[str, list[torch.Tensor]]:
@@ -150,7 +150,7 @@ def test_a_hub_name_without_network_is_one_line_at_once(tmp_path: Path, monkeypa
     """No host resolves: the hub is never asked (huggingface_hub would retry for ~25 s), the cache is."""
     import socket
 
-    from corp_deploy.families.hf import hub as hf
+    from corp_deploy.families.hf import hub
 
     def unresolved(*_args, **_kwargs):
         raise socket.gaierror("Name or service not known")
@@ -158,7 +158,7 @@ def test_a_hub_name_without_network_is_one_line_at_once(tmp_path: Path, monkeypa
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache
     monkeypatch.setattr(socket, "getaddrinfo", unresolved)
     with pytest.raises(CorpError, match="not reachable from here and org/tiny is not in the local cache") as info:
-        hf.load("hf:org/tiny")
+        hub.load("hf:org/tiny")
     assert "\n" not in str(info.value)
 
 

@@ -29,7 +29,7 @@ from corp_deploy.bench.run import benchmark
 from corp_deploy.cli import main
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate, prune_model
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 pytestmark = [
     pytest.mark.gpu,

@@ -22,13 +22,13 @@ from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.core.stats import BranchStats, collect, empty_stats
 from corp_deploy.families import structure
 from corp_deploy.families.layers import AffineBranch
-from corp_deploy.families.timm.modules import replace_branch
+from corp_deploy.families.timm.surgery import replace_branch
 from corp_deploy.formats.artifact import load_pruned, save_pruned
 from corp_deploy.plan import latency, speed
 from corp_deploy.plan.allocation import MODULE_KEYS, budget_limit, error_curves, plan_budget
 from corp_deploy.plan.latency import LatencyTable
 from corp_deploy.plan.sensitivity import measure
-from corp_deploy.plan.widths import check_parts
+from corp_deploy.plan.width_plan import check_parts
 
 LATENCY = {"budget": "latency=0.7"}
 

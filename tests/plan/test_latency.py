@@ -34,7 +34,7 @@ from corp_deploy.bench.meter import BackendMeter, check_backend
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate
 from corp_deploy.families import structure as block_widths
-from corp_deploy.families.hf import hub as hf
+from corp_deploy.families.hf import hub
 from corp_deploy.formats.text import synthetic_text_batches
 from corp_deploy.plan import latency, speed
 from corp_deploy.plan.allocation import allocate, plan_budget, widths_of
@@ -539,7 +539,7 @@ SEQ = 16
 
 def tiny_encoder(tmp_path):
     """A tiny random BERT (2 layers, 4 heads of 16, FFN 128, 40 positions) loaded as the CLI loads a folder."""
-    return hf.load(str(tiny_text_folder(tmp_path)))[0]
+    return hub.load(str(tiny_text_folder(tmp_path)))[0]
 
 
 def text_key(batch: int = 8, seq_len: int = SEQ, backend: str = "ort-cpu-fp32") -> dict:

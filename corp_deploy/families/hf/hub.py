@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
+from corp_deploy.base import memory
 from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.families import adapter_for, for_model_type
@@ -62,6 +63,10 @@ def load(source: str) -> tuple[nn.Module, Any]:
     transformers = transformers_module("pruning a transformers model")
     transformers.utils.logging.disable_progress_bar()  # corp-deploy prints its own progress
     where, offline = source.removeprefix(HUB_PREFIX), _offline(source)
+    if Path(where).is_dir():  # before loading: float32 weights the machine cannot hold are refused in one line
+        memory.Plan({"weights": memory.safetensors_bytes(where, itemsize=4)}, memory.available(), "host").check(
+            "corp-deploy holds the weights in float32 on the host: run on a machine with more memory"
+        )
     try:
         config = transformers.AutoConfig.from_pretrained(where, **offline)
         cls = architecture(transformers, config)

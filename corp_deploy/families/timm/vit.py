@@ -15,7 +15,7 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.families.base import Adapter, BranchHook, QKHook
 from corp_deploy.families.layers import AffineBranch
 from corp_deploy.families.registry import register
-from corp_deploy.families.timm import modules as surgery
+from corp_deploy.families.timm import surgery
 from corp_deploy.families.timm.models import ALIASES
 
 

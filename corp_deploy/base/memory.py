@@ -1,0 +1,116 @@
+"""Memory planned from the machine: what is available, what a run will hold, and the one line when it cannot fit.
+
+A run's peak is predicted before the work from sizes alone (the weights as loaded, the statistics held at once, the
+token cache, one batch's activations) and compared with what the machine has: ``/proc/meminfo``'s MemAvailable, the
+cgroup's limit when one binds tighter, or ``CORP_DEPLOY_MEMORY_GIB`` (a forced value: tests, or a share of a machine
+others use). A plan that does not fit says so in one line before anything is loaded or computed, naming what would
+make it fit; one that fits is recorded (``Plan.to_dict``) beside the measured peak, so a user can compare them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from corp_deploy.base.errors import CorpError
+
+GIB = 2**30
+ENV = "CORP_DEPLOY_MEMORY_GIB"
+HEADROOM = 0.85
+"""Share of the available memory a plan may use: the interpreter, torch's allocator caches and libraries' buffers are
+not in the prediction. Judgement, from the 1.7B-shape runs (predicted vs measured peak RSS in docs/BENCHMARKS.md)."""
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def _meminfo() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """The cgroup's limit minus its usage (v2, else v1), when a limit is set."""
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            cap, used = Path(limit).read_text().strip(), int(Path(usage).read_text())
+        except (OSError, ValueError):
+            continue
+        if cap.isdigit() and int(cap) < 2**60:
+            return max(0, int(cap) - used)
+    return None
+
+
+def available() -> int | None:
+    """Bytes of host memory this process may still take (None when the machine does not say)."""
+    forced = os.environ.get(ENV)
+    if forced:
+        try:
+            return int(float(forced) * GIB)
+        except ValueError:
+            raise CorpError(f"{ENV}={forced!r} is not a number of GiB") from None
+    found = [n for n in (_meminfo(), _cgroup_room()) if n is not None]
+    return min(found) if found else None
+
+
+def safetensors_bytes(folder: str | Path, itemsize: int | None = None) -> int:
+    """Bytes of a folder's safetensors weights, read from the files' headers (nothing loaded); ``itemsize``: as
+    loaded in that many bytes per element (4: float32) instead of as stored."""
+    sizes = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
+    total = 0
+    for path in Path(folder).glob("*.safetensors"):
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for d in entry["shape"]:
+                count *= d
+            total += count * (itemsize or sizes.get(entry["dtype"], 4))
+    return total
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run will hold at its peak, by part (bytes), against what the machine has."""
+
+    parts: dict[str, int]
+    available: int | None
+    device: str = "host"
+
+    @property
+    def peak(self) -> int:
+        return sum(self.parts.values())
+
+    def fits(self) -> bool:
+        return self.available is None or self.peak <= HEADROOM * self.available
+
+    def check(self, fixes: str) -> Plan:
+        """This plan, or the one line that says it cannot fit and what would make it (``fixes``)."""
+        if not self.fits():
+            held = ", ".join(f"{k} {gib(v)}" for k, v in self.parts.items() if v)
+            raise CorpError(
+                f"this run needs about {gib(self.peak)} of {self.device} memory ({held}) and "
+                f"{gib(self.available or 0)} is available; {fixes}"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, float | str | None]:
+        """The prediction as ``corp.json`` records it (GiB), beside the measured peak."""
+        parts = {f"{k}_gib": v / GIB for k, v in self.parts.items()}
+        room = None if self.available is None else self.available / GIB
+        return {"device": self.device, "peak_gib": self.peak / GIB, "available_gib": room, **parts}

@@ -1,0 +1,86 @@
+"""Memory planned from the machine (``base.memory``, ``blockwise.memory_plan``): the predicted parts of a tiny
+model, the bound picked when one pass does not fit (the same pruned weights, block group by group), the one-line
+refusal before any work (nothing written), and calibration that stops after the last block with statistics.
+
+Available memory is forced with ``CORP_DEPLOY_MEMORY_GIB``; tiny random Llama models, no hub, no downloads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import run
+
+from corp_deploy import api
+from corp_deploy.base import memory
+from corp_deploy.core import blockwise
+from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.stats import collect, empty_stats
+
+transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
+
+from helpers import tiny_llama, tiny_llama_folder, token_batches  # noqa: E402
+
+CONFIG = PruneConfig(sparsity=0.5, target="mlp", round_to=2)
+
+
+def test_the_plan_of_a_tiny_llama_adds_up_its_parts(monkeypatch) -> None:
+    monkeypatch.setenv(memory.ENV, "64")
+    model = tiny_llama()
+    plan, bound = blockwise.memory_plan(model, CONFIG, 24, 24, 4, torch.device("cpu"), None, False)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert bound is None  # one pass fits 64 GiB
+    assert plan.parts["weights"] == weights
+    assert plan.parts["statistics"] == 2 * (64 * 64 + 2 * 64 + 1) * 8  # two blocks: outer, sum, active, count
+    assert plan.parts["compensation"] == 3 * 64**2 * 8
+    assert plan.peak == sum(plan.parts.values())
+    assert plan.available == 64 * memory.GIB + weights
+    assert plan.to_dict()["peak_gib"] == pytest.approx(plan.peak / memory.GIB)
+
+
+def test_a_one_pass_that_does_not_fit_runs_grouped_with_the_same_weights(monkeypatch) -> None:
+    wide = {"intermediate_size": 256}  # one block's sums (0.5 MB) above the token cache (24 x 24 x 32 fp32)
+    dense = api.prune(tiny_llama(**wide), token_batches(n=6), CONFIG, "cpu", total=24, progress=False)
+    one_block = blockwise.block_stats(tiny_llama(**wide), CONFIG, [0], "meta").nbytes()
+    cache = 24 * 24 * 32 * 4
+    plan, _ = blockwise.memory_plan(tiny_llama(**wide), CONFIG, 24, 24, 4, torch.device("cpu"), None, False)
+    room = (plan.peak - one_block + cache + 1024) / memory.HEADROOM - plan.parts["weights"]  # all but a block of sums
+    monkeypatch.setenv(memory.ENV, str(room / memory.GIB))
+    monkeypatch.setattr(blockwise, "GROUP_GIB", one_block / memory.GIB)
+    grouped = api.prune(tiny_llama(**wide), token_batches(n=6), CONFIG, "cpu", total=24, progress=False)
+    assert dense.report["calibration"]["mode"] == api.ONE_PASS
+    assert grouped.report["calibration"]["mode"] == "blockwise"
+    assert grouped.report["calibration"]["groups"] == 2
+    assert grouped.report["memory"]["plan"]["statistics_gib"] * memory.GIB == one_block
+    for (name, a), b in zip(dense.model.state_dict().items(), grouped.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_run_that_cannot_fit_is_refused_in_one_line_before_loading(tmp_path, capsys, monkeypatch) -> None:
+    folder, text = tiny_llama_folder(tmp_path)
+    monkeypatch.setenv(memory.ENV, "0.0001")
+    out = tmp_path / "out"
+    capsys.readouterr()  # the folder's own progress bars
+    code, _, err = run(["prune", str(folder), "--calib-dir", str(text), "--num-calib", "8", "--out", str(out)], capsys)
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: this run needs about"), err
+    assert "more memory" in lines[0]
+    assert not out.exists()
+
+
+def test_a_plan_whose_statistics_cannot_fit_names_the_fix(monkeypatch) -> None:
+    model = tiny_llama()
+    monkeypatch.setenv(memory.ENV, "0")
+    with pytest.raises(api.CorpError, match=r"^this run needs about .*--num-calib.*--seq-len"):
+        blockwise.memory_plan(model, CONFIG, 24, 24, 4, torch.device("cpu"), None, True)
+
+
+def test_calibration_stops_after_the_last_block_with_statistics() -> None:
+    model = tiny_llama()
+    heads = []
+    model.lm_head.register_forward_hook(lambda *_: heads.append(1))
+    stats = empty_stats(model, mlp=True, qk=False, device="cpu")
+    collect(model, token_batches(n=2), stats, "cpu", progress=False)
+    assert stats.samples == 8 and float(stats.mlp[1].count) == 8 * 24
+    assert heads == []  # the LM head's 100-way logits feed no sum
