@@ -39,7 +39,7 @@ from corp_deploy.base.timing import (
     median_of_repeats,
     summarize,
 )
-from corp_deploy.bench.backends import BACKENDS, MODELS, RunFolder
+from corp_deploy.bench.backends import BACKENDS, MODELS, RunFolder, causal_lm
 from corp_deploy.bench.backends import select as select_backends
 from corp_deploy.bench.run import new_record
 from corp_deploy.exporters.int4_gate import gate_words
@@ -84,7 +84,7 @@ class DecodeBackend:
 
 
 def _torch_cpu(run: RunFolder, which: str, threads: int | None) -> Callable[[int, int, int], Session]:
-    model = run.causal_lm(which)
+    model = causal_lm(run, which)
     return lambda batch, prompt, new_tokens: TorchSession(model, batch, prompt, new_tokens)
 
 

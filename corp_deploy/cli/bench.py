@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from corp_deploy.base.env import describe_cpu
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_file, check_writable
 from corp_deploy.base.timing import Method
@@ -161,7 +162,7 @@ def bench(
         raise CorpError(f"nothing measured: every backend was skipped ({why}); pass --backends with one that runs here")
     env = record["environment"]
     click.echo(
-        f"{record['model']} | cpu {env['cpu']} ({env['torch_threads']} threads)"
+        f"{record['model']} | cpu {describe_cpu(env['cpu_features'])} ({env['torch_threads']} threads)"
         + (
             f" | gpu {env['gpu']}, CUDA {env['cuda']}, driver {env['driver']}, TF32 matmul {env['tf32_matmul']}"
             if "gpu" in env

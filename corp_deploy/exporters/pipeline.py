@@ -55,6 +55,7 @@ from corp_deploy.exporters.onnx_export import (
 )
 from corp_deploy.exporters.rewrites import rewritten
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
+from corp_deploy.exporters.targets import Job, Target
 from corp_deploy.exporters.tensorrt_engine import (
     TEXT_ENGINES,
     VERIFIED,
@@ -232,6 +233,8 @@ def export_run(
     no_engines: str | None = None,
     step: Callable[[str], AbstractContextManager] = lambda what: nullcontext(),
     say: Callable[[str], None] = lambda line: None,
+    targets: Sequence[Target] = (),
+    data: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
     """ONNX for every model (FP16 and INT8 too when asked), then an engine per model and precision, unless
     ``no_engines`` says why not (recorded as the skip reason).
@@ -247,6 +250,10 @@ def export_run(
     finished, whole; ``step`` wraps each phase (``corp_deploy.base.steps.Steps``: it announces, times, and turns a stop
     into one line); ``say`` gets a line as each model's export starts, with the time the rest should take
     (``corp_deploy.base.steps.each``: a decoder's graph is minutes of tracing).
+
+    ``targets`` (``exporters.targets``: OpenVINO...) each convert the verified FP32 graphs (and, with ``int8``, quantize
+    them on ``data``: graph -> its calibration and held-out inputs) after the ONNX files, recorded under
+    ``record["targets"][name]``.
     """
     if "int8" in precisions and quantize is None:
         raise CorpError("INT8 engines are built from INT8 Q/DQ graphs: quantize with calibration images first")
@@ -264,6 +271,10 @@ def export_run(
     if quantize is not None:
         with step("INT8 quantization"):
             record["onnx"] += quantize([(out / onnx_name(stem), out / onnx_name(stem, "int8")) for stem in models])
+    for target in targets:
+        with step(f"{target.name}: {target.what}"):
+            job = Job(out, tuple(models), tuple(precisions), opts, data)
+            record.setdefault("targets", {})[target.name] = target.write(job)
     build = build or BuildOptions()
     reason = no_engines or build_missing(build)
     if reason:
@@ -353,12 +364,14 @@ def decoder_int4_baseline(
 
 
 def format_summary(record: dict[str, Any], params: dict[str, int] | None = None) -> str:
-    """What ``prune-export`` prints: the ONNX files with their verification, then the engines."""
+    """What ``prune-export`` prints: the ONNX files and every export target's (``record["targets"]``) with their
+    verification, then the engines."""
     params = params or {}
+    files = [*record["onnx"], *(r for written in record.get("targets", {}).values() for r in written)]
     rows = [("file", "precision", "MB", "params", "reference", "runtime", "max-abs", "cosine", "top-1", "seconds")]
     timed = any("speed" in r for r in record["onnx"])
     rows[0] += ("p50 ms", "vs quantize-only") if timed else ()
-    for r in record["onnx"]:
+    for r in files:
         v, stem = r["verify"], r["file"].split(".")[0]
         rows.append(
             (
@@ -375,8 +388,8 @@ def format_summary(record: dict[str, Any], params: dict[str, int] | None = None)
             )
             + (_speed(r.get("speed")) if timed else ())
         )
-    lines = [text_table(rows)] if record["onnx"] else []
-    if flipped := [r["file"] for r in record["onnx"] if r["verify"]["top1"] < 1]:  # beside a passing cosine
+    lines = [text_table(rows)] if files else []
+    if flipped := [r["file"] for r in files if r["verify"]["top1"] < 1]:  # beside a passing cosine
         lines.append(
             f"top-1 below 1.00 ({', '.join(flipped)}): the worst batch's share of samples whose largest output kept "
             "its place; near-tied outputs (random weights) swap under harmless rounding, so it is reported, never "

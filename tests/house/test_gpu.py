@@ -16,7 +16,15 @@ import torch
 from helpers import PRUNE, run, tiny_batches, tiny_vit
 
 from corp_deploy.base.timing import Method
-from corp_deploy.bench.backends import MODELS, RunFolder, compile_model, cuda_step, select, torch_forward
+from corp_deploy.bench.backends import (
+    MODELS,
+    RunFolder,
+    compile_model,
+    cuda_step,
+    select,
+    torch_forward,
+    torch_model,
+)
 from corp_deploy.bench.run import benchmark
 from corp_deploy.cli import main
 from corp_deploy.core.config import PruneConfig
@@ -168,7 +176,7 @@ def test_graph_and_compile_backends_bench_dense_and_pruned_with_eager_outputs(cu
 
     x = torch.randn(4, *folder.input_size, device="cuda", dtype=torch.float16)
     for which in MODELS:
-        model = folder.torch_model(which).to("cuda", torch.float16).eval()
+        model = torch_model(folder, which).to("cuda", torch.float16).eval()
         eager = torch_forward(model, x)().float()
         variants = {
             "graph": torch_forward(model, x, graph=True),
