@@ -99,6 +99,8 @@ PACKAGE = ROOT / "corp_deploy"
 FOLDERS = ("corp_deploy", "studies", "tools")
 CODE_NAME = re.compile(r"``?([A-Za-z_][\w./]*[\w])``?")
 """A name in backticks: a dotted name (``bench.run.new_record``) or a path (``exporters/rewrites.py``)."""
+FLAT = frozenset({"family", "hf_folder", "hf_modeling", "hf_text", "measure", "timm_vit", "hf_vit", "perplexity"})
+"""Modules of the flat layout the folders replaced: a name starting with one is a module that is gone."""
 DATA_SUFFIXES = frozenset({"json", "jsonl", "md", "onnx", "png", "csv", "txt", "yml", "safetensors", "data", "log"})
 
 
@@ -150,6 +152,8 @@ def stale(name: str) -> bool:
     if name.rpartition(".")[2] in DATA_SUFFIXES:  # a file name (``bench.json``), not a module
         return False
     parts = name.split(".")
+    if len(parts) > 1 and parts[0] in FLAT:
+        return True
     packages = {n.split(".")[0] for n in modules}
     if "/" in name or len(parts) < 2 or parts[0] not in packages:
         return False
@@ -184,7 +188,8 @@ def test_no_docstring_or_comment_names_a_module_that_is_gone() -> None:
 
 
 def test_the_name_check_knows_gone_modules_from_present_ones() -> None:
-    for gone in ("bench.measure.interleaved", "corp_deploy.surgery", "exporters/gone.py", "plan.speed.nothing_here"):
+    gone_names = ("bench.measure.interleaved", "corp_deploy.surgery", "exporters/gone.py", "plan.speed.nothing_here")
+    for gone in (*gone_names, "hf_folder.layout", "family.adapter_for"):
         assert stale(gone), gone
     for present in (
         "base.timing.interleaved",
