@@ -27,7 +27,7 @@ from corp_deploy.base.timing import Method
 from corp_deploy.bench.backends import RunFolder, select
 from corp_deploy.bench.report import skipped_lines
 from corp_deploy.bench.run import benchmark, pairs
-from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.config import DEFAULT_TARGET, PruneConfig
 from corp_deploy.core.fit import COMPENSATIONS
 from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.int8_recipes import quantize_graphs
@@ -44,7 +44,7 @@ class DemoConfig:
     """Sized for a 2-core CPU (DINOv2-S: ~10 images/s): 4.5-8.5 minutes there, seconds on a GPU."""
 
     sparsity: float = 0.5
-    target: str = "both"
+    target: str = ",".join(DEFAULT_TARGET)  # prune's default, spelled as prune shows it
     dataset: str = "auto"
     train: int = 500
     test: int = 500

@@ -320,7 +320,7 @@ def format_sweep(result: dict[str, Any]) -> str:
         "backend",
         "p50 b1 ms",
         "b1 speedup",
-        "img/s (batch)",
+        f"{_unit(result)} (batch)",
         "speedup",
         "FLOP ideal",
     )
@@ -346,6 +346,12 @@ def format_sweep(result: dict[str, Any]) -> str:
     if any("latency" in row for row in result["rows"]):
         tables.append(_format_targets(result["rows"]))
     return "\n".join(tables)
+
+
+def _unit(result: dict[str, Any]) -> str:
+    """What the throughput column counts: sentences (a text sweep: its pairs hold ``seq_len``) or images."""
+    text = any("seq_len" in p for row in result["rows"] for p in row["bench"])
+    return "sent/s" if text else "img/s"
 
 
 def _format_targets(rows: list[dict[str, Any]]) -> str:

@@ -448,14 +448,29 @@ def rewrites_on(name: str | None) -> tuple[str, ...]:
 
 
 def select(
-    names: str, run: RunFolder, registry: Mapping[str, Any] = BACKENDS, kind: str = "backend"
+    names: str,
+    run: RunFolder,
+    registry: Mapping[str, Any] = BACKENDS,
+    kind: str = "backend",
+    elsewhere: tuple[str, Mapping[str, Any]] = ("decoder runs", {}),
 ) -> tuple[list, dict[str, str]]:
     """``auto`` or a comma list of ``registry``'s names (image/encoder backends, or the decoder ones) -> (backends
-    to run, {skipped backend: why}); ``auto`` leaves out what cannot run here and what is opt-in."""
+    to run, {skipped backend: why}); ``auto`` leaves out what cannot run here and what is opt-in. ``elsewhere``: the
+    other kind of run and its registry, named when a backend of that kind is asked for here (a refusal lists every
+    backend there is, by the runs it times)."""
     wanted = list(registry) if names == "auto" else [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in registry]
     if unknown or not wanted:
-        raise CorpError(f"unknown {kind} {', '.join(unknown) or names!r}; choose auto or from {', '.join(registry)}")
+        runs, other = elsewhere
+        here = [n for n in unknown if n in other]
+        what = (
+            f"{', '.join(here)} {'times' if len(here) == 1 else 'time'} {runs}, not this run"
+            if here
+            else (f"unknown {kind} {', '.join(unknown) or names!r}")
+        )
+        theirs = [n for n in other if n not in registry]
+        also = f" ({runs} also: {', '.join(theirs)})" if theirs else ""
+        raise CorpError(f"{what}; choose auto or from {', '.join(registry)}{also}")
     chosen, skipped = [], {}
     for name in wanted:
         opt_in = getattr(registry[name], "opt_in", None)

@@ -16,7 +16,7 @@ from corp_deploy.bench import gate
 from corp_deploy.bench.backends import RunFolder
 from corp_deploy.bench.backends import select as select_backends
 from corp_deploy.bench.baseline import quantize_only_baseline
-from corp_deploy.bench.decode import NEW_TOKENS, PROMPTS, decode_benchmark, parse_prompts
+from corp_deploy.bench.decode import DECODE_BACKENDS, NEW_TOKENS, PROMPTS, decode_benchmark, parse_prompts
 from corp_deploy.bench.decode import select as select_decoders
 from corp_deploy.bench.report import format_markdown, format_table, to_csv
 from corp_deploy.bench.report import plot as draw
@@ -144,7 +144,7 @@ def bench(
             run, chosen, sizes, prompts, method, repeats, new_tokens, threads, skipped, click.echo, not no_quantize_only
         )
     else:
-        chosen, skipped = select_backends(backends, run)
+        chosen, skipped = select_backends(backends, run, elsewhere=("decoder runs", DECODE_BACKENDS))
         click.echo(
             f"method: {method.describe()}; {repeats} repeat(s); inputs on the device"
             + (" (host copies timed)" if include_copies else " (copies not timed)")

@@ -47,6 +47,12 @@ def group(*decorators: Callable, into: str | None = None) -> Callable:
     return apply
 
 
+def command_line() -> str:
+    """The running command line, as a user would type it again: what a run folder's README says made it."""
+    given = click.get_current_context().find_root().obj
+    return shlex.join(["corp-deploy", *(sys.argv[1:] if given is None else given)])
+
+
 NOT_RESULTS = frozenset({"out", "overwrite", "resume", "quiet", "verbose"})
 """Options that change where results go or what is printed, never the results: outside a resume's fingerprint."""
 

@@ -17,7 +17,7 @@ from torch import nn
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable
-from corp_deploy.base.steps import Stopped
+from corp_deploy.base.steps import Stopped, written
 from corp_deploy.bench import meter
 from corp_deploy.cli.inputs import inputs
 from corp_deploy.cli.options import model_options, out_options, out_path
@@ -67,7 +67,7 @@ def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
             interrupted=True,
         )
     click.echo(format_report(run.result.report))
-    click.echo(f"wrote {path}/ (model.safetensors, corp.json); load it with corp_deploy.load_pruned({str(path)!r})")
+    click.echo(f"wrote {path}/ ({', '.join(written(Path(path)))}); load it with corp_deploy.load_pruned({str(path)!r})")
     say_folder(path)
     click.echo(
         f"wall time {time.perf_counter() - started:.1f} s (the time above plus loading the model and data, any "
@@ -173,7 +173,7 @@ def again() -> str:
 @click.option("--latency-on", required=True, metavar="BACKEND", help="The bench backend to measure (ort-cpu-fp32...).")
 @click.option("--latency-batch", default=32, show_default=True, help="Batch size the table is for.")
 @click.option("--check", default=0, show_default=True, help="Also time N random mixed-width models: the error.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the table here (for --latency-table).")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the table here (for prune --latency-table).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
 def profile(
     model: str,

@@ -16,7 +16,7 @@ from corp_deploy import api
 from corp_deploy.base.env import versions
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir
-from corp_deploy.base.steps import Steps, Stopped
+from corp_deploy.base.steps import Steps, Stopped, each, written
 from corp_deploy.bench.backends import rewrites_on
 from corp_deploy.cli import genai
 from corp_deploy.cli.export import export, padded_qk, refuse_text_flags
@@ -29,6 +29,7 @@ from corp_deploy.cli.export_options import (
 )
 from corp_deploy.cli.options import (
     calibration_source,
+    command_line,
     needs,
     onnx_needs,
     out_options,
@@ -63,9 +64,11 @@ from corp_deploy.families.hf import hub
 from corp_deploy.formats import sources
 from corp_deploy.formats.run_folder import (
     ARTIFACT,
+    README,
     engine_name,
     genai_name,
     onnx_name,
+    write_readme,
 )
 from corp_deploy.plan.report import format_report
 
@@ -100,7 +103,9 @@ def _int4_refused(precisions_: tuple[str, ...], decoder: bool) -> None:
     help="A latency budget: times dense and pruned on --latency-on, and re-allocates while the measured speedup "
     "misses the target by more than the noise band, this many timings at most.",
 )
-@click.option("--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (static INT8, Q/DQ), verified.")
+@click.option(
+    "--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (the fastest --int8-recipe that passes), verified."
+)
 @int8_options
 @int4_options
 @out_options("Run folder")
@@ -210,12 +215,26 @@ def prune_export(
     click.echo(f"wrote {run_dir}/pruned/ (the pruned model); now the exports")
     steps = Steps(run_dir, finish, click.echo)
     record = export_run(
-        models, run_dir, engines, opset, simplify, opts, build, require_engines, quantize, rewrites_, no_engines, steps
+        models,
+        run_dir,
+        engines,
+        opset,
+        simplify,
+        opts,
+        build,
+        require_engines,
+        quantize,
+        rewrites_,
+        no_engines,
+        steps,
+        click.echo,
     )
     genai_records = {}
     if decoder:
         with steps("genai folders (dense, pruned)"):
-            for stem, (model, description) in models.items():
+            for stem, (model, description) in each(
+                "genai folder", [(genai_name(s), (s, m)) for s, m in models.items()], click.echo
+            ):
                 with atomic_dir(run_dir / genai_name(stem)) as folder:
                     genai_records[stem] = write_genai_folder(
                         model, folder, description, run_dir / ARTIFACT, opset, None, opts.fp32, graph=decode_graph
@@ -237,11 +256,12 @@ def prune_export(
             inputs = [(model, tokenizer_files(run_dir / ARTIFACT)) for model, _ in models.values()]
             info, candidates = {"text": data, "seed": seed}, int4_candidates(int4, scheme)
             record["int4"] = int4_graphs(
-                pairs, windows, tol, scheme, info, **calibration, candidates=candidates, sources=inputs
+                pairs, windows, tol, scheme, info, **calibration, candidates=candidates, sources=inputs, say=click.echo
             )
             record |= decoder_int4_baseline(run_dir, [out.name for _, out in pairs], windows, tol, inputs[0], info)
     record = write_export_record(run_dir, run.name, run.result.report, record, versions())
-    click.echo(format_summary(record, {k: v["params"] for k, v in record["size"].items()}))
+    summary = format_summary(record, {k: v["params"] for k, v in record["size"].items()})
+    click.echo(summary)
     if "int4" in record:
         click.echo(format_int4(record["int4"]))
         if "int4_speed" in record:
@@ -250,8 +270,8 @@ def prune_export(
             click.echo(f"quantize-only baseline not built: {record['int4_baseline']['error']}")
     for stem, genai_record in genai_records.items():
         click.echo(genai.summary(genai_record, genai_name(stem), None))  # random-token prompts
-    folders = ", ".join(f"{genai_name(stem)}/" for stem in genai_records)
-    click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json{', ' + folders if folders else ''})")
+    write_readme(run_dir, record, summary, command_line())
+    click.echo(f"wrote {out}/ ({', '.join(written(run_dir))}; each graph and engine with its .json record): {README}")
     say_folder(run_dir / ARTIFACT)
     click.echo(steps.wall_time(time.perf_counter() - started, {"prune (model, data, tables, recovery)": prune_seconds}))
 

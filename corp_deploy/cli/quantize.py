@@ -19,6 +19,7 @@ from corp_deploy.cli.export_options import (
 )
 from corp_deploy.cli.options import (
     calibration_source,
+    command_line,
     needs,
 )
 from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options
@@ -36,6 +37,7 @@ from corp_deploy.exporters.pipeline import (
     format_summary,
     fp16_graph,
     is_text,
+    record_quantized,
 )
 from corp_deploy.exporters.quant_data import int4_calibration, int4_windows, text_int8
 from corp_deploy.exporters.tensorrt_engine import (
@@ -47,8 +49,10 @@ from corp_deploy.exporters.tensorrt_engine import (
 from corp_deploy.formats.artifact import META_FILE
 from corp_deploy.formats.run_folder import (
     ARTIFACT,
+    RECORD,
     int4_pairs,
     int8_pairs,
+    write_readme,
 )
 
 
@@ -106,7 +110,8 @@ def build_engine(
     type=click.Choice(("int8", "int4")),
     default="int8",
     show_default=True,
-    help="int8: static Q/DQ (image models); int4: weight-only MatMulNBits (decoders).",
+    help="int8: the fastest INT8 recipe that passes the gate (--int8-recipe: static Q/DQ, dynamic, smoothed); "
+    "int4: weight-only MatMulNBits (decoders).",
 )
 @click.option(
     "--calib-dir", type=click.Path(), help="The images CORP calibrated on (same --seed); int4: the text folder."
@@ -137,7 +142,8 @@ def quantize(
     workers: int,
     overwrite: bool,
 ) -> None:
-    """Static INT8 (Q/DQ) of SOURCE (a prune-export folder's dense/pruned.onnx, or one .onnx): <name>.int8.onnx.
+    """INT8 of SOURCE (a prune-export folder's dense/pruned.onnx, or one .onnx): <name>.int8.onnx, by the fastest
+    --int8-recipe that passes the INT8 gate (static Q/DQ, onnxruntime's dynamic, smoothed).
 
     Calibrated on the first --int8-calib images of CORP's seeded sample, verified against the FP32
     graph on the next --int8-verify; written only if it passes the INT8 gate. A text encoder's graph calibrates
@@ -181,6 +187,14 @@ def quantize(
     )
     click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}))
     click.echo(f"wrote {', '.join(str(out.parent / r['file']) for r in records)} (each with a .json record)")
+    _recorded(Path(source), onnx=records)
+
+
+def _recorded(folder: Path, **quantized: Any) -> None:
+    """A run folder's export.json and README.md updated with what quantize wrote (nothing for a lone graph)."""
+    if folder.is_dir() and (record := record_quantized(folder, **quantized)) is not None:
+        summary = format_summary(record, {k: v["params"] for k, v in record.get("size", {}).items()})
+        click.echo(f"updated {folder / RECORD} and {write_readme(folder, record, summary, command_line())}")
 
 
 def _quantize_int4(source: Path, data: str, int4: dict[str, Any], seed: int, overwrite: bool) -> None:
@@ -204,3 +218,4 @@ def _quantize_int4(source: Path, data: str, int4: dict[str, Any], seed: int, ove
     records = int4_graphs(pairs, windows, tol, scheme, info, overwrite, **calibration, candidates=candidates)
     click.echo(format_int4(records))
     click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
+    _recorded(source, int4=records)

@@ -27,6 +27,7 @@ from torch import nn
 from corp_deploy.base.env import describe_cpu
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.fsio import atomic_file, staged
+from corp_deploy.base.steps import each
 from corp_deploy.base.tables import text_table
 from corp_deploy.exporters.compare import (
     FP16,
@@ -230,6 +231,7 @@ def export_run(
     rewrites: Sequence[str] = (),
     no_engines: str | None = None,
     step: Callable[[str], AbstractContextManager] = lambda what: nullcontext(),
+    say: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """ONNX for every model (FP16 and INT8 too when asked), then an engine per model and precision, unless
     ``no_engines`` says why not (recorded as the skip reason).
@@ -243,13 +245,14 @@ def export_run(
 
     Every file is staged on its own into ``out`` (an existing folder), so a run that stops keeps each file that
     finished, whole; ``step`` wraps each phase (``corp_deploy.base.steps.Steps``: it announces, times, and turns a stop
-    into one line).
+    into one line); ``say`` gets a line as each model's export starts, with the time the rest should take
+    (``corp_deploy.base.steps.each``: a decoder's graph is minutes of tracing).
     """
     if "int8" in precisions and quantize is None:
         raise CorpError("INT8 engines are built from INT8 Q/DQ graphs: quantize with calibration images first")
     record: dict[str, Any] = {"onnx": [], "engines": [], "engines_skipped": None}
     with step(f"ONNX export and verification ({', '.join(models)})"):
-        for stem, (model, description) in models.items():
+        for stem, (model, description) in each("ONNX export", [(s, (s, m)) for s, m in models.items()], say):
             fp32 = out / onnx_name(stem)
             with staged(fp32) as stage:
                 record["onnx"].append(
@@ -304,6 +307,24 @@ def write_export_record(
     record = {"model": model, "prune_config": report["config"], **recovered, "size": sizes, **record}
     record["versions"] = versions
     with atomic_file(out / RECORD, overwrite=True) as tmp:  # last: a run folder with it is whole
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def record_quantized(
+    out: Path, onnx: Sequence[dict[str, Any]] = (), int4: list[dict[str, Any]] | None = None
+) -> dict[str, Any] | None:
+    """``out/export.json`` after ``quantize`` wrote into the run folder: its INT8 graphs' records replace those of the
+    same files (or join them), an INT4 run's ``int4`` is replaced; the updated record, or None when ``out`` has no
+    export.json (a lone graph's folder)."""
+    if not (out / RECORD).is_file():
+        return None
+    record = json.loads((out / RECORD).read_text())
+    files = {r["file"] for r in onnx}
+    record["onnx"] = [r for r in record.get("onnx", []) if r["file"] not in files] + list(onnx)
+    if int4 is not None:
+        record["int4"] = int4
+    with atomic_file(out / RECORD, overwrite=True) as tmp:
         tmp.write_text(json.dumps(record, indent=2) + "\n")
     return record
 

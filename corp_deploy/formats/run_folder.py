@@ -10,6 +10,7 @@ one module so that the writer (``exporters.pipeline``, ``cli.export``) and the r
     baseline.int8.onnx               the quantize-only baseline (an encoder's or a ViT's; ``baseline-genai-int4/``
                                      a decoder's)
     export.json                      the run's record, written last: a folder that has it is whole
+    README.md                        what the folder holds, in words, from export.json (``write_readme``)
 
 The sidecar of ``pruned.onnx`` also says how to feed the graphs (image size, or a text encoder's vocabulary and
 sequence length), so a reader needs no model to make inputs. Only names and records live here: nothing is exported.
@@ -17,11 +18,16 @@ sequence length), so a reader needs no model to make inputs. Only names and reco
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 from corp_deploy.base.errors import CorpError
+from corp_deploy.base.fsio import atomic_file
+from corp_deploy.base.steps import written
+from corp_deploy.base.version import __version__
 from corp_deploy.formats.artifact import META_FILE
 
 MODELS = ("dense", "pruned")
@@ -29,6 +35,7 @@ MODELS = ("dense", "pruned")
 ARTIFACT = "pruned"
 """The prune artifact's subfolder."""
 RECORD = "export.json"
+README = "README.md"
 GENAI_SUFFIX = "-genai"
 """``<model>-genai/``: a decoder's onnxruntime-genai folder."""
 INT4_SUFFIX = "-int4"
@@ -113,3 +120,82 @@ def int4_pairs(source: Path) -> list[tuple[Path, Path]]:
     if source.is_dir() and genai_folders:
         return [(f, f.with_name(f"{f.name}{INT4_SUFFIX}")) for f in genai_folders]
     return [(g, g.with_name(f"{g.stem}.int4.onnx")) for g in fp32_graphs(source)]
+
+
+KINDS = (
+    (
+        f"{ARTIFACT}/",
+        "the pruned model: model.safetensors + corp.json (its prune report)",
+        "corp_deploy.load_pruned({p})",
+    ),
+    (
+        f"*{GENAI_SUFFIX}{INT4_SUFFIX}/",
+        "onnxruntime-genai folder, INT4 weights (MatMulNBits)",
+        "onnxruntime_genai.Model({p})",
+    ),
+    (f"*{GENAI_SUFFIX}/", "onnxruntime-genai folder (FP32 decode-step graph)", "onnxruntime_genai.Model({p})"),
+    (
+        "*.plan",
+        "TensorRT engine (its .json: the build and its check)",
+        "corp-deploy bench <this folder> (TensorRT's runtime)",
+    ),
+    ("*.int8.onnx", "INT8 ONNX graph (its .json: the recipe and the gate)", "onnxruntime.InferenceSession({p})"),
+    ("*.fp16.onnx", "FP16 ONNX graph, FP32 inputs and outputs", "onnxruntime.InferenceSession({p})"),
+    ("*.onnx", "FP32 ONNX graph (its .json: how it was verified)", "onnxruntime.InferenceSession({p})"),
+    (RECORD, "the run's record: every file's checks, sizes, versions", "json.load(open({p}))"),
+    ("eval.json", "accuracy evaluations, oldest first (corp-deploy eval)", "json.load(open({p}))"),
+    ("bench.json", "a benchmark record (corp-deploy bench --json)", "json.load(open({p}))"),
+    (README, "this file", ""),
+)
+"""A run folder's entries by name pattern (first match): what each is and how to load it."""
+
+
+def describe_entry(name: str) -> tuple[str, str]:
+    """(what ``name`` is, how to load it) from ``KINDS``; an entry no pattern knows is said to be unknown."""
+    for pattern, what, how in KINDS:
+        if fnmatch.fnmatch(name, pattern):
+            return what, how.format(p=repr(name.rstrip("/")))
+    return "not written by corp-deploy", ""
+
+
+def write_readme(root: str | Path, record: dict[str, Any], summary: str, command: str) -> Path:
+    """``root/README.md``: the command that made the folder, the figures (``summary``: the table the command printed,
+    from the same ``record``), and every entry the folder holds now, read from the disk, with how to load it."""
+    root = Path(root)
+    size = record.get("size", {})
+    figures = [
+        f"- {m}: {size[m]['params'] / 1e6:.2f}M parameters, {size[m]['macs'] / 1e9:.3f} GMACs per input"
+        for m in MODELS
+        if m in size
+    ]
+    config = record.get("prune_config", {})
+    pruned = ", ".join(f"{k} {config[k]}" for k in ("target", "sparsity", "budget") if config.get(k) is not None)
+    rows = ["| entry | what it is | how to load it |", "|---|---|---|"]
+    entries = sorted({*written(root), README})  # this file among them
+    rows += [f"| `{n}` | {w} | {f'`{h}`' if h else ''} |" for n in entries for w, h in [describe_entry(n)]]
+    text = "\n".join(
+        [
+            f"# {record.get('model', root.name)}: a CORP run folder",
+            "",
+            f"Made by `{command}` (corp-deploy {__version__}, {time.strftime('%Y-%m-%d %H:%M:%S')}).",
+            *(["", f"Pruned: {pruned}."] if pruned else []),
+            "",
+            "## Figures",
+            "",
+            *figures,
+            "",
+            "```text",
+            summary,
+            "```",
+            "",
+            "## Files",
+            "",
+            *rows,
+            "",
+            f"Every graph and engine has a `<file>.json` beside it with its own record; `{RECORD}` holds them all.",
+            "",
+        ]
+    )
+    with atomic_file(root / README, overwrite=True) as tmp:
+        tmp.write_text(text)
+    return root / README

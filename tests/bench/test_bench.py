@@ -175,6 +175,20 @@ def test_a_misspelt_backend_is_refused_in_one_line_naming_the_choices(tmp_path) 
     assert "torch-cuda-fp16-compile-graph" in message and "\n" not in message
 
 
+def test_a_decoder_backend_named_for_an_image_run_is_said_to_be_one_and_every_backend_listed(tmp_path) -> None:
+    """Issue 50, item 13: the unknown-backend list left out genai-cpu-*, as if they did not exist."""
+    from corp_deploy.bench.decode import DECODE_BACKENDS
+
+    decoders = ("decoder runs", DECODE_BACKENDS)
+    with pytest.raises(CorpError) as refused:
+        select("genai-cpu-fp32", RunFolder(tmp_path), elsewhere=decoders)
+    message = str(refused.value)
+    assert message.startswith("genai-cpu-fp32 times decoder runs, not this run; choose auto or from torch-cpu-fp32")
+    assert message.endswith("(decoder runs also: genai-cpu-fp32, genai-cpu-int4)"), message
+    with pytest.raises(CorpError, match=r"unknown backend 'onnx-magic'; .*\(decoder runs also: genai-cpu-fp32"):
+        select("onnx-magic", RunFolder(tmp_path), elsewhere=decoders)
+
+
 def test_without_onnxruntime_its_backends_are_skipped_saying_what_to_install(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if it were not installed
     _, skipped = select("auto", RunFolder(tmp_path))

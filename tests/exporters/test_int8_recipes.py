@@ -160,13 +160,29 @@ def test_the_choice_races_once_at_a_small_batch_and_gates_only_until_one_passes(
     lines = []
     record = choose_int8(src, tmp_path / "pruned.int8.onnx", replace(job, say=lines.append), ("auto",), 32, timer)
     candidates = record["int8_recipe"]["candidates"]
-    assert len(timer.timed) == 1 and len(timer.timed[0]) == len(candidates) == 7 and timer.batches == [TRIAL_BATCH]
+    assert len(timer.timed) == 1 and len(timer.timed[0]) == len(candidates) == 5 and timer.batches == [TRIAL_BATCH]
+    assert "smooth-dynamic" not in {c["recipe"] for c in candidates}  # dynamic passed: nothing to rescue
     assert [c["recipe"] for c in candidates if "cosine" in c] == ["dynamic"]  # the fastest, passing: the only gate
     assert record["int8_recipe"]["timing"]["shape"] == f"batch {TRIAL_BATCH}"
     assert job.reference.runs == 2  # one sample and all held-out: the fused check and the gate read the same outputs
     progress = [line for line in lines if "INT8 candidate" in line]
-    assert len(progress) == 7 and progress[0].startswith("  INT8 candidate 1/7: static (")
+    assert len(progress) == 5 and progress[0].startswith("  INT8 candidate 1/5: static (")
     assert "s left)" in progress[-1]
+
+
+def test_a_rescuing_recipe_is_written_only_where_the_one_it_rescues_missed(vits, tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(RECIPES, "broken", Recipe("broken", _broken, fusable=False))
+    monkeypatch.setitem(RECIPES, "fixed", Recipe("fixed", RECIPES["dynamic"].write, fusable=False, rescues="broken"))
+    src = _copy(vits["pruned"], tmp_path)
+    timer = FakeTimer({"broken": 1.0})
+    record = choose_int8(src, tmp_path / "pruned.int8.onnx", _job(), ("static", "broken", "fixed"), 4, timer)
+    choice = record["int8_recipe"]
+    assert timer.timed == [["broken", "static"]] and choice["chosen"] == "fixed"  # never raced: written after the miss
+    assert [(c["recipe"], c["passed"]) for c in choice["candidates"]] == [
+        ("static", None),
+        ("broken", False),
+        ("fixed", True),
+    ]
 
 
 def test_fused_graphs_match_the_fp32_graph_on_a_tiny_bert(bert_graph, tmp_path) -> None:
