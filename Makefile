@@ -2,7 +2,7 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
-EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx,text,genai,sentence
+EXTRAS  ?= onnx,bench,demo,dev,tensorrt-rtx,text,genai,sentence,openvino
 
 .PHONY: setup demo smoke test test-timm-floor lint bench bench-gpu bench-prune bench-prune-gpu accuracy-sweep knob-study v-study int8-study budget-study vbp-study ridge-curves text-study calib-mix-study text-speed-study smollm-study latency-check speed-study bench-dist \
 	gpu-suite gpu-wheels clean

@@ -1,6 +1,6 @@
 """Pruning, end to end: the target a model's family takes by default (``for_model``), the one check of a config
 against the model before any data is read (``check``), a latency budget's closed loop (``plan.loop``; its
-table: ``plan.speed.latency_table``), the calibration, the width plan (``plan.widths``: a sparsity, a budget, a
+table: ``plan.speed.latency_table``), the calibration, the width plan (``plan.width_plan``: a sparsity, a budget, a
 measured latency through the closed loop), ``pruner.prune_model`` and the report, and ``save``. What calibration
 reads is ``calibration``; what a command was pointed at, ``sources``.
 
@@ -56,12 +56,12 @@ from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.families import adapter_for
 from corp_deploy.formats.artifact import save_pruned
 from corp_deploy.formats.calibration import Heldout, resolve_device
-from corp_deploy.plan import widths as width_plan
+from corp_deploy.plan import width_plan
 from corp_deploy.plan.latency import LatencyTable
 from corp_deploy.plan.loop import LatencyLoop, check_loop, close_loop
 from corp_deploy.plan.report import model_size, peak_memory
 from corp_deploy.plan.sensitivity import hold_out
-from corp_deploy.plan.widths import Replan
+from corp_deploy.plan.width_plan import Replan
 
 
 @dataclass
@@ -99,10 +99,10 @@ def check(
 ) -> tuple[str, list[Widths] | None]:
     """The one check of ``config`` against ``model`` and the run, before any data is read (``config`` alone was
     checked when it was made): the calibration step and what none supports, the closed loop's needs, the widths
-    (``plan.widths.data_free``: the blocks, the sparsities, a budget's reach), a statistics bound below one block.
+    (``plan.width_plan.data_free``: the blocks, the sparsities, a budget's reach), a statistics bound below one block.
 
     Returns the calibration step (``ONE_PASS``, ``GROUPED``, ``SEQUENTIAL``) and the widths when they do not wait
-    for the statistics (else None: ``plan.widths.plan`` makes them after calibration).
+    for the statistics (else None: ``plan.width_plan.plan`` makes them after calibration).
     """
     mode = calibration_mode(config, max_stats_gib, world.size)
     if loop is not None:
@@ -192,7 +192,7 @@ class Calibrated:
         return check(self.dense, config, dense_macs, table=table, loop=loop)[1]
 
     def planner(self, config: PruneConfig, dense_macs: int) -> Replan:
-        """``config``'s planner with its budget, made once per config up to the budget (``plan.widths.planner``)."""
+        """``config``'s planner with its budget, made once per config up to the budget (``plan.width_plan.planner``)."""
         key = tuple((f.name, getattr(config, f.name)) for f in fields(config) if f.name != "budget")
         key += (None if config.budget is None else config.budget.kind,)
         if key not in self._planners:
@@ -225,7 +225,7 @@ class Calibrated:
             model, blocks, record, checked = close_loop(
                 self.dense, model, blocks, self.stats, config, replan, table, widths, record, loop, timer
             )
-        calibration = {"images": self.stats.images, "skipped": self.stats.skipped, "mode": ONE_PASS}
+        calibration = {"samples": self.stats.samples, "skipped": self.stats.skipped, "mode": ONE_PASS}
         return PruneResult(
             model,
             _report(
@@ -273,7 +273,7 @@ def _report(
 ) -> dict[str, Any]:
     """What ``corp.json`` records of one pruning (``calibration`` counts ``images``: text models count sequences)."""
     adapter = adapter_for(model)
-    calibration = {adapter.unit: calibration.pop("images"), "unit": adapter.unit, **calibration}
+    calibration = {adapter.unit: calibration.pop("samples"), "unit": adapter.unit, **calibration}
     report = {
         "config": config.to_dict(),
         "mlp_out": adapter.mlp_out_name,
@@ -373,7 +373,7 @@ def prune(
     if not world.is_main:
         return None
     statistics = max(statistics, walk.pop("statistics_bytes"))
-    calibration = {"images": walk.pop("images"), "skipped": walk.pop("skipped"), **walk}
+    calibration = {"samples": walk.pop("samples"), "skipped": walk.pop("skipped"), **walk}
     report = _report(model, config, device, calibration, timer, statistics, dense, blocks, record, None, world.size)
     report["memory"]["plan"] = plan.to_dict()
     return PruneResult(model, report)

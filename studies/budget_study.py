@@ -55,7 +55,7 @@ from corp_deploy.formats.data import input_size
 from corp_deploy.plan.allocation import error_curves, plan_budget
 from corp_deploy.plan.report import model_size
 from corp_deploy.plan.sensitivity import measure
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 ALLOCATED = ("local", "allocated", "allocated+sequential")
 METHODS = ("uniform", *ALLOCATED)

@@ -22,7 +22,7 @@ from torch import nn
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.families import adapter_for, structure
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 
 def to_hf_dinov2(vit: VisionTransformer) -> nn.Module:

@@ -75,7 +75,7 @@ def main() -> None:
     title = (
         f"Knob study: vit_small_patch14_dinov2 (real weights), {a.sparsity:.0%} joint sparsity, {setup.dataset} "
         f"probe on {dense['images']} test images; defaults: ridge {DEFAULT_RIDGE:g}, ranker combined, round_to 8, "
-        f"{setup.stats.images} calibration images"
+        f"{setup.stats.samples} calibration images"
     )
     write_study(a.out, title, dense, rows, format_table(rows, dense), vars(a), start)
 

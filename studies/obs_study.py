@@ -56,9 +56,9 @@ from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.core.recover import recover
 from corp_deploy.families import adapter_for
 from corp_deploy.families.hf.hub import load
+from corp_deploy.formats.evaluation import perplexity
 from corp_deploy.formats.offline.corpora import text_mix
 from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
-from corp_deploy.formats.perplexity import perplexity
 from corp_deploy.formats.repetition import loop_report
 from corp_deploy.formats.text import (
     packed_batches,
@@ -68,7 +68,7 @@ from corp_deploy.formats.text import (
     split_documents,
     text_batches,
 )
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 from studies.smollm_study import allocate
 from studies.text_recover_study import parts
 from studies.text_study import cosine, embed, package_folder

@@ -51,7 +51,7 @@ from corp_deploy.plan import speed
 from corp_deploy.plan.allocation import error_curves, plan_budget
 from corp_deploy.plan.report import model_size
 from corp_deploy.plan.sensitivity import measure
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 from studies.speed_study import standard_error
 
 TARGET = "mlp,qk,v"

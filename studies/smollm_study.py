@@ -45,11 +45,11 @@ from corp_deploy.families import adapter_for
 from corp_deploy.families.hf.hub import load
 from corp_deploy.families.layers import linear_float64
 from corp_deploy.formats.calibration import Heldout
+from corp_deploy.formats.evaluation import perplexity
 from corp_deploy.formats.offline.gguf_folder import convert_gguf, smollm2_gguf
-from corp_deploy.formats.perplexity import perplexity
 from corp_deploy.formats.text import packed_batches, packed_sequences, read_documents, shuffled, split_documents
 from corp_deploy.plan.report import model_size
-from corp_deploy.plan.widths import plan, plan_widths
+from corp_deploy.plan.width_plan import plan, plan_widths
 from studies.text_study import package_folder
 
 COMPENSATIONS = ("corp", "mean", "none")

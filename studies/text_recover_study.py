@@ -29,7 +29,7 @@ from corp_deploy.core.recover import recover
 from corp_deploy.families.hf.hub import load
 from corp_deploy.formats.data import sample, split
 from corp_deploy.formats.text import Document, read_documents, text_batches
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 from studies.text_study import cosine, embed, package_folder
 
 STARTS = {"corp": "corp", "removal": "none"}

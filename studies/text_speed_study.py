@@ -47,7 +47,7 @@ from corp_deploy.plan.allocation import widths_of
 from corp_deploy.plan.latency import LatencyTable, Timing
 from corp_deploy.plan.loop import LatencyLoop
 from corp_deploy.plan.report import model_size
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 from studies.speed_study import bisect
 from studies.text_study import embed, package_folder, scores, study_split
 

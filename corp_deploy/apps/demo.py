@@ -24,10 +24,10 @@ from corp_deploy.base.env import device_name
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.fsio import atomic_dir
 from corp_deploy.base.timing import Method
-from corp_deploy.bench.backends import RunFolder, select
+from corp_deploy.bench.backends import RunFolder, select_backends
 from corp_deploy.bench.report import skipped_lines
 from corp_deploy.bench.run import benchmark, pairs
-from corp_deploy.core.config import PruneConfig
+from corp_deploy.core.config import DEFAULT_TARGET, PruneConfig
 from corp_deploy.core.fit import COMPENSATIONS
 from corp_deploy.exporters.compare import INT8
 from corp_deploy.exporters.int8_recipes import quantize_graphs
@@ -44,7 +44,7 @@ class DemoConfig:
     """Sized for a 2-core CPU (DINOv2-S: ~10 images/s): 4.5-8.5 minutes there, seconds on a GPU."""
 
     sparsity: float = 0.5
-    target: str = "both"
+    target: str = ",".join(DEFAULT_TARGET)  # prune's default, spelled as prune shows it
     dataset: str = "auto"
     train: int = 500
     test: int = 500
@@ -74,7 +74,7 @@ def run_demo(
     base = PruneConfig(sparsity=config.sparsity, target=config.target)
     calib = api.calibrated(dense, batches, base, device_, total, progress=False)
     dense = dense.to("cpu")
-    step(f"calibrated once on {calib.stats.images} unlabelled train images ({device_name(device_)})")
+    step(f"calibrated once on {calib.stats.samples} unlabelled train images ({device_name(device_)})")
 
     variants: dict[str, torch.nn.Module] = {}
     with atomic_dir(out, overwrite=True) as tmp:  # the whole folder appears at the end, or nothing
@@ -104,7 +104,7 @@ def run_demo(
         step(f"linear probe fit on {task.train_images} dense features, scored on {len(task.labels)} test images")
 
         run = RunFolder.open(tmp / "corp")
-        chosen, skipped = select("auto", run)
+        chosen, skipped = select_backends("auto", run)
         warm_up = min(0.5, config.min_seconds)
         method = Method(warmup_iters=3, warmup_seconds=warm_up, min_iters=5, min_seconds=config.min_seconds)
         record = benchmark(run, chosen, config.batch_sizes, method, skipped=skipped) | {"run": str(out / "corp")}

@@ -17,7 +17,7 @@ import copy
 import shutil
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -47,14 +47,16 @@ from corp_deploy.exporters.int8_recipes import dynamic_int8
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
 from corp_deploy.exporters.text_onnx import graph
 from corp_deploy.families import adapter_for
+from corp_deploy.families.hf import hub
 from corp_deploy.families.hf.adapter import max_positions
-from corp_deploy.formats import sources
+from corp_deploy.formats import calibration, evaluation, sources
 from corp_deploy.formats.artifact import META_FILE, read_meta
 from corp_deploy.formats.data import data_config, folder_batches, image_folder, labelled_batches, list_images, sample
 from corp_deploy.formats.run_folder import ARTIFACT, MODELS, onnx_name
 from corp_deploy.formats.text import (
     evaluation_documents,
     packed_sequences,
+    read_documents,
     shuffled,
     tokenize,
 )
@@ -395,6 +397,7 @@ def evaluate_text(
     every graph the run folder holds (``dense.onnx``, ``pruned.onnx``, their ``.int8.onnx``), on ``text``'s
     evaluation documents (or all of it: ``all_text``). ``metrics`` default to the family's (``default_metric``), plus
     accuracy when the documents come from several class folders. Returns the record ``eval`` prints and keeps."""
+    from corp_deploy.formats import sources
 
     artifact = artifact_of(run_dir)
     pruned, tokenizer = sources.text_model(artifact)
@@ -418,6 +421,19 @@ def evaluate_text(
         "dense": origin,
         "results": results,
     }
+
+
+def heldout_words(source: dict[str, Any]) -> str:
+    """A held-out set's source as a sentence (the record keeps the dict): ``docs/ (part evaluation, documents 12:
+    class0 5, class1 7, seq len 32)``."""
+
+    def said(value: Any) -> str:
+        if isinstance(value, dict):
+            return f"{sum(value.values())}: " + ", ".join(f"{Path(k).name or k} {v}" for k, v in value.items())
+        return str(value)
+
+    rest = ", ".join(f"{k.replace('_', ' ')} {said(v)}" for k, v in source.items() if k != "folder")
+    return f"{source.get('folder', '?')}" + (f" ({rest})" if rest else "")
 
 
 def format_scores(record: dict[str, Any]) -> str:
@@ -445,3 +461,48 @@ def frontier_record(
     if max_drop is not None:
         record["floor"] = {"max_drop": max_drop, "metric": metric, "chosen": chosen, "file": file_of(chosen)}
     return record, points, chosen
+
+
+def decoder_perplexities(
+    source: str,
+    text: str,
+    seq_len: int | None,
+    all_text: bool,
+    batch_size: int,
+    num: int,
+    progress: bool,
+    results: dict[str, Any] | None = None,
+) -> Iterator[str]:
+    """``eval --text`` of a decoder: one line for ``source``'s perplexity and, for a prune artifact, one for its dense
+    original when that loads (the transformers folder or hf:NAME it was pruned from; skipped with the reason when it
+    does not), on the first ``num`` windows; each line yielded as soon as it is measured, and its figures put in
+    ``results`` by label (the record ``eval.json`` keeps)."""
+    results = {} if results is None else results
+    if num < 1:
+        raise CorpError(f"--num must be >= 1, got {num}")
+    hub.transformers_module("evaluating a text model")
+    artifact = Path(source, META_FILE).is_file()
+    if not (artifact or hub.is_source(source)):
+        raise CorpError(f"{source} is neither a prune artifact nor a transformers folder (config.json) or hf:NAME")
+    read_documents(text)  # a folder without text fails before any model loads
+    device = calibration.resolve_device("auto")
+
+    def line(label: str, where: str) -> str:
+        model, tokenizer = sources.text_model(where)
+        length = seq_len or min(2048, max_positions(model.config))
+        r = evaluation.text_perplexity(model, tokenizer, text, length, batch_size, device, all_text, num, progress)
+        results[label] = {**r, "model": where}
+        return (
+            f"{label}: perplexity {r['perplexity']:.3f} on {r['windows']} of {r['of_windows']} windows of "
+            f"{r['seq_len']} tokens ({r['part']}: {r['documents']} of {r['of_documents']} documents of {text}) "
+            f"[{where}]"
+        )
+
+    yield line("pruned" if artifact else "model", source)  # first: its errors are the user's to fix
+    if artifact:
+        origin = read_meta(source)["model"]["name"]
+        try:
+            yield line("dense", origin)
+        except CorpError as e:
+            results["dense"] = {"skipped": str(e)}
+            yield f"dense: skipped ({e})"

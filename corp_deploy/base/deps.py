@@ -51,6 +51,14 @@ INDEX_URLS: dict[str, str] = {"tensorrt": "https://pypi.nvidia.com"}
 """Packages whose real wheels are on another index (PyPI's ``tensorrt`` is a placeholder)."""
 
 
+def register_package(module: str, dist: str, extra: str, floor: str | None = None) -> None:
+    """Add a package a plug-in module needs (an export target): its distribution, the extra that installs it and
+    the oldest release supported, so that its one-line install message is written where the module is."""
+    PACKAGES[module] = (dist, extra)
+    if floor is not None:
+        FLOORS[dist] = floor
+
+
 def install_hint(module: str) -> str:
     """The pip command that brings ``module`` (``pip install 'corp-deploy[onnx]'``)."""
     top = module.split(".")[0]

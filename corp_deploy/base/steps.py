@@ -35,9 +35,18 @@ class Stopped(CorpError):
         """What stopped and why, without what the folder holds: for a caller whose folder is not kept."""
 
 
+def written(folder: Path) -> list[str]:
+    """What ``folder`` holds, by name, folders with a slash (staging folders, dot-named, are not results), a
+    ``<file>.json`` sidecar left out beside its file: what a closing summary lists, read from the disk."""
+    names = {
+        p.name: f"{p.name}/" if p.is_dir() else p.name for p in Path(folder).iterdir() if not p.name.startswith(".")
+    }
+    return sorted(shown for name, shown in names.items() if not (name.endswith(".json") and name[:-5] in names))
+
+
 def holds(folder: Path) -> str:
-    """What ``folder`` holds, by name (staging folders, dot-named, are not results): for a ``Stopped`` line."""
-    names = sorted(f"{p.name}/" if p.is_dir() else p.name for p in folder.iterdir() if not p.name.startswith("."))
+    """What ``folder`` holds, by name (sidecars left out, ``written``): for a ``Stopped`` line."""
+    names = written(folder)
     return f"{folder}/ holds {', '.join(names)}" if names else f"{folder}/ is empty"
 
 

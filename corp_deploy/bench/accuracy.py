@@ -394,7 +394,7 @@ def evaluate_run(
     return {
         "data": str(data_dir or images),
         "labelled": data_dir is not None,
-        "images": total,
+        "images": total - result.skipped,  # scored: an unreadable file is counted apart, never as scored
         "skipped_files": result.skipped,
         "probe": probe_record,
         "reference": result.reference,

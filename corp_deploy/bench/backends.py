@@ -7,14 +7,11 @@ current stream, CPU steps with ``perf_counter``. ``missing`` says why a backend 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cached_property
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,107 +21,33 @@ from corp_deploy.base.deps import missing as uninstalled
 from corp_deploy.base.deps import optional
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.timing import Step
+from corp_deploy.exporters import targets as export_targets
 from corp_deploy.exporters.compare import Feed
 from corp_deploy.exporters.onnx_export import image_graph
 from corp_deploy.exporters.rewrites import PATCH_LINEAR, rewritten
+from corp_deploy.exporters.targets import Target
 from corp_deploy.exporters.tensorrt_engine import TEXT_ENGINES, run_missing
 from corp_deploy.exporters.text_onnx import graph
-from corp_deploy.formats import run_folder
-from corp_deploy.formats.artifact import build, load_pruned, read_meta
-from corp_deploy.formats.run_folder import ARTIFACT, MODELS, engine_name, onnx_name, read_sidecar
+from corp_deploy.formats.artifact import build, load_pruned
+from corp_deploy.formats.run_folder import ARTIFACT, MODELS, RunFolder
 
 
-class Text(NamedTuple):
-    """A text run's inputs: token ids below ``vocab``, ``seq_len`` real tokens per sequence."""
+def torch_model(run: RunFolder, which: str) -> nn.Module:
+    """The pruned model from its artifact; the dense one as its family builds it (a timm name, a config.json);
+    each as its graph was exported (``text_onnx.graph``: ``input_ids, attention_mask``; ``image_graph``).
 
-    vocab: int
-    seq_len: int
-
-
-@dataclass(frozen=True)
-class RunFolder:
-    """A ``prune-export`` folder (``formats.run_folder``): the models in every form it holds.
-
-    ``seq_len``: a text run's tokens per sequence, instead of the one ``prune-export`` recorded.
+    The dense weights are random: values do not change a dense model's latency.
     """
+    model = load_pruned(run.root / ARTIFACT) if which == "pruned" else build(run.meta, run.root / ARTIFACT).eval()
+    return graph(model)[0] if run.text is not None else image_graph(model)
 
-    root: Path
-    rewrites: tuple[str, ...] | None = None
-    """The exact rewrites (``exporters.rewrites``) the torch backends apply; None: each backend's defaults."""
-    seq_len: int | None = None
 
-    @classmethod
-    def open(cls, path: str | Path, seq_len: int | None = None) -> RunFolder:
-        run = cls(run_folder.check(path), seq_len=seq_len)
-        _ = run.text  # a bad --seq-len fails here, before any backend loads
-        return run
-
-    @cached_property
-    def meta(self) -> dict:
-        return read_meta(self.root / ARTIFACT)
-
-    @cached_property
-    def graph(self) -> dict:
-        """What ``prune-export`` recorded beside pruned.onnx (input size, or a text encoder's inputs); empty when
-        missing, for torch backends to run without it (``input_size`` then says what is missing)."""
-        return read_sidecar(self.onnx("pruned"))
-
-    @cached_property
-    def text(self) -> Text | None:
-        """A text encoder's inputs (``seq_len`` checked against its positions), or None for an image model."""
-        if self.graph.get("modality") != "text":
-            if self.seq_len is not None:
-                raise CorpError(f"--seq-len is for text encoders; {self.root} holds an image model")
-            return None
-        seq_len, limit = self.seq_len or self.graph["seq_len"], self.graph["max_positions"]
-        if not 1 <= seq_len <= limit:
-            raise CorpError(f"--seq-len must be between 1 and {limit} (the model's positions), got {seq_len}")
-        return Text(self.graph["vocab_size"], seq_len)
-
-    def torch_model(self, which: str) -> nn.Module:
-        """The pruned model from its artifact; the dense one as its family builds it (a timm name, a config.json);
-        each as its graph was exported (``text_onnx.graph``: ``input_ids, attention_mask``; ``image_graph``).
-
-        The dense weights are random: values do not change a dense model's latency.
-        """
-        if which == "pruned":
-            model = load_pruned(self.root / ARTIFACT)
-        else:
-            model = build(self.meta, self.root / ARTIFACT).eval()
-        return graph(model)[0] if self.text is not None else image_graph(model)
-
-    @cached_property
-    def decoder(self) -> bool:
-        """Whether the run holds a causal LM (its artifact's config.json names one): ``bench`` times it by phase
-        (``bench.decode``)."""
-        try:
-            config = json.loads((self.root / ARTIFACT / "config.json").read_text())
-        except (OSError, ValueError):
-            return False
-        return any(a.endswith("ForCausalLM") for a in config.get("architectures") or [])
-
-    def causal_lm(self, which: str) -> nn.Module:
-        """The ``transformers`` causal LM itself (dense rebuilt with random weights, as ``torch_model``), for a
-        decoder's own step loop with its key/value cache."""
-        if not self.decoder:
-            raise CorpError(f"{self.root} holds no causal LM (its pruned/config.json names none)")
-        return self.torch_model(which).model
-
-    def onnx(self, which: str, precision: str = "fp32") -> Path:
-        return self.root / onnx_name(which, precision)
-
-    def engine(self, which: str, precision: str) -> Path:
-        return self.root / engine_name(which, precision)
-
-    @cached_property
-    def input_size(self) -> tuple[int, int, int]:
-        """(C, H, W) as ``prune-export`` recorded it beside pruned.onnx: no model is built to learn it."""
-        try:
-            return tuple(self.graph["input_size"])
-        except (KeyError, TypeError):
-            raise CorpError(
-                f"{self.root}/pruned.onnx.json is missing or records no input_size; re-run `corp-deploy prune-export`"
-            ) from None
+def causal_lm(run: RunFolder, which: str) -> nn.Module:
+    """The ``transformers`` causal LM itself (dense rebuilt with random weights, as ``torch_model``), for a
+    decoder's own step loop with its key/value cache."""
+    if not run.decoder:
+        raise CorpError(f"{run.root} holds no causal LM (its pruned/config.json names none)")
+    return torch_model(run, which).model
 
 
 def inputs_for(run: RunFolder, batch: int) -> Feed:
@@ -283,7 +206,7 @@ def _torch(
 
     def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
         names = defaults if run.rewrites is None else run.rewrites
-        model = rewritten(run.torch_model(which), names)[0].to(device, dtype).eval()
+        model = rewritten(torch_model(run, which), names)[0].to(device, dtype).eval()
         if compile_backend:
             model = compile_model(model, compile_backend)
 
@@ -442,20 +365,81 @@ BACKENDS: dict[str, Backend] = {
 """Every backend, CPU first; ``auto`` keeps those that can run here, but not the opt-in ones (torch.compile)."""
 
 
+def _target_loader(target: Target, precision: str) -> Callable:
+    """The loader of a registered export target's backend: its file of ``precision`` run by its runner on the CPU."""
+
+    def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
+        runner = target.runner(run.root / target.file_name(which, precision), threads)
+
+        def at(batch: int) -> Step:
+            x = inputs_for(run, batch)
+            return cpu_step(lambda: runner(x))
+
+        return at
+
+    return load
+
+
+def _target_missing(target: Target, precision: str) -> Callable[[RunFolder], str | None]:
+    def missing(run: RunFolder) -> str | None:
+        if reason := target.missing():
+            return f"not installed: {reason}"
+        absent = [target.file_name(m, precision) for m in MODELS]
+        absent = [name for name in absent if not (run.root / name).is_file()]
+        if absent:
+            return (
+                f"no {', '.join(absent)} in {run.root} (prune-export --targets {target.name} --precision {precision})"
+            )
+        return None
+
+    return missing
+
+
+def all_backends() -> dict[str, Backend]:
+    """``BACKENDS`` and every registered export target's (``exporters.targets``), CPU first: what ``bench`` and
+    ``eval`` choose from. Read at each call, so a target registered later is there too."""
+    added = [
+        Backend(
+            s.name, s.runtime, s.device, s.precision, _target_loader(t, s.precision), _target_missing(t, s.precision)
+        )
+        for t in export_targets.load().values()
+        for s in t.backends
+    ]
+    ordered = [b for b in BACKENDS.values() if b.device == "cpu"] + added
+    return {b.name: b for b in ordered + [b for b in BACKENDS.values() if b.device != "cpu"]}
+
+
 def rewrites_on(name: str | None) -> tuple[str, ...]:
     """The rewrites that pay on backend ``name``; none for an unknown or absent one (refused where it is used)."""
     return BACKENDS[name].default_rewrites if name in BACKENDS else ()
 
 
-def select(
-    names: str, run: RunFolder, registry: Mapping[str, Any] = BACKENDS, kind: str = "backend"
+def select_backends(
+    names: str,
+    run: RunFolder,
+    registry: Mapping[str, Any] | None = None,
+    kind: str = "backend",
+    elsewhere: tuple[str, Mapping[str, Any]] = ("decoder runs", {}),
 ) -> tuple[list, dict[str, str]]:
     """``auto`` or a comma list of ``registry``'s names (image/encoder backends, or the decoder ones) -> (backends
-    to run, {skipped backend: why}); ``auto`` leaves out what cannot run here and what is opt-in."""
+    to run, {skipped backend: why}; ``registry`` by default: ``all_backends``, the export targets' too); ``auto``
+    leaves out what cannot run here and what is opt-in. ``elsewhere``: the
+    other kind of run and its registry, named when a backend of that kind is asked for here (a refusal lists every
+    backend there is, by the runs it times)."""
+    registry = all_backends() if registry is None else registry
     wanted = list(registry) if names == "auto" else [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in registry]
     if unknown or not wanted:
-        raise CorpError(f"unknown {kind} {', '.join(unknown) or names!r}; choose auto or from {', '.join(registry)}")
+        runs, other = elsewhere
+        here = [n for n in unknown if n in other]
+        what = (
+            f"{', '.join(here)} {'times' if len(here) == 1 else 'time'} {runs}, not this run"
+            if here
+            else (f"unknown {kind} {', '.join(unknown) or names!r}")
+        )
+        theirs = [n for n in other if n not in registry]
+        also = f" ({runs} also: {', '.join(theirs)})" if theirs else ""
+        raise CorpError(f"{what}; choose auto or from {', '.join(registry)}{also}")
     chosen, skipped = [], {}
     for name in wanted:
         opt_in = getattr(registry[name], "opt_in", None)

@@ -10,11 +10,12 @@ temporary folder (seconds). ``bench --gate quantize-only`` holds pruned INT8 to 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from corp_deploy.base.timing import Step
 from corp_deploy.bench.backends import Backend, RunFolder, cpu_step, inputs_for
+from corp_deploy.exporters import targets as export_targets
 from corp_deploy.exporters.int8_recipes import BASELINE_WHAT, dynamic_int8
 from corp_deploy.exporters.onnx_export import onnx_files
 from corp_deploy.formats.run_folder import BASELINE
@@ -22,9 +23,12 @@ from corp_deploy.formats.run_folder import BASELINE
 Loader = Callable[[RunFolder, str, bool, "int | None"], Callable[[int], Step]]
 
 
-def runs_beside(backend: Backend) -> bool:
-    """Whether the baseline is timed in ``backend``'s loop: it is an onnxruntime CPU graph."""
-    return backend.runtime == "onnxruntime" and backend.device == "cpu"
+ORT = "onnxruntime"
+
+
+def runs_beside(backend: Backend, baselines: Mapping[str, Loader]) -> bool:
+    """Whether a baseline is timed in ``backend``'s loop: one of its runtime's, on the CPU."""
+    return backend.runtime in baselines and backend.device == "cpu"
 
 
 def baseline_graph(run: RunFolder, tmp: Path) -> tuple[Path, str]:
@@ -39,30 +43,47 @@ def baseline_graph(run: RunFolder, tmp: Path) -> tuple[Path, str]:
     return made, f"made by bench from dense.onnx: {BASELINE_WHAT}"
 
 
-def loader(path: Path) -> Loader:
-    """A backend loader for the baseline graph on onnxruntime's CPU provider, on ``run``'s inputs."""
+def loader(path: Path, runner: Callable[[Path, int | None], Callable] | None = None) -> Loader:
+    """A backend loader for a baseline file on ``run``'s inputs: ``runner`` (a target's), else onnxruntime's CPU
+    provider."""
 
     def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
         from corp_deploy.exporters.runners import OrtRunner
 
-        runner = OrtRunner(path, "cpu", threads)
+        run_ = OrtRunner(path, "cpu", threads) if runner is None else runner(path, threads)
 
         def at(batch: int) -> Step:
             x = inputs_for(run, batch)
-            return cpu_step(lambda: runner(x))
+            return cpu_step(lambda: run_(x))
 
         return at
 
     return load
 
 
-def quantize_only_baseline(run: RunFolder, backends: list[Backend], tmp: Path, skipped: dict[str, str]) -> tuple | None:
-    """(the quantize-only baseline's loader, where its graph came from) when an onnxruntime CPU backend runs and the
-    run folder has dense.onnx; else None, the reason in ``skipped``."""
-    if not any(runs_beside(b) for b in backends):
-        return None
-    if not run.onnx("dense").is_file():
-        skipped["quantize-only baseline"] = f"no dense.onnx in {run.root} to quantize"
-        return None
-    graph, origin = baseline_graph(run, tmp)
-    return loader(graph), origin
+def quantize_only_baseline(
+    run: RunFolder, backends: list[Backend], tmp: Path, skipped: dict[str, str]
+) -> tuple[dict[str, Loader], str] | None:
+    """({runtime: the quantize-only baseline's loader}, where each came from) for the CPU runtimes among
+    ``backends`` that have one: onnxruntime's from dense.onnx, each export target's (``exporters.targets``) from its
+    own file; None when none does, the reasons in ``skipped``."""
+    runtimes = {b.runtime for b in backends if b.device == "cpu"}
+    loaders: dict[str, Loader] = {}
+    origins: list[str] = []
+    if ORT in runtimes:
+        if run.onnx("dense").is_file():
+            graph, origin = baseline_graph(run, tmp)
+            loaders[ORT], origins = loader(graph), [origin]
+        else:
+            skipped["quantize-only baseline"] = f"no dense.onnx in {run.root} to quantize"
+    for target in export_targets.load().values():
+        runtime = {s.runtime for s in target.backends} & runtimes
+        if target.baseline is None or not runtime:
+            continue
+        path, origin = target.baseline(run.root)
+        if not path.is_file():
+            skipped[f"{target.name} quantize-only baseline"] = f"no {path.name} in {run.root}"
+            continue
+        loaders |= {r: loader(path, target.runner) for r in runtime}
+        origins.append(f"{target.name}: {origin}")
+    return (loaders, "; ".join(origins)) if loaders else None

@@ -39,8 +39,7 @@ from corp_deploy.base.timing import (
     median_of_repeats,
     summarize,
 )
-from corp_deploy.bench.backends import MODELS, RunFolder
-from corp_deploy.bench.backends import select as select_backends
+from corp_deploy.bench.backends import BACKENDS, MODELS, RunFolder, causal_lm, select_backends
 from corp_deploy.bench.run import new_record
 from corp_deploy.exporters.int4_gate import gate_words
 from corp_deploy.formats.run_folder import BASELINE, BASELINE_GENAI, GENAI_CONFIG, genai_name
@@ -84,7 +83,7 @@ class DecodeBackend:
 
 
 def _torch_cpu(run: RunFolder, which: str, threads: int | None) -> Callable[[int, int, int], Session]:
-    model = run.causal_lm(which)
+    model = causal_lm(run, which)
     return lambda batch, prompt, new_tokens: TorchSession(model, batch, prompt, new_tokens)
 
 
@@ -141,9 +140,9 @@ def quantize_only(run: RunFolder, skipped: dict[str, str]) -> str | None:
     return f"{BASELINE_GENAI}/: {record['int4_baseline']['what']}, of the dense model; {gate_words(record['verify'])}"
 
 
-def select(names: str, run: RunFolder) -> tuple[list[DecodeBackend], dict[str, str]]:
+def select_decoders(names: str, run: RunFolder) -> tuple[list[DecodeBackend], dict[str, str]]:
     """``auto`` or a comma list of decoder backends -> (to run, {skipped: why})."""
-    return select_backends(names, run, DECODE_BACKENDS, "decoder backend")
+    return select_backends(names, run, DECODE_BACKENDS, "decoder backend", ("encoder and image runs", BACKENDS))
 
 
 def parse_prompts(text: str, limit: int, new_tokens: int) -> list[int]:

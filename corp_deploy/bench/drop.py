@@ -7,7 +7,7 @@ One number per candidate, with its name and direction explicit, so that "the fas
   features (a classifier's logits). Higher is better; drop = dense (1.0) - candidate.
 - ``agreement``: share of inputs (a decoder: of next-token predictions) whose top-1 equals the dense model's; needs
   class logits (a classifier or a decoder). Higher is better; drop = dense (1.0) - candidate.
-- ``perplexity``: a decoder's perplexity on held-out windows (``corp_deploy.formats.perplexity``'s protocol, from the
+- ``perplexity``: a decoder's perplexity on held-out windows (``formats.evaluation.perplexity``'s protocol, from the
   logits).
   Lower is better; drop = candidate / dense - 1 (0.05: 5% higher).
 - ``accuracy``: labelled top-1: a classifier's own logits, else a ridge probe (``accuracy.fit_probe``) fitted on the

@@ -26,11 +26,12 @@ from corp_deploy.base.deps import missing
 from corp_deploy.base.env import cpu_model
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.timing import Step
-from corp_deploy.bench.backends import BACKENDS, Backend, Text
+from corp_deploy.bench.backends import BACKENDS, Backend
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, export_onnx, image_graph
 from corp_deploy.exporters.rewrites import rewritten
 from corp_deploy.exporters.text_onnx import export_text_onnx, graph
 from corp_deploy.formats.data import input_size
+from corp_deploy.formats.run_folder import Text
 
 Convert = Callable[[Path, Path], None]
 CONVERTERS: dict[str, Convert] = {}

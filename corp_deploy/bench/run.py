@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -13,6 +13,7 @@ from corp_deploy.base import env
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.timing import Method, interleaved, median_of_repeats, summarize
 from corp_deploy.bench.backends import BACKENDS, MODELS, Backend, RunFolder
+from corp_deploy.exporters import targets as export_targets
 from corp_deploy.exporters.tensorrt_engine import FLAVOURS
 from corp_deploy.formats.run_folder import BASELINE
 
@@ -35,7 +36,9 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 def environment(threads: int) -> dict[str, Any]:
     """Everything a latency number depends on that is not in the model, TensorRT flavours included."""
-    return env.environment(threads, {flavour.name: flavour.module for flavour in FLAVOURS.values()})
+    targets = export_targets.load().values()  # each export target's runtime (OpenVINO...) is named too
+    found = env.module_versions(m for t in targets for m in t.modules)
+    return env.environment(threads, {flavour.name: flavour.module for flavour in FLAVOURS.values()}) | found
 
 
 def new_record(
@@ -80,13 +83,13 @@ def benchmark(
     threads: int | None = None,
     skipped: dict[str, str] | None = None,
     progress: Callable[[str], None] = lambda line: None,
-    baseline: Callable | None = None,
+    baseline: Mapping[str, Callable] | None = None,
 ) -> dict[str, Any]:
     """Measure; return the record that ``--json`` writes and the gate compares.
 
     A text run's results also hold ``seq_len`` (tokens per sequence); their throughput is sentences/s.
-    ``baseline``: the quantize-only baseline's loader (``bench.baseline.loader``), timed as a third model,
-    ``baseline``, in the same loop as dense and pruned on the onnxruntime CPU backends.
+    ``baseline``: the quantize-only baseline's loader by runtime (``bench.baseline.quantize_only_baseline``), timed
+    as a third model, ``baseline``, in the same loop as dense and pruned on that runtime's CPU backends.
     """
     from corp_deploy.bench.baseline import runs_beside
 
@@ -97,8 +100,8 @@ def benchmark(
     for backend in backends:
         try:
             loaders = {m: backend.load(run, m, include_copies, threads) for m in MODELS}
-            if baseline is not None and runs_beside(backend):
-                loaders[BASELINE] = baseline(run, BASELINE, include_copies, threads)
+            if baseline and runs_beside(backend, baseline):
+                loaders[BASELINE] = baseline[backend.runtime](run, BASELINE, include_copies, threads)
         except (torch.cuda.OutOfMemoryError, CorpError) as e:  # this backend cannot run: the others still do
             record["skipped"][backend.name] = first_line(e)
             progress(f"{backend.name:{WIDTH}s} skipped ({first_line(e)})")

@@ -9,15 +9,21 @@ from typing import Any
 
 import click
 
+from corp_deploy.base.env import describe_cpu
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_file, check_writable
 from corp_deploy.base.timing import Method
 from corp_deploy.bench import gate
-from corp_deploy.bench.backends import RunFolder
-from corp_deploy.bench.backends import select as select_backends
+from corp_deploy.bench.backends import RunFolder, select_backends
 from corp_deploy.bench.baseline import quantize_only_baseline
-from corp_deploy.bench.decode import NEW_TOKENS, PROMPTS, decode_benchmark, parse_prompts
-from corp_deploy.bench.decode import select as select_decoders
+from corp_deploy.bench.decode import (
+    DECODE_BACKENDS,
+    NEW_TOKENS,
+    PROMPTS,
+    decode_benchmark,
+    parse_prompts,
+    select_decoders,
+)
 from corp_deploy.bench.report import format_markdown, format_table, to_csv
 from corp_deploy.bench.report import plot as draw
 from corp_deploy.bench.run import benchmark, parse_batch_sizes
@@ -144,7 +150,7 @@ def bench(
             run, chosen, sizes, prompts, method, repeats, new_tokens, threads, skipped, click.echo, not no_quantize_only
         )
     else:
-        chosen, skipped = select_backends(backends, run)
+        chosen, skipped = select_backends(backends, run, elsewhere=("decoder runs", DECODE_BACKENDS))
         click.echo(
             f"method: {method.describe()}; {repeats} repeat(s); inputs on the device"
             + (" (host copies timed)" if include_copies else " (copies not timed)")
@@ -161,7 +167,7 @@ def bench(
         raise CorpError(f"nothing measured: every backend was skipped ({why}); pass --backends with one that runs here")
     env = record["environment"]
     click.echo(
-        f"{record['model']} | cpu {env['cpu']} ({env['torch_threads']} threads)"
+        f"{record['model']} | cpu {describe_cpu(env['cpu_features'])} ({env['torch_threads']} threads)"
         + (
             f" | gpu {env['gpu']}, CUDA {env['cuda']}, driver {env['driver']}, TF32 matmul {env['tf32_matmul']}"
             if "gpu" in env

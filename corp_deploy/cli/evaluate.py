@@ -17,57 +17,9 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable
 from corp_deploy.bench.accuracy import Evaluation, append_evaluation, evaluate_run, format_evaluation
 from corp_deploy.bench.report import skipped_lines
-from corp_deploy.families.hf import hub
-from corp_deploy.families.hf.adapter import max_positions
 from corp_deploy.families.registry import get as get_family
-from corp_deploy.formats import calibration, evaluation, sources
+from corp_deploy.formats import sources
 from corp_deploy.formats.artifact import META_FILE, read_meta
-from corp_deploy.formats.text import read_documents
-
-
-def _text_eval(
-    run_dir: str, source: str, text: str, seq_len: int | None, all_text: bool, batch_size: int, num: int, quiet: bool
-) -> None:
-    """``eval --text``: perplexity of ``source`` and, for a prune artifact, of its dense original when that loads
-    (the transformers folder or hf:NAME it was pruned from; skipped with the reason when it does not), on the
-    first ``num`` windows; each line printed as soon as it is measured, the record appended to RUN_DIR/eval.json
-    (a local folder; hf:NAME has none)."""
-    if num < 1:
-        raise CorpError(f"--num must be >= 1, got {num}")
-    hub.transformers_module("evaluating a text model")
-    artifact = Path(source, META_FILE).is_file()
-    if not (artifact or hub.is_source(source)):
-        raise CorpError(f"{source} is neither a prune artifact nor a transformers folder (config.json) or hf:NAME")
-    read_documents(text)  # a folder without text fails before any model loads
-    local = Path(run_dir).is_dir()
-    if local:
-        check_writable(Path(run_dir) / "eval.json", overwrite=True)
-    device = calibration.resolve_device("auto")
-    results: dict[str, Any] = {}
-
-    def line(label: str, where: str) -> str:
-        model, tokenizer = sources.text_model(where)
-        length = seq_len or min(2048, max_positions(model.config))
-        r = evaluation.text_perplexity(model, tokenizer, text, length, batch_size, device, all_text, num, not quiet)
-        results[label] = {**r, "model": where}
-        return (
-            f"{label}: perplexity {r['perplexity']:.3f} on {r['windows']} of {r['of_windows']} windows of "
-            f"{r['seq_len']} tokens ({r['part']}: {r['documents']} of {r['of_documents']} documents of {text}) "
-            f"[{where}]"
-        )
-
-    click.echo(line("pruned" if artifact else "model", source))  # first: its errors are the user's to fix
-    if artifact:
-        origin = read_meta(source)["model"]["name"]
-        try:
-            click.echo(line("dense", origin))
-        except CorpError as e:
-            results["dense"] = {"skipped": str(e)}
-            click.echo(f"dense: skipped ({e})")
-    if local:
-        record = {"metric": "perplexity", "text": str(text), "results": results}
-        record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": device_name(torch.device("cpu"))}
-        click.echo(f"appended to {append_evaluation(run_dir, record)}")
 
 
 @click.command("eval")
@@ -119,7 +71,18 @@ def eval_command(
             _encoder_eval(run_dir, text, seq_len, all_text, kwargs)
             return
         source = str(floor.artifact_of(run_dir)) if Path(run_dir, "pruned", META_FILE).is_file() else run_dir
-        _text_eval(run_dir, source, text, seq_len, all_text, kwargs["batch_size"] or 1, kwargs["num"], quiet)
+        batch_size, results, local = kwargs["batch_size"] or 1, {}, Path(run_dir).is_dir()  # hf:NAME: no folder
+        if local:
+            check_writable(Path(run_dir) / "eval.json", overwrite=True)
+        lines = floor.decoder_perplexities(
+            source, text, seq_len, all_text, batch_size, kwargs["num"], not quiet, results
+        )
+        for line in lines:
+            click.echo(line)
+        if local:
+            record = {"metric": "perplexity", "text": str(text), "results": results}
+            record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": device_name(torch.device("cpu"))}
+            click.echo(f"appended to {append_evaluation(run_dir, record)}")
         return
     kwargs["batch_size"] = kwargs["batch_size"] or 32
     check_writable(Path(run_dir) / "eval.json", overwrite=True)
@@ -130,7 +93,9 @@ def eval_command(
         click.echo(line)
     probe = record["probe"]
     header = (
-        f"{record['images']} images from {record['data']} ({'labelled' if record['labelled'] else 'unlabelled'}), "
+        f"{record['images']} images from {record['data']} ({'labelled' if record['labelled'] else 'unlabelled'}"
+        + (f"; {record['skipped_files']} unreadable, skipped" if record["skipped_files"] else "")
+        + "), "
         f"input {'x'.join(map(str, record['input_size']))}"
         + (f"; linear probe fit on {probe['train_images']} dense features (ridge {probe['ridge']:g})" if probe else "")
     )
@@ -158,6 +123,6 @@ def _encoder_eval(run_dir: str, text: str, seq_len: int | None, all_text: bool, 
     num = min(kwargs["num"], floor.HELDOUT_NUM * 4)
     record = floor.evaluate_text(run_dir, text, (), all_text, num, seq_len, kwargs["batch_size"] or 16, kwargs["seed"])
     record |= {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": device_name(torch.device("cpu"))}
-    click.echo(f"held-out: {record['heldout']}")
+    click.echo(f"held-out: {floor.heldout_words(record['heldout'])}")
     click.echo(floor.format_scores(record))
     click.echo(f"appended to {append_evaluation(run_dir, record)}")

@@ -3,6 +3,7 @@ The files and their records are written by ``exporters``."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,9 @@ from corp_deploy.families.hf import hub
 from corp_deploy.families.timm import surgery
 from corp_deploy.families.timm.models import parse_model_args
 from corp_deploy.formats import sources
+from corp_deploy.formats.precisions import FP16, FP32
+from corp_deploy.formats.precisions import parse as parse_precisions
+from corp_deploy.formats.run_folder import onnx_name
 
 
 def padded_qk(model: nn.Module, description: dict, enabled: bool) -> dict:
@@ -53,7 +57,14 @@ def refuse_text_flags(pad_qk: bool, simplify: bool) -> None:
 @model_options
 @onnx_options
 @verify_group
-@click.option("--fp16", is_flag=True, help="Also write <name>.fp16.onnx (FP16 inside, FP32 I/O), verified.")
+@click.option(
+    "--precision",
+    default=FP32.name,
+    show_default=True,
+    help=f"Comma list of {FP32.name}, {FP16.name}: the graphs written, each verified ({FP16.name}: <name>.fp16.onnx "
+    "beside the FP32 one, FP16 inside, FP32 I/O).",
+)
+@click.option("--fp16", is_flag=True, hidden=True, help="Deprecated alias of --precision fp32,fp16.")
 @click.option(
     "--seq-len",
     default=128,
@@ -85,6 +96,7 @@ def export(
     rewrites: str,
     decode_graph: str,
     verify: dict[str, Any],
+    precision: str,
     fp16: bool,
     seq_len: int,
     prompts: tuple[str, ...],
@@ -98,27 +110,28 @@ def export(
     onnxruntime-genai folder: the key/value-cache graph, genai_config.json and the tokenizer files, verified by
     generating."""
     opts = verify_options(verify)
+    half_too = FP16.name in _precisions(precision, fp16)
     rewrites_ = parse_rewrites(rewrites)
     out_ = Path(out)
     if out_.suffix != ".onnx":
         if not (hub.is_source(source) or Path(source).is_dir()):
             raise CorpError(f"--out must be a .onnx file ({genai.folder_is()}), got {out}")
-        flags = (fp16, pad_qk, simplify, bool(rewrites_))
+        flags = (half_too, pad_qk, simplify, bool(rewrites_))
         _genai_export(source, out_, overwrite, opset, flags, opts, prompts, seq_len, decode_graph)
         return
     if prompts or decode_graph != "auto":
         raise CorpError("--prompt and --decode-graph are for a decoder's genai folder: pass a folder as --out")
-    half = out_.with_name(f"{out_.stem}.fp16.onnx")
-    for path in (out_, half) if fp16 else (out_,):
+    half = out_.with_name(onnx_name(out_.stem, FP16.name))
+    for path in (out_, half) if half_too else (out_,):
         check_writable(path, overwrite)
-    needs("ONNX export", *onnx_needs(("fp16",) if fp16 else (), simplify))
+    needs("ONNX export", *onnx_needs((FP16.name,) if half_too else (), simplify))
     model, description = sources.load_source(source, weights, checkpoint, parse_model_args(model_arg), seq_len)
     if is_text(description):
         refuse_text_flags(pad_qk, simplify)
     description = padded_qk(model, description, pad_qk)
     with staged(out_, overwrite) as stage:
         records = [export_verified(model, stage / out_.name, description, opset, simplify, opts, rewrites_)]
-        if fp16:
+        if half_too:
             records.append(convert_verified(stage / out_.name, stage / half.name, opts))
     params = {out_.stem: sum(p.numel() for p in model.parameters())}
     click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}, params))
@@ -139,7 +152,10 @@ def _genai_export(
     """``export DECODER --out DIR``: every check before the model loads, then the folder, staged."""
     folder = genai.decoder_folder(source)
     if any(flags):
-        raise CorpError("--fp16, --pad-qk, --simplify and --rewrites are not for a genai folder (FP32); leave them out")
+        raise CorpError(
+            f"--precision {FP16.name}, --pad-qk, --simplify and --rewrites are not for a genai folder (FP32); "
+            "leave them out"
+        )
     check_writable(out, overwrite)
     genai.needs_genai()
     ids = genai.prompt_ids(folder, prompts)
@@ -150,3 +166,11 @@ def _genai_export(
         click.echo(line)
     click.echo(genai.summary(record, out.name, folder if prompts else None))
     click.echo(f"wrote {out}/ ({GRAPH}, {GRAPH}.json, {CONFIG}, tokenizer files): onnxruntime_genai.Model('{out}')")
+
+
+def _precisions(precision: str, fp16: bool) -> tuple[str, ...]:
+    """``--precision``, with the deprecated ``--fp16`` (said once) as the FP16 graph it asked for."""
+    chosen = parse_precisions(precision, (FP32.name, FP16.name))
+    if fp16:
+        warnings.warn(f"--fp16 is deprecated: pass --precision {FP32.name},{FP16.name}", stacklevel=1)
+    return (*chosen, FP16.name) if fp16 else chosen

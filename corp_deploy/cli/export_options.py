@@ -14,7 +14,7 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.cli.options import group
 from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance
 from corp_deploy.exporters.genai import GRAPHS
-from corp_deploy.exporters.onnx_export import DEFAULT_OPSET
+from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, OPSETS
 from corp_deploy.exporters.pipeline import VerifyOptions
 from corp_deploy.exporters.tensorrt_engine import (
     RUNTIMES,
@@ -32,7 +32,13 @@ verify_group = group(
 
 
 onnx_options = group(
-    click.option("--opset", default=DEFAULT_OPSET, show_default=True, help="ONNX opset (18..23)."),
+    click.option(  # checked as the flags are read: before a prune that would be lost to it
+        "--opset",
+        type=click.IntRange(OPSETS.start, OPSETS.stop - 1),
+        default=DEFAULT_OPSET,
+        show_default=True,
+        help="ONNX opset.",
+    ),
     click.option("--simplify", is_flag=True, help="Simplify the graph with onnxslim."),
     click.option(
         "--pad-qk",
@@ -45,7 +51,8 @@ onnx_options = group(
         default="auto",
         show_default=True,
         help="Exact rewrites in every exported graph, dense and pruned alike: patch-linear (the patch-embedding "
-        "conv as reshape + GEMM), none, or auto: those measured to pay on the --latency-on backend (none without).",
+        "conv as reshape + GEMM), none, or auto: those measured to pay on a latency budget's backend (prune-export "
+        "--latency-on; none without one).",
     ),
     click.option(
         "--decode-graph",
@@ -64,7 +71,8 @@ engine_group = group(
     click.option(
         "--seq-range",
         metavar="MIN:OPT:MAX",
-        help="Text encoders: the engine's tokens-per-sequence range [1:SEQ:SEQ, SEQ the graph's --seq-len].",
+        help="Text encoders: the engine's tokens-per-sequence range [1:SEQ:SEQ, SEQ the graph's sequence length: "
+        "export --seq-len].",
     ),
     click.option("--workspace-gib", default=8.0, show_default=True, help="TensorRT workspace limit."),
     click.option("--opt-level", default=3, show_default=True, help="TensorRT builder optimization level 0..5."),

@@ -24,9 +24,9 @@ from corp_deploy.base.deps import missing
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable
 from corp_deploy.core.config import PruneConfig
-from corp_deploy.exporters.tensorrt_engine import PRECISIONS
 from corp_deploy.families.timm.models import WEIGHTS
 from corp_deploy.formats.data import SYNTHETIC
+from corp_deploy.formats.precisions import FP16
 
 CALIB_IMAGES = 4000
 SMOKE_IMAGES = 64  # noise only has to exercise the pass: enough for the statistics, minutes not hours on a CPU
@@ -45,6 +45,12 @@ def group(*decorators: Callable, into: str | None = None) -> Callable:
         return f
 
     return apply
+
+
+def command_line() -> str:
+    """The running command line, as a user would type it again: what a run folder's README says made it."""
+    given = click.get_current_context().find_root().obj
+    return shlex.join(["corp-deploy", *(sys.argv[1:] if given is None else given)])
 
 
 NOT_RESULTS = frozenset({"out", "overwrite", "resume", "quiet", "verbose"})
@@ -154,7 +160,7 @@ ONNX_EXPORT = ("onnx", "onnxscript", "onnxruntime")
 
 def onnx_needs(precisions: tuple[str, ...], simplify: bool = False) -> tuple[str, ...]:
     """The optional modules an export writing ``precisions`` needs (FP16 conversion, onnxslim when simplifying)."""
-    fp16 = ("onnxconverter_common",) if "fp16" in precisions else ()
+    fp16 = ("onnxconverter_common",) if FP16.name in precisions else ()
     return (*ONNX_EXPORT, *fp16, *(("onnxslim",) if simplify else ()))
 
 
@@ -169,19 +175,6 @@ def typed(name: str) -> bool:
     """Whether the running command's option ``name`` came from the command line (not its default)."""
     ctx = click.get_current_context(silent=True)
     return ctx is not None and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
-
-
-ONNX_ONLY = ("int4",)
-"""Precisions written as ONNX graphs only (no engine): INT4 weights (MatMulNBits) for decoders."""
-
-
-def precisions(text: str) -> tuple[str, ...]:
-    values = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [p for p in values if p not in PRECISIONS + ONNX_ONLY]
-    if bad or not values:
-        choices = ", ".join(PRECISIONS + ONNX_ONLY)
-        raise CorpError(f"--precision takes a comma-separated list of {choices}, got {text!r}")
-    return values
 
 
 def calibration_source(calib_dir: str | None, calib: str | None, text: bool = False) -> str:

@@ -17,7 +17,7 @@ from torch import nn
 from corp_deploy import api
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable
-from corp_deploy.base.steps import Stopped
+from corp_deploy.base.steps import Stopped, written
 from corp_deploy.bench import meter
 from corp_deploy.cli.inputs import inputs
 from corp_deploy.cli.options import model_options, out_options, out_path
@@ -30,7 +30,7 @@ from corp_deploy.families.hf import hub
 from corp_deploy.families.timm.models import create_model, parse_model_args, resolve_name
 from corp_deploy.formats.artifact import read_meta
 from corp_deploy.plan import latency, speed
-from corp_deploy.plan import loop as closed_loop
+from corp_deploy.plan.loop import latency_loop
 from corp_deploy.plan.report import format_report
 
 
@@ -67,7 +67,7 @@ def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
             interrupted=True,
         )
     click.echo(format_report(run.result.report))
-    click.echo(f"wrote {path}/ (model.safetensors, corp.json); load it with corp_deploy.load_pruned({str(path)!r})")
+    click.echo(f"wrote {path}/ ({', '.join(written(Path(path)))}); load it with corp_deploy.load_pruned({str(path)!r})")
     say_folder(path)
     click.echo(
         f"wall time {time.perf_counter() - started:.1f} s (the time above plus loading the model and data, any "
@@ -128,7 +128,7 @@ def pruned(
         if on is None
         else speed.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)
     )
-    loop = None if on is None else closed_loop.latency_loop(on, say)
+    loop = None if on is None else latency_loop(on, say)
     dense = copy.deepcopy(got.net) if keep_dense or recover is not None else None  # pruning works in place
     progress = not quiet and got.world.is_main
     batches = got.batches if recover is None else Kept(got.batches, adapter_for(got.net).count)
@@ -173,7 +173,7 @@ def again() -> str:
 @click.option("--latency-on", required=True, metavar="BACKEND", help="The bench backend to measure (ort-cpu-fp32...).")
 @click.option("--latency-batch", default=32, show_default=True, help="Batch size the table is for.")
 @click.option("--check", default=0, show_default=True, help="Also time N random mixed-width models: the error.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Also write the table here (for --latency-table).")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write the table here (for prune --latency-table).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
 def profile(
     model: str,

@@ -16,7 +16,7 @@ from corp_deploy import api
 from corp_deploy.base.env import versions
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir
-from corp_deploy.base.steps import Steps, Stopped
+from corp_deploy.base.steps import Steps, Stopped, each, written
 from corp_deploy.bench.backends import rewrites_on
 from corp_deploy.cli import genai
 from corp_deploy.cli.export import export, padded_qk, refuse_text_flags
@@ -29,16 +29,17 @@ from corp_deploy.cli.export_options import (
 )
 from corp_deploy.cli.options import (
     calibration_source,
+    command_line,
     needs,
     onnx_needs,
     out_options,
     out_path,
-    precisions,
 )
 from corp_deploy.cli.prune import again, pruned, say_folder
 from corp_deploy.cli.prune_options import prune_config, prune_options
 from corp_deploy.cli.quantize import build_engine, quantize
 from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options
+from corp_deploy.exporters import targets as export_targets
 from corp_deploy.exporters.genai import tokenizer_files, write_genai_folder
 from corp_deploy.exporters.int4 import (
     format_int4,
@@ -53,19 +54,24 @@ from corp_deploy.exporters.pipeline import (
     genai_brief,
     write_export_record,
 )
-from corp_deploy.exporters.quant_data import int4_calibration, int4_windows, text_int8
+from corp_deploy.exporters.quant_data import int4_calibration, int4_windows, int8_data, text_int8
 from corp_deploy.exporters.rewrites import parse_rewrites
+from corp_deploy.exporters.targets import ONNX
 from corp_deploy.exporters.tensorrt_engine import (
     build_missing,
     for_graph,
 )
 from corp_deploy.families.hf import hub
 from corp_deploy.formats import sources
+from corp_deploy.formats.precisions import FP16, FP32, INT4, INT8, PRECISIONS
+from corp_deploy.formats.precisions import parse as parse_precisions
 from corp_deploy.formats.run_folder import (
     ARTIFACT,
+    README,
     engine_name,
     genai_name,
     onnx_name,
+    write_readme,
 )
 from corp_deploy.plan.report import format_report
 
@@ -77,7 +83,7 @@ DECODER_ENGINES = (
 
 def _int4_refused(precisions_: tuple[str, ...], decoder: bool) -> None:
     """INT4 weights are for decoders (their gate is perplexity): one line for a vision model or an encoder."""
-    if "int4" in precisions_ and not decoder:
+    if INT4.name in precisions_ and not decoder:
         raise CorpError(
             "--precision int4 is for decoders (OPT, Llama, Mistral, Qwen2: weight-only MatMulNBits gated on "
             "perplexity); use fp32, fp16 or int8 here"
@@ -90,7 +96,19 @@ def _int4_refused(precisions_: tuple[str, ...], decoder: bool) -> None:
 @verify_group
 @engine_group
 @click.option(
-    "--precision", default="fp32,fp16", show_default=True, help="Engine precisions: fp32, fp16, int8 (implies --int8)."
+    "--precision",
+    default=f"{FP32.name},{FP16.name}",
+    show_default=True,
+    help=f"Comma list of {', '.join(PRECISIONS)}: the graphs of every target and the engines; {INT8.name} "
+    f"calibrates (implies --int8), {INT4.name} is a decoder's weight-only genai folders.",
+)
+@click.option(
+    "--targets",
+    "targets_",
+    default=ONNX,
+    show_default=True,
+    help=f"Comma list of export targets: {ONNX} (always: the others convert from its verified graphs), "
+    f"{', '.join(export_targets.load())} (each verified against its reference, timed by bench beside onnxruntime).",
 )
 @click.option("--require-engines", is_flag=True, help="Fail (instead of skipping engines) where none can be built.")
 @click.option(
@@ -100,7 +118,9 @@ def _int4_refused(precisions_: tuple[str, ...], decoder: bool) -> None:
     help="A latency budget: times dense and pruned on --latency-on, and re-allocates while the measured speedup "
     "misses the target by more than the noise band, this many timings at most.",
 )
-@click.option("--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (static INT8, Q/DQ), verified.")
+@click.option(
+    "--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (the fastest --int8-recipe that passes), verified."
+)
 @int8_options
 @int4_options
 @out_options("Run folder")
@@ -115,6 +135,7 @@ def prune_export(
     precision: str,
     require_engines: bool,
     latency_rounds: int,
+    targets_: str,
     int8: bool,
     int8_calib: int,
     int8_verify: int,
@@ -140,7 +161,8 @@ def prune_export(
     windows of the --calib-dir text.
     """
     started = time.perf_counter()
-    precisions_ = precisions(precision)
+    precisions_ = parse_precisions(precision)
+    targets = export_targets.parse(targets_)
     recipes = parse_recipes(int8_recipe)
     text = hub.modality(prune_args["model"]) == "text"
     decoder = text and sources.is_decoder(prune_args["model"])
@@ -151,7 +173,7 @@ def prune_export(
     config = prune_config(prune_args.pop("pruning"), prune_args["latency"])
     rewrites_ = parse_rewrites(rewrites, rewrites_on(prune_args["latency"]["latency_on"]))
     opts = verify_options(verify)
-    build = for_graph(build_options(engine, "fp32", opts), prune_args["seq_len"] if text else None)
+    build = for_graph(build_options(engine, FP32.name, opts), prune_args["seq_len"] if text else None)
     no_engines = DECODER_ENGINES if decoder else None  # engines of logits graphs nobody can generate with
     if require_engines and (no_engines or build_missing(build)):
         raise CorpError(f"--require-engines: cannot build TensorRT engines here: {no_engines or build_missing(build)}")
@@ -159,8 +181,8 @@ def prune_export(
     needs("prune-export", *onnx_needs(precisions_, simplify))
     if decoder:
         genai.needs_genai()
-    quantize = None
-    if int8 or "int8" in precisions_:  # INT8 engines are built from the INT8 graphs
+    quantize = data = None
+    if int8 or INT8.name in precisions_:  # INT8 engines are built from the INT8 graphs
         source = calibration_source(prune_args["calib_dir"], prune_args["calib"], text)
         feeds = text_int8(prune_args["model"], source, int8_calib, int8_verify, prune_args["seed"]) if text else None
         quantize = functools.partial(
@@ -179,6 +201,7 @@ def prune_export(
             batch=int8_batch,
             baseline=True,
         )
+        data = int8_data(source, int8_calib, int8_verify, prune_args["seed"], prune_args["workers"] or 0, feeds)
     rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
     run = pruned(config, **prune_args, keep_dense=True, transformers=True, latency_rounds=rounds, rewrites=rewrites_)
     if run is None:
@@ -198,7 +221,7 @@ def prune_export(
     run_dir = Path(out)
     with atomic_dir(run_dir, overwrite) as tmp:  # first, alone: a later step that stops leaves the prune
         api.save(run.result, tmp / ARTIFACT, run.name, run.args, weights=run.weights)
-    engines = tuple(p for p in precisions_ if p != "int4")
+    engines = tuple(p for p in precisions_ if p != INT4.name)
     buildable = no_engines is None and not build_missing(build)
     finish = _finisher(run_dir, prune_args["model"], engines, quantize is not None, decoder, precisions_, buildable)
     if run.stopped:
@@ -210,12 +233,28 @@ def prune_export(
     click.echo(f"wrote {run_dir}/pruned/ (the pruned model); now the exports")
     steps = Steps(run_dir, finish, click.echo)
     record = export_run(
-        models, run_dir, engines, opset, simplify, opts, build, require_engines, quantize, rewrites_, no_engines, steps
+        models,
+        run_dir,
+        engines,
+        opset,
+        simplify,
+        opts,
+        build,
+        require_engines,
+        quantize,
+        rewrites_,
+        no_engines,
+        steps,
+        click.echo,
+        targets,
+        data,
     )
     genai_records = {}
     if decoder:
         with steps("genai folders (dense, pruned)"):
-            for stem, (model, description) in models.items():
+            for stem, (model, description) in each(
+                "genai folder", [(genai_name(s), (s, m)) for s, m in models.items()], click.echo
+            ):
                 with atomic_dir(run_dir / genai_name(stem)) as folder:
                     genai_records[stem] = write_genai_folder(
                         model, folder, description, run_dir / ARTIFACT, opset, None, opts.fp32, graph=decode_graph
@@ -224,7 +263,7 @@ def prune_export(
                     click.echo(line)
         # each folder's model.onnx.json has it all; export.json names the folders and their checks
         record["genai"] = {genai_name(stem): genai_brief(r) for stem, r in genai_records.items()}
-    if "int4" in precisions_:
+    if INT4.name in precisions_:
         with steps("INT4 quantization"):
             data, seed = calibration_source(prune_args["calib_dir"], prune_args["calib"]), prune_args["seed"]
             vocab = run.dense.config.vocab_size
@@ -237,11 +276,12 @@ def prune_export(
             inputs = [(model, tokenizer_files(run_dir / ARTIFACT)) for model, _ in models.values()]
             info, candidates = {"text": data, "seed": seed}, int4_candidates(int4, scheme)
             record["int4"] = int4_graphs(
-                pairs, windows, tol, scheme, info, **calibration, candidates=candidates, sources=inputs
+                pairs, windows, tol, scheme, info, **calibration, candidates=candidates, sources=inputs, say=click.echo
             )
             record |= decoder_int4_baseline(run_dir, [out.name for _, out in pairs], windows, tol, inputs[0], info)
     record = write_export_record(run_dir, run.name, run.result.report, record, versions())
-    click.echo(format_summary(record, {k: v["params"] for k, v in record["size"].items()}))
+    summary = format_summary(record, {k: v["params"] for k, v in record["size"].items()})
+    click.echo(summary)
     if "int4" in record:
         click.echo(format_int4(record["int4"]))
         if "int4_speed" in record:
@@ -250,8 +290,8 @@ def prune_export(
             click.echo(f"quantize-only baseline not built: {record['int4_baseline']['error']}")
     for stem, genai_record in genai_records.items():
         click.echo(genai.summary(genai_record, genai_name(stem), None))  # random-token prompts
-    folders = ", ".join(f"{genai_name(stem)}/" for stem in genai_records)
-    click.echo(f"wrote {out}/ (pruned/, ONNX files, engines, export.json{', ' + folders if folders else ''})")
+    write_readme(run_dir, record, summary, command_line())
+    click.echo(f"wrote {out}/ ({', '.join(written(run_dir))}; each graph and engine with its .json record): {README}")
     say_folder(run_dir / ARTIFACT)
     click.echo(steps.wall_time(time.perf_counter() - started, {"prune (model, data, tables, recovery)": prune_seconds}))
 
@@ -272,25 +312,26 @@ def _finisher(
     quantize_flags = _given(quantize, ("tol_cosine", "tol_rel"))  # prune-export's tolerances are its FP32 gates
     made: list[tuple[tuple[Path, ...], list[str]]] = []  # (what a command writes, the command)
     for stem, source in sources_.items():
-        graphs = (out / onnx_name(stem), *((out / onnx_name(stem, "fp16"),) if "fp16" in engines else ()))
+        half = onnx_name(stem, FP16.name)
+        graphs = (out / onnx_name(stem), *((out / half,) if FP16.name in engines else ()))
         flags = [
             *_given(export, not_for_artifact if stem == "pruned" else ()),
-            *(["--fp16"] if len(graphs) > 1 else []),
+            *(["--precision", f"{FP32.name},{FP16.name}"] if len(graphs) > 1 else []),
         ]
         made.append((graphs, ["export", source, *flags, "--out", str(graphs[0])]))
     if int8:
-        made.append((tuple(out / onnx_name(s, "int8") for s in sources_), ["quantize", str(out), *quantize_flags]))
+        made.append((tuple(out / onnx_name(s, INT8.name) for s in sources_), ["quantize", str(out), *quantize_flags]))
     for stem, source in sources_.items() if decoder else ():
         folder = out / genai_name(stem)
-        skip = ("fp16", "pad_qk", "simplify", "rewrites", *(not_for_artifact if stem == "pruned" else ()))
+        skip = ("precision", "fp16", "pad_qk", "simplify", "rewrites", *(not_for_artifact if stem == "pruned" else ()))
         made.append(((folder,), ["export", source, *_given(export, skip), "--out", str(folder)]))
-    if "int4" in precisions_:
+    if INT4.name in precisions_:
         int4_out = tuple(out / genai_name(s, int4=True) for s in sources_)
-        made.append((int4_out, ["quantize", str(out), "--precision", "int4", *quantize_flags]))
+        made.append((int4_out, ["quantize", str(out), "--precision", INT4.name, *quantize_flags]))
     for precision in engines if buildable else ():
         for stem in sources_:
             plan = out / engine_name(stem, precision)
-            graph = out / onnx_name(stem, "int8" if precision == "int8" else "fp32")
+            graph = out / onnx_name(stem, precision if precision == INT8.name else FP32.name)
             argv = ["build-engine", str(graph), "--precision", precision, *_given(build_engine), "--out", str(plan)]
             made.append(((plan,), argv))
 

@@ -15,6 +15,7 @@ from corp_deploy.core.compensation import DEPTH_FITS
 from corp_deploy.core.config import (
     CRITERIA,
     DEFAULT_RIDGE,
+    DEFAULT_TARGET,
     LAYOUTS,
     Budget,
     PruneConfig,
@@ -27,7 +28,7 @@ from corp_deploy.core.recover import KEPT_INPUTS, TARGETS, Recovery
 method_options = group(
     click.option(
         "--target",
-        default="mlp,qk",
+        default=",".join(DEFAULT_TARGET),
         show_default=True,
         help="What to prune: a comma list of mlp (MLP channels), qk (attention Q/K dims), v (attention V "
         "channels); all = mlp,qk,v; both = joint = mlp,qk; attn = qk. Left out, the parts the model's family "
@@ -68,7 +69,7 @@ sparsity_options = group(
     click.option(
         "--budget",
         metavar="macs=F|latency=F",
-        help="Instead of --sparsity: keep fraction F of the dense MACs, or of the dense latency measured on "
+        help="Instead of a sparsity: keep fraction F of the dense MACs, or of the dense latency measured on "
         "--latency-on, with every block's widths chosen where they hurt least (see --allocation).",
     ),
     click.option(
@@ -142,7 +143,11 @@ max_stats_option = click.option(
 
 
 latency_options = group(
-    click.option("--speedup", type=float, help="Instead of --sparsity: be S times faster (= --budget latency=1/S)."),
+    click.option(
+        "--speedup",
+        type=float,
+        help="Instead of a sparsity: be S times faster (a latency budget: 1/S of the dense time).",
+    ),
     click.option(
         "--latency-on",
         metavar="BACKEND",
@@ -174,8 +179,9 @@ recover_options = group(
         type=click.Choice(TARGETS),
         default="blocks",
         show_default=True,
-        help="Recovery: each block reproduces its dense block's output from the dense input (blocks), or from "
-        "the pruned model's own input (hidden: end to end), or the model its dense final features (features).",
+        help="Recovery's objective: blocks (each pruned block reproduces its dense block's output, both fed the "
+        "dense model's input of that block), hidden (the same, fed the pruned model's own input: end to end), or "
+        "features (the pruned model reproduces the dense model's final features).",
     ),
     into="recovery",
 )

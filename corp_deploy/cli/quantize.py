@@ -19,10 +19,11 @@ from corp_deploy.cli.export_options import (
 )
 from corp_deploy.cli.options import (
     calibration_source,
+    command_line,
     needs,
 )
 from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options
-from corp_deploy.exporters.compare import INT8
+from corp_deploy.exporters.compare import INT8 as INT8_GATE
 from corp_deploy.exporters.genai import GRAPH
 from corp_deploy.exporters.int4 import (
     format_int4,
@@ -36,6 +37,7 @@ from corp_deploy.exporters.pipeline import (
     format_summary,
     fp16_graph,
     is_text,
+    record_quantized,
 )
 from corp_deploy.exporters.quant_data import int4_calibration, int4_windows, text_int8
 from corp_deploy.exporters.tensorrt_engine import (
@@ -45,10 +47,14 @@ from corp_deploy.exporters.tensorrt_engine import (
     select_flavour,
 )
 from corp_deploy.formats.artifact import META_FILE
+from corp_deploy.formats.precisions import FP16, FP32, INT4, INT8
 from corp_deploy.formats.run_folder import (
     ARTIFACT,
+    RECORD,
     int4_pairs,
     int8_pairs,
+    onnx_name,
+    write_readme,
 )
 
 
@@ -57,9 +63,9 @@ from corp_deploy.formats.run_folder import (
 @click.option(
     "--precision",
     type=click.Choice(PRECISIONS),
-    default="fp16",
+    default=FP16.name,
     show_default=True,
-    help="fp32, fp16 or int8 (from a Q/DQ graph).",
+    help=f"{', '.join(PRECISIONS)} ({INT8.name}: from a Q/DQ graph).",
 )
 @engine_group
 @verify_group
@@ -83,16 +89,16 @@ def build_engine(
     stem = source.name.removesuffix(".onnx").removesuffix(".fp16").removesuffix(".int8")
     plan = Path(out) if out else source.with_name(f"{stem}.{precision}.plan")
     check_writable(plan, overwrite)
-    if precision == "int8":  # made by `quantize`, never converted here: it needs calibration images
-        if meta.get("precision") == "int8" and meta.get("int8_scheme", {}).get("format") != "QDQ":
+    if precision == INT8.name:  # made by `quantize`, never converted here: it needs calibration images
+        if meta.get("precision") == INT8.name and meta.get("int8_scheme", {}).get("format") != "QDQ":
             raise CorpError(
                 f"{source} is not a Q/DQ graph (INT8 recipe {meta.get('int8_recipe', {}).get('chosen', 'unknown')}); "
                 "TensorRT builds INT8 engines from Q/DQ only: quantize with --int8-recipe static"
             )
         require_precision(proto, source, precision)
     select_flavour(options)  # fail before converting anything
-    if precision == "fp16" and graph_precision(proto) == "fp32":
-        source = fp16_graph(source, source.with_name(f"{stem}.fp16.onnx"), opts, click.echo)
+    if precision == FP16.name and graph_precision(proto) == FP32.name:
+        source = fp16_graph(source, source.with_name(onnx_name(stem, FP16.name)), opts, click.echo)
     record = engine_verified(source, plan, options, opts, overwrite)
     click.echo(format_summary({"onnx": [], "engines": [{"file": plan.name, **record}], "engines_skipped": None}))
     target = record.get("gpu") or f"targets {','.join(record['targets'])}"
@@ -103,10 +109,11 @@ def build_engine(
 @click.argument("source", type=click.Path())
 @click.option(
     "--precision",
-    type=click.Choice(("int8", "int4")),
-    default="int8",
+    type=click.Choice((INT8.name, INT4.name)),
+    default=INT8.name,
     show_default=True,
-    help="int8: static Q/DQ (image models); int4: weight-only MatMulNBits (decoders).",
+    help="int8: the fastest INT8 recipe that passes the gate (--int8-recipe: static Q/DQ, dynamic, smoothed); "
+    "int4: weight-only MatMulNBits (decoders).",
 )
 @click.option(
     "--calib-dir", type=click.Path(), help="The images CORP calibrated on (same --seed); int4: the text folder."
@@ -115,8 +122,8 @@ def build_engine(
 @click.option("--seed", default=0, show_default=True, help="Seed of the calibration sample (CORP's).")
 @int8_options
 @int4_options
-@click.option("--tol-cosine", type=float, help=f"Minimum cosine vs the FP32 graph [int8 {INT8.min_cosine}].")
-@click.option("--tol-rel", type=float, help=f"Maximum max-abs error / max |FP32| [int8 {INT8.max_rel_error}].")
+@click.option("--tol-cosine", type=float, help=f"Minimum cosine vs the FP32 graph [int8 {INT8_GATE.min_cosine}].")
+@click.option("--tol-rel", type=float, help=f"Maximum max-abs error / max |FP32| [int8 {INT8_GATE.max_rel_error}].")
 @click.option("--workers", default=0, show_default=True, help="Image decoding worker processes.")
 @click.option("--overwrite", is_flag=True, help="Replace existing INT8 / INT4 files.")
 def quantize(
@@ -137,7 +144,8 @@ def quantize(
     workers: int,
     overwrite: bool,
 ) -> None:
-    """Static INT8 (Q/DQ) of SOURCE (a prune-export folder's dense/pruned.onnx, or one .onnx): <name>.int8.onnx.
+    """INT8 of SOURCE (a prune-export folder's dense/pruned.onnx, or one .onnx): <name>.int8.onnx, by the fastest
+    --int8-recipe that passes the INT8 gate (static Q/DQ, onnxruntime's dynamic, smoothed).
 
     Calibrated on the first --int8-calib images of CORP's seeded sample, verified against the FP32
     graph on the next --int8-verify; written only if it passes the INT8 gate. A text encoder's graph calibrates
@@ -146,7 +154,7 @@ def quantize(
     --precision int4, a decoder's weight-only INT4 graph <name>.int4.onnx, verified on --int4-windows held-out
     windows of the --calib-dir text (perplexity ratio and top-1 agreement against the FP32 graph).
     """
-    if precision == "int4":
+    if precision == INT4.name:
         _quantize_int4(Path(source), calibration_source(calib_dir, calib, True), int4, seed, overwrite)
         return
     pairs = int8_pairs(Path(source))
@@ -156,7 +164,7 @@ def quantize(
     for _, out in pairs:
         check_writable(out, overwrite)
     needs("INT8 quantization", "onnx", "onnxruntime")
-    tol = tolerance(INT8, tol_cosine, tol_rel)
+    tol = tolerance(INT8_GATE, tol_cosine, tol_rel)
     text = None
     if is_text(metas[0]):  # a run folder's graphs are one model's: the tokenizer is its artifact's, or its source's
         artifact = pairs[0][0].parent / ARTIFACT
@@ -181,6 +189,14 @@ def quantize(
     )
     click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}))
     click.echo(f"wrote {', '.join(str(out.parent / r['file']) for r in records)} (each with a .json record)")
+    _recorded(Path(source), onnx=records)
+
+
+def _recorded(folder: Path, **quantized: Any) -> None:
+    """A run folder's export.json and README.md updated with what quantize wrote (nothing for a lone graph)."""
+    if folder.is_dir() and (record := record_quantized(folder, **quantized)) is not None:
+        summary = format_summary(record, {k: v["params"] for k, v in record.get("size", {}).items()})
+        click.echo(f"updated {folder / RECORD} and {write_readme(folder, record, summary, command_line())}")
 
 
 def _quantize_int4(source: Path, data: str, int4: dict[str, Any], seed: int, overwrite: bool) -> None:
@@ -204,3 +220,4 @@ def _quantize_int4(source: Path, data: str, int4: dict[str, Any], seed: int, ove
     records = int4_graphs(pairs, windows, tol, scheme, info, overwrite, **calibration, candidates=candidates)
     click.echo(format_int4(records))
     click.echo(f"wrote {', '.join(str(out) for _, out in pairs)} (each with a .json record)")
+    _recorded(source, int4=records)

@@ -196,7 +196,7 @@ def sweep(
             declared_pooling(flags["model"]) if text and Path(flags["model"]).is_dir() else None,
         )
         accuracy = floor.Accuracy(held, metric or default_metric(held.kind))
-        say(f"held-out {accuracy.metric} ({METRICS[accuracy.metric].what}) on {held.source}")
+        say(f"held-out {accuracy.metric} ({METRICS[accuracy.metric].what}) on {floor.heldout_words(held.source)}")
     plan = None
     if backend is not None:
         table = speed.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)

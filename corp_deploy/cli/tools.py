@@ -48,7 +48,7 @@ def convert_gguf(gguf: str | None, out: str | None, overwrite: bool) -> None:
 @click.command()
 @click.option("--out", default="runs/demo", show_default=True, type=click.Path(), help="Folder to (re)write.")
 @click.option("--sparsity", default=0.5, show_default=True, help="Joint MLP + attention sparsity.")
-@click.option("--target", default="both", show_default=True, help="What to prune, as for prune (e.g. all).")
+@click.option("--target", default=DemoConfig.target, show_default=True, help="What to prune, as for prune (e.g. all).")
 @click.option("--dataset", default="auto", show_default=True, help="auto, fashion-mnist (Debian package) or digits.")
 @click.option("--train", default=DemoConfig.train, show_default=True, help="Probe-training (and calibration) images.")
 @click.option("--test", default=DemoConfig.test, show_default=True, help="Held-out test images.")

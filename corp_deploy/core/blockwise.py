@@ -227,9 +227,9 @@ def walk(
     timer: Timer | None = None,
 ) -> tuple[list[dict], dict[str, Any]]:
     """Calibrate and prune ``model`` (on ``device``, eval mode) in place, block by block, to ``plan``'s widths
-    (``corp_deploy.plan.widths``).
+    (``corp_deploy.plan.width_plan``).
 
-    Returns the per-block report (as ``pruner.prune_model``'s) and what the walk did: images, groups, passes,
+    Returns the per-block report (as ``pruner.prune_model``'s) and what the walk did: samples, groups, passes,
     peak statistics bytes and cache size.
     """
     adapter = adapter_for(model)
@@ -240,11 +240,11 @@ def walk(
     peak = max(block_stats(model, config, g, "meta").nbytes() for g in groups)
     cache = TokenCache(device, 2 if config.sequential else 1, device_budget(device, peak))
     start = time.perf_counter()
-    images, skipped = _cache_stem(model, adapter, batches, cache, total, progress)
-    counts = torch.tensor([images, skipped], dtype=torch.float64, device=device)
+    samples, skipped = _cache_stem(model, adapter, batches, cache, total, progress)
+    counts = torch.tensor([samples, skipped], dtype=torch.float64, device=device)
     all_reduce_tensors([counts], world, dist_timeout)
-    images, skipped = int(counts[0]), int(counts[1])
-    if images == 0:
+    samples, skipped = int(counts[0]), int(counts[1])
+    if samples == 0:
         raise CorpError(f"none of the {skipped} calibration {adapter.unit} could be read; check the files")
     timer.add("calibration", start)
     report = []
@@ -253,7 +253,7 @@ def walk(
         report += step(model, adapter, group, plan, cache, config, world, dist_timeout, timer)
     passes = len(plan) * (4 if config.sequential else 1)
     return report, {
-        "images": images,
+        "samples": samples,
         "skipped": skipped,
         "mode": "sequential" if config.sequential else "blockwise",
         "groups": len(groups),
@@ -274,7 +274,7 @@ def _cache_stem(
     progress: bool,
 ) -> tuple[int, int]:
     """Every batch once through the model up to block 0 (``Adapter.block_call``): the cache's chunks."""
-    images = skipped = 0
+    samples = skipped = 0
     with torch.inference_mode(), tqdm(total=total, unit="input", desc="stem", disable=not progress) as bar:
         for inputs, bad in batches:
             skipped += bad
@@ -286,9 +286,9 @@ def _cache_stem(
                     doubled = map_tensors(inputs, lambda t: torch.cat([t, t]))
                     paired = adapter.block_call(model, doubled, cache.device)[1]
                 cache.add(x, call, adapter.token_mask(inputs, cache.device), paired)
-                images += n
+                samples += n
             bar.update(n + bad)
-    return images, skipped
+    return samples, skipped
 
 
 def _dense_group(

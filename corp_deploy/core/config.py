@@ -25,9 +25,9 @@ DEFAULT_TARGET = ("mlp", "qk")
 TARGET_ALIASES = {"attn": ("qk",), "both": ("mlp", "qk"), "joint": ("mlp", "qk"), "all": PARTS}
 """Older and shorter spellings of ``--target``: ``attn`` and ``both`` keep their pre-V meanings."""
 LAYOUTS = ("auto", "standard")
-"""The folder a text model's plan may lead to: whichever its widths allow (``hf_folder``: the family's own format when
-they are uniform and attention keeps the config's head width, else remote code), or the family's own format only
-(uniform widths of the parts its config expresses)."""
+"""The folder a text model's plan may lead to: whichever its widths allow (``families.hf.folder``: the family's own
+format when they are uniform and attention keeps the config's head width, else remote code), or the family's own
+format only (uniform widths of the parts its config expresses)."""
 BUDGET_KINDS = ("macs", "latency")
 """What a budget bounds: the closed-form MACs, or the time predicted by a latency table measured on a backend."""
 CRITERIA = ("sensitivity", "local")

@@ -88,9 +88,9 @@ def all_reduce_stats(stats: CalibrationStats, world: World, timeout_s: float) ->
     if world.size == 1:
         return stats
     device = stats.tensors()[0].device if stats.tensors() else torch.device("cpu")
-    counts = torch.tensor([stats.images, stats.skipped], dtype=torch.float64, device=device)
+    counts = torch.tensor([stats.samples, stats.skipped], dtype=torch.float64, device=device)
     all_reduce_tensors([counts, *stats.tensors()], world, timeout_s)
-    stats.images, stats.skipped = int(counts[0]), int(counts[1])
+    stats.samples, stats.skipped = int(counts[0]), int(counts[1])
     return stats
 
 

@@ -1,7 +1,7 @@
 """CORP end to end on one model: calibrate once, then select, fit and install every block.
 
 ``calibrate`` is the only step that sees images; ``prune_model`` works from the statistics alone, to the widths a
-plan gave (``corp_deploy.plan.widths``), so a sweep calibrates once and prunes at many sparsities (on copies of the
+plan gave (``corp_deploy.plan.width_plan``), so a sweep calibrates once and prunes at many sparsities (on copies of the
 dense model). One block (``prune_block``) is three steps over its parts: ``select`` (ranking), ``fit`` (the
 compensations, ``core.fit``), install (``Adapter.install``: the family's modules).
 """
@@ -81,7 +81,7 @@ def calibrate(
         collect(model, batches, stats, device, total=total, progress=progress)
     if merge is not None:
         stats = merge(stats)
-    if stats.images == 0:
+    if stats.samples == 0:
         raise CorpError(f"none of the {stats.skipped} calibration images could be read; check the files")
     return stats
 
@@ -95,7 +95,7 @@ def prune_model(
     progress: bool = True,
 ) -> list[dict]:
     """Prune ``model`` in place from ``stats`` to ``plan`` (every block's widths, made before any block is changed:
-    ``corp_deploy.plan.widths``, so a bad plan never leaves a half-pruned model); returns per-block diagnostics.
+    ``corp_deploy.plan.width_plan``, so a bad plan never leaves a half-pruned model); returns per-block diagnostics.
     A bar with an ETA over the blocks: a 1.7B decoder's solves take seconds per block."""
     timer = timer or Timer()
     adapter = adapter_for(model)

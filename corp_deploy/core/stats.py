@@ -255,7 +255,8 @@ class CalibrationStats:
     mlp: dict[int, MlpStats] = field(default_factory=dict)
     qk: dict[int, QKStats] = field(default_factory=dict)
     proj: dict[int, MlpStats] = field(default_factory=dict)
-    images: int = 0
+    samples: int = 0
+    """Inputs summed: images, or a text model's sequences (``Adapter.unit``)."""
     skipped: int = 0
     depth: dict[tuple[int, str], BranchStats] = field(default_factory=dict)
     """(block, module) -> its branch's moments, for replacing the module (``--depth``)."""
@@ -284,7 +285,7 @@ class CalibrationStats:
             self.proj[i] += s
         for k, s in other.depth.items():
             self.depth[k] += s
-        self.images += other.images
+        self.samples += other.samples
         self.skipped += other.skipped
         return self
 
@@ -400,6 +401,6 @@ def collect(
                 mask.value = adapter.token_mask(inputs, device)
                 stop = [] if last < 0 else [blocks[last].register_forward_hook(_stop)]
                 run_until_stopped(stop, functools.partial(adapter.run, model, inputs, device))
-                stats.images += n
+                stats.samples += n
             bar.update(n + skipped)
     return stats

@@ -29,6 +29,7 @@ from corp_deploy.base.deps import require
 from corp_deploy.base.env import cpu_features
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable, staged
+from corp_deploy.base.steps import each
 from corp_deploy.base.tables import text_table
 from corp_deploy.base.timing import Method, interleaved
 from corp_deploy.exporters.int4_gate import INT4, DecoderTolerance, compare_decoders, gate_words
@@ -258,11 +259,13 @@ def _builder_candidate(recipe: str, src: Path, folder: Path, scheme: Scheme, sou
 def _why(chosen: str, outcomes: dict[str, dict], forced: bool) -> str:
     """One line: which recipe, and why it and not the others."""
     timed = {n: o["decode_ms_per_token"] for n, o in outcomes.items() if o.get("decode_ms_per_token") is not None}
-    failed = [  # why a candidate was not built is in its record: onnxruntime's reasons run to paragraphs
-        f"{n} x{o['verify']['ppl_ratio']:.3f} / {o['verify']['agreement']:.3f}" if "verify" in o else f"{n} not built"
+    failed = [  # measured and refused by the gate
+        f"{n} x{o['verify']['ppl_ratio']:.3f} / {o['verify']['agreement']:.3f}"
         for n, o in outcomes.items()
-        if not o.get("passed")
+        if not o.get("passed") and "verify" in o
     ]
+    unbuilt = [n for n, o in outcomes.items() if not o.get("passed") and "verify" not in o]  # never reached the gate
+
     if forced:
         why = "forced (--int4-method)"
     elif timed:
@@ -270,7 +273,8 @@ def _why(chosen: str, outcomes: dict[str, dict], forced: bool) -> str:
         why = f"the fastest passing candidate (decode ms/token, batch 1, genai CPU: {speeds})"
     else:
         why = "the only candidate that passes the gate"
-    return why + (f"; failed the gate: {', '.join(failed)}" if failed else "")
+    why += f"; failed the gate: {', '.join(failed)}" if failed else ""
+    return why + (f"; not built (why: in the record): {', '.join(unbuilt)}" if unbuilt else "")
 
 
 def int4_genai_folder(
@@ -420,13 +424,14 @@ def int4_graphs(
     candidates: Sequence[str] | None = None,
     sources: Sequence[BuilderInput | None] | None = None,
     timer: Timer = decode_ms,
+    say: Callable[[str], None] = lambda line: None,
 ) -> list[dict[str, Any]]:
-    """Quantize each (FP32 graph, INT4 file) pair, verified; every graph and destination is checked before any
-    work. Each INT4 file and its ``.json`` record appear only when verified. A pair of folders is an
-    onnxruntime-genai folder and its INT4 copy, chosen among ``candidates`` (``int4_genai_folder``; the builder's
-    reading the model and tokenizer of the pair's entry in ``sources``); a single graph takes ``scheme``.
-    ``calibration``: token windows drawn apart from ``windows`` (GPTQ, ``keep_float``), described by
-    ``calibration_info`` in each record."""
+    """Quantize each (FP32 graph, INT4 file) pair, verified, ``say`` told as each starts (``steps.each``: minutes each
+    for a decoder's candidates); every graph and destination is checked before any work. Each INT4 file and its
+    ``.json`` record appear only when verified. A pair of folders is an onnxruntime-genai folder and its INT4 copy,
+    chosen among ``candidates`` (``int4_genai_folder``; the builder's reading the model and tokenizer of the pair's
+    entry in ``sources``); a single graph takes ``scheme``. ``calibration``: token windows drawn apart from
+    ``windows`` (GPTQ, ``keep_float``), described by ``calibration_info`` in each record."""
     from corp_deploy.exporters.genai import GRAPH
 
     needs_calibration(scheme, calibration)
@@ -436,7 +441,7 @@ def int4_graphs(
             raise CorpError(f"--int4-method {candidates[0]} writes genai folders; a single graph takes {scheme.method}")
         check_writable(out, overwrite)
     records = []
-    for i, (src, out) in enumerate(pairs):
+    for i, (src, out) in enumerate(each("INT4", [(out.name, (src, out)) for src, out in pairs], say)):
         with staged(out, overwrite) as stage:
             args = (src, stage / out.name, windows, tol, scheme, info, calibration, calibration_info)
             if src.is_dir():
@@ -470,7 +475,7 @@ def format_int4(records: Sequence[dict[str, Any]]) -> str:
         v, s = r["verify"], r["int4_scheme"]
         rows.append(
             (
-                r["file"],
+                f"{r['folder']}/{r['file']}" if "folder" in r else r["file"],  # two folders' graphs: model.onnx
                 f"{r['bytes'] / 2**20:.1f}",
                 s.get("method", "rtn"),
                 str(s["block_size"]),

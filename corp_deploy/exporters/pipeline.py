@@ -27,6 +27,7 @@ from torch import nn
 from corp_deploy.base.env import describe_cpu
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.fsio import atomic_file, staged
+from corp_deploy.base.steps import each
 from corp_deploy.base.tables import text_table
 from corp_deploy.exporters.compare import (
     FP16,
@@ -54,6 +55,7 @@ from corp_deploy.exporters.onnx_export import (
 )
 from corp_deploy.exporters.rewrites import rewritten
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
+from corp_deploy.exporters.targets import Job, Target
 from corp_deploy.exporters.tensorrt_engine import (
     TEXT_ENGINES,
     VERIFIED,
@@ -230,6 +232,9 @@ def export_run(
     rewrites: Sequence[str] = (),
     no_engines: str | None = None,
     step: Callable[[str], AbstractContextManager] = lambda what: nullcontext(),
+    say: Callable[[str], None] = lambda line: None,
+    targets: Sequence[Target] = (),
+    data: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
     """ONNX for every model (FP16 and INT8 too when asked), then an engine per model and precision, unless
     ``no_engines`` says why not (recorded as the skip reason).
@@ -243,13 +248,18 @@ def export_run(
 
     Every file is staged on its own into ``out`` (an existing folder), so a run that stops keeps each file that
     finished, whole; ``step`` wraps each phase (``corp_deploy.base.steps.Steps``: it announces, times, and turns a stop
-    into one line).
+    into one line); ``say`` gets a line as each model's export starts, with the time the rest should take
+    (``corp_deploy.base.steps.each``: a decoder's graph is minutes of tracing).
+
+    ``targets`` (``exporters.targets``: OpenVINO...) each convert the verified FP32 graphs (and, with ``int8``, quantize
+    them on ``data``: graph -> its calibration and held-out inputs) after the ONNX files, recorded under
+    ``record["targets"][name]``.
     """
     if "int8" in precisions and quantize is None:
         raise CorpError("INT8 engines are built from INT8 Q/DQ graphs: quantize with calibration images first")
     record: dict[str, Any] = {"onnx": [], "engines": [], "engines_skipped": None}
     with step(f"ONNX export and verification ({', '.join(models)})"):
-        for stem, (model, description) in models.items():
+        for stem, (model, description) in each("ONNX export", [(s, (s, m)) for s, m in models.items()], say):
             fp32 = out / onnx_name(stem)
             with staged(fp32) as stage:
                 record["onnx"].append(
@@ -261,6 +271,10 @@ def export_run(
     if quantize is not None:
         with step("INT8 quantization"):
             record["onnx"] += quantize([(out / onnx_name(stem), out / onnx_name(stem, "int8")) for stem in models])
+    for target in targets:
+        with step(f"{target.name}: {target.what}"):
+            job = Job(out, tuple(models), tuple(precisions), opts, data)
+            record.setdefault("targets", {})[target.name] = target.write(job)
     build = build or BuildOptions()
     reason = no_engines or build_missing(build)
     if reason:
@@ -308,6 +322,24 @@ def write_export_record(
     return record
 
 
+def record_quantized(
+    out: Path, onnx: Sequence[dict[str, Any]] = (), int4: list[dict[str, Any]] | None = None
+) -> dict[str, Any] | None:
+    """``out/export.json`` after ``quantize`` wrote into the run folder: its INT8 graphs' records replace those of the
+    same files (or join them), an INT4 run's ``int4`` is replaced; the updated record, or None when ``out`` has no
+    export.json (a lone graph's folder)."""
+    if not (out / RECORD).is_file():
+        return None
+    record = json.loads((out / RECORD).read_text())
+    files = {r["file"] for r in onnx}
+    record["onnx"] = [r for r in record.get("onnx", []) if r["file"] not in files] + list(onnx)
+    if int4 is not None:
+        record["int4"] = int4
+    with atomic_file(out / RECORD, overwrite=True) as tmp:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
 def genai_brief(record: dict[str, Any]) -> dict[str, Any]:
     """A genai folder's checks and cache layout, for ``export.json`` (its ``model.onnx.json`` has it all)."""
     genai_ = record["genai"]
@@ -332,12 +364,14 @@ def decoder_int4_baseline(
 
 
 def format_summary(record: dict[str, Any], params: dict[str, int] | None = None) -> str:
-    """What ``prune-export`` prints: the ONNX files with their verification, then the engines."""
+    """What ``prune-export`` prints: the ONNX files and every export target's (``record["targets"]``) with their
+    verification, then the engines."""
     params = params or {}
+    files = [*record["onnx"], *(r for written in record.get("targets", {}).values() for r in written)]
     rows = [("file", "precision", "MB", "params", "reference", "runtime", "max-abs", "cosine", "top-1", "seconds")]
     timed = any("speed" in r for r in record["onnx"])
     rows[0] += ("p50 ms", "vs quantize-only") if timed else ()
-    for r in record["onnx"]:
+    for r in files:
         v, stem = r["verify"], r["file"].split(".")[0]
         rows.append(
             (
@@ -354,7 +388,13 @@ def format_summary(record: dict[str, Any], params: dict[str, int] | None = None)
             )
             + (_speed(r.get("speed")) if timed else ())
         )
-    lines = [text_table(rows)] if record["onnx"] else []
+    lines = [text_table(rows)] if files else []
+    if flipped := [r["file"] for r in files if r["verify"]["top1"] < 1]:  # beside a passing cosine
+        lines.append(
+            f"top-1 below 1.00 ({', '.join(flipped)}): the worst batch's share of samples whose largest output kept "
+            "its place; near-tied outputs (random weights) swap under harmless rounding, so it is reported, never "
+            "gated: cosine and max-abs are the checks"
+        )
     if timed:
         speed = next(r["speed"] for r in record["onnx"] if "speed" in r)
         lines.append(

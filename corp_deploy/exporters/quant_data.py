@@ -13,7 +13,7 @@ import numpy as np
 from corp_deploy.base.errors import CorpError
 from corp_deploy.exporters.int4_quant import Scheme
 from corp_deploy.exporters.onnx_export import read_metadata
-from corp_deploy.exporters.quantize import Data
+from corp_deploy.exporters.quantize import Data, calibration_data
 from corp_deploy.families.hf import hub
 from corp_deploy.formats import calibration, evaluation
 from corp_deploy.formats.data import SYNTHETIC
@@ -62,3 +62,11 @@ def text_int8(
         return int8_feeds(tokenizer, source, meta["vocab_size"], num_calib, num_verify, meta["seq_len"], seed)
 
     return feeds
+
+
+def int8_data(
+    source: str, num_calib: int, num_verify: int, seed: int, workers: int = 0, text: Callable[[Any], Data] | None = None
+) -> Callable[[Any], Data]:
+    """Graph -> the (calibration, held-out) inputs every INT8 target reads: a text encoder's feeds (``text_int8``),
+    else ``source``'s images (or noise) as the graph's metadata preprocesses them."""
+    return text or (lambda proto: calibration_data(source, proto, num_calib, num_verify, seed, workers))

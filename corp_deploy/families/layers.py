@@ -1,6 +1,6 @@
 """What every family's pruning shares: a removed module's closed-form stand-in and a Linear's weights in float64.
 
-Here, not in one family's folder, so the algorithm (``core.pruner``) and the plan (``plan.widths``) read them
+Here, not in one family's folder, so the algorithm (``core.pruner``) and the plan (``plan.width_plan``) read them
 without importing the timm family; a family places the stand-in in its own blocks (``Adapter.replace_branch``).
 """
 

@@ -271,7 +271,7 @@ def budget_cost(model: nn.Module, config: PruneConfig, dense_macs: int, table: L
 
 def budget_limit(model: nn.Module, config: PruneConfig, dense_macs: int, table: LatencyTable | None = None) -> float:
     """Data-free: the limit of ``config.budget`` (MACs or seconds); a budget no allowed widths can meet fails here
-    (``plan.widths.data_free``, before calibrating, and every re-plan: the closed loop's corrected tables). The
+    (``plan.width_plan.data_free``, before calibrating, and every re-plan: the closed loop's corrected tables). The
     smallest model keeps ``round_to`` channels of every targeted part."""
     cost = budget_cost(model, config, dense_macs, table)
     limit = config.budget.fraction * cost.dense

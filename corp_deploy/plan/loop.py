@@ -21,7 +21,7 @@ from corp_deploy.core.stats import CalibrationStats
 from corp_deploy.plan import speed
 from corp_deploy.plan.allocation import widths_of
 from corp_deploy.plan.latency import LatencyTable, Timing, workload
-from corp_deploy.plan.widths import Replan
+from corp_deploy.plan.width_plan import Replan
 
 
 def check_loop(config: PruneConfig, max_stats_gib: float | None, processes: int, table: LatencyTable | None) -> None:

@@ -226,6 +226,7 @@ def test_sweep_of_a_tiny_bert_writes_the_frontier_with_pareto_flags(tmp_path, ca
     argv = ["sweep", str(folder), "--calib-dir", str(docs), *SWEEP, "--sparsities", "0.25,0.75", "--frontier"]
     code, stdout, err = run([*argv, "--out", str(out)], capsys)
     assert code == 0, err
+    assert "sent/s (batch)" in stdout and "img/s" not in stdout  # issue 50, item 12: a text sweep's column
     record = json.loads((out / "frontier.json").read_text())
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     points = record["points"]
@@ -249,8 +250,9 @@ def test_sweep_of_a_tiny_bert_writes_the_frontier_with_pareto_flags(tmp_path, ca
     assert all("accuracy" in row for row in sweep["rows"]) and (out / "s0.75" / "pruned.int8.onnx").is_file()
     corp, removal = (_find(points, "s0.75", m, "fp32") for m in ("corp", "removal"))
     assert corp["speedup"] == removal["speedup"]  # the same widths
-    code, _, err = run(["eval", str(out / "s0.75"), "--text", str(docs), "--seq-len", "32"], capsys)  # a run folder
+    code, said, err = run(["eval", str(out / "s0.75"), "--text", str(docs), "--seq-len", "32"], capsys)  # a run folder
     assert code == 0, err
+    assert f"held-out: {docs} (part " in said and "{" not in said  # issue 50, item 12: in words, not a raw dict
     results = json.loads((out / "s0.75" / "eval.json").read_text())[-1]["results"]
     assert {"pruned ort-cpu-fp32", "pruned ort-cpu-int8", "dense ort-cpu-int8"} <= set(results)
     assert results["pruned ort-cpu-fp32"]["cosine"] == pytest.approx(corp["cosine"], abs=1e-5)  # the same inputs

@@ -126,6 +126,16 @@ def test_eval_labelled_and_unlabelled_across_backends(run_dir, capsys) -> None:
     pruned = log[-1]["results"]["pruned torch-cpu-fp32"]
     assert "top1" not in pruned and "top1_agreement" in pruned
 
+    some = run_dir.parent / "some-unreadable"  # issue 50, item 12: an unreadable file was counted as scored
+    some.mkdir()
+    for i, f in enumerate(sorted(images.rglob("*.png"))[:3]):
+        (some / f"{i}.png").write_bytes(f.read_bytes())
+    (some / "broken.png").write_bytes(b"not an image")
+    code, out, err = run(["eval", str(run_dir), "--images", str(some), "--quiet"], capsys)
+    assert code == 0 and f"3 images from {some} (unlabelled; 1 unreadable, skipped)" in out, err
+    log = json.loads((run_dir / "eval.json").read_text())
+    assert log[-1]["images"] == 3 and log[-1]["skipped_files"] == 1
+
 
 @pytest.mark.parametrize(
     ("extra", "message"),

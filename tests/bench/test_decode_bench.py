@@ -169,7 +169,8 @@ def test_bench_on_a_decoder_run_prints_the_phases_writes_the_record_and_gates(tm
         (["--prompt-lens", "40", "--new-tokens", "32"], "exceeds the model's 64 positions"),
         (["--prompt-lens", "0"], "--prompt-lens takes"),
         (["--seq-len", "8"], "a decoder takes --prompt-lens"),
-        (["--backends", "tensorrt-fp16"], "unknown decoder backend"),
+        (["--backends", "tensorrt-fp16"], "tensorrt-fp16 times encoder and image runs, not this run; choose auto"),
+        (["--backends", "genai-cpu"], "unknown decoder backend 'genai-cpu'"),
     ):
         code, _, stderr = run([*argv, *bad], capsys)
         assert code == 1 and says in stderr and stderr.count("\n") == 1, stderr

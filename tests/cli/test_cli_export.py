@@ -106,7 +106,7 @@ BAD = {
     "not onnx": (["build-engine", "{junk}"], "not a readable ONNX model"),
     "bad precision": (["build-engine", "{junk}", "--precision", "int4"], "Invalid value for '--precision'"),
     "batch range reversed": (["build-engine", "{junk}", "--batch", "8:4:2"], "1 <= min <= opt <= max"),
-    "export bad opset": (["export", "{artifact}", "--out", "{tmp}/m.onnx", "--opset", "12"], "--opset 12"),
+    "export bad opset": (["export", "{artifact}", "--out", "{tmp}/m.onnx", "--opset", "12"], "'--opset': 12 is not in"),
     "export one verify batch": (["export", "{artifact}", "--out", "{tmp}/m.onnx", "--verify-batches", "4"], "two"),
     "export not .onnx": (["export", "{artifact}", "--out", "{tmp}/m.plan"], "must be a .onnx file"),
     "export unknown model": (["export", "deit_tinyy", "--out", "{tmp}/m.onnx"], "did you mean"),
@@ -150,3 +150,19 @@ def test_bad_export_input_is_one_line_and_writes_nothing(case, artifact, tmp_pat
     assert code != 0 and len(lines) == 1 and expected in lines[0], stderr
     assert "Traceback" not in stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_bad_opset_is_refused_before_the_prune(tmp_path, capsys, monkeypatch) -> None:
+    """Issue 50, item 5: ``--opset 5`` was refused only after the prune (40 s), and the "to finish" commands it
+    printed repeated it. It is refused as the flags are read: nothing pruned, nothing written, one line."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("pruned before the options were checked")
+
+    monkeypatch.setattr("corp_deploy.cli.prune_export.pruned", never)
+    code, _, stderr = run([*PRUNE_EXPORT, "--opset", "5", "--out", str(tmp_path / "run")], capsys)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and lines == [
+        "error: Invalid value for '--opset': 5 is not in the range 18<=x<=23. (see corp-deploy --help)"
+    ], stderr
+    assert not (tmp_path / "run").exists()

@@ -25,7 +25,7 @@ from corp_deploy.core import compensation as C
 from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.stats import MlpStats, PairStats
 from corp_deploy.families import BlockCall, structure
-from corp_deploy.plan import widths as width_plan
+from corp_deploy.plan import width_plan
 
 F64 = torch.float64
 

@@ -82,5 +82,5 @@ def test_calibration_stops_after_the_last_block_with_statistics() -> None:
     model.lm_head.register_forward_hook(lambda *_: heads.append(1))
     stats = empty_stats(model, mlp=True, qk=False, device="cpu")
     collect(model, token_batches(n=2), stats, "cpu", progress=False)
-    assert stats.images == 8 and float(stats.mlp[1].count) == 8 * 24
+    assert stats.samples == 8 and float(stats.mlp[1].count) == 8 * 24
     assert heads == []  # the LM head's 100-way logits feed no sum

@@ -21,7 +21,7 @@ from corp_deploy.core import stats as stats_module
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.stats import ACTIVE_EPS, MlpStats, QKStats
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 F64 = torch.float64
 

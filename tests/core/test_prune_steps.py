@@ -1,8 +1,8 @@
 """Prune's steps as separate functions, and the defects the review found in them (each test fails before its fix).
 
 The steps: ``api.check`` (data-free: the calibration step, the widths), ``calibration.calibration_data`` (held-out
-images), ``pruner.calibrate`` (exact float32), ``plan.widths.plan`` / ``plan_widths`` (uniform, VBP's global threshold,
-a budget), ``pruner.prune_model``.
+images), ``pruner.calibrate`` (exact float32), ``plan.width_plan.plan`` / ``plan_widths`` (uniform, VBP's global
+threshold, a budget), ``pruner.prune_model``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from corp_deploy.core.fit import COMPENSATIONS, Compensation
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.ranking import SELECTIONS, Selection, global_widths, kept_width
 from corp_deploy.formats.data import split
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 
 def _never_read():

@@ -26,7 +26,7 @@ from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.core.ranking import RANKERS, channel_scores, split_top
 from corp_deploy.core.stats import ACTIVE_EPS, CalibrationStats, MlpStats, QKStats
 from corp_deploy.families.timm.surgery import PrunedAttention
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 
 def test_split_top_keeps_the_highest_scores_in_index_order() -> None:

@@ -23,7 +23,7 @@ from corp_deploy.core import compensation as C
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.families.timm.surgery import PrunedAttention, pad_qk
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 DIM, HEADS, D = 64, 4, 16
 MANY = tiny_batches(n=480, batch=96)

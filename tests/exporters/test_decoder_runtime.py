@@ -24,7 +24,7 @@ from corp_deploy.core.config import PruneConfig  # noqa: E402
 from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.exporters.genai import write_genai_folder  # noqa: E402
 from corp_deploy.exporters.kv_cache import layout, positions  # noqa: E402
-from corp_deploy.plan.widths import plan_widths  # noqa: E402
+from corp_deploy.plan.width_plan import plan_widths  # noqa: E402
 
 PROMPT = "the market news price team"
 

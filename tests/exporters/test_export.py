@@ -24,7 +24,7 @@ from corp_deploy.exporters.onnx_export import (
     onnx_sha256,
     read_metadata,
 )
-from corp_deploy.exporters.pipeline import VerifyOptions, convert_verified, export_verified
+from corp_deploy.exporters.pipeline import VerifyOptions, convert_verified, export_run, export_verified
 from corp_deploy.exporters.quantize import compare_on
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner, ort_providers
 from corp_deploy.exporters.tensorrt_engine import (
@@ -88,6 +88,18 @@ def test_a_decoder_over_the_protobuf_limit_keeps_its_weights_in_external_data(tm
     assert (tmp_path / "dense.onnx.data").stat().st_size >= 0.9 * weights  # all but the smallest tensors
     assert record["bytes"] == onnx_bytes(path) and record["verify"]["cosine"] > FP32.min_cosine
     assert read_metadata(load_onnx(path, weights=False))["precision"] == "fp32"
+
+
+def test_the_onnx_export_step_says_which_model_it_is_on_and_how_long_the_rest_takes(tmp_path) -> None:
+    """Issue 50 item 9: 409 s of one line "ONNX export and verification (dense, pruned)..."; now a line per model."""
+    lines: list[str] = []
+    models = {name: (m, describe(m, "tiny", {}, "random")) for name, m in tiny_models().items()}
+    export_run(models, tmp_path, precisions=("fp32",), no_engines="not here", say=lines.append)
+    assert [line.split(" (")[0] for line in lines] == ["  ONNX export 1/2: dense", "  ONNX export 2/2: pruned"]
+    assert lines[1].endswith("s left)") and sorted(p.name for p in tmp_path.glob("*.onnx")) == [
+        "dense.onnx",
+        "pruned.onnx",
+    ]
 
 
 def test_pruned_onnx_is_smaller_and_has_pruned_widths(exported) -> None:

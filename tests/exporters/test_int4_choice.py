@@ -143,7 +143,11 @@ def test_without_the_model_the_builder_is_recorded_as_not_built_and_the_scheme_s
     assert choice["chosen"] == "minmax" and choice["why"].startswith("the only candidate")
     assert all("prune-export" in c["error"] for c in choice["candidates"] if c["recipe"] in RECIPES)
     line = format_int4([record]).splitlines()[-1]
-    assert line.startswith("dense-genai-int4: minmax, the only candidate") and "builder not built" in line
+    assert (
+        line.startswith("dense-genai-int4: minmax, the only candidate") and "not built (why: in the record): " in line
+    )
+    assert "failed the gate" not in line  # issue 50, item 11: a candidate never built did not fail the gate
+    assert "dense-genai-int4/model.onnx" in format_int4([record])  # two folders' rows were both "model.onnx"
 
 
 def test_the_sidecar_round_trips_and_the_method_option_names_the_candidates(fused, tmp_path) -> None:

@@ -10,7 +10,8 @@ import pytest
 from helpers import TINY_CLI_ARGS, pruned_copy, run, tiny_vit
 from PIL import Image
 
-from corp_deploy.bench.backends import RunFolder, select
+from corp_deploy.base.steps import written
+from corp_deploy.bench.backends import RunFolder, select_backends
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.compare import INT8, compare
 from corp_deploy.exporters.int8_recipes import quantize_graphs
@@ -185,8 +186,15 @@ def test_quantize_a_run_folder_then_bench_and_eval_its_int8_graphs(tmp_path, cap
     run_dir, images = tmp_path / "run", _images(tmp_path / "images", 16)
     argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
     argv += ["--calib-dir", str(images), "--num-calib", "16", "--precision", "fp32", "--out", str(run_dir)]
-    assert run(argv, capsys)[0] == 0
-    _, skipped = select("auto", RunFolder.open(run_dir))
+    code, out, _ = run(argv, capsys)
+    assert code == 0
+    on_disk = written(run_dir)  # issue 50, item 10: the closing line lists what is on the disk, engines or none
+    assert f"wrote {run_dir}/ ({', '.join(on_disk)}; each graph and engine with its .json record)" in out
+    assert {"README.md", "export.json", "dense.onnx", "pruned.onnx", "pruned/"} <= set(on_disk)
+    readme = (run_dir / "README.md").read_text()
+    assert "Made by `corp-deploy prune-export deit_tiny " in readme and "parameters" in readme
+    assert all(f"| `{name}` |" in readme for name in on_disk)
+    _, skipped = select_backends("auto", RunFolder.open(run_dir))
     assert "corp-deploy quantize" in skipped["ort-cpu-int8"]
     code, out, err = run(
         ["quantize", str(run_dir), "--calib-dir", str(images), "--int8-calib", "12", "--int8-recipe", "static"], capsys
@@ -195,6 +203,11 @@ def test_quantize_a_run_folder_then_bench_and_eval_its_int8_graphs(tmp_path, cap
     assert "dense.int8.onnx" in out and "pruned.int8.onnx" in out and "int8" in out
     for m in ("dense", "pruned"):
         assert read_metadata(load_onnx(run_dir / f"{m}.int8.onnx"))["int8_calibration"]["images"] == 12
+    record = json.loads((run_dir / "export.json").read_text())  # issue 50, item 14: the record follows quantize
+    assert {"dense.int8.onnx", "pruned.int8.onnx", "dense.onnx"} <= {r["file"] for r in record["onnx"]}
+    readme = (run_dir / "README.md").read_text()
+    assert "| `pruned.int8.onnx` | INT8 ONNX graph" in readme and "Made by `corp-deploy quantize " in readme
+    assert f"updated {run_dir / 'export.json'} and {run_dir / 'README.md'}" in out
     code, _, err = run(["quantize", str(run_dir), "--calib-dir", str(images)], capsys)
     assert code == 1 and "already exists" in err and len(err.strip().splitlines()) == 1
 

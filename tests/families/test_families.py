@@ -26,7 +26,7 @@ from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate, prune_model
 from corp_deploy.families import adapter_for, get, registry
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 

@@ -46,7 +46,7 @@ from corp_deploy.families import get, structure  # noqa: E402
 from corp_deploy.families.hf import hub  # noqa: E402
 from corp_deploy.families.hf.folder import MODELING_FILE, REMOTE, STANDARD  # noqa: E402
 from corp_deploy.formats.artifact import build, load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.plan.widths import check_standard, plan_widths  # noqa: E402
+from corp_deploy.plan.width_plan import check_standard, plan_widths  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(40)]
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]

@@ -28,7 +28,7 @@ from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.families import get  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedRopeAttention  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.plan.widths import check_parts, plan_widths  # noqa: E402
+from corp_deploy.plan.width_plan import check_parts, plan_widths  # noqa: E402
 
 
 def _pruned(dense: LlamaForCausalLM, target: str, compensation: str, sparsity: float = 0.5) -> LlamaForCausalLM:

@@ -30,9 +30,9 @@ from corp_deploy.families.hf import hub  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedOptAttention  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
 from corp_deploy.formats.calibration import text_calibration_data  # noqa: E402
-from corp_deploy.formats.perplexity import perplexity  # noqa: E402
+from corp_deploy.formats.evaluation import perplexity  # noqa: E402
 from corp_deploy.formats.text import Document, packed_sequences, read_documents, shuffled, split_documents  # noqa: E402
-from corp_deploy.plan.widths import check_parts, plan_widths  # noqa: E402
+from corp_deploy.plan.width_plan import check_parts, plan_widths  # noqa: E402
 
 # ------------------------------------------------------------------------------------- causal Q/K moments
 

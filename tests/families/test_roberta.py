@@ -21,7 +21,7 @@ from corp_deploy.families.hf.adapter import max_positions  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedSelfAttention  # noqa: E402
 from corp_deploy.formats import sources  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.plan.widths import plan_widths  # noqa: E402
+from corp_deploy.plan.width_plan import plan_widths  # noqa: E402
 
 VOCAB, PAD = 30, 1  # RoBERTa pads with id 1; its positions start at PAD + 1
 

@@ -26,7 +26,7 @@ from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.families import adapter_for, get  # noqa: E402
 from corp_deploy.families.hf.modeling import PrunedSelfAttention  # noqa: E402
 from corp_deploy.formats.artifact import load_pruned, read_meta, save_pruned  # noqa: E402
-from corp_deploy.plan.widths import plan_widths  # noqa: E402
+from corp_deploy.plan.width_plan import plan_widths  # noqa: E402
 
 
 def _captured(model: BertModel, batches: list[tuple[dict, int]], block: int) -> dict[str, list[torch.Tensor]]:

@@ -16,12 +16,20 @@ import torch
 from helpers import PRUNE, run, tiny_batches, tiny_vit
 
 from corp_deploy.base.timing import Method
-from corp_deploy.bench.backends import MODELS, RunFolder, compile_model, cuda_step, select, torch_forward
+from corp_deploy.bench.backends import (
+    MODELS,
+    RunFolder,
+    compile_model,
+    cuda_step,
+    select_backends,
+    torch_forward,
+    torch_model,
+)
 from corp_deploy.bench.run import benchmark
 from corp_deploy.cli import main
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate, prune_model
-from corp_deploy.plan.widths import plan_widths
+from corp_deploy.plan.width_plan import plan_widths
 
 pytestmark = [
     pytest.mark.gpu,
@@ -158,7 +166,7 @@ def test_prune_and_bench_cli_on_cuda(cuda_run, tmp_path, capsys) -> None:
 def test_graph_and_compile_backends_bench_dense_and_pruned_with_eager_outputs(cuda_run) -> None:
     folder = RunFolder.open(cuda_run)
     names = "torch-cuda-fp16-graph,torch-cuda-fp16-compile,torch-cuda-fp16-compile-graph"
-    chosen, _ = select(names, folder)
+    chosen, _ = select_backends(names, folder)
     method = Method(warmup_iters=2, warmup_seconds=0, min_iters=5, min_seconds=0)
     record = benchmark(folder, chosen, [1, 4], method)
     assert record["skipped"] == {}
@@ -168,7 +176,7 @@ def test_graph_and_compile_backends_bench_dense_and_pruned_with_eager_outputs(cu
 
     x = torch.randn(4, *folder.input_size, device="cuda", dtype=torch.float16)
     for which in MODELS:
-        model = folder.torch_model(which).to("cuda", torch.float16).eval()
+        model = torch_model(folder, which).to("cuda", torch.float16).eval()
         eager = torch_forward(model, x)().float()
         variants = {
             "graph": torch_forward(model, x, graph=True),

@@ -294,7 +294,7 @@ def test_the_plan_and_the_facade_load_no_export_stack() -> None:
     """A plain sparsity prune through the API loads neither the exporters nor the benchmarks (nor onnx): the plan is
     handed its latency measurement where one is asked for (``plan.speed.Meter``)."""
     code = (
-        "import sys, corp_deploy.api, corp_deploy.plan.loop, corp_deploy.plan.speed, corp_deploy.plan.widths; "
+        "import sys, corp_deploy.api, corp_deploy.plan.loop, corp_deploy.plan.speed, corp_deploy.plan.width_plan; "
         "print(sorted(m for m in sys.modules if m.startswith(('corp_deploy.exporters', 'corp_deploy.bench', 'onnx'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

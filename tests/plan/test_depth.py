@@ -28,7 +28,7 @@ from corp_deploy.plan import latency, speed
 from corp_deploy.plan.allocation import MODULE_KEYS, budget_limit, error_curves, plan_budget
 from corp_deploy.plan.latency import LatencyTable
 from corp_deploy.plan.sensitivity import measure
-from corp_deploy.plan.widths import check_parts
+from corp_deploy.plan.width_plan import check_parts
 
 LATENCY = {"budget": "latency=0.7"}
 

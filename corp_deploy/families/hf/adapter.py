@@ -15,7 +15,7 @@ layer). Pruning and rebuilding are the same code for all of them:
 
 Calibration batches are ``{"input_ids", "attention_mask"}``; padding is excluded from every statistic through
 the mask (``token_mask``); MACs are counted at ``count_macs_at``'s tokens. The artifact folder is a transformers
-folder (``hf_folder``). ``transformers`` is imported only when a model is one of these.
+folder (``families.hf.folder``). ``transformers`` is imported only when a model is one of these.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Names:
     """Where a ``transformers`` family keeps what CORP prunes, as attribute paths (dotted).
 
     ``layers`` is read from the base model; the rest from a layer. ``attention`` is the module replaced when a
-    head width changes, ``kind`` the pruned attention that replaces it (``hf_modeling.attention_at``), ``q``,
+    head width changes, ``kind`` the pruned attention that replaces it (``modeling.attention_at``), ``q``,
     ``k``, ``v`` its Linears (inside ``attention``), ``proj`` the Linear reading the head outputs (inside
     ``attention`` or beside it), ``mlp_in`` the Linears producing the MLP's hidden channels (gate and up
     together) and ``mlp_out`` the one reading them; ``mlp_field`` the config field of the MLP width."""
@@ -126,7 +126,7 @@ class HfText(Adapter):
 
     modality = "text"
     standard_parts = ("mlp",)
-    """A transformers config has one MLP width, and one head width for Q, K and V (``hf_folder.layout``)."""
+    """A transformers config has one MLP width, and one head width for Q, K and V (``folder.layout``)."""
 
     def __init__(
         self,
@@ -170,7 +170,7 @@ class HfText(Adapter):
 
     def build(self, meta: dict[str, Any], folder: Path) -> nn.Module:
         """The dense model of the folder's config.json; a standard folder's config holds the pruned MLP width, so the
-        dense values ``corp.json`` recorded beside it (``hf_folder.DENSE_CONFIG``) are put back first."""
+        dense values ``corp.json`` recorded beside it (``folder.DENSE_CONFIG``) are put back first."""
         from corp_deploy.families.hf.folder import DENSE_CONFIG
 
         transformers = require("transformers", "loading a pruned transformers model")
@@ -319,7 +319,7 @@ class HfText(Adapter):
 
     def apply_structure(self, model: nn.Module, entries: list[dict[str, Any]]) -> None:
         """Unfilled layers of the recorded widths (``load_pruned``; weights load next): the same rebuild a
-        remote-code folder's own classes run (``hf_modeling.apply_widths``)."""
+        remote-code folder's own classes run (``modeling.apply_widths``)."""
         from corp_deploy.families.hf.modeling import apply_widths
 
         apply_widths(model, self.names, entries)
@@ -327,20 +327,20 @@ class HfText(Adapter):
     # ------------------------------------------------------------------ the artifact folder
 
     def mlp_config(self, config: Any, width: int) -> dict[str, Any] | None:
-        """The family config's values that give every layer MLP width ``width`` (``hf_folder``'s standard form);
-        None when the config cannot say it exactly."""
+        """The family config's values that give every layer MLP width ``width`` (the standard form of
+        ``families.hf.folder``); None when the config cannot say it exactly."""
         return {self.names.mlp_field: width}
 
     def write_files(self, model: nn.Module, folder: Path) -> dict[str, Any]:
-        """The artifact folder as a transformers folder (``hf_folder``: standard or remote-code form)."""
-        from corp_deploy.families.hf import folder as hf_folder
+        """The artifact folder as a transformers folder (``families.hf.folder``: standard or remote-code form)."""
+        from corp_deploy.families.hf.folder import write
 
-        return hf_folder.write(model, folder)
+        return write(model, folder)
 
     def stored(self, model: nn.Module) -> nn.Module:
-        from corp_deploy.families.hf import folder as hf_folder
+        from corp_deploy.families.hf import folder
 
-        return hf_folder.stored(model)
+        return folder.stored(model)
 
     # ------------------------------------------------------------------ inputs
 

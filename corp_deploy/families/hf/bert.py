@@ -5,7 +5,7 @@ Per layer (``encoder.layer[i]``): MLP ``intermediate.dense -> act -> output.dens
 reading the head outputs. Post-LN: ``output.dense`` and ``attention.output.dense`` feed ``LayerNorm(x +
 residual)``, so folding the compensation into them is exact. Positions are learned and absolute (added to the
 input), so the Q/K logit compensation applies unchanged. A pruned ``attention.self`` is
-``hf_modeling.PrunedSelfAttention`` (kind ``bert``): same parameter names, Q/K and V head widths of its own, the
+``modeling.PrunedSelfAttention`` (kind ``bert``): same parameter names, Q/K and V head widths of its own, the
 dense softmax scale.
 """
 

@@ -34,11 +34,11 @@ import torch
 from torch import nn
 
 from corp_deploy.base.errors import CorpError
-from corp_deploy.families.hf import modeling as hf_modeling
+from corp_deploy.families.hf import modeling
 from corp_deploy.families.registry import adapter_for, structure
 
 MODELING_FILE = "modeling_corp.py"
-"""The remote-code folder's modeling file (``hf_modeling.py`` verbatim)."""
+"""The remote-code folder's modeling file (``families/hf/modeling.py`` verbatim)."""
 STANDARD, REMOTE = "standard", "remote-code"
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -131,12 +131,12 @@ def stored(model: nn.Module) -> nn.Module:
     for block in family.blocks(model):
         for flag, paths in family.bias_flags.values():
             for path in paths if flag in flags else ():
-                old = hf_modeling.get(block, path)
+                old = modeling.get(block, path)
                 if old.bias is None:
-                    new = hf_modeling.linear_like(old, old.in_features, old.out_features, True)
+                    new = modeling.linear_like(old, old.in_features, old.out_features, True)
                     new.weight.copy_(old.weight)
                     new.bias.zero_()
-                    hf_modeling.put(block, path, new)
+                    modeling.put(block, path, new)
     for flag in flags:
         setattr(model.config, flag, True)
     return model
@@ -148,7 +148,7 @@ def write(model: nn.Module, folder: Path) -> dict[str, Any]:
     plan = layout(model)
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
-    for stale in ("auto_map", hf_modeling.WIDTHS_KEY, hf_modeling.NAMES_KEY):  # a remote-code artifact's
+    for stale in ("auto_map", modeling.WIDTHS_KEY, modeling.NAMES_KEY):  # a remote-code artifact's
         if hasattr(config, stale):
             delattr(config, stale)
     auto = next((a for suffix, a in HEAD_AUTO.items() if type(model).__name__.endswith(suffix)), "AutoModel")
@@ -163,10 +163,10 @@ def write(model: nn.Module, folder: Path) -> dict[str, Any]:
     else:
         base = type(model.base_model).__name__
         classes = {"AutoModel": base} | ({auto: type(model).__name__} if auto != "AutoModel" else {})
-        setattr(config, hf_modeling.WIDTHS_KEY, structure(model))
-        setattr(config, hf_modeling.NAMES_KEY, adapter_for(model).names.record())
+        setattr(config, modeling.WIDTHS_KEY, structure(model))
+        setattr(config, modeling.NAMES_KEY, adapter_for(model).names.record())
         config.auto_map = {name: f"{Path(MODELING_FILE).stem}.Corp{cls}" for name, cls in classes.items()}
-        shutil.copy2(hf_modeling.__file__, folder / MODELING_FILE)
+        shutil.copy2(modeling.__file__, folder / MODELING_FILE)
         loads_with = f"{auto}.from_pretrained(folder, trust_remote_code=True)"
     config.save_pretrained(folder)
     source = Path(getattr(model.config, "_name_or_path", "") or "")

@@ -14,7 +14,7 @@ none); Mistral's and Qwen2's cannot (their folders are remote code then).
 
 Q/K: RoPE rotates q and k by the position, so ``q_S M k_S^T ~ q_P k_P^T`` with one M for all positions (the logit
 compensation) does not hold; Q/K pruning is refused before any data is read. The pruned attention is
-``hf_modeling.PrunedRopeAttention`` (kind ``rope``) made a subclass of the family's own attention class.
+``modeling.PrunedRopeAttention`` (kind ``rope``) made a subclass of the family's own attention class.
 """
 
 from typing import Any

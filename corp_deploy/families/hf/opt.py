@@ -5,7 +5,7 @@ Per layer (``model.decoder.layers[i]``): MLP ``fc1 -> ReLU -> fc2``; attention `
 fold, refused before any data is read). Positions are learned and absolute (added to the input embedding), so the
 Q/K logit compensation holds as for BERT; the attention is causal, so the Q/K statistics count the (query, key)
 pairs with key <= query. OPT scales q right after ``q_proj`` by the DENSE head dim's ``scaling``; the pruned
-attention (``hf_modeling.PrunedOptAttention``, kind ``opt``) keeps that scale. Pre-LN (125m, >= 1.3b) and post-LN
+attention (``modeling.PrunedOptAttention``, kind ``opt``) keeps that scale. Pre-LN (125m, >= 1.3b) and post-LN
 (350m) layers alike: the compensation folds into ``fc2`` and ``out_proj``, whose outputs go to the residual sum
 either way; 350m's ``project_in``/``project_out`` lie outside the layers and are untouched (``project_out`` is
 applied after the final norm, as the model does).

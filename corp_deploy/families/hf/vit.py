@@ -5,7 +5,7 @@ Per layer (ViT's ``layers[i]``, DINOv2's ``encoder.layer[i]``): attention ``atte
 Linears) and ``attention.o_proj`` reading the head outputs; MLP ``mlp.fc1 -> act -> mlp.fc2``. Pre-LN, and DINOv2's
 LayerScale multiplies the branch AFTER ``o_proj``/``fc2``, so folding the compensation into them is exact, as for
 timm's ViTs: the same math on the same weights (``tests/families/test_families.py`` checks that a converted timm model
-prunes to the same features). A pruned attention is ``hf_modeling.PrunedPlainAttention`` (kind ``plain``) as a
+prunes to the same features). A pruned attention is ``modeling.PrunedPlainAttention`` (kind ``plain``) as a
 subclass of the layer's own class.
 
 Inputs are ``pixel_values`` batches, preprocessed as the source's ``preprocessor_config.json`` says (copied into

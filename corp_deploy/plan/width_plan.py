@@ -78,7 +78,7 @@ def plan_widths(model: nn.Module, config: PruneConfig, stats: CalibrationStats |
     """Every block's kept widths at ``config``'s sparsities: Q/K and V the same fraction in every block, MLP channels
     by ``config.selection`` (a scored one reads ``stats``). A budget's widths come from ``plan``."""
     if config.budget is not None:
-        raise CorpError("a --budget config's widths come from the statistics: use corp_deploy.plan.widths.plan")
+        raise CorpError("a --budget config's widths come from the statistics: use corp_deploy.plan.width_plan.plan")
     counts = _counts(model, config, stats)
     if None in counts.values():
         raise CorpError(f"--selection {config.selection} chooses MLP widths from the calibration statistics; pass them")

@@ -1,0 +1,166 @@
+"""OpenVINO IR, one registered target: the verified ONNX graphs converted to OpenVINO's IR (``.xml`` + ``.bin``) in
+FP32 and quantized to INT8 by NNCF (OpenVINO's own post-training quantization, with calibration data), each verified
+against its reference before it is kept, and timed on the CPU beside onnxruntime in the same ``bench`` run.
+
+- FP32: ``openvino.convert_model(dense.onnx)`` -> ``dense.xml``, checked against onnxruntime on the same graph
+  (the FP32 gate). The IR runs with ``INFERENCE_PRECISION_HINT`` f32: OpenVINO's CPU plugin would otherwise run
+  BF16 on CPUs that have it, and FP32 would not mean FP32.
+- INT8: ``nncf.quantize`` (static, ``ModelType.TRANSFORMER``) on the calibration inputs INT8 ONNX reads, checked
+  against the FP32 IR on the held-out ones (the INT8 gate). The dense model quantized this way, ``dense.int8.xml``,
+  is the quantize-only baseline on OpenVINO: what a user gets from OpenVINO without pruning.
+
+Adding this target touched no other module: ``exporters.targets`` registers it, and the CLI, the pipeline, the
+run folder and the bench loop read it from there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from corp_deploy.base.deps import register_package, require
+from corp_deploy.base.env import module_versions
+from corp_deploy.base.fsio import staged
+from corp_deploy.exporters.compare import Feed, Tolerance, check, summary
+from corp_deploy.exporters.onnx_export import load_onnx
+from corp_deploy.exporters.targets import BenchSpec, Job, Target, register
+from corp_deploy.formats.precisions import FP32, INT8
+from corp_deploy.formats.run_folder import onnx_name, write_sidecar
+
+PURPOSE = "the OpenVINO target"
+register_package("openvino", "openvino", "openvino", "2025.0")
+register_package("nncf", "nncf", "openvino", "2.16")
+MODULES = ("openvino", "nncf")
+NNCF_WHAT = "nncf.quantize: static INT8, ModelType.TRANSFORMER, OpenVINO's own post-training quantization"
+
+
+def ir_name(stem: str, precision: str) -> str:
+    """``dense.xml``, ``pruned.int8.xml`` (each with its ``.bin``): FP32 carries no precision in its name."""
+    return f"{stem}.xml" if precision == FP32.name else f"{stem}.{precision}.xml"
+
+
+class OvRunner:
+    """An IR on OpenVINO's CPU plugin, numpy in, FP32 numpy out; FP32 kept FP32 (``INFERENCE_PRECISION_HINT``
+    f32), the threads and the performance hint set, so a timing is comparable with onnxruntime's."""
+
+    def __init__(self, path: str | Path, threads: int | None = None, hint: str = "LATENCY"):
+        ov = require("openvino", PURPOSE)
+        config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": hint}
+        if threads:
+            config["INFERENCE_NUM_THREADS"] = threads
+        self.compiled = ov.Core().compile_model(str(path), "CPU", config)
+        self.request = self.compiled.create_infer_request()
+        self.input = self.compiled.inputs[0].get_any_name()
+        self.name = "openvino-cpu"
+
+    def __call__(self, x: Feed) -> np.ndarray:
+        self.request.infer(x if isinstance(x, dict) else {self.input: x})
+        return np.array(self.request.get_output_tensor(0).data, dtype=np.float32)
+
+
+def _files_bytes(xml: Path) -> int:
+    return xml.stat().st_size + xml.with_suffix(".bin").stat().st_size
+
+
+def convert_verified(src: Path, out: Path, inputs, tol: Tolerance, batches) -> dict[str, Any]:
+    """``src`` (a verified FP32 ONNX graph) as FP32 IR at ``out``, checked against onnxruntime on ``src``."""
+    from corp_deploy.exporters.compare import verify
+    from corp_deploy.exporters.runners import OrtRunner
+
+    ov = require("openvino", PURPOSE)
+    start = time.perf_counter()
+    ov.save_model(ov.convert_model(str(src)), str(out), compress_to_fp16=False)
+    seconds = time.perf_counter() - start
+    reference, candidate = OrtRunner(src, "cpu"), OvRunner(out)
+    comparisons = verify(reference, candidate, inputs, batches)
+    check(comparisons, tol, f"OpenVINO IR {out.name} against {src.name}")
+    verify_ = {"reference": f"{src.name} ({reference.name})", "runtime": candidate.name, **summary(comparisons)}
+    return {
+        "file": out.name,
+        "target": "openvino",
+        "precision": FP32.name,
+        "bytes": _files_bytes(out),
+        "seconds": round(seconds, 2),
+        "verify": verify_ | {"tolerance": tol.__dict__},
+        "converted_from": src.name,
+        "versions": module_versions(MODULES),
+    }
+
+
+def quantize_verified(src: Path, out: Path, calibration: list[Feed], held_out, tol: Tolerance) -> dict[str, Any]:
+    """The FP32 IR ``src`` quantized by NNCF on ``calibration`` at ``out``, checked against ``src`` on
+    ``held_out`` (``quantize.compare_on``: one sample and all of them in one batch)."""
+    from corp_deploy.exporters.quantize import compare_on
+
+    ov, nncf = require("openvino", PURPOSE), require("nncf", PURPOSE)
+    start = time.perf_counter()
+    model = ov.Core().read_model(str(src))
+    name = model.inputs[0].get_any_name()
+    dataset = nncf.Dataset(calibration, lambda feed: feed if isinstance(feed, dict) else {name: feed})
+    quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration))
+    ov.save_model(quantized, str(out), compress_to_fp16=False)
+    seconds = time.perf_counter() - start
+    reference, candidate = OvRunner(src), OvRunner(out)
+    comparisons = compare_on(reference, candidate, held_out)
+    check(comparisons, tol, f"INT8 OpenVINO IR {out.name} against {src.name} on held-out inputs")
+    verify_ = {"reference": f"{src.name} ({reference.name})", "runtime": candidate.name, **summary(comparisons)}
+    return {
+        "file": out.name,
+        "target": "openvino",
+        "precision": INT8.name,
+        "bytes": _files_bytes(out),
+        "seconds": round(seconds, 2),
+        "verify": verify_ | {"tolerance": tol.__dict__},
+        "int8": NNCF_WHAT,
+        "calibration_batches": len(calibration),
+        "quantized_from": src.name,
+        "versions": module_versions(MODULES),
+    }
+
+
+def write(job: Job) -> list[dict[str, Any]]:
+    """Every model's FP32 IR from its verified ONNX graph, then (``int8`` asked) its NNCF INT8 IR; each staged,
+    with its ``.json`` record, and kept only when it passes its gate."""
+    from corp_deploy.exporters.pipeline import graph_inputs
+
+    records = []
+    for stem in job.stems:
+        src, xml = job.out / onnx_name(stem), job.out / ir_name(stem, FP32.name)
+        inputs = graph_inputs(load_onnx(src, weights=False), job.opts.seed)
+        with staged(xml, overwrite=True) as stage:
+            record = convert_verified(src, stage / xml.name, inputs, job.opts.fp32, job.opts.batches)
+            write_sidecar(stage / xml.name, record)
+        records.append(record)
+    if INT8.name not in job.precisions:
+        return records
+    for stem in job.stems:
+        src, xml = job.out / ir_name(stem, FP32.name), job.out / ir_name(stem, INT8.name)
+        calibration, held_out, _ = job.data(load_onnx(job.out / onnx_name(stem), weights=False))
+        with staged(xml, overwrite=True) as stage:
+            record = quantize_verified(src, stage / xml.name, list(calibration), held_out, job.opts.int8)
+            write_sidecar(stage / xml.name, record)
+        records.append(record)
+    return records
+
+
+def _runner(path: Path, threads: int | None) -> Callable[[Feed], np.ndarray]:
+    return OvRunner(path, threads)
+
+
+register(
+    Target(
+        name="openvino",
+        what="OpenVINO IR (.xml + .bin) on OpenVINO's CPU plugin; INT8 by NNCF",
+        precisions=(FP32.name, INT8.name),
+        file_name=ir_name,
+        write=write,
+        runner=_runner,
+        modules=MODULES,
+        backends=tuple(BenchSpec(f"ov-cpu-{p}", "openvino", "cpu", p) for p in (FP32.name, INT8.name)),
+        baseline=lambda root: (root / ir_name("dense", INT8.name), f"dense.int8.xml of the run folder ({NNCF_WHAT})"),
+    )
+)
