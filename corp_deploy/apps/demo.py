@@ -24,7 +24,7 @@ from corp_deploy.base.env import device_name
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.fsio import atomic_dir
 from corp_deploy.base.timing import Method
-from corp_deploy.bench.backends import RunFolder, select
+from corp_deploy.bench.backends import RunFolder, select_backends
 from corp_deploy.bench.report import skipped_lines
 from corp_deploy.bench.run import benchmark, pairs
 from corp_deploy.core.config import DEFAULT_TARGET, PruneConfig
@@ -104,7 +104,7 @@ def run_demo(
         step(f"linear probe fit on {task.train_images} dense features, scored on {len(task.labels)} test images")
 
         run = RunFolder.open(tmp / "corp")
-        chosen, skipped = select("auto", run)
+        chosen, skipped = select_backends("auto", run)
         warm_up = min(0.5, config.min_seconds)
         method = Method(warmup_iters=3, warmup_seconds=warm_up, min_iters=5, min_seconds=config.min_seconds)
         record = benchmark(run, chosen, config.batch_sizes, method, skipped=skipped) | {"run": str(out / "corp")}

@@ -28,7 +28,7 @@ from corp_deploy.base.fsio import atomic_dir, atomic_file, check_writable
 from corp_deploy.base.steps import Steps, check_resume
 from corp_deploy.base.tables import text_table
 from corp_deploy.base.timing import Method
-from corp_deploy.bench.backends import RunFolder, select
+from corp_deploy.bench.backends import RunFolder, select_backends
 from corp_deploy.bench.run import benchmark, pairs
 from corp_deploy.core.config import Budget, PruneConfig
 from corp_deploy.core.recover import Kept, Recovery
@@ -258,7 +258,7 @@ def _point(
         with atomic_file(folder / ACCURACY_FILE, overwrite=True) as tmp:
             tmp.write_text(json.dumps(score(folder), indent=2) + "\n")
     run = RunFolder.open(folder)
-    chosen, skipped = select(backends, run)
+    chosen, skipped = select_backends(backends, run)
     size = result.report["pruned"]
     progress(f"{folder.name}: params {size['params'] / 1e6:.2f}M, MACs {size['macs'] / 1e9:.3f}G")
     record = benchmark(run, chosen, batch_sizes, method, skipped=skipped, progress=progress)

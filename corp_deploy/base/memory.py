@@ -24,6 +24,11 @@ HEADROOM = 0.85
 not in the prediction. Judgement, from the 1.7B-shape runs (predicted vs measured peak RSS in docs/BENCHMARKS.md)."""
 
 
+RUNTIME = 750 * 2**20
+"""The interpreter with torch, transformers and corp-deploy imported, before any model: 749 MiB peak RSS measured
+(2026-12-02, torch 2.14, transformers 5.24). Every plan holds it."""
+
+
 def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
@@ -94,7 +99,7 @@ class Plan:
 
     @property
     def peak(self) -> int:
-        return sum(self.parts.values())
+        return RUNTIME + sum(self.parts.values())
 
     def fits(self) -> bool:
         return self.available is None or self.peak <= HEADROOM * self.available
@@ -102,7 +107,7 @@ class Plan:
     def check(self, fixes: str) -> Plan:
         """This plan, or the one line that says it cannot fit and what would make it (``fixes``)."""
         if not self.fits():
-            held = ", ".join(f"{k} {gib(v)}" for k, v in self.parts.items() if v)
+            held = ", ".join(f"{k} {gib(v)}" for k, v in {"runtime": RUNTIME, **self.parts}.items() if v)
             raise CorpError(
                 f"this run needs about {gib(self.peak)} of {self.device} memory ({held}) and "
                 f"{gib(self.available or 0)} is available; {fixes}"
@@ -113,4 +118,10 @@ class Plan:
         """The prediction as ``corp.json`` records it (GiB), beside the measured peak."""
         parts = {f"{k}_gib": v / GIB for k, v in self.parts.items()}
         room = None if self.available is None else self.available / GIB
-        return {"device": self.device, "peak_gib": self.peak / GIB, "available_gib": room, **parts}
+        return {
+            "device": self.device,
+            "peak_gib": self.peak / GIB,
+            "available_gib": room,
+            "runtime_gib": RUNTIME / GIB,
+            **parts,
+        }

@@ -414,7 +414,7 @@ def rewrites_on(name: str | None) -> tuple[str, ...]:
     return BACKENDS[name].default_rewrites if name in BACKENDS else ()
 
 
-def select(
+def select_backends(
     names: str,
     run: RunFolder,
     registry: Mapping[str, Any] | None = None,

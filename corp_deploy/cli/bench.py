@@ -14,11 +14,16 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_file, check_writable
 from corp_deploy.base.timing import Method
 from corp_deploy.bench import gate
-from corp_deploy.bench.backends import RunFolder
-from corp_deploy.bench.backends import select as select_backends
+from corp_deploy.bench.backends import RunFolder, select_backends
 from corp_deploy.bench.baseline import quantize_only_baseline
-from corp_deploy.bench.decode import DECODE_BACKENDS, NEW_TOKENS, PROMPTS, decode_benchmark, parse_prompts
-from corp_deploy.bench.decode import select as select_decoders
+from corp_deploy.bench.decode import (
+    DECODE_BACKENDS,
+    NEW_TOKENS,
+    PROMPTS,
+    decode_benchmark,
+    parse_prompts,
+    select_decoders,
+)
 from corp_deploy.bench.report import format_markdown, format_table, to_csv
 from corp_deploy.bench.report import plot as draw
 from corp_deploy.bench.run import benchmark, parse_batch_sizes

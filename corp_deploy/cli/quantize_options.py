@@ -68,8 +68,8 @@ int8_options = group(
         default=32,
         show_default=True,
         type=click.IntRange(1),
-        help="The batch INT8 graphs are timed at on onnxruntime CPU (text: x the exported --seq-len tokens); the "
-        "recipes race at the smaller of it and 4.",
+        help="The batch INT8 graphs are timed at on onnxruntime CPU (text: x the tokens per sequence the graph was "
+        "exported with).",
     ),
 )
 

@@ -119,8 +119,9 @@ def memory_plan(
 
     Parts: the weights (float32 as loaded), the statistics held at once, the token cache between groups, one batch's
     activations through one block (its widest layer's outputs, SwiGLU's three, the softmax maps) with the fp32
-    product of its widest statistic, and the compensation's float64 copies of its widest covariance.
-    Refuses in one line, naming what would fit, when even one block's statistics do not."""
+    product of its widest statistic, and the compensation's four float64 copies of its widest covariance (the
+    moments, the covariance, its kept rows and columns, the factor). Refuses in one line, naming what would make it
+    fit, when even one block's statistics do not."""
     adapter = adapter_for(model)
     block = adapter.blocks(model)[0]
     widest = max(adapter.mlp_out(block).in_features, adapter.dim(block))
@@ -131,7 +132,7 @@ def memory_plan(
     parts = {
         "weights": weights,
         "activations": batch * tokens * widest * 4 * (adapter.mlp_projections + 2) * streams + maps + widest**2 * 4,
-        "compensation": 3 * widest**2 * 8,
+        "compensation": 4 * widest**2 * 8,
     }
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

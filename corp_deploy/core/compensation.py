@@ -42,10 +42,9 @@ def ridge_solve(gram: Tensor, rhs: Tensor, alpha: float) -> Tensor:
     absolute lambda would be no regularisation at all. ``alpha = 0`` gives the minimum-norm
     least-squares solution (used to check the closed form against a direct fit).
     """
-    n = gram.shape[-1]
     lam = alpha * torch.diagonal(gram, dim1=-2, dim2=-1).mean(-1).clamp_min(0)
-    eye = torch.eye(n, dtype=gram.dtype, device=gram.device)
-    system = gram + lam[..., None, None] * eye
+    system = gram.clone()  # + lam I on the diagonal only: an n x n identity is 250 MB more at n = 5734
+    torch.diagonal(system, dim1=-2, dim2=-1).add_(lam[..., None])
     chol, info = torch.linalg.cholesky_ex(system)
     if alpha > 0 and not bool(info.any()):
         return torch.cholesky_solve(rhs, chol)

@@ -4,7 +4,7 @@ A user's one-line alternative to the project's INT8 is onnxruntime's own ``quant
 than the static Q/DQ graph (docs/BENCHMARKS.md, "INT8 recipes"), on a ViT it is not, and which recipe is fastest
 depends on the CPU's INT8 instructions (AVX-512 VNNI, AMX). So no recipe is chosen once for all: each is a small
 function registered by name (``RECIPES``, ``register``), and ``choose_int8`` writes every candidate, races them on
-onnxruntime's CPU provider at a small batch (``TRIAL_BATCH``, interleaved, ``ort_timer``), and gates them fastest
+onnxruntime's CPU provider in one short race (``TRIAL_METHOD``, interleaved, ``ort_timer``), and gates them fastest
 first against the FP32 graph on the held-out data (the existing INT8 gate, ``quantize.compare_on``): the first that
 passes is kept. Its cost is bounded: one short race and, in the usual case, one gate (issue 49: seven recipes timed
 at batch 32 and all gated took 608 s of a deit_small run). The choice, every candidate's timing and gate figures
@@ -67,13 +67,11 @@ TIME_BATCH = 32
 """The batch INT8 candidates are timed at (``--int8-batch``); a text graph's at its exported sequence length."""
 TIME_METHOD = Method(warmup_iters=2, warmup_seconds=0.2, min_iters=5, min_seconds=0.5, round_iters=1)
 TIME_REPEATS = 3
-TRIAL_BATCH = 4
-"""The batch the candidates race at (text: x the exported sequence length): every INT8 GEMM of a ViT or an encoder
-is already thousands of rows at batch 4 (deit_small: 788 tokens), so the order of the recipes holds, at an eighth of
-the cost of timing them at ``TIME_BATCH`` (docs/BENCHMARKS.md, "Scale: time to artifact": the pick against the
-exhaustive choice at batch 32, interleaved)."""
-TRIAL_METHOD = Method(warmup_iters=1, warmup_seconds=0.0, min_iters=3, min_seconds=0.2, round_iters=1)
-TRIAL_REPEATS = 2
+TRIAL_METHOD = Method(warmup_iters=1, warmup_seconds=0.0, min_iters=3, min_seconds=0.0, round_iters=1)
+"""The race: one warm-up and three interleaved calls per candidate, at the batch the graphs are timed at (four calls
+where the full timing makes 21). Raced at batch 4 instead, deit_small's candidates came out in another order than
+at batch 32 (dynamic per tensor first, static 12% faster at 32: docs/BENCHMARKS.md, "Scale: time to artifact")."""
+TRIAL_REPEATS = 1
 BASELINE_WHAT = "onnxruntime.quantization.quantize_dynamic(dense.onnx, per_channel=True, weight_type=QInt8)"
 
 
@@ -352,7 +350,7 @@ def choose_int8(
     """Write the fastest of ``recipes``' INT8 graphs of ``src`` that passes the gate to ``out`` (callers stage it),
     with its sidecar; return its record. Refuses, in one line naming every candidate's miss, where none passes.
 
-    Bounded: every candidate is written (seconds each) and raced once at ``TRIAL_BATCH`` (``timer``; onnxruntime CPU,
+    Bounded: every candidate is written (seconds each) and raced once at ``batch`` (``timer``; onnxruntime CPU,
     ``TRIAL_METHOD``), then gated fastest first until one passes: the gate (the slow part: every held-out sample
     through two graphs) runs on the chosen candidate and on the faster ones that miss it, never on the slower ones,
     and the FP32 reference runs once for all (``runners.Memo``). A recipe that ``rescues`` another (``smooth-dynamic``:
@@ -376,7 +374,7 @@ def choose_int8(
             _write(RECIPES[c.recipe], graphs[c.graph], c, job) for c in each("INT8 candidate", first, job.say)
         ]
         written = [c for c in candidates if c.error is None]
-        feed = timing_feed(load_onnx(src, weights=False), min(batch, TRIAL_BATCH))
+        feed = timing_feed(load_onnx(src, weights=False), batch)
         if len(written) > 1:
             race = timer or ort_timer(method=TRIAL_METHOD, repeats=TRIAL_REPEATS)
             times = race({c.name: c.path for c in written}, feed)
@@ -492,10 +490,7 @@ def int8_speed(
                 "vs_baseline": base / ms if base else None,
                 "vs_dense_fp32": dense / ms if dense else None,
             }
-    say(
-        f"p50 ({timing['shape']}, onnxruntime CPU, {describe_cpu(cpu)}, interleaved): "
-        + ", ".join(f"{name} {ms:.1f} ms" for name, ms in p50.items())
-    )
+    say(f"timed {len(p50)} graphs interleaved at {timing['shape']} (their p50s: in the summary)")  # said once, there
     return timing
 
 

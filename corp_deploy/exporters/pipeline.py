@@ -389,6 +389,12 @@ def format_summary(record: dict[str, Any], params: dict[str, int] | None = None)
             + (_speed(r.get("speed")) if timed else ())
         )
     lines = [text_table(rows)] if files else []
+    if flipped := [r["file"] for r in files if r["verify"]["top1"] < 1]:  # beside a passing cosine
+        lines.append(
+            f"top-1 below 1.00 ({', '.join(flipped)}): the worst batch's share of samples whose largest output kept "
+            "its place; near-tied outputs (random weights) swap under harmless rounding, so it is reported, never "
+            "gated: cosine and max-abs are the checks"
+        )
     if timed:
         speed = next(r["speed"] for r in record["onnx"] if "speed" in r)
         lines.append(

@@ -98,8 +98,8 @@ def calibration_data(
         )
     if str(source) == SYNTHETIC:
         warnings.warn(
-            "--calib synthetic: calibrating on NOISE images. Use only for smoke tests; the pruned "
-            "model's accuracy is meaningless. Pass --calib-dir with real images for real use.",
+            "calibrating on NOISE images (source 'synthetic'; the CLI's --calib synthetic): use only for smoke tests, "
+            "the pruned model's accuracy is meaningless; calibrate on a folder of real images (--calib-dir).",
             stacklevel=2,
         )
         num -= hold_out
@@ -166,7 +166,8 @@ def text_calibration_data(
     heldout = None
     if str(source) == SYNTHETIC:
         warnings.warn(
-            "--calib synthetic: calibrating on RANDOM TOKENS. Use only for smoke tests; pass --calib-dir with text.",
+            "calibrating on RANDOM TOKENS (source 'synthetic'; the CLI's --calib synthetic): use only for smoke "
+            "tests; calibrate on a folder of text (--calib-dir).",
             stacklevel=2,
         )
         vocab = model.config.vocab_size

@@ -21,7 +21,7 @@ from corp_deploy.bench.backends import (
     RunFolder,
     _torch,
     compile_model,
-    select,
+    select_backends,
     torch_forward,
 )
 from corp_deploy.bench.report import skipped_lines
@@ -134,18 +134,18 @@ def test_the_registry_has_graph_and_compile_variants_of_every_torch_cuda_precisi
 def test_without_cuda_auto_lists_the_new_variants_as_skipped_and_naming_one_is_refused(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     run = RunFolder(tmp_path)  # an empty folder: no ONNX, no engines
-    chosen, skipped = select("auto", run)
+    chosen, skipped = select_backends("auto", run)
     assert [b.name for b in chosen] == ["torch-cpu-fp32"]
     assert {n: skipped[n] for n in GRAPHED + COMPILED} == dict.fromkeys(GRAPHED + COMPILED, "no CUDA GPU visible")
     with pytest.raises(CorpError) as refused:
-        select("torch-cpu-fp32,torch-cuda-fp16-compile-graph", run)
+        select_backends("torch-cpu-fp32,torch-cuda-fp16-compile-graph", run)
     assert str(refused.value) == "backend torch-cuda-fp16-compile-graph cannot run here: no CUDA GPU visible"
 
 
 def test_skipped_backends_are_one_line_per_reason(tmp_path, monkeypatch) -> None:
     """Without a GPU, every CUDA variant is skipped for the same reason: one line names them all."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _, skipped = select("auto", RunFolder(tmp_path))
+    _, skipped = select_backends("auto", RunFolder(tmp_path))
     lines = skipped_lines(skipped)
     assert len(lines) == len(set(skipped.values())) < len(skipped)
     (cuda,) = [line for line in lines if line.endswith(": no CUDA GPU visible")]
@@ -156,20 +156,20 @@ def test_with_cuda_auto_runs_the_graphs_and_leaves_compile_to_be_named(tmp_path,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only what select asks: nothing runs here
     monkeypatch.setattr(backends, "uninstalled", lambda module: None)
     run = RunFolder(tmp_path)
-    chosen, skipped = select("auto", run)
+    chosen, skipped = select_backends("auto", run)
     assert set(GRAPHED) <= {b.name for b in chosen} and set(COMPILED).isdisjoint(b.name for b in chosen)
     assert {n: skipped[n] for n in COMPILED} == dict.fromkeys(COMPILED, COMPILE_OPT_IN)
-    named, none = select("torch-cuda-bf16-compile,torch-cuda-fp16-compile-graph", run)
+    named, none = select_backends("torch-cuda-bf16-compile,torch-cuda-fp16-compile-graph", run)
     assert [b.name for b in named] == ["torch-cuda-bf16-compile", "torch-cuda-fp16-compile-graph"] and none == {}
     monkeypatch.setattr(backends, "uninstalled", lambda module: f"{module} (pip install {module})")
-    assert select("auto", run)[1]["torch-cuda-fp16-compile"] == (
+    assert select_backends("auto", run)[1]["torch-cuda-fp16-compile"] == (
         "not installed: triton (pip install triton) (torch.compile's inductor writes its CUDA kernels in Triton)"
     )
 
 
 def test_a_misspelt_backend_is_refused_in_one_line_naming_the_choices(tmp_path) -> None:
     with pytest.raises(CorpError) as refused:
-        select("torch-cuda-fp16-graphs", RunFolder(tmp_path))
+        select_backends("torch-cuda-fp16-graphs", RunFolder(tmp_path))
     message = str(refused.value)
     assert message.startswith("unknown backend 'torch-cuda-fp16-graphs'; choose auto or from torch-cpu-fp32, ")
     assert "torch-cuda-fp16-compile-graph" in message and "\n" not in message
@@ -181,17 +181,17 @@ def test_a_decoder_backend_named_for_an_image_run_is_said_to_be_one_and_every_ba
 
     decoders = ("decoder runs", DECODE_BACKENDS)
     with pytest.raises(CorpError) as refused:
-        select("genai-cpu-fp32", RunFolder(tmp_path), elsewhere=decoders)
+        select_backends("genai-cpu-fp32", RunFolder(tmp_path), elsewhere=decoders)
     message = str(refused.value)
     assert message.startswith("genai-cpu-fp32 times decoder runs, not this run; choose auto or from torch-cpu-fp32")
     assert message.endswith("(decoder runs also: genai-cpu-fp32, genai-cpu-int4)"), message
     with pytest.raises(CorpError, match=r"unknown backend 'onnx-magic'; .*\(decoder runs also: genai-cpu-fp32"):
-        select("onnx-magic", RunFolder(tmp_path), elsewhere=decoders)
+        select_backends("onnx-magic", RunFolder(tmp_path), elsewhere=decoders)
 
 
 def test_without_onnxruntime_its_backends_are_skipped_saying_what_to_install(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if it were not installed
-    _, skipped = select("auto", RunFolder(tmp_path))
+    _, skipped = select_backends("auto", RunFolder(tmp_path))
     assert skipped["ort-cpu-fp32"] == "not installed: onnxruntime (pip install 'corp-deploy[onnx]')"
 
 
@@ -245,11 +245,11 @@ def run_dir(tmp_path_factory):
 
 @pytest.mark.e2e
 def test_backend_selection_explains_what_it_skips(run_dir) -> None:
-    chosen, skipped = select("auto", RunFolder.open(run_dir))
+    chosen, skipped = select_backends("auto", RunFolder.open(run_dir))
     assert [b.name for b in chosen][:2] == ["torch-cpu-fp32", "ort-cpu-fp32"]
     assert all(skipped.values()) and set(skipped).isdisjoint(b.name for b in chosen)
     with pytest.raises(CorpError, match="unknown backend"):
-        select("torch-tpu", RunFolder.open(run_dir))
+        select_backends("torch-tpu", RunFolder.open(run_dir))
     with pytest.raises(CorpError, match="not a prune-export folder"):
         RunFolder.open(run_dir / "nothing")
     with pytest.raises(CorpError, match="is a prune artifact"):

@@ -11,7 +11,7 @@ from helpers import TINY_CLI_ARGS, pruned_copy, run, tiny_vit
 from PIL import Image
 
 from corp_deploy.base.steps import written
-from corp_deploy.bench.backends import RunFolder, select
+from corp_deploy.bench.backends import RunFolder, select_backends
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.compare import INT8, compare
 from corp_deploy.exporters.int8_recipes import quantize_graphs
@@ -194,7 +194,7 @@ def test_quantize_a_run_folder_then_bench_and_eval_its_int8_graphs(tmp_path, cap
     readme = (run_dir / "README.md").read_text()
     assert "Made by `corp-deploy prune-export deit_tiny " in readme and "parameters" in readme
     assert all(f"| `{name}` |" in readme for name in on_disk)
-    _, skipped = select("auto", RunFolder.open(run_dir))
+    _, skipped = select_backends("auto", RunFolder.open(run_dir))
     assert "corp-deploy quantize" in skipped["ort-cpu-int8"]
     code, out, err = run(
         ["quantize", str(run_dir), "--calib-dir", str(images), "--int8-calib", "12", "--int8-recipe", "static"], capsys

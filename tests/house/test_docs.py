@@ -99,6 +99,8 @@ PACKAGE = ROOT / "corp_deploy"
 FOLDERS = ("corp_deploy", "studies", "tools")
 CODE_NAME = re.compile(r"``?([A-Za-z_][\w./]*[\w])``?")
 """A name in backticks: a dotted name (``bench.run.new_record``) or a path (``exporters/rewrites.py``)."""
+FLAT = frozenset({"family", "hf_folder", "hf_modeling", "hf_text", "measure", "timm_vit", "hf_vit", "perplexity"})
+"""Modules of the flat layout the folders replaced: a name starting with one is a module that is gone."""
 DATA_SUFFIXES = frozenset({"json", "jsonl", "md", "onnx", "png", "csv", "txt", "yml", "safetensors", "data", "log"})
 
 
@@ -125,6 +127,9 @@ def top_level_names(path: Path) -> frozenset[str]:
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            lazy = any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in targets)  # ``corp_deploy``'s exports
+            if lazy and isinstance(node.value, ast.Dict):
+                names |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
     return frozenset(names)
 
 
@@ -150,6 +155,8 @@ def stale(name: str) -> bool:
     if name.rpartition(".")[2] in DATA_SUFFIXES:  # a file name (``bench.json``), not a module
         return False
     parts = name.split(".")
+    if len(parts) > 1 and parts[0] in FLAT:
+        return True
     packages = {n.split(".")[0] for n in modules}
     if "/" in name or len(parts) < 2 or parts[0] not in packages:
         return False
@@ -184,7 +191,8 @@ def test_no_docstring_or_comment_names_a_module_that_is_gone() -> None:
 
 
 def test_the_name_check_knows_gone_modules_from_present_ones() -> None:
-    for gone in ("bench.measure.interleaved", "corp_deploy.surgery", "exporters/gone.py", "plan.speed.nothing_here"):
+    gone_names = ("bench.measure.interleaved", "corp_deploy.surgery", "exporters/gone.py", "plan.speed.nothing_here")
+    for gone in (*gone_names, "hf_folder.layout", "family.adapter_for"):
         assert stale(gone), gone
     for present in (
         "base.timing.interleaved",
@@ -192,6 +200,7 @@ def test_the_name_check_knows_gone_modules_from_present_ones() -> None:
         "exporters/rewrites.py",
         "families.timm.surgery.replace_branch",
         "plan.speed.Meter",
+        "corp_deploy.load_pruned",
         "torch.compile",
         "Adapter.install",
         "studies/kv_padding.py",

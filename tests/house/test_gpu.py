@@ -21,7 +21,7 @@ from corp_deploy.bench.backends import (
     RunFolder,
     compile_model,
     cuda_step,
-    select,
+    select_backends,
     torch_forward,
     torch_model,
 )
@@ -166,7 +166,7 @@ def test_prune_and_bench_cli_on_cuda(cuda_run, tmp_path, capsys) -> None:
 def test_graph_and_compile_backends_bench_dense_and_pruned_with_eager_outputs(cuda_run) -> None:
     folder = RunFolder.open(cuda_run)
     names = "torch-cuda-fp16-graph,torch-cuda-fp16-compile,torch-cuda-fp16-compile-graph"
-    chosen, _ = select(names, folder)
+    chosen, _ = select_backends(names, folder)
     method = Method(warmup_iters=2, warmup_seconds=0, min_iters=5, min_seconds=0)
     record = benchmark(folder, chosen, [1, 4], method)
     assert record["skipped"] == {}

@@ -33,7 +33,7 @@ from corp_deploy.bench.backends import BACKENDS
 from corp_deploy.bench.meter import BackendMeter, check_backend
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.pruner import calibrate
-from corp_deploy.families import structure as block_widths
+from corp_deploy.families import structure
 from corp_deploy.families.hf import hub
 from corp_deploy.formats.text import synthetic_text_batches
 from corp_deploy.plan import latency, speed
@@ -86,7 +86,7 @@ def test_the_joint_models_measure_what_narrowing_both_parts_saves_beyond_their_s
 
     def timer(models):
         return {
-            n: FIXED_S + sum(joint_block_s(b["mlp_hidden"], b["qk_dim"], b["v_dim"]) for b in block_widths(m))
+            n: FIXED_S + sum(joint_block_s(b["mlp_hidden"], b["qk_dim"], b["v_dim"]) for b in structure(m))
             for n, m in models.items()
         }
 
@@ -265,7 +265,7 @@ def test_closed_loop_corrects_the_table_and_replans_from_the_same_statistics() -
     timed = []
 
     def timing(dense, pruned) -> Timing:
-        timed.append(copy.deepcopy(block_widths(pruned)))
+        timed.append(copy.deepcopy(structure(pruned)))
         real = [FIXED_S + 2 * (fake_time(m) - FIXED_S) for m in (dense, pruned)]
         return Timing(real[0], real[1], 0.05)
 
@@ -282,7 +282,7 @@ def test_closed_loop_corrects_the_table_and_replans_from_the_same_statistics() -
     assert check["met"] == (check["measured_speedup"] >= 2)
     assert check["history"][0]["measured_speedup"] > 2 * 1.05 and check["target_speedup"] == 2
     assert check["measured_speedup"] == pytest.approx(2, rel=0.05)
-    assert timed[1] != timed[0] and block_widths(result.model) == timed[1]
+    assert timed[1] != timed[0] and structure(result.model) == timed[1]
     assert [list(b.values())[:3] for b in timed[1]] == check["history"][1]["widths"]  # (mlp, qk, v) per block
     assert "target 2.00x" in format_report(result.report) and ": met after 2 rounds" in format_report(result.report)
 
@@ -411,11 +411,11 @@ def test_recovery_runs_after_the_closed_loop_and_keeps_its_widths(tmp_path, caps
     events, loss = [], Objective.__call__
 
     def timed(models, *_):  # the closed loop's timing of dense against pruned
-        events.append(("timed", block_widths(models["pruned"])))
+        events.append(("timed", structure(models["pruned"])))
         return {n: [fake_time(m)] * 6 for n, m in models.items()}
 
     def trained(self, key, inputs):
-        events.append(("trained", block_widths(self.pruned)))
+        events.append(("trained", structure(self.pruned)))
         return loss(self, key, inputs)
 
     monkeypatch.setattr(speed, "time_models", timed)

@@ -109,7 +109,9 @@ def create_model(
         model = _pretrained(full, model_args)
     elif weights == "random":
         warnings.warn(
-            "--weights random: accuracy of this model is meaningless (fine for structure and latency)", stacklevel=2
+            "weights='random' (the CLI's --weights random): accuracy of this model is meaningless (fine for structure "
+            "and latency)",
+            stacklevel=2,
         )
         model = _build(full, model_args, pretrained=False)
     else:
