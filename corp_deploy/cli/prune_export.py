@@ -290,7 +290,7 @@ def prune_export(
             click.echo(f"quantize-only baseline not built: {record['int4_baseline']['error']}")
     for stem, genai_record in genai_records.items():
         click.echo(genai.summary(genai_record, genai_name(stem), None))  # random-token prompts
-    write_readme(run_dir, record, summary, command_line())
+    write_readme(run_dir, record, summary, command_line(), [kind for t in targets for kind in t.files])
     click.echo(f"wrote {out}/ ({', '.join(written(run_dir))}; each graph and engine with its .json record): {README}")
     say_folder(run_dir / ARTIFACT)
     click.echo(steps.wall_time(time.perf_counter() - started, {"prune (model, data, tables, recovery)": prune_seconds}))

@@ -35,6 +35,7 @@ PURPOSE = "the OpenVINO target"
 register_package("openvino", "openvino", "openvino", "2025.0")
 register_package("nncf", "nncf", "openvino", "2.16")
 MODULES = ("openvino", "nncf")
+LOAD = "openvino.Core().compile_model({p}, 'CPU')"
 NNCF_WHAT = "nncf.quantize: static INT8, ModelType.TRANSFORMER, OpenVINO's own post-training quantization"
 
 
@@ -160,6 +161,19 @@ register(
         write=write,
         runner=_runner,
         modules=MODULES,
+        files=(
+            (
+                "*.int8.xml",
+                "OpenVINO IR, INT8 by NNCF (its .json: the gate)",
+                "openvino.Core().compile_model({p}, 'CPU')",
+            ),
+            (
+                "*.xml",
+                "OpenVINO IR, FP32 (its .json: how it was verified)",
+                "openvino.Core().compile_model({p}, 'CPU')",
+            ),
+            ("*.bin", "the weights of the OpenVINO IR of the same name", ""),
+        ),
         backends=tuple(BenchSpec(f"ov-cpu-{p}", "openvino", "cpu", p) for p in (FP32.name, INT8.name)),
         baseline=lambda root: (root / ir_name("dense", INT8.name), f"dense.int8.xml of the run folder ({NNCF_WHAT})"),
     )

@@ -68,6 +68,8 @@ class Target:
     modules: tuple[str, ...] = ()
     """What it imports (``base.deps``): absent, one line says what to install."""
     backends: tuple[BenchSpec, ...] = ()
+    files: tuple[tuple[str, str, str], ...] = ()
+    """(name pattern, what it is, how to load it) of each file it writes: the run folder's README reads them."""
     baseline: Callable[[Path], tuple[Path, str]] | None = None
     """Run folder -> (the quantize-only baseline's file, where it came from): the dense model quantized the
     runtime's own way, timed beside dense and pruned on this target's backends."""

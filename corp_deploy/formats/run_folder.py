@@ -23,6 +23,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -228,15 +229,18 @@ KINDS = (
 """A run folder's entries by name pattern (first match): what each is and how to load it."""
 
 
-def describe_entry(name: str) -> tuple[str, str]:
-    """(what ``name`` is, how to load it) from ``KINDS``; an entry no pattern knows is said to be unknown."""
-    for pattern, what, how in KINDS:
+def describe_entry(name: str, kinds: Sequence[tuple[str, str, str]] = ()) -> tuple[str, str]:
+    """(what ``name`` is, how to load it) from ``kinds`` (an export target's files) and ``KINDS``; an entry no pattern
+    knows is said to be unknown."""
+    for pattern, what, how in (*kinds, *KINDS):
         if fnmatch.fnmatch(name, pattern):
             return what, how.format(p=repr(name.rstrip("/")))
     return "not written by corp-deploy", ""
 
 
-def write_readme(root: str | Path, record: dict[str, Any], summary: str, command: str) -> Path:
+def write_readme(
+    root: str | Path, record: dict[str, Any], summary: str, command: str, kinds: Sequence[tuple[str, str, str]] = ()
+) -> Path:
     """``root/README.md``: the command that made the folder, the figures (``summary``: the table the command printed,
     from the same ``record``), and every entry the folder holds now, read from the disk, with how to load it."""
     root = Path(root)
@@ -250,7 +254,7 @@ def write_readme(root: str | Path, record: dict[str, Any], summary: str, command
     pruned = ", ".join(f"{k} {config[k]}" for k in ("target", "sparsity", "budget") if config.get(k) is not None)
     rows = ["| entry | what it is | how to load it |", "|---|---|---|"]
     entries = sorted({*written(root), README})  # this file among them
-    rows += [f"| `{n}` | {w} | {f'`{h}`' if h else ''} |" for n in entries for w, h in [describe_entry(n)]]
+    rows += [f"| `{n}` | {w} | {f'`{h}`' if h else ''} |" for n in entries for w, h in [describe_entry(n, kinds)]]
     text = "\n".join(
         [
             f"# {record.get('model', root.name)}: a CORP run folder",

@@ -257,10 +257,10 @@ def test_backend_selection_explains_what_it_skips(run_dir) -> None:
 
 
 def test_run_folder_reads_the_recorded_input_size_without_building_a_model(run_dir, tmp_path, monkeypatch) -> None:
-    def no_model(self, which):
+    def no_model(run, which):
         raise AssertionError("a model was built to learn the input size")
 
-    monkeypatch.setattr(RunFolder, "torch_model", no_model)
+    monkeypatch.setattr(backends, "torch_model", no_model)
     assert RunFolder.open(run_dir).input_size == (3, 32, 32)
     bare = tmp_path / "bare"
     shutil.copytree(run_dir / "pruned", bare / "pruned")

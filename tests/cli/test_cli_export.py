@@ -67,7 +67,7 @@ def test_prune_export_writes_verified_onnx_and_engines_or_says_why_not(tmp_path,
 def test_export_a_prune_artifact_with_fp16(artifact, tmp_path, capsys) -> None:
     out = tmp_path / "m.onnx"
     code, stdout, stderr = run(
-        ["export", str(artifact), "--out", str(out), "--fp16", "--verify-batches", "2,5"], capsys
+        ["export", str(artifact), "--out", str(out), "--precision", "fp32,fp16", "--verify-batches", "2,5"], capsys
     )
     assert code == 0, stderr
     names = sorted(p.name for p in tmp_path.iterdir())

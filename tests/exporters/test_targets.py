@@ -27,7 +27,7 @@ def test_every_target_is_registered_with_every_piece() -> None:
         assert target.name and target.what and target.precisions
         assert set(target.precisions) <= set(PRECISIONS)
         assert callable(target.write) and callable(target.runner) and callable(target.file_name)
-        assert target.modules and target.backends
+        assert target.modules and target.backends and target.files
         assert target.file_name("dense", "fp32") != target.file_name("dense", "int8")
         for spec in target.backends:
             assert spec.name in backends.all_backends() and spec.precision in target.precisions
@@ -120,6 +120,7 @@ def test_openvino_writes_verified_ir_and_times_it_beside_onnxruntime(tmp_path, c
         assert (out / name).is_file() and (out / name).with_suffix(".bin").is_file()
         record = json.loads((out / f"{name}.json").read_text())
         assert record["target"] == "openvino" and record["verify"]["cosine"] > 0.9
+    assert "| `pruned.int8.xml` | OpenVINO IR, INT8 by NNCF" in (out / "README.md").read_text()
     from corp_deploy.exporters.openvino import OvRunner
     from corp_deploy.exporters.runners import OrtRunner
 
