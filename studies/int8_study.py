@@ -5,7 +5,7 @@
         --out studies/results/int8-study-shift
 
 DINOv2 ViT-S/14 (real weights) and the demo's labelled images: CORP at 50% joint sparsity, then
-dense and pruned exported to FP32 ONNX and quantized to static INT8 (``corp_deploy.exporters.quantize``,
+dense and pruned exported to FP32 ONNX and quantized to static INT8 (``corp_deploy.exporters.int8_quant``,
 calibrated on the same 256 seeded images CORP read, verified on the next 64). For dense fp32,
 dense int8, pruned fp32 and pruned int8: the dense model's linear probe (top-1, agreement, feature
 cosine on held-out test images), then batch-1 and batch-32 timing with all four interleaved in the

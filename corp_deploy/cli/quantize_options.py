@@ -24,7 +24,7 @@ from corp_deploy.exporters.int4_quant import (
     RANK_WINDOWS,
     Scheme,
 )
-from corp_deploy.exporters.quantize import CALIB_METHODS
+from corp_deploy.exporters.int8_quant import CALIB_METHODS
 from corp_deploy.exporters.smooth import SMOOTH_ALPHA
 
 int8_options = group(

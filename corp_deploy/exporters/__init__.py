@@ -8,7 +8,7 @@ corp_deploy.exporters.genai            onnxruntime-genai folders, verified by ge
 corp_deploy.exporters.rewrites         exact fixed-cost rewrites (the same function, faster kernels)
 corp_deploy.exporters.fp16             FP32 ONNX -> FP16-typed ONNX for strongly typed TensorRT
 corp_deploy.exporters.smooth           SmoothQuant's scale migration as an exact graph transform
-corp_deploy.exporters.quantize         FP32 ONNX -> static INT8 (Q/DQ), gated on held-out inputs
+corp_deploy.exporters.int8_quant       FP32 ONNX -> static INT8 (Q/DQ), gated on held-out inputs
 corp_deploy.exporters.int8_recipes     INT8 recipes (static, dynamic, smoothed; fused or not), the fastest passing one
 corp_deploy.exporters.int4_quant       INT4 weight-only schemes and the quantizer (MatMulNBits)
 corp_deploy.exporters.int4_gate        the INT4 gate: perplexity and greedy agreement against FP32

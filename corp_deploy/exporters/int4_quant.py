@@ -434,7 +434,7 @@ def input_moments(fp32, matmuls: set[str], windows: np.ndarray) -> dict[str, np.
 def matmul_errors(fp32, quantized, windows: np.ndarray) -> list[tuple[str, float]]:
     """(quantized MatMul, output SQNR in dB), worst first: each MatMulNBits' output from the FP32 graph's own
     activation (its input in the FP32 graph, on ``windows``) and the dequantized weight, against the same
-    activation through the float weight. Local, as ``quantize.gemm_errors`` for INT8: it ranks where precision
+    activation through the float weight. Local, as ``int8_quant.gemm_errors`` for INT8: it ranks where precision
     is lost, not where the loss arrives."""
     from onnx import numpy_helper
 

@@ -5,7 +5,7 @@ than the static Q/DQ graph (docs/BENCHMARKS.md, "INT8 recipes"), on a ViT it is 
 depends on the CPU's INT8 instructions (AVX-512 VNNI, AMX). So no recipe is chosen once for all: each is a small
 function registered by name (``RECIPES``, ``register``), and ``choose_int8`` writes every candidate, races them on
 onnxruntime's CPU provider in one short race (``TRIAL_METHOD``, interleaved, ``ort_timer``), and gates them fastest
-first against the FP32 graph on the held-out data (the existing INT8 gate, ``quantize.compare_on``): the first that
+first against the FP32 graph on the held-out data (the existing INT8 gate, ``int8_quant.compare_on``): the first that
 passes is kept. Its cost is bounded: one short race and, in the usual case, one gate (issue 49: seven recipes timed
 at batch 32 and all gated took 608 s of a deit_small run). The choice, every candidate's timing and gate figures
 (where gated), and the CPU's features are written into the graph's metadata (``int8_recipe``) and its sidecar; one
@@ -45,8 +45,7 @@ from corp_deploy.base.fsio import check_writable, staged
 from corp_deploy.base.steps import each
 from corp_deploy.base.timing import Method, interleaved
 from corp_deploy.exporters.compare import FP32, Comparison, Feed, Runner, Tolerance
-from corp_deploy.exporters.onnx_export import add_metadata, input_shape, load_onnx, onnx_files, read_metadata
-from corp_deploy.exporters.quantize import (
+from corp_deploy.exporters.int8_quant import (
     Data,
     HeldOut,
     _inferred_copy_removed,
@@ -59,6 +58,7 @@ from corp_deploy.exporters.quantize import (
     int8_record,
     quantize_verified,
 )
+from corp_deploy.exporters.onnx_export import add_metadata, input_shape, load_onnx, onnx_files, read_metadata
 from corp_deploy.exporters.runners import Memo, OrtRunner
 from corp_deploy.exporters.smooth import SMOOTH_ALPHA, smooth
 from corp_deploy.formats.run_folder import BASELINE, onnx_name, write_sidecar
@@ -120,7 +120,7 @@ def register(name: str, fusable: bool = True, rescues: str | None = None) -> Cal
 
 @register("static", fusable=False)
 def _static(src: Path, out: Path, job: Job) -> None:
-    """The project's static Q/DQ (``quantize.quantize_verified``): symmetric, GEMM inputs only, SmoothQuant and
+    """The project's static Q/DQ (``int8_quant.quantize_verified``): symmetric, GEMM inputs only, SmoothQuant and
     float GEMMs while it misses the gate."""
     calibration, held_out, tol, info = job.calibration, job.held_out, job.tol, job.info
     quantize_verified(src, out, calibration, held_out, tol, job.method, info, job.say, job.smooth_alpha, job.reference)

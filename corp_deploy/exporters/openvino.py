@@ -94,8 +94,8 @@ def convert_verified(src: Path, out: Path, inputs, tol: Tolerance, batches) -> d
 
 def quantize_verified(src: Path, out: Path, calibration: list[Feed], held_out, tol: Tolerance) -> dict[str, Any]:
     """The FP32 IR ``src`` quantized by NNCF on ``calibration`` at ``out``, checked against ``src`` on
-    ``held_out`` (``quantize.compare_on``: one sample and all of them in one batch)."""
-    from corp_deploy.exporters.quantize import compare_on
+    ``held_out`` (``int8_quant.compare_on``: one sample and all of them in one batch)."""
+    from corp_deploy.exporters.int8_quant import compare_on
 
     ov, nncf = require("openvino", PURPOSE), require("nncf", PURPOSE)
     start = time.perf_counter()

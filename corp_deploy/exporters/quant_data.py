@@ -12,8 +12,8 @@ import numpy as np
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.exporters.int4_quant import Scheme
+from corp_deploy.exporters.int8_quant import Data, calibration_data
 from corp_deploy.exporters.onnx_export import read_metadata
-from corp_deploy.exporters.quantize import Data, calibration_data
 from corp_deploy.families.hf import hub
 from corp_deploy.formats import calibration, evaluation
 from corp_deploy.formats.data import SYNTHETIC

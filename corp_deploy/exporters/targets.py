@@ -35,7 +35,7 @@ class Job:
     opts: Any
     """``pipeline.VerifyOptions``: batches, the tolerances of each precision's gate, the seed."""
     data: Callable[[Any], Any] | None = None
-    """ONNX graph -> (calibration batches, held-out inputs, counts): the data INT8 reads (``quantize.Data``)."""
+    """ONNX graph -> (calibration batches, held-out inputs, counts): the data INT8 reads (``int8_quant.Data``)."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """The target's own option values (its option group), by option name."""
     say: Callable[[str], None] = print

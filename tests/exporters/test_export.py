@@ -15,6 +15,7 @@ from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters import onnx_export
 from corp_deploy.exporters.compare import FP16, FP32, Tolerance, check, compare, image_inputs, random_inputs, verify
 from corp_deploy.exporters.fp16 import KEEP_FP32, convert_fp16
+from corp_deploy.exporters.int8_quant import compare_on
 from corp_deploy.exporters.onnx_export import (
     graph_precision,
     input_shape,
@@ -25,7 +26,6 @@ from corp_deploy.exporters.onnx_export import (
     read_metadata,
 )
 from corp_deploy.exporters.pipeline import VerifyOptions, convert_verified, export_run, export_verified
-from corp_deploy.exporters.quantize import compare_on
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner, ort_providers
 from corp_deploy.exporters.tensorrt_engine import (
     BuildOptions,

@@ -18,6 +18,7 @@ from corp_deploy.bench import gate
 from corp_deploy.bench.report import format_table
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.compare import FP32, INT8, Tolerance
+from corp_deploy.exporters.int8_quant import compare_on
 from corp_deploy.exporters.int8_recipes import (
     RECIPES,
     Job,
@@ -29,7 +30,6 @@ from corp_deploy.exporters.int8_recipes import (
 )
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import export_verified, format_summary
-from corp_deploy.exporters.quantize import compare_on
 from corp_deploy.exporters.runners import Memo, OrtRunner
 from corp_deploy.formats.calibration import noise_arrays
 from corp_deploy.formats.sources import describe

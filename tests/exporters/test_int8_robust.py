@@ -15,14 +15,14 @@ import pytest
 from helpers import TEXT_VOCAB, run
 
 from corp_deploy.exporters.compare import INT8, compare
-from corp_deploy.exporters.int8_recipes import quantize_graphs
-from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
-from corp_deploy.exporters.quantize import (
+from corp_deploy.exporters.int8_quant import (
     compare_on,
     gemm_errors,
     quantize_int8,
     quantize_verified,
 )
+from corp_deploy.exporters.int8_recipes import quantize_graphs
+from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
 from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.exporters.smooth import SMOOTH_ALPHA, smooth
 

@@ -14,10 +14,10 @@ from corp_deploy.base.steps import written
 from corp_deploy.bench.backends import RunFolder, select_backends
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters.compare import INT8, compare
+from corp_deploy.exporters.int8_quant import ATTENTION_MATMUL, INT8_OPS, activation_gemms, calibration_data, compare_on
 from corp_deploy.exporters.int8_recipes import quantize_graphs
 from corp_deploy.exporters.onnx_export import load_onnx, onnx_files, read_metadata
 from corp_deploy.exporters.pipeline import export_verified
-from corp_deploy.exporters.quantize import ATTENTION_MATMUL, INT8_OPS, activation_gemms, calibration_data, compare_on
 from corp_deploy.exporters.runners import OrtRunner
 from corp_deploy.exporters.tensorrt_engine import FLAVOURS, VERIFIED, flavour_missing
 from corp_deploy.formats.calibration import split_images

@@ -128,7 +128,7 @@ def test_no_import_runs_upward() -> None:
         ("corp_deploy.base.env", "def f():\n    import corp_deploy.api"),
         ("corp_deploy.core.pruner", "from corp_deploy.exporters.runners import OrtRunner"),
         ("corp_deploy.families.timm.models", "from corp_deploy.bench import accuracy"),
-        ("corp_deploy.exporters.quantize", "from corp_deploy.api import SYNTHETIC"),
+        ("corp_deploy.exporters.int8_quant", "from corp_deploy.api import SYNTHETIC"),
         ("corp_deploy.bench.accuracy", "from corp_deploy.core.compensation import ridge_solve"),
         ("corp_deploy.bench.backends", "from corp_deploy.plan import speed"),
         ("corp_deploy.core.pruner", "from corp_deploy.formats.artifact import save_pruned"),
@@ -154,7 +154,7 @@ def test_the_check_allows_the_floors_below() -> None:
         ("corp_deploy.base.env", "from corp_deploy.base.deps import optional"),
         ("corp_deploy.api", "from corp_deploy.core.pruner import prune_model\nfrom corp_deploy.base import env"),
         (
-            "corp_deploy.exporters.quantize",
+            "corp_deploy.exporters.int8_quant",
             "from corp_deploy.formats.data import SYNTHETIC\nfrom corp_deploy.base.fsio import staged",
         ),
         (
