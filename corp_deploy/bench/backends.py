@@ -36,8 +36,11 @@ def torch_model(run: RunFolder, which: str) -> nn.Module:
     """The pruned model from its artifact; the dense one as its family builds it (a timm name, a config.json);
     each as its graph was exported (``text_onnx.graph``: ``input_ids, attention_mask``; ``image_graph``).
 
-    The dense weights are random: values do not change a dense model's latency.
+    The dense weights are random: values do not change a dense model's latency. Models held in memory
+    (``bench.meter``'s, for a latency table or the closed loop) come as they are, through their own ``torch_model``.
     """
+    if not isinstance(run, RunFolder):
+        return run.torch_model(which)
     model = load_pruned(run.root / ARTIFACT) if which == "pruned" else build(run.meta, run.root / ARTIFACT).eval()
     return graph(model)[0] if run.text is not None else image_graph(model)
 

@@ -74,7 +74,7 @@ def test_variance_ranks_by_spread_not_offset() -> None:
     for ranker in ("energy", "variance"):
         pruned = copy.deepcopy(model)
         config = PruneConfig(sparsity=0.5, target="mlp", ranker=ranker, compensation="mean", round_to=1)
-        prune_model(pruned, CalibrationStats(mlp={0: stats}, images=1), config, plan_widths(pruned, config))
+        prune_model(pruned, CalibrationStats(mlp={0: stats}, samples=1), config, plan_widths(pruned, config))
         rows = pruned.blocks[0].mlp.fc1.weight
         kept[ranker] = [i for i in range(8) if any(torch.equal(r, model.blocks[0].mlp.fc1.weight[i]) for r in rows)]
     assert kept["variance"] == [1, 2, 3, 6]
@@ -110,7 +110,7 @@ def test_pruner_keeps_the_mlp_channels_each_ranker_prefers(ranker) -> None:
     with torch.no_grad():
         w2 = model.blocks[0].mlp.fc2.weight
         w2.copy_(w2 / w2.norm(dim=0) * torch.tensor(MAGNITUDE))
-    stats = CalibrationStats(mlp={0: _hand_built_mlp_stats()}, images=1)
+    stats = CalibrationStats(mlp={0: _hand_built_mlp_stats()}, samples=1)
     pruned = copy.deepcopy(model)
     config = PruneConfig(sparsity=0.5, target="mlp", ranker=ranker, round_to=1)
     prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
@@ -134,7 +134,7 @@ def test_pruner_keeps_the_v_channels_each_ranker_prefers_within_every_head(ranke
     w.copy_(w / w.norm(dim=0) * torch.cat([magnitude, 100 * magnitude.flip(0)]))
     pruned = copy.deepcopy(model)
     config = PruneConfig(target="v", ranker=ranker, round_to=1)
-    prune_model(pruned, CalibrationStats(proj={0: stats}, images=1), config, plan_widths(pruned, config))
+    prune_model(pruned, CalibrationStats(proj={0: stats}, samples=1), config, plan_widths(pruned, config))
     kept = MLP_KEPT[ranker]
     expected = kept + sorted(8 + 7 - j for j in kept)
     attn = pruned.blocks[0].attn
@@ -176,7 +176,7 @@ def test_pruner_keeps_the_qk_dims_each_ranker_prefers(ranker) -> None:
     qkv = model.blocks[0].attn.qkv
     w = qkv.weight.view(3, 2, 8, 16)
     w[:2] = w[:2] / w[:2].norm(dim=-1, keepdim=True) * torch.tensor(QK_MAGNITUDE).sqrt()[..., None]
-    stats = CalibrationStats(qk={0: _hand_built_attn_stats()}, images=3)
+    stats = CalibrationStats(qk={0: _hand_built_attn_stats()}, samples=3)
     pruned = copy.deepcopy(model)
     config = PruneConfig(sparsity=0.5, target="attn", ranker=ranker, compensation="none", round_to=1)
     prune_model(pruned, stats, config, plan_widths(pruned, config, stats))
