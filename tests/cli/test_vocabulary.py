@@ -88,7 +88,11 @@ def test_a_batch_setting_is_spelled_batch_not_bs() -> None:
             assert "bs" not in flag.split("-") and "batchsize" not in flag, f"{command} {flag}: spell it batch-size"
 
 
-@pytest.mark.xfail(strict=True, reason="targets51")
+@pytest.mark.xfail(
+    strict=True,
+    reason="two flags left: prune-export --int8 (INT8 graphs without INT8 engines, which --precision ...,int8 adds) "
+    "and export's hidden, deprecated --fp16; strict, so removing them turns this red until the mark goes",
+)
 def test_every_command_that_writes_graphs_chooses_them_with_one_precision_flag() -> None:
     """A precision is chosen with --precision everywhere; no command has a flag named after one precision (export's
     --fp16 beside build-engine's and prune-export's --precision)."""
