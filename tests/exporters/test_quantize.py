@@ -253,6 +253,7 @@ def test_int8_graphs_with_external_data_from_prune_export_are_read_by_bench_and_
     engines = RTX_MISSING is None
     argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
     argv += ["--calib", "synthetic", "--num-calib", "32", "--int8", "--int8-calib", "16", "--int8-verify", "8"]
+    argv += ["--int8-recipe", "static"]  # Q/DQ graphs, which INT8 engines need (auto races a dynamic one in)
     argv += ["--precision", "fp32,int8", "--runtime", "tensorrt-rtx"] if engines else ["--precision", "fp32"]
     code, _, err = run([*argv, "--batch", "1:4:8", "--out", str(out)], capsys)
     assert code == 0, err
