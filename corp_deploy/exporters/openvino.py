@@ -79,17 +79,7 @@ def convert_verified(src: Path, out: Path, inputs, tol: Tolerance, batches) -> d
     reference, candidate = OrtRunner(src, "cpu"), OvRunner(out)
     comparisons = verify(reference, candidate, inputs, batches)
     check(comparisons, tol, f"OpenVINO IR {out.name} against {src.name}")
-    verify_ = {"reference": f"{src.name} ({reference.name})", "runtime": candidate.name, **summary(comparisons)}
-    return {
-        "file": out.name,
-        "target": "openvino",
-        "precision": FP32.name,
-        "bytes": _files_bytes(out),
-        "seconds": round(seconds, 2),
-        "verify": verify_ | {"tolerance": tol.__dict__},
-        "converted_from": src.name,
-        "versions": module_versions(MODULES),
-    }
+    return _record(src, out, FP32.name, seconds, reference, candidate, comparisons, tol) | {"converted_from": src.name}
 
 
 def quantize_verified(src: Path, out: Path, calibration: list[Feed], held_out, tol: Tolerance) -> dict[str, Any]:
@@ -108,17 +98,20 @@ def quantize_verified(src: Path, out: Path, calibration: list[Feed], held_out, t
     reference, candidate = OvRunner(src), OvRunner(out)
     comparisons = compare_on(reference, candidate, held_out)
     check(comparisons, tol, f"INT8 OpenVINO IR {out.name} against {src.name} on held-out inputs")
+    record = _record(src, out, INT8.name, seconds, reference, candidate, comparisons, tol)
+    return record | {"int8": NNCF_WHAT, "calibration_batches": len(calibration), "quantized_from": src.name}
+
+
+def _record(src: Path, out: Path, precision: str, seconds: float, reference, candidate, comparisons, tol) -> dict:
+    """The sidecar every IR file gets: the file, its target and precision, its size and time, its verification."""
     verify_ = {"reference": f"{src.name} ({reference.name})", "runtime": candidate.name, **summary(comparisons)}
     return {
         "file": out.name,
         "target": "openvino",
-        "precision": INT8.name,
+        "precision": precision,
         "bytes": _files_bytes(out),
         "seconds": round(seconds, 2),
         "verify": verify_ | {"tolerance": tol.__dict__},
-        "int8": NNCF_WHAT,
-        "calibration_batches": len(calibration),
-        "quantized_from": src.name,
         "versions": module_versions(MODULES),
     }
 
