@@ -51,7 +51,7 @@ def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
     """Prune MODEL (timm name or alias such as deit_base; a transformers folder or hf:NAME) with CORP into --out.
 
     With --speedup S (or --budget latency=F) the widths are allocated against a latency table measured on
-    --latency-on at --latency-batch (cached); the speed is predicted, not checked (prune-export checks it).
+    --latency-on at --latency-batch-size (cached); the speed is predicted, not checked (prune-export checks it).
     """
     started = time.perf_counter()
     config = prune_config(kwargs.pop("pruning"), kwargs["latency"])
@@ -171,7 +171,9 @@ def again() -> str:
 @click.argument("model")
 @model_options
 @click.option("--latency-on", required=True, metavar="BACKEND", help="The bench backend to measure (ort-cpu-fp32...).")
-@click.option("--latency-batch", default=32, show_default=True, help="Batch size the table is for.")
+@click.option(
+    "--latency-batch-size", "latency_batch", default=32, show_default=True, help="Batch size the table is for."
+)
 @click.option("--check", default=0, show_default=True, help="Also time N random mixed-width models: the error.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the table here (for prune --latency-table).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
@@ -195,7 +197,7 @@ def profile(
     if out is not None:
         check_writable(out, overwrite)
     if latency_batch < 1 or check < 0:
-        raise CorpError("--latency-batch must be >= 1 and --check >= 0")
+        raise CorpError("--latency-batch-size must be >= 1 and --check >= 0")
     backend = meter.check_backend(latency_on)
     net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=parse_model_args(model_arg))
     key = speed.key(resolve_name(model), parse_model_args(model_arg), backend, latency_batch, torch.get_num_threads())
