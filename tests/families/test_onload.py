@@ -18,22 +18,23 @@ from helpers import padded_batches, run, tiny_bert, tiny_text_folder, token_batc
 from safetensors.torch import load_file  # noqa: E402
 
 from corp_deploy import api  # noqa: E402
+from corp_deploy.base import memory  # noqa: E402
+from corp_deploy.base.errors import CorpError  # noqa: E402
+from corp_deploy.core import blockwise  # noqa: E402
 from corp_deploy.core.config import PruneConfig  # noqa: E402
 from corp_deploy.families import adapter_for, onload  # noqa: E402
 from corp_deploy.families.hf import hub  # noqa: E402
 
 
-def _llama_folder(root: Path, tied: bool) -> Path:
+def _llama_folder(root: Path, tied: bool, **overrides) -> Path:
     torch.manual_seed(0)
+    shape = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+    shape["intermediate_size"] = 128
     config = transformers.LlamaConfig(
         vocab_size=300,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
         max_position_embeddings=64,
         tie_word_embeddings=tied,
+        **(shape | overrides),
     )
     folder = root / f"llama-tied{tied}"
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
@@ -135,3 +136,28 @@ def test_prune_export_reads_the_dense_model_again_instead_of_copying_it(tmp_path
     assert [r["file"] for r in record["onnx"]] == ["dense.onnx", "pruned.onnx"]
     dense_params = sum(p.numel() for p in real_load(str(folder))[0].parameters())
     assert record["size"]["dense"]["params"] == dense_params > record["size"]["pruned"]["params"]
+
+
+def test_the_plan_of_an_onloaded_model_holds_one_block_and_fits_where_the_whole_one_is_refused(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Eight wide-attention blocks with a narrow MLP (the blocks' weights dominate): the plan counts what is resident
+    and one block, and one block's statistics; with just that much memory the whole load is refused in one line,
+    the onloaded prune runs."""
+    folder = _llama_folder(tmp_path, False, hidden_size=256, num_hidden_layers=8, intermediate_size=64)
+    config = PruneConfig(sparsity=0.5, target="mlp", round_to=2)
+    model, _ = hub.load(str(folder), onload=True)
+    plan, bound = blockwise.memory_plan(model, config, 4, 24, 4, torch.device("cpu"), None, False)
+    resident = sum(p.numel() * 4 for p in model.parameters() if not p.is_meta)
+    block = sum(p.numel() * 4 for p in adapter_for(model).blocks(model)[0].parameters())
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    assert bound is None and plan.parts["weights"] == resident + block < whole / 4
+    assert plan.parts["statistics"] == blockwise.block_stats(model, config, [0], "meta").nbytes()
+    room = plan.peak + 2**16
+    assert memory.RUNTIME + whole > room  # the whole model does not fit what the onloaded run needs
+    monkeypatch.setenv(memory.ENV, str(room / memory.HEADROOM / memory.GIB))
+    with pytest.raises(CorpError, match=r"^this run needs about .* weights"):
+        hub.load(str(folder))
+    model, _ = hub.load(str(folder), onload=True)
+    result = api.prune(model, token_batches(n=1), config, "cpu", progress=False)
+    assert result.report["memory"]["plan"]["weights_gib"] * memory.GIB == resident + block
