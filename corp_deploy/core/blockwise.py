@@ -118,7 +118,8 @@ def memory_plan(
     ``one_pass``: the run needs every block's statistics at once (a budget or a scored selection).
 
     Parts: the weights (float32 as loaded; onloaded, ``families.onload``: what is resident and one block, the
-    pruned blocks waiting on disk), the statistics held at once, the token cache between groups, one batch's
+    pruned blocks waiting on disk; the pruned model read whole after the walk is bounded by ``hub.load``'s check of
+    the dense weights), the statistics held at once, the token cache between groups, one batch's
     activations through one block (its widest layer's outputs, SwiGLU's three, the softmax maps) with the fp32
     product of its widest statistic, and the compensation's four float64 copies of its widest covariance (the
     moments, the covariance, its kept rows and columns, the factor). Refuses in one line, naming what would make it

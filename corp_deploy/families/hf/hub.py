@@ -63,19 +63,21 @@ def load(source: str, onload: bool = False) -> tuple[nn.Module, Any]:
 
     ``onload``: a local folder of safetensors is built with its blocks' weights left on disk (``families.onload``:
     one block is read at a time by the prune's walk); a checkpoint whose names the model does not take as they are
-    (``hf:NAME``, renamed keys, ``.bin`` files) loads whole, as without it."""
+    (``hf:NAME``, renamed keys, ``.bin`` files) loads whole, as without it. The refusal is the same either way: the
+    pruned model is read whole after the walk (for its report, its save and its export), and the dense model's
+    float32 weights bound it."""
     transformers = transformers_module("pruning a transformers model")
     transformers.utils.logging.disable_progress_bar()  # corp-deploy prints its own progress
     where, offline = source.removeprefix(HUB_PREFIX), _offline(source)
     try:
         config = transformers.AutoConfig.from_pretrained(where, **offline)
         cls = architecture(transformers, config)
+        if Path(where).is_dir():  # before loading: float32 weights the machine cannot hold are refused in one line
+            memory.Plan({"weights": memory.safetensors_bytes(where, itemsize=4)}, memory.available(), "host").check(
+                "corp-deploy holds the weights in float32 on the host: run on a machine with more memory"
+            )
         model = _onloaded(cls, config, where) if onload and Path(where).is_dir() else None
         if model is None:
-            if Path(where).is_dir():  # before loading: float32 weights the machine cannot hold are refused in one line
-                memory.Plan({"weights": memory.safetensors_bytes(where, itemsize=4)}, memory.available(), "host").check(
-                    "corp-deploy holds the weights in float32 on the host: run on a machine with more memory"
-                )
             model = cls.from_pretrained(where, attn_implementation="sdpa", dtype=torch.float32, **offline)
     except SafetensorError as e:  # a truncated or corrupt weights file: not the hub's, the folder's
         raise CorpError(
@@ -95,21 +97,11 @@ def load(source: str, onload: bool = False) -> tuple[nn.Module, Any]:
 
 def _onloaded(cls: type, config: Any, folder: str) -> nn.Module | None:
     """``cls`` built on the meta device with what is outside its blocks read from ``folder``
-    (``onload.Onloader``), or None when the checkpoint's names are not the model's. Refused in one line before
-    any weight is read when the resident part and one block do not fit."""
+    (``onload.Onloader``), or None when the checkpoint's names are not the model's."""
     with onload.meta_parameters():
         model = cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     try:
-        loader = onload.Onloader(model, folder)
-    except KeyError:
-        return None
-    blocks = {id(p) for b in loader.blocks for p in b.parameters()}
-    rest = sum(p.numel() * 4 for p in model.parameters() if id(p) not in blocks)
-    memory.Plan({"weights": rest + loader.block_bytes()}, memory.available(), "host").check(
-        "corp-deploy holds the weights outside the blocks and one block in float32: run on a machine with more memory"
-    )
-    try:
-        loader.start()
+        onload.Onloader(model, folder).start()
     except KeyError:
         return None
     return model
