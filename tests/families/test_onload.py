@@ -153,3 +153,19 @@ def test_the_plan_of_an_onloaded_model_holds_one_block_and_its_peak_is_below_the
     assert plan.peak < everything.peak - whole / 2
     result = api.prune(model, token_batches(n=1), config, "cpu", progress=False)
     assert result.report["memory"]["plan"]["weights_gib"] * memory.GIB == resident + block
+
+
+def test_the_stored_form_of_a_pruned_decoder_shares_its_weights(tmp_path: Path) -> None:
+    """A pruned Llama's standard folder flags ``mlp_bias`` (the compensation's bias): the stored copy has new
+    Linears with zero biases beside the folded one, and the model's own weight tensors (a save holds them once)."""
+    from corp_deploy.families.hf.folder import stored
+
+    folder = FOLDERS["llama"](tmp_path)
+    model, _ = hub.load(str(folder))
+    result = api.prune(model, token_batches(n=12), PruneConfig(sparsity=0.5, target="mlp"), "cpu", progress=False)
+    copy_ = stored(result.model)
+    assert copy_ is not result.model and copy_.config.mlp_bias and not result.model.config.mlp_bias
+    ours, theirs = (adapter_for(m).blocks(m)[0].mlp for m in (result.model, copy_))
+    assert ours.gate_proj.bias is None and not theirs.gate_proj.bias.any()
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert getattr(theirs, name).weight is getattr(ours, name).weight
