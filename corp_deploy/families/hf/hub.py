@@ -19,8 +19,9 @@ from torch import nn
 from corp_deploy.base import memory
 from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError, first_line
-from corp_deploy.families import adapter_for, for_model_type, onload
+from corp_deploy.families import adapter_for, for_model_type
 from corp_deploy.families.hf.adapter import architecture
+from corp_deploy.families.onload import Onloader, meta_parameters
 
 
 def transformers_module(purpose: str) -> Any:
@@ -97,11 +98,11 @@ def load(source: str, onload: bool = False) -> tuple[nn.Module, Any]:
 
 def _onloaded(cls: type, config: Any, folder: str) -> nn.Module | None:
     """``cls`` built on the meta device with what is outside its blocks read from ``folder``
-    (``onload.Onloader``), or None when the checkpoint's names are not the model's."""
-    with onload.meta_parameters():
+    (``Onloader``), or None when the checkpoint's names are not the model's."""
+    with meta_parameters():
         model = cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     try:
-        onload.Onloader(model, folder).start()
+        Onloader(model, folder).start()
     except KeyError:
         return None
     return model
