@@ -49,16 +49,16 @@ bench: smoke
 # GPU target: deit_base 50%, fp16, large batch, >= 1.65x; batch-1 p50 no worse than dense.
 bench-gpu: setup
 	$(BIN)/corp-deploy prune-export deit_base --weights random --calib synthetic --num-calib 256 --sparsity 0.5 \
-	    --batch 1:64:256 --out runs/deit_base-s50 --overwrite
+	    --batch-range 1:64:256 --out runs/deit_base-s50 --overwrite
 	$(BIN)/corp-deploy bench runs/deit_base-s50 --backends auto --batch-sizes 1,8,32,64,128,256 --repeats 3 \
 	    --json runs/bench-gpu.json --markdown runs/bench-gpu.md --plot runs/bench-gpu.png
 
 # The latency model (docs/BENCHMARKS.md, "Prune to a speed"): the table of deit_small on onnxruntime CPU at batch 32
 # (measured once, then cached), its error on 4 random mixed-width models, then the closed loop at --speedup 2.
 latency-check: setup
-	$(BIN)/corp-deploy profile deit_small --weights random --latency-on ort-cpu-fp32 --latency-batch 32 --check 4
+	$(BIN)/corp-deploy profile deit_small --weights random --latency-on ort-cpu-fp32 --latency-batch-size 32 --check 4
 	$(BIN)/corp-deploy prune-export deit_small --weights random --calib synthetic --speedup 2 \
-	    --latency-on ort-cpu-fp32 --latency-batch 32 --out runs/deit_small-speedup2 --overwrite
+	    --latency-on ort-cpu-fp32 --latency-batch-size 32 --out runs/deit_small-speedup2 --overwrite
 
 # Pruning time and memory (docs/BENCHMARKS.md). CPU figure: deit_small, 256 images.
 bench-prune: setup

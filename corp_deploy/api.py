@@ -53,7 +53,7 @@ from corp_deploy.core.distributed import SINGLE_PROCESS, World, all_reduce_stats
 from corp_deploy.core.pruner import Timer, calibrate, prune_model
 from corp_deploy.core.recover import Interrupted, Recovery, RecoveryRecord
 from corp_deploy.core.stats import CalibrationStats
-from corp_deploy.families import adapter_for
+from corp_deploy.families import adapter_for, onload
 from corp_deploy.formats.artifact import save_pruned
 from corp_deploy.formats.calibration import Heldout, resolve_device
 from corp_deploy.plan import width_plan
@@ -320,13 +320,23 @@ def prune(
     ``calibration_data(..., hold_out=n)`` draws them across the whole sample; without ``heldout`` they are
     cut from the start of ``batches`` (which is biased when the stream is in class order).
 
+    An onloaded ``model`` (``hub.load(..., onload=True)``: its blocks' weights on disk, ``families.onload``) is pruned
+    by the walk with one block in memory at a time, the same result as one pass; a budget, a scored selection or
+    the closed loop compare every block at once, so for them it is read whole first.
+
     A ``latency=`` budget is predicted with ``table`` (``corp_deploy.plan.speed.table_for`` measures one); with
     ``loop`` the pruned model is timed against the dense one and re-planned while it misses (``close_loop``).
     """
     config = for_model(config or PruneConfig(), model)
     device = resolve_device(device) if isinstance(device, str) else device
-    dense = model_size(model)
+    with onload.streamed(model):
+        dense = model_size(model)
     mode, widths = check(model, config, dense["macs"], max_stats_gib, world, table, loop)
+    if onload.of(model) is not None:
+        if widths is None or loop is not None:  # every block's statistics at once: every block in memory
+            onload.restore(model)
+        elif mode == ONE_PASS:  # the same result, one block in memory at a time
+            mode = GROUPED
     if config.heldout_images and heldout is None and world.is_main:
         if adapter_for(model).modality == "text":
             raise CorpError(
@@ -337,7 +347,11 @@ def prune(
     batches, plan, bound = _memory_plan(model, config, batches, total, device, max_stats_gib, loop is not None)
     if bound is not None and mode == ONE_PASS:  # one pass does not fit: the same result, block group by group
         mode, max_stats_gib = GROUPED, bound
-    model.to(device).eval()
+    if onload.of(model) is None:
+        model.to(device)
+    else:
+        onload.of(model).to(device)
+    model.eval()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     timer = Timer()

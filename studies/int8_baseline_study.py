@@ -1,7 +1,7 @@
 """Pruned INT8 against the quantize-only baseline, every graph interleaved in one run (issue 43's done-means).
 
-    corp-deploy prune-export ... --int8 --out RUN         # RUN/{dense,pruned}.onnx, *.int8.onnx (chosen recipe),
-                                                          # baseline.int8.onnx (quantize_dynamic of dense.onnx)
+    corp-deploy prune-export ... --precision fp32,int8 --out RUN
+        # RUN/{dense,pruned}.onnx, *.int8.onnx (chosen recipe), baseline.int8.onnx (quantize_dynamic of dense.onnx)
     python -m studies.int8_baseline_study RUN [RUN ...] --out studies/results/int8-baseline-study
 
 For each run folder, on onnxruntime's CPU provider at ``--batch`` (a text run: x its exported sequence length, all

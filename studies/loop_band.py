@@ -2,7 +2,7 @@
 
     python -m studies.loop_band --runs 10 --json loop-band.json      # issue 23's done-means command, 10 times
     python -m studies.loop_band --runs 3 -- prune-export deit_small --weights random --calib synthetic \\
-        --speedup 2 --latency-on torch-cpu-fp32 --latency-batch 32 --precision fp32
+        --speedup 2 --latency-on torch-cpu-fp32 --latency-batch-size 32 --precision fp32
 
 One ``prune-export`` with a latency budget times dense and pruned once and says met or missed within its own
 noise band; that band is one run's. Running the same command N times (the latency table measured by the first
@@ -28,7 +28,7 @@ import numpy as np
 from corp_deploy.base.env import cpu_model
 
 DONE_MEANS = "prune-export deit_small --weights random --calib synthetic --speedup 2 --latency-on ort-cpu-fp32 "
-DONE_MEANS += "--latency-batch 32"
+DONE_MEANS += "--latency-batch-size 32"
 
 
 def run_once(command: list[str], out: Path) -> dict[str, Any]:

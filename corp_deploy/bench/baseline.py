@@ -3,8 +3,9 @@
 The dense graph quantized by onnxruntime's own one line (``int8_recipes.BASELINE_WHAT``) is the alternative pruning
 has to beat. ``bench`` times it in the same interleaved loop as dense and pruned on every onnxruntime CPU backend
 (so each precision's row shows it, measured in the same run), from the run folder's ``baseline.int8.onnx``
-(``prune-export --int8``, ``quantize``) or, where the folder has none, quantized from its ``dense.onnx`` into a
-temporary folder (seconds). ``bench --gate quantize-only`` holds pruned INT8 to it (``gate.against_quantize_only``).
+(``prune-export --precision ...,int8``, ``quantize``) or, where the folder has none, quantized from its
+``dense.onnx`` into a temporary folder (seconds). ``bench --gate quantize-only`` holds pruned INT8 to it
+(``gate.against_quantize_only``).
 """
 
 from __future__ import annotations

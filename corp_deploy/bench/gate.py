@@ -144,7 +144,8 @@ def against_quantize_only(record: dict[str, Any], max_regression: float) -> list
     if not rows:
         raise CorpError(
             "--gate quantize-only needs pruned INT8 or INT4 timed beside the quantize-only baseline: run ort-cpu-int8 "
-            "on a folder with pruned.int8.onnx (prune-export --int8, or corp-deploy quantize), or genai-cpu-int4 on a "
+            "on a folder with pruned.int8.onnx (prune-export --precision fp32,int8, or corp-deploy quantize), or "
+            "genai-cpu-int4 on a "
             f"decoder run with {BASELINE_GENAI}/ (prune-export --precision int4)"
         )
     checks = []

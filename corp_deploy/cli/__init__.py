@@ -19,7 +19,7 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import FREE_SPACE, no_space
 from corp_deploy.base.steps import Stopped
 from corp_deploy.cli import bench, evaluate, export, prune, prune_export, quantize, sweep, tools
-from corp_deploy.cli.options import SMOKE_IMAGES
+from corp_deploy.cli.options import SMOKE_IMAGES, renamed
 from corp_deploy.core import distributed
 
 __all__ = ["SMOKE_IMAGES", "cli", "main"]
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
     except click.ClickException as e:
-        click.echo(f"error: {e.format_message()} (see corp-deploy --help)", err=True)
+        line = isinstance(e, click.NoSuchOption) and renamed(e) or f"{e.format_message()} (see corp-deploy --help)"
+        click.echo(f"error: {line}", err=True)
         sys.exit(e.exit_code)
     except (KeyboardInterrupt, click.exceptions.Abort):
         click.echo("error: interrupted; unfinished outputs were removed (each appears only when complete)", err=True)

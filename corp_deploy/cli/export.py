@@ -3,7 +3,6 @@ The files and their records are written by ``exporters``."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +64,6 @@ def refuse_text_flags(pad_qk: bool, simplify: bool) -> None:
     help=f"Comma list of {FP32.name}, {FP16.name}: the graphs written, each verified ({FP16.name}: <name>.fp16.onnx "
     "beside the FP32 one, FP16 inside, FP32 I/O).",
 )
-@click.option("--fp16", is_flag=True, hidden=True, help="Deprecated alias of --precision fp32,fp16.")
 @click.option(
     "--seq-len",
     default=128,
@@ -98,7 +96,6 @@ def export(
     decode_graph: str,
     verify: dict[str, Any],
     precision: str,
-    fp16: bool,
     seq_len: int,
     prompts: tuple[str, ...],
     out: str,
@@ -111,7 +108,7 @@ def export(
     onnxruntime-genai folder: the key/value-cache graph, genai_config.json and the tokenizer files, verified by
     generating."""
     opts = verify_options(verify)
-    half_too = FP16.name in _precisions(precision, fp16)
+    half_too = FP16.name in parse_precisions(precision, (FP32.name, FP16.name))
     rewrites_ = parse_rewrites(rewrites)
     out_ = Path(out)
     if out_.suffix != ".onnx":
@@ -167,11 +164,3 @@ def _genai_export(
         click.echo(line)
     click.echo(genai.summary(record, out.name, folder if prompts else None))
     click.echo(f"wrote {out}/ ({GRAPH}, {GRAPH}.json, {CONFIG}, tokenizer files): onnxruntime_genai.Model('{out}')")
-
-
-def _precisions(precision: str, fp16: bool) -> tuple[str, ...]:
-    """``--precision``, with the deprecated ``--fp16`` (said once) as the FP16 graph it asked for."""
-    chosen = parse_precisions(precision, (FP32.name, FP16.name))
-    if fp16:
-        warnings.warn(f"--fp16 is deprecated: pass --precision {FP32.name},{FP16.name}", stacklevel=1)
-    return (*chosen, FP16.name) if fp16 else chosen

@@ -1,5 +1,5 @@
 """The export and engine commands' option groups and their converters: the ONNX export (``--opset``...
-``--decode-graph``), verification (``--verify-batches``, the tolerances) and TensorRT engines (``--batch``...
+``--decode-graph``), verification (``--verify-batch-sizes``, the tolerances) and TensorRT engines (``--batch-range``...
 ``--compute-capability``), as ``VerifyOptions`` and ``BuildOptions``.
 """
 
@@ -27,7 +27,13 @@ from corp_deploy.exporters.tensorrt_engine import (
 from corp_deploy.exporters.tensorrt_target import TENSORRT
 
 verify_group = group(
-    click.option("--verify-batches", default="1,4", show_default=True, help="Batch sizes compared (two or more)."),
+    click.option(
+        "--verify-batch-sizes",
+        "verify_batches",
+        default="1,4",
+        show_default=True,
+        help="Batch sizes compared (two or more).",
+    ),
     click.option("--tol-cosine", type=float, help=f"Minimum cosine vs the reference [fp32 {FP32.min_cosine}]."),
     click.option("--tol-rel", type=float, help=f"Maximum max-abs error / max |reference| [fp32 {FP32.max_rel_error}]."),
     into="verify",
@@ -102,7 +108,7 @@ def verify_options(verify: dict[str, Any]) -> VerifyOptions:
     except ValueError:
         sizes = ()
     if len(sizes) < 2 or sizes[0] < 1:
-        raise CorpError(f"--verify-batches needs two or more batch sizes >= 1 (e.g. 1,4), got {batches!r}")
+        raise CorpError(f"--verify-batch-sizes needs two or more batch sizes >= 1 (e.g. 1,4), got {batches!r}")
     return VerifyOptions(sizes, *(tolerance(t, verify["tol_cosine"], verify["tol_rel"]) for t in (FP32, FP16, INT8)))
 
 

@@ -51,12 +51,14 @@ def inputs(
     dist_timeout: float | None = None,
     hold_out: int = 0,
     transformers: bool = False,
+    onload: bool = False,
 ) -> Inputs:
     """``dist_timeout`` marks a command that may run data-parallel under torchrun (prune, prune-export);
     ``hold_out`` calibration images are drawn across the sample for the width planning
     (``calibration.calibration_data``).
     ``transformers``: the command takes ``transformers`` models too (MODEL a folder with a config.json, or
-    ``hf:NAME``): text encoders and decoders, and vision transformers."""
+    ``hf:NAME``): text encoders and decoders, and vision transformers. ``onload``: a transformers folder keeps its
+    blocks' weights on disk until the prune's walk reads them (``hub.load``)."""
     reads = hub.modality(model)
     source = calibration_source(calib_dir, calib, reads == "text")
     if num_calib is None:
@@ -64,13 +66,15 @@ def inputs(
     if reads is not None and not transformers:
         raise CorpError(f"{model} is a transformers model; this command takes timm ViTs only (use prune)")
     if reads == "text":
-        return _text_inputs(model, source, num_calib, calib_batch_size, seed, seq_len, device, hold_out, dist_timeout)
+        return _text_inputs(
+            model, source, num_calib, calib_batch_size, seed, seq_len, device, hold_out, dist_timeout, onload
+        )
     world, device_ = _world(calibration.resolve_device(device), dist_timeout)
     torch.manual_seed(seed)  # --weights random: the same model on every run and every rank
     if reads == "image":
         if checkpoint is not None or model_arg:
             raise CorpError("--checkpoint and --model-arg are for timm models; a transformers folder holds its weights")
-        net, name, args, provenance = hub.load(model)[0], model, {}, "pretrained"
+        net, name, args, provenance = hub.load(model, onload)[0], model, {}, "pretrained"
     else:
         args = parse_model_args(model_arg)
         net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=args)
@@ -99,6 +103,7 @@ def _text_inputs(
     device: str,
     hold_out: int,
     dist_timeout: float | None,
+    onload: bool,
 ) -> Inputs:
     """``inputs`` for a transformers model: the model and its tokenizer, text calibration (packed for a decoder,
     ``calibration.text_calibration_data``; under torchrun, this rank's shard of an encoder's documents)."""
@@ -107,7 +112,7 @@ def _text_inputs(
     if source != SYNTHETIC:
         read_documents(source)  # a folder without text fails before the model loads
     world, device_ = _world(device_, dist_timeout)
-    net, tokenizer = hub.load(model)
+    net, tokenizer = hub.load(model, onload)
     count_macs_at(net, seq_len)
     data = calibration.text_calibration_data(net, tokenizer, source, num, batch_size, seed, seq_len, hold_out, world)
     return Inputs(net, data.batches, data.total, data.heldout, device_, model, {}, "pretrained", source, world)

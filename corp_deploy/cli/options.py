@@ -26,12 +26,31 @@ from corp_deploy.base.fsio import check_writable
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.families.timm.models import WEIGHTS
 from corp_deploy.formats.data import SYNTHETIC
-from corp_deploy.formats.precisions import FP16
+from corp_deploy.formats.precisions import FP16, FP32, INT8
 
 CALIB_IMAGES = 4000
 SMOKE_IMAGES = 64  # noise only has to exercise the pass: enough for the statistics, minutes not hours on a CPU
 TEXT_SEQUENCES = 128
 """Default calibration sequences of a text model: the paper's OPT count (128 C4 sequences)."""
+
+RENAMED = {
+    "--int8": f"--precision {FP32.name},{FP16.name},{INT8.name}",
+    "--fp16": f"--precision {FP32.name},{FP16.name}",
+    "--batch": "--batch-range",
+    "--verify-batches": "--verify-batch-sizes",
+    "--latency-batch": "--latency-batch-size",
+    "--int8-batch": "--int8-batch-size",
+}
+"""Flags renamed for one vocabulary (issue 50, item 13), old -> new. A precision is chosen only with --precision; a
+batch flag is ``[X-]batch-size`` (one size), ``[X-]batch-sizes`` (a list) or ``batch-range`` (an engine profile
+MIN:OPT:MAX, as ``--seq-range``). No command declares an old flag: a script that passes one is told the new
+spelling in one line (``renamed``) instead of a "no such option" that cannot guess it."""
+
+
+def renamed(error: click.NoSuchOption) -> str | None:
+    """The one-line error for an old flag in ``RENAMED`` (None for any other unknown flag)."""
+    new = RENAMED.get(error.option_name)
+    return None if new is None else f"{error.option_name} is now {new} (one vocabulary across commands)"
 
 
 def group(*decorators: Callable, into: str | None = None) -> Callable:

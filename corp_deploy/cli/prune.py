@@ -51,7 +51,7 @@ def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
     """Prune MODEL (timm name or alias such as deit_base; a transformers folder or hf:NAME) with CORP into --out.
 
     With --speedup S (or --budget latency=F) the widths are allocated against a latency table measured on
-    --latency-on at --latency-batch (cached); the speed is predicted, not checked (prune-export checks it).
+    --latency-on at --latency-batch-size (cached); the speed is predicted, not checked (prune-export checks it).
     """
     started = time.perf_counter()
     config = prune_config(kwargs.pop("pruning"), kwargs["latency"])
@@ -106,8 +106,10 @@ def pruned(
     loop (``plan.loop.latency_loop``); both time the models with ``rewrites`` (None: the backend's defaults), as they
     will be exported.
 
-    The dense model is kept (``keep_dense``, or for a recovery) as a copy made before pruning: one more model's
-    weights in host memory (4 bytes a parameter in fp32: 88 MB for a ViT-S, 28 GB for a 7B decoder). A recovery
+    A transformers folder without a latency budget is onloaded (``families.onload``: one block's weights in memory
+    at a time; the latency table and loop time the whole model). The dense model (``keep_dense``, or for a
+    recovery) of a transformers source is read again from it after the prune, so it is never held twice; a timm
+    model's is a copy made before pruning (small: 4 bytes a parameter, 88 MB for a ViT-S). A recovery
     (``api.recover_pruned``, after the closed loop: the widths are final) trains on the first ``recover.KEPT_INPUTS``
     calibration inputs, kept as the calibration pass reads them (``recover.Kept``), on the device pruning used,
     with the sensitivity pass's held-out inputs (if any) evaluated, never trained on.
@@ -122,14 +124,18 @@ def pruned(
     on = None
     if backend is not None:
         on = speed.Latency(backend, latency["latency_batch"], latency["latency_table"], latency_rounds, seq_len)
-    got = inputs(**flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, transformers=transformers)
+    got = inputs(
+        **flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, transformers=transformers, onload=on is None
+    )
     table = (
         None
         if on is None
         else speed.latency_table(got.net, got.name, got.args, on, say, config.depth, config.depth_fit)
     )
     loop = None if on is None else latency_loop(on, say)
-    dense = copy.deepcopy(got.net) if keep_dense or recover is not None else None  # pruning works in place
+    keep = keep_dense or recover is not None
+    reread = keep and hub.is_source(flags["model"])  # read again after the prune, never held twice
+    dense = copy.deepcopy(got.net) if keep and not reread else None  # pruning works in place
     progress = not quiet and got.world.is_main
     batches = got.batches if recover is None else Kept(got.batches, adapter_for(got.net).count)
     result = api.prune(
@@ -148,6 +154,8 @@ def pruned(
     )
     if result is None:
         return None
+    if reread:
+        dense = hub.load(flags["model"])[0]
     stopped = None
     if recover is not None:
         try:
@@ -171,7 +179,9 @@ def again() -> str:
 @click.argument("model")
 @model_options
 @click.option("--latency-on", required=True, metavar="BACKEND", help="The bench backend to measure (ort-cpu-fp32...).")
-@click.option("--latency-batch", default=32, show_default=True, help="Batch size the table is for.")
+@click.option(
+    "--latency-batch-size", "latency_batch", default=32, show_default=True, help="Batch size the table is for."
+)
 @click.option("--check", default=0, show_default=True, help="Also time N random mixed-width models: the error.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Also write the table here (for prune --latency-table).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
@@ -195,7 +205,7 @@ def profile(
     if out is not None:
         check_writable(out, overwrite)
     if latency_batch < 1 or check < 0:
-        raise CorpError("--latency-batch must be >= 1 and --check >= 0")
+        raise CorpError("--latency-batch-size must be >= 1 and --check >= 0")
     backend = meter.check_backend(latency_on)
     net = create_model(model, weights=weights, checkpoint=checkpoint, model_args=parse_model_args(model_arg))
     key = speed.key(resolve_name(model), parse_model_args(model_arg), backend, latency_batch, torch.get_num_threads())

@@ -101,8 +101,9 @@ def _int4_refused(precisions_: tuple[str, ...], decoder: bool) -> None:
     "--precision",
     default=f"{FP32.name},{FP16.name}",
     show_default=True,
-    help=f"Comma list of {', '.join(PRECISIONS)}: the graphs of every target and the engines; {INT8.name} "
-    f"calibrates (implies --int8), {INT4.name} is a decoder's weight-only genai folders.",
+    help=f"Comma list of {', '.join(PRECISIONS)}: the graphs of every target and the engines; {INT8.name} also "
+    "writes dense/pruned.int8.onnx (the fastest --int8-recipe that passes, calibrated and verified), "
+    f"{INT4.name} a decoder's weight-only genai folders.",
 )
 @click.option(
     "--targets",
@@ -124,9 +125,6 @@ def _int4_refused(precisions_: tuple[str, ...], decoder: bool) -> None:
     help="A latency budget: times dense and pruned on --latency-on, and re-allocates while the measured speedup "
     "misses the target by more than the noise band, this many timings at most.",
 )
-@click.option(
-    "--int8", is_flag=True, help="Also write dense/pruned.int8.onnx (the fastest --int8-recipe that passes), verified."
-)
 @int8_options
 @int4_options
 @out_options("Run folder")
@@ -143,7 +141,6 @@ def prune_export(
     require_engines: bool,
     latency_rounds: int,
     targets_: str,
-    int8: bool,
     int8_opts: dict[str, Any],
     int4: dict[str, Any],
     out: str | None,
@@ -184,7 +181,7 @@ def prune_export(
     if decoder:
         genai.needs_genai()
     quantize = data = None
-    if int8 or INT8.name in precisions_:  # INT8 engines are built from the INT8 graphs
+    if INT8.name in precisions_:  # INT8 engines are built from the INT8 graphs
         source = calibration_source(prune_args["calib_dir"], prune_args["calib"], text)
         counts, seed, workers = (
             (int8_opts["int8_calib"], int8_opts["int8_verify"]),
@@ -304,7 +301,7 @@ def _finisher(
         made.append((tuple(out / onnx_name(s, INT8.name) for s in sources_), ["quantize", str(out), *quantize_flags]))
     for stem, source in sources_.items() if decoder else ():
         folder = out / genai_name(stem)
-        skip = ("precision", "fp16", "pad_qk", "simplify", "rewrites", *(not_for_artifact if stem == "pruned" else ()))
+        skip = ("precision", "pad_qk", "simplify", "rewrites", *(not_for_artifact if stem == "pruned" else ()))
         made.append(((folder,), ["export", source, *_given(export, skip), "--out", str(folder)]))
     if INT4.name in precisions_:
         int4_out = tuple(out / genai_name(s, int4=True) for s in sources_)

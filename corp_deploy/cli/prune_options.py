@@ -153,7 +153,13 @@ latency_options = group(
         metavar="BACKEND",
         help="The bench backend a latency budget is measured on (e.g. ort-cpu-fp32, torch-cpu-fp32).",
     ),
-    click.option("--latency-batch", default=32, show_default=True, help="Batch size the latency budget is for."),
+    click.option(
+        "--latency-batch-size",
+        "latency_batch",
+        default=32,
+        show_default=True,
+        help="Batch size the latency budget is for.",
+    ),
     click.option(
         "--latency-table",
         type=click.Path(dir_okay=False),
@@ -226,7 +232,7 @@ def prune_config(pruning: dict[str, Any], latency: dict[str, Any], **override: A
     if not latency_budget and (backend is not None or latency["latency_table"] is not None):
         raise CorpError("--latency-on/--latency-table serve a latency budget: add --speedup S or --budget latency=F")
     if latency["latency_batch"] < 1:
-        raise CorpError(f"--latency-batch must be >= 1, got {latency['latency_batch']}")
+        raise CorpError(f"--latency-batch-size must be >= 1, got {latency['latency_batch']}")
     fields = pruning | {"budget": budget} | override
     if not typed("target"):
         fields["target"] = None

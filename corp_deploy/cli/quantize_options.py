@@ -1,4 +1,4 @@
-"""The quantize stage's option groups (``quantize``, ``prune-export --int8``/``--precision int4``) and their
+"""The quantize stage's option groups (``quantize``, ``prune-export --precision ...,int8``/``int4``) and their
 converters: INT8 calibration and recipes, and INT4's scheme and gate.
 """
 
@@ -69,7 +69,8 @@ int8_options = group(
         "where INT8 engines are built. Or a comma list of them (corp_deploy.exporters.int8_recipes).",
     ),
     click.option(
-        "--int8-batch",
+        "--int8-batch-size",
+        "int8_batch",
         default=32,
         show_default=True,
         type=click.IntRange(1),

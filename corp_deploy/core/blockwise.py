@@ -49,7 +49,7 @@ from corp_deploy.core.config import PruneConfig, Widths
 from corp_deploy.core.distributed import SINGLE_PROCESS, World, all_reduce_stats, all_reduce_tensors
 from corp_deploy.core.pruner import Timer, prune_block
 from corp_deploy.core.stats import CalibrationStats, empty_stats, recording
-from corp_deploy.families import adapter_for
+from corp_deploy.families import adapter_for, onload
 from corp_deploy.families.base import Adapter, BlockCall, StopForward, map_tensors, run_until_stopped
 
 CACHE_FRACTION = 0.5
@@ -83,7 +83,7 @@ def plan_groups(model: nn.Module, config: PruneConfig, max_stats_gib: float | No
                 f"--max-stats-gib {max_stats_gib:g} is below one block's statistics ({need:g} GiB for block "
                 f"{biggest}{' in sequential mode' if config.sequential else ''}); pass at least {need:g}"
             )
-    if config.sequential:
+    if config.sequential or onload.of(model) is not None:  # onloaded: a group's blocks are in memory together
         return [[i] for i in range(len(sizes))]
     bound = math.inf if max_stats_gib is None else max_stats_gib * GIB
     groups: list[list[int]] = []
@@ -117,7 +117,9 @@ def memory_plan(
     when everything fits the machine, else ``GROUP_GIB`` or one block's statistics (grouped: the same result).
     ``one_pass``: the run needs every block's statistics at once (a budget or a scored selection).
 
-    Parts: the weights (float32 as loaded), the statistics held at once, the token cache between groups, one batch's
+    Parts: the weights (float32 as loaded; onloaded, ``families.onload``: what is resident and one block, the
+    pruned blocks waiting on disk; the pruned model read whole after the walk is bounded by ``hub.load``'s check of
+    the dense weights), the statistics held at once, the token cache between groups, one batch's
     activations through one block (its widest layer's outputs, SwiGLU's three, the softmax maps) with the fp32
     product of its widest statistic, and the compensation's four float64 copies of its widest covariance (the
     moments, the covariance, its kept rows and columns, the factor). Refuses in one line, naming what would make it
@@ -125,7 +127,9 @@ def memory_plan(
     adapter = adapter_for(model)
     block = adapter.blocks(model)[0]
     widest = max(adapter.mlp_out(block).in_features, adapter.dim(block))
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    resident = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    loader = onload.of(model)
+    weights = resident + (0 if loader is None else loader.block_bytes())
     per_block = [block_stats(model, config, [i], "meta").nbytes() for i in range(len(adapter.blocks(model)))]
     streams = 2 if config.sequential else 1
     maps = batch * adapter.heads(block) * tokens * tokens * 4
@@ -140,12 +144,12 @@ def memory_plan(
         where = "GPU"
     else:
         room = memory.available()
-        room = None if room is None else room + weights  # loaded already: MemAvailable no longer counts them
+        room = None if room is None else room + resident  # loaded already: MemAvailable no longer counts them
         where = "host"
     cache = inputs * tokens * adapter.dim(block) * 4 * streams
     one = memory.Plan({**parts, "statistics": sum(per_block)}, room, where)
     fixes = "calibrate on fewer inputs (--num-calib) or shorter ones (--seq-len)"
-    if config.sequential or max_stats_gib is not None:
+    if config.sequential or max_stats_gib is not None or loader is not None:
         bound = max_stats_gib
     elif one.fits() or one_pass:
         return one.check(f"{fixes}, or a machine with more memory"), None
@@ -230,7 +234,9 @@ def walk(
     (``corp_deploy.plan.width_plan``).
 
     Returns the per-block report (as ``pruner.prune_model``'s) and what the walk did: samples, groups, passes,
-    peak statistics bytes and cache size.
+    peak statistics bytes and cache size. An onloaded model (``families.onload``) has one block in memory at a
+    time, read before its group and written to the onloader's store once pruned; every block is resident again
+    when the walk returns.
     """
     adapter = adapter_for(model)
     if device.type == "cuda" and device.index is None:  # tensors report cuda:N: compare like with like
@@ -249,8 +255,15 @@ def walk(
     timer.add("calibration", start)
     report = []
     step = _sequential_block if config.sequential else _dense_group
+    loader = onload.of(model)
     for group in tqdm(groups, unit="group", desc="calibration and compensation", disable=not progress):
+        for i in group if loader else ():
+            loader.load(i)
         report += step(model, adapter, group, plan, cache, config, world, dist_timeout, timer)
+        for i in group if loader else ():
+            loader.drop(i, pruned=True)
+    if loader is not None:
+        loader.restore()
     passes = len(plan) * (4 if config.sequential else 1)
     return report, {
         "samples": samples,

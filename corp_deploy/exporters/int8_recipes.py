@@ -64,7 +64,7 @@ from corp_deploy.exporters.smooth import SMOOTH_ALPHA, smooth
 from corp_deploy.formats.run_folder import BASELINE, onnx_name, write_sidecar
 
 TIME_BATCH = 32
-"""The batch INT8 candidates are timed at (``--int8-batch``); a text graph's at its exported sequence length."""
+"""The batch INT8 candidates are timed at (``--int8-batch-size``); a text graph's at its exported sequence length."""
 TIME_METHOD = Method(warmup_iters=2, warmup_seconds=0.2, min_iters=5, min_seconds=0.5, round_iters=1)
 TIME_REPEATS = 3
 TRIAL_METHOD = Method(warmup_iters=1, warmup_seconds=0.0, min_iters=3, min_seconds=0.0, round_iters=1)

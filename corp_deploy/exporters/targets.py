@@ -68,10 +68,12 @@ class Option:
     """A Python type, a tuple of choices, or a click type; None: taken from the default."""
     is_flag: bool = False
     metavar: str | None = None
+    key: str = ""
+    """The name its value is read by ("": the flag's, ``--batch-range`` -> ``batch_range``)."""
 
     @property
     def name(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
+        return self.key or self.flag.lstrip("-").replace("-", "_")
 
 
 @dataclass(frozen=True)

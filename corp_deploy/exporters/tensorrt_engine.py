@@ -43,7 +43,7 @@ VERIFIED = "verified against onnxruntime"
 TEXT_ENGINES = "text engines are built only: the engine runner takes one image input"
 """Why a text encoder's engine (``input_ids``, ``attention_mask``) is never run or timed here."""
 MAKE_GRAPH = {
-    "fp16": "convert with `corp-deploy export --fp16`",
+    "fp16": "convert with `corp-deploy export --precision fp32,fp16`",
     "int8": "an INT8 engine needs a Q/DQ graph: `corp-deploy quantize ONNX --calib-dir DIR` writes one",
 }
 """How to make the graph a precision needs, for the one-line error when the graph has other types."""
@@ -100,11 +100,11 @@ class Profile:
         if outside:
             raise CorpError(
                 f"verify batch sizes {', '.join(map(str, outside))} are outside the engine batch range {self}: "
-                "widen --batch or change --verify-batches"
+                "widen --batch-range or change --verify-batch-sizes"
             )
 
 
-def parse_profile(text: str, flag: str = "--batch") -> Profile:
+def parse_profile(text: str, flag: str = "--batch-range") -> Profile:
     """``"1:32:256"`` -> Profile(1, 32, 256); a single number means a fixed size."""
     parts = text.split(":")
     if len(parts) not in (1, 3) or not all(p.strip().isdigit() for p in parts):
@@ -528,7 +528,7 @@ class TrtRunner:
         if not (inside and self.context.set_input_shape(self.input, shape)):
             raise CorpError(
                 f"input shape {shape} is outside {self.label} engine {self.name}'s profile (min {low}, max {high}): "
-                "pass images of the size it was built for, or rebuild it with --batch"
+                "pass images of the size it was built for, or rebuild it with --batch-range"
             )
         x = x.to(self.input_dtype).contiguous()
         self.context.set_tensor_address(self.input, x.data_ptr())

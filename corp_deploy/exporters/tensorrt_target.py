@@ -30,7 +30,7 @@ from corp_deploy.formats.run_folder import engine_name, onnx_name
 
 TENSORRT = "tensorrt"
 OPTIONS = (
-    Option("--batch", "Engine batch range MIN:OPT:MAX.", "1:32:256"),
+    Option("--batch-range", "Engine batch range MIN:OPT:MAX.", "1:32:256", key="batch"),
     Option(
         "--seq-range",
         "Text encoders: the engine's tokens-per-sequence range [1:SEQ:SEQ, SEQ the graph's sequence length: "

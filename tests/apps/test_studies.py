@@ -122,7 +122,16 @@ def test_loop_band_runs_the_command_again_and_reports_the_spread(tmp_path, monke
     model = create_model("deit_tiny", weights="random", model_args=args)
     table = latency.write(speed.build_table(model, key, backend, timer=fake_timer), tmp_path / "table.json")
     command = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--calib", "synthetic", "--quiet"]
-    command += ["--speedup", "1", "--latency-on", "torch-cpu-fp32", "--latency-batch", "2", "--allocation", "local"]
+    command += [
+        "--speedup",
+        "1",
+        "--latency-on",
+        "torch-cpu-fp32",
+        "--latency-batch-size",
+        "2",
+        "--allocation",
+        "local",
+    ]
     command += ["--latency-table", str(table)]  # a noisy measured table could put even 1.0x out of reach
     out = tmp_path / "band.json"
     loop_band.main(["--runs", "2", "--json", str(out), "--", *command, "--precision", "fp32", "--latency-rounds", "1"])

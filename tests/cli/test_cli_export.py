@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
 
-PRUNE_EXPORT = ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--batch", "1:4:8"]
+PRUNE_EXPORT = ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--batch-range", "1:4:8"]
 ENGINES_MISSING = build_missing()
 
 
@@ -67,7 +67,7 @@ def test_prune_export_writes_verified_onnx_and_engines_or_says_why_not(tmp_path,
 def test_export_a_prune_artifact_with_fp16(artifact, tmp_path, capsys) -> None:
     out = tmp_path / "m.onnx"
     code, stdout, stderr = run(
-        ["export", str(artifact), "--out", str(out), "--precision", "fp32,fp16", "--verify-batches", "2,5"], capsys
+        ["export", str(artifact), "--out", str(out), "--precision", "fp32,fp16", "--verify-batch-sizes", "2,5"], capsys
     )
     assert code == 0, stderr
     names = sorted(p.name for p in tmp_path.iterdir())
@@ -105,13 +105,13 @@ BAD = {
     "onnx missing": (["build-engine", "{tmp}/nope.onnx"], "does not exist"),
     "not onnx": (["build-engine", "{junk}"], "not a readable ONNX model"),
     "bad precision": (["build-engine", "{junk}", "--precision", "int4"], "Invalid value for '--precision'"),
-    "batch range reversed": (["build-engine", "{junk}", "--batch", "8:4:2"], "1 <= min <= opt <= max"),
+    "batch range reversed": (["build-engine", "{junk}", "--batch-range", "8:4:2"], "1 <= min <= opt <= max"),
     "export bad opset": (["export", "{artifact}", "--out", "{tmp}/m.onnx", "--opset", "12"], "'--opset': 12 is not in"),
-    "export one verify batch": (["export", "{artifact}", "--out", "{tmp}/m.onnx", "--verify-batches", "4"], "two"),
+    "export one verify batch": (["export", "{artifact}", "--out", "{tmp}/m.onnx", "--verify-batch-sizes", "4"], "two"),
     "export not .onnx": (["export", "{artifact}", "--out", "{tmp}/m.plan"], "must be a .onnx file"),
     "export unknown model": (["export", "deit_tinyy", "--out", "{tmp}/m.onnx"], "did you mean"),
     "prune-export bad precision": ([*PRUNE_EXPORT, "--precision", "fp32,int4", "--out", "{tmp}/run"], "fp32, fp16"),
-    "prune-export reversed batch": ([*PRUNE_EXPORT, "--batch", "4:2:1", "--out", "{tmp}/run"], "min <= opt"),
+    "prune-export reversed batch": ([*PRUNE_EXPORT, "--batch-range", "4:2:1", "--out", "{tmp}/run"], "min <= opt"),
 }
 NO_ENGINES = {
     "build-engine": (
@@ -126,7 +126,10 @@ NO_ENGINES = {
 BAD |= {f"no engine library: {case}": (argv, message) for case, (argv, message) in NO_ENGINES.items()}
 BAD |= {
     "compute capability 9.0": (["build-engine", "{onnx}", "--compute-capability", "9.0"], "7.5, 8.0, 8.6, 8.9, 12.0"),
-    "profile misses verify batch": (["build-engine", "{onnx}", "--batch", "2:4:8"], "verify batch sizes 1 are outside"),
+    "profile misses verify batch": (
+        ["build-engine", "{onnx}", "--batch-range", "2:4:8"],
+        "verify batch sizes 1 are outside",
+    ),
     "tensorrt with targets": (
         ["build-engine", "{onnx}", "--runtime", "tensorrt", "--compute-capability", "8.9"],
         "--compute-capability is for --runtime tensorrt-rtx",

@@ -35,7 +35,9 @@ def folder(tmp_path_factory) -> Path:
 @pytest.mark.e2e
 def test_export_a_transformers_folder_fp32_and_fp16_self_describing(folder, tmp_path, capsys) -> None:
     out = tmp_path / "m.onnx"
-    code, stdout, stderr = run(["export", str(folder), "--fp16", "--seq-len", "24", "--out", str(out)], capsys)
+    code, stdout, stderr = run(
+        ["export", str(folder), "--precision", "fp32,fp16", "--seq-len", "24", "--out", str(out)], capsys
+    )
     assert code == 0, stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.fp16.onnx", "m.fp16.onnx.json", "m.onnx", "m.onnx.json"]
     fp32, fp16 = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("m.onnx", "m.fp16.onnx"))
@@ -58,7 +60,17 @@ def test_export_a_transformers_folder_fp32_and_fp16_self_describing(folder, tmp_
 def text_run(folder, tmp_path_factory) -> tuple[Path, str]:
     """A prune-export run folder of the tiny encoder, and what the command printed."""
     out = tmp_path_factory.mktemp("run") / "run"
-    argv = ["prune-export", str(folder), "--calib", "synthetic", *TEXT_ARGS, "--batch", "1:4:8", "--out", str(out)]
+    argv = [
+        "prune-export",
+        str(folder),
+        "--calib",
+        "synthetic",
+        *TEXT_ARGS,
+        "--batch-range",
+        "1:4:8",
+        "--out",
+        str(out),
+    ]
     with pytest.raises(SystemExit) as done:
         main(argv)
     assert done.value.code == 0
@@ -158,7 +170,7 @@ def graph16(folder, tmp_path_factory) -> Path:
 def test_build_engine_takes_the_sequence_range(graph16, capsys) -> None:
     onnx = graph16
     code, _, stderr = run(
-        ["build-engine", str(onnx), "--precision", "fp32", "--batch", "1:2:4", "--seq-range", "4:8:40"], capsys
+        ["build-engine", str(onnx), "--precision", "fp32", "--batch-range", "1:2:4", "--seq-range", "4:8:40"], capsys
     )
     assert code == 0, stderr
     meta = json.loads((onnx.parent / "m.fp32.plan.json").read_text())
@@ -166,7 +178,7 @@ def test_build_engine_takes_the_sequence_range(graph16, capsys) -> None:
 
 
 BAD = {
-    "prune-export int8 without text": (["prune-export", "{folder}", "--int8"], "no calibration text"),
+    "prune-export int8 without text": (["prune-export", "{folder}", "--precision", "fp32,int8"], "no calibration text"),
     "prune-export int8 engines without text": (
         ["prune-export", "{folder}", "--precision", "fp32,int8"],
         "no calibration text",
@@ -284,7 +296,7 @@ def test_a_decoder_exports_logits_and_genai_folders_no_engines_and_benches_by_ph
     transformers.OPTForCausalLM(config).eval().save_pretrained(tmp_path / "tiny-opt")
     out = tmp_path / "run"
     argv = ["prune-export", str(tmp_path / "tiny-opt"), "--calib", "synthetic", *TEXT_ARGS, "--precision", "fp32"]
-    code, _, stderr = run([*argv, "--batch", "1:4:8", "--out", str(out)], capsys)
+    code, _, stderr = run([*argv, "--batch-range", "1:4:8", "--out", str(out)], capsys)
     assert code == 0, stderr
     assert [o.name for o in onnx.load(str(out / "pruned.onnx")).graph.output] == ["logits"]
     assert json.loads((out / "pruned.onnx.json").read_text())["seq_len"] == 32

@@ -8,8 +8,10 @@ from collections import defaultdict
 
 import click
 import pytest
+from helpers import run
 
 from corp_deploy.cli import cli
+from corp_deploy.cli.options import RENAMED
 
 FORMAT_FILES = {"--json", "--csv", "--markdown", "--plot"}
 """``bench``'s extra files, each a format of the one record; every other output is ``--out``."""
@@ -40,7 +42,7 @@ OWN_DEFAULTS = {
     "seq_len": "bench and eval read it from the run where it is left out",
     "workers": "prune's default is the CPU count; eval and quantize decode in the main process",
     "out": "each command's own folder or file",
-    "precision": "what each command writes (targets51 makes one precision vocabulary)",
+    "precision": "what each command writes: the graphs (export), the engine (build-engine), both (prune-export)",
     "batch_sizes": "bench's default depends on the run (a decoder's 1,8)",
 }
 """Settings whose defaults differ between commands, and why."""
@@ -80,25 +82,63 @@ def test_every_output_path_is_out() -> None:
             assert flag not in FORMAT_FILES or command == "bench", f"{command} {flag}: outputs are --out"
 
 
-def test_a_batch_setting_is_spelled_batch_not_bs() -> None:
-    """Batch sizes are spelled with the word ``batch`` (``--batch-size``, ``--batch-sizes``, ``--calib-batch-size``):
-    never ``--bs`` or ``--batchsize``."""
+BATCH_FLAG = re.compile(r"--([a-z0-9]+-)*batch-(size|sizes|range)")
+"""The one pattern of a batch flag: ``[X-]batch-size`` (one size), ``[X-]batch-sizes`` (a comma list) or
+``batch-range`` (an engine profile MIN:OPT:MAX, as ``--seq-range``)."""
+
+
+def test_every_batch_flag_follows_one_pattern() -> None:
+    """``--latency-batch``, ``--int8-batch`` (one size), ``--verify-batches`` (a list) and ``--batch`` (a range) beside
+    ``--calib-batch-size`` and ``--batch-sizes`` (issue 50, item 13): a flag that names a batch is one size, a list
+    or a range, each spelled one way (never ``--bs`` or ``--batchsize``)."""
+    flags = [(c, flag) for c, p in options() for flag in p.opts if "batch" in flag or "bs" in flag.split("-")]
+    assert flags, "no batch flag found: the walk is broken"
+    for command, flag in flags:
+        assert BATCH_FLAG.fullmatch(flag), f"{command} {flag}: a batch flag is [X-]batch-size, -sizes or batch-range"
+
+
+def test_every_option_is_shown_in_its_help() -> None:
+    """No hidden option: an old spelling is not a second, silent way in (``RENAMED`` answers it instead)."""
     for command, p in options():
-        for flag in p.opts:
-            assert "bs" not in flag.split("-") and "batchsize" not in flag, f"{command} {flag}: spell it batch-size"
+        assert not p.hidden, f"{command} {p.opts[0]} is hidden: name it in RENAMED instead"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="two flags left: prune-export --int8 (INT8 graphs without INT8 engines, which --precision ...,int8 adds) "
-    "and export's hidden, deprecated --fp16; strict, so removing them turns this red until the mark goes",
-)
 def test_every_command_that_writes_graphs_chooses_them_with_one_precision_flag() -> None:
-    """A precision is chosen with --precision everywhere; no command has a flag named after one precision (export's
-    --fp16 beside build-engine's and prune-export's --precision)."""
+    """A precision is chosen with --precision everywhere: no flag named after one precision (export's --fp16 and
+    prune-export's --int8 beside --precision, issue 50 item 13)."""
     for command, p in options():
         for flag in p.opts:
             assert flag.removeprefix("--") not in PRECISION_WORDS, f"{command} {flag}: use --precision"
+
+
+def test_no_command_has_an_old_spelling_and_every_new_one_exists() -> None:
+    """``RENAMED`` is the whole list of old flags: none is declared anywhere, and each points at a declared flag."""
+    declared = {flag for _, p in options() for flag in p.opts}
+    for old, new in RENAMED.items():
+        assert old not in declared, f"{old} is declared again"
+        assert new.split()[0] in declared, f"{old} points at {new}, which no command has"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["prune-export", "deit_tiny", "--int8"],
+        ["export", "deit_tiny", "--fp16", "--out", "x.onnx"],
+        ["build-engine", "x.onnx", "--batch=1:4:8"],
+        ["export", "deit_tiny", "--verify-batches", "1,2", "--out", "x.onnx"],
+        ["prune", "deit_tiny", "--latency-batch", "2"],
+        ["quantize", "run", "--int8-batch", "4"],
+    ],
+    ids=["int8", "fp16", "batch", "verify-batches", "latency-batch", "int8-batch"],
+)
+def test_an_old_spelling_is_one_line_naming_the_new_one(argv, tmp_path, monkeypatch, capsys) -> None:
+    """A script written for an old flag stops before any work, told the new spelling in one line (click alone said
+    "No such option: --int8", or guessed --int8-calib)."""
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = run(argv, capsys)
+    old = next(a.split("=")[0] for a in argv if a.split("=")[0] in RENAMED)
+    assert code == 2 and stderr.splitlines() == [f"error: {old} is now {RENAMED[old]} (one vocabulary across commands)"]
+    assert not list(tmp_path.iterdir()), "wrote something"
 
 
 def test_quantize_says_it_picks_among_static_and_dynamic_recipes() -> None:

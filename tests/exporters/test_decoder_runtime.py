@@ -337,7 +337,7 @@ BAD = {
         ["--prompt", " ".join(["market"] * 40)],
         "passes the model's 64 positions; shorten it to 32 tokens or fewer",
     ),
-    "fp16": ("{llama}", ["--fp16"], "are not for a genai folder"),
+    "fp16": ("{llama}", ["--precision", "fp32,fp16"], "are not for a genai folder"),
     "decode-graph for a .onnx": (
         "{llama}",
         ["--decode-graph", "fused", "--out", "x.onnx"],

@@ -389,7 +389,7 @@ def test_prune_export_writes_int4_genai_folders_that_generate_and_bench_and_quan
     common = ["--calib-dir", str(text), "--seq-len", str(SEQ), "--round-to", "4", "--quiet", "--num-calib", "8"]
     int4 = ["--int4-seq-len", str(SEQ), "--int4-windows", "4", "--int4-block-size", "16"]
     argv = ["prune-export", str(folder), *common, "--target", "mlp,v", "--precision", "int4", *int4]
-    code, stdout, stderr = run([*argv, "--verify-batches", "1,2", "--out", str(out)], capsys)
+    code, stdout, stderr = run([*argv, "--verify-batch-sizes", "1,2", "--out", str(out)], capsys)
     assert code == 0, stderr
     assert "top-1 agree" in stdout
     genai = json.loads((out / "export.json").read_text())["genai"]  # dense: genai's builder; V-pruned: torch.export

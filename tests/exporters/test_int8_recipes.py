@@ -266,8 +266,8 @@ def test_the_quantize_only_gate_reads_the_baseline_beside_pruned_int8() -> None:
 def test_prune_export_int8_then_bench_show_and_gate_the_quantize_only_baseline(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
-    argv += ["--calib", "synthetic", "--num-calib", "32", "--precision", "fp32", "--int8", "--int8-calib", "16"]
-    code, stdout, err = run([*argv, "--int8-verify", "8", "--int8-batch", "4", "--out", str(out)], capsys)
+    argv += ["--calib", "synthetic", "--num-calib", "32", "--precision", "fp32,int8", "--int8-calib", "16"]
+    code, stdout, err = run([*argv, "--int8-verify", "8", "--int8-batch-size", "4", "--out", str(out)], capsys)
     assert code == 0, err
     assert "pruned.int8.onnx: INT8 recipe " in stdout and "baseline.int8.onnx (quantize-only baseline)" in stdout
     p50 = [line for line in stdout.splitlines() if "baseline.int8.onnx" in line and " ms" in line and "p50" in line]

@@ -266,8 +266,8 @@ def test_quantize_a_text_encoder_on_documents_verified_on_held_out_ones(text_gra
 def test_prune_export_int8_on_a_text_encoder(text_graph, tmp_path, capsys) -> None:
     out = tmp_path / "run"
     argv = ["prune-export", str(text_graph["model"]), "--calib-dir", str(text_graph["text"]), "--seq-len", "32"]
-    argv += ["--round-to", "4", "--quiet", "--num-calib", "24", "--calib-batch-size", "8", "--precision", "fp32"]
-    argv += ["--int8", "--int8-calib", "16", "--int8-verify", "4", "--out", str(out)]
+    argv += ["--round-to", "4", "--quiet", "--num-calib", "24", "--calib-batch-size", "8", "--precision", "fp32,int8"]
+    argv += ["--int8-calib", "16", "--int8-verify", "4", "--out", str(out)]
     code, stdout, stderr = run(argv, capsys)
     assert code == 0, stderr
     records = {r["file"]: r for r in json.loads((out / "export.json").read_text())["onnx"]}

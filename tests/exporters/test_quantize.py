@@ -233,7 +233,7 @@ def test_quantize_a_run_folder_then_bench_and_eval_its_int8_graphs(tmp_path, cap
 def test_prune_export_int8_writes_verified_int8_graphs(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
-    argv += ["--calib", "synthetic", "--num-calib", "32", "--precision", "fp32", "--int8", "--int8-calib", "16"]
+    argv += ["--calib", "synthetic", "--num-calib", "32", "--precision", "fp32,int8", "--int8-calib", "16"]
     code, stdout, err = run([*argv, "--int8-verify", "8", "--out", str(out)], capsys)
     assert code == 0, err
     record = json.loads((out / "export.json").read_text())
@@ -252,10 +252,10 @@ def test_int8_graphs_with_external_data_from_prune_export_are_read_by_bench_and_
     out = tmp_path / "run"
     engines = RTX_MISSING is None
     argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
-    argv += ["--calib", "synthetic", "--num-calib", "32", "--int8", "--int8-calib", "16", "--int8-verify", "8"]
+    argv += ["--calib", "synthetic", "--num-calib", "32", "--int8-calib", "16", "--int8-verify", "8"]
     argv += ["--int8-recipe", "static"]  # Q/DQ graphs, which INT8 engines need (auto races a dynamic one in)
-    argv += ["--precision", "fp32,int8", "--runtime", "tensorrt-rtx"] if engines else ["--precision", "fp32"]
-    code, _, err = run([*argv, "--batch", "1:4:8", "--out", str(out)], capsys)
+    argv += ["--precision", "fp32,int8", "--runtime", "tensorrt-rtx"] if engines else ["--precision", "fp32,int8"]
+    code, _, err = run([*argv, "--batch-range", "1:4:8", "--out", str(out)], capsys)
     assert code == 0, err
     for m in ("dense", "pruned"):
         assert onnx_files(out / f"{m}.int8.onnx") == [out / f"{m}.int8.onnx", out / f"{m}.int8.onnx.data"]
@@ -320,7 +320,7 @@ def test_prune_export_builds_int8_engines_from_the_qdq_graphs(tmp_path, capsys) 
     out = tmp_path / "run"
     argv = ["prune-export", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--round-to", "4", "--quiet"]
     argv += ["--calib-dir", str(_images(tmp_path / "images", 24)), "--num-calib", "24", "--precision", "fp32,int8"]
-    argv += ["--int8-calib", "16", "--runtime", "tensorrt-rtx", "--batch", "1:4:8", "--out", str(out)]
+    argv += ["--int8-calib", "16", "--runtime", "tensorrt-rtx", "--batch-range", "1:4:8", "--out", str(out)]
     argv += ["--int8-recipe", "static"]  # with auto, the race on this loaded CPU decides whether INT8 graphs are Q/DQ
     code, stdout, err = run(argv, capsys)
     assert code == 0, err

@@ -25,7 +25,7 @@ pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip instal
 
 FREE_SPACE = "free space on that disk or choose another output path"
 
-TINY_EXPORT = ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--batch", "1:4:8", "--precision", "fp32"]
+TINY_EXPORT = ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--batch-range", "1:4:8", "--precision", "fp32"]
 
 
 def disk_full(*_args, **_kwargs):
@@ -106,7 +106,7 @@ def test_quantize_on_a_full_disk_where_onnx_truncates_silently(run_dir, tmp_path
 def test_build_engine_whose_write_fails_on_a_full_disk(run_dir, tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(pathlib.Path, "write_bytes", disk_full)
     out = tmp_path / "engines" / "e.plan"
-    argv = ["build-engine", str(run_dir / "pruned.onnx"), "--precision", "fp32", "--batch", "1:4:8"]
+    argv = ["build-engine", str(run_dir / "pruned.onnx"), "--precision", "fp32", "--batch-range", "1:4:8"]
     _one_error(*run([*argv, "--out", str(out)], capsys)[::2], out)
     assert list(out.parent.iterdir()) == []
 

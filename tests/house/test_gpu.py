@@ -137,7 +137,7 @@ def cuda_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cuda") / "run"
     prune_export = ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--device", "cuda", "--precision", "fp32"]
     with pytest.raises(SystemExit) as done:
-        main([*prune_export, "--batch", "1:4:8", "--out", str(out)])
+        main([*prune_export, "--batch-range", "1:4:8", "--out", str(out)])
     assert done.value.code == 0
     return out
 

@@ -26,8 +26,17 @@ pytestmark = pytest.mark.e2e
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
 
-TINY_EXPORT = ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--batch", "1:4:8", "--verify-batches", "1,2"]
-INT8 = ["--int8", "--int8-calib", "8", "--int8-verify", "4"]
+TINY_EXPORT = [
+    "prune-export",
+    *PRUNE[1:],
+    "--calib",
+    "synthetic",
+    "--batch-range",
+    "1:4:8",
+    "--verify-batch-sizes",
+    "1,2",
+]
+INT8 = ["--int8-calib", "8", "--int8-verify", "4"]
 ENGINES = build_missing()
 
 
@@ -60,7 +69,7 @@ def finish(line: str, capsys, replace: dict[str, str] | None = None) -> None:
 
 STEPS = {
     "ONNX export and verification (dense, pruned)": ["--precision", "fp32"],
-    "INT8 quantization": [*INT8, "--precision", "fp32"],
+    "INT8 quantization": [*INT8, "--precision", "fp32,int8"],
     "TensorRT engines": ["--precision", "fp32"],
 }
 
@@ -128,7 +137,7 @@ def test_a_failed_fp16_conversion_keeps_the_prune_and_the_fp32_graph(tmp_path, c
 def test_an_int8_graph_that_misses_its_gate_keeps_the_fp32_graphs(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setattr("corp_deploy.cli.export_options.INT8", Tolerance(min_cosine=1.0, max_rel_error=0.0))
     out = tmp_path / "run"
-    code, _, stderr = run([*TINY_EXPORT, *INT8, "--precision", "fp32", "--out", str(out)], capsys)
+    code, _, stderr = run([*TINY_EXPORT, *INT8, "--precision", "fp32,int8", "--out", str(out)], capsys)
     line = stopped_line(stderr)
     assert code == 1 and "INT8 quantization failed: INT8 ONNX dense.int8.onnx against dense.onnx" in line
     assert whole(out) == {"pruned", "dense.onnx", "dense.onnx.json", "pruned.onnx", "pruned.onnx.json"}
@@ -182,7 +191,7 @@ def qwen2_folder(root: Path, tokenizer: bool) -> Path:
 
 
 DECODER = ["--calib", "synthetic", "--seq-len", "16", "--round-to", "4", "--quiet", "--num-calib", "8"]
-DECODER += ["--verify-batches", "1,2"]
+DECODER += ["--verify-batch-sizes", "1,2"]
 
 
 def test_a_qwen2_with_null_special_ids_gets_them_from_its_tokenizer_and_an_int4_gate_miss_keeps_the_rest(

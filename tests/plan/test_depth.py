@@ -299,7 +299,16 @@ def test_prune_export_with_depth_replaces_attention_a_width_only_plan_cannot_do_
     monkeypatch.setattr(speed, "time_models", lambda models, *_: {n: [fake_time(m)] * 6 for n, m in models.items()})
     monkeypatch.setattr(speed, "time_against", lambda _, models, *__: {n: fake_time(m) for n, m in models.items()})
     out = tmp_path / "run"
-    flags = ["--speedup", "3.3", "--latency-on", "ort-cpu-fp32", "--latency-batch", "2", "--sensitivity-images", "4"]
+    flags = [
+        "--speedup",
+        "3.3",
+        "--latency-on",
+        "ort-cpu-fp32",
+        "--latency-batch-size",
+        "2",
+        "--sensitivity-images",
+        "4",
+    ]
     argv = ["prune-export", *PRUNE[1:], "--calib", "synthetic", "--precision", "fp32", *flags, "--out", str(out)]
     code, _, err = run([*argv, "--depth", "attn"], capsys)
     assert code == 0, err

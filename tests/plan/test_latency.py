@@ -362,7 +362,10 @@ PRUNE = ["prune", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--calib",
         (["--speedup", "2", "--latency-on", "tensorrt-fp16"], "cannot run here: no CUDA GPU|not supported yet"),
         (["--speedup", "2", "--latency-on", "ort-cpu-int8"], "not supported yet"),
         (["--speedup", "2", "--latency-on", "onnx-magic"], "unknown backend"),
-        (["--speedup", "2", "--latency-on", "ort-cpu-fp32", "--latency-batch", "0"], "--latency-batch must be >= 1"),
+        (
+            ["--speedup", "2", "--latency-on", "ort-cpu-fp32", "--latency-batch-size", "0"],
+            "--latency-batch-size must be >= 1",
+        ),
     ],
 )
 def test_bad_latency_flags_fail_in_one_line_before_any_work(tmp_path, capsys, cache, flags, message) -> None:
@@ -390,7 +393,7 @@ def test_prune_export_with_a_speedup_records_the_check(tmp_path, capsys, cache, 
     monkeypatch.setattr(speed, "time_models", lambda models, *_: {n: [fake_time(m)] * 6 for n, m in models.items()})
     monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))
     out = tmp_path / "run"
-    flags = ["--speedup", "1.3", "--latency-on", "torch-cpu-fp32", "--latency-batch", "2", "--latency-rounds", "2"]
+    flags = ["--speedup", "1.3", "--latency-on", "torch-cpu-fp32", "--latency-batch-size", "2", "--latency-rounds", "2"]
     argv = ["prune-export", *PRUNE[1:], "--allocation", "local", "--precision", "fp32", *flags, "--out", str(out)]
     code, stdout, err = run(argv, capsys)
     assert code == 0, err
@@ -422,7 +425,7 @@ def test_recovery_runs_after_the_closed_loop_and_keeps_its_widths(tmp_path, caps
     monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))
     monkeypatch.setattr(Objective, "__call__", trained)
     out = tmp_path / "run"
-    flags = ["--speedup", "1.3", "--latency-on", "torch-cpu-fp32", "--latency-batch", "2", "--recover-steps", "2"]
+    flags = ["--speedup", "1.3", "--latency-on", "torch-cpu-fp32", "--latency-batch-size", "2", "--recover-steps", "2"]
     argv = ["prune-export", *PRUNE[1:], "--allocation", "local", "--precision", "fp32", *flags, "--out", str(out)]
     code, stdout, err = run(argv, capsys)
     assert code == 0, err
@@ -447,7 +450,16 @@ def test_prune_export_times_the_rewrites_it_exports(tmp_path, capsys, cache, mon
 
     monkeypatch.setattr(speed, "time_models", fake_time_models)
     monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))
-    flags = ["--speedup", "1.3", "--latency-on", "torch-cpu-fp32", "--latency-batch", "2", "--rewrites", "patch-linear"]
+    flags = [
+        "--speedup",
+        "1.3",
+        "--latency-on",
+        "torch-cpu-fp32",
+        "--latency-batch-size",
+        "2",
+        "--rewrites",
+        "patch-linear",
+    ]
     argv = ["prune-export", *PRUNE[1:], "--allocation", "local", "--precision", "fp32", *flags]
     code, _, err = run([*argv, "--out", str(tmp_path / "run")], capsys)
     assert code == 0, err
@@ -461,7 +473,7 @@ def test_profile_prints_the_table_checks_it_and_writes_it(tmp_path, capsys, cach
     monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))
     out = tmp_path / "table.json"
     argv = ["profile", "deit_tiny", "--weights", "random", *TINY_CLI_ARGS, "--latency-on", "torch-cpu-fp32"]
-    code, stdout, err = run([*argv, "--latency-batch", "4", "--check", "2", "--out", str(out)], capsys)
+    code, stdout, err = run([*argv, "--latency-batch-size", "4", "--check", "2", "--out", str(out)], capsys)
     assert code == 0, err
     assert "fixed (patch embedding, final norm, head):    10.00 ms" in stdout and "equal Q/K and V" in stdout
     assert len(re.findall(r"mixed-width model: .*\([+-]0\.0%\)", stdout)) == 2, stdout  # the fake cost is additive
@@ -504,7 +516,7 @@ def test_sweep_of_speedups_calibrates_once_and_checks_every_target(tmp_path, cap
     calibrate_ = api.calibrate
     monkeypatch.setattr("corp_deploy.api.calibrate", lambda *a, **k: passes.append(1) or calibrate_(*a, **k))
     out = tmp_path / "sw"
-    flags = ["--speedups", "1.3,1.6", "--latency-on", "torch-cpu-fp32", "--latency-batch", "2"]
+    flags = ["--speedups", "1.3,1.6", "--latency-on", "torch-cpu-fp32", "--latency-batch-size", "2"]
     timing = ["--backends", "ort-cpu-fp32", "--batch-sizes", "1,2", "--min-seconds", "0"]
     code, stdout, err = run([*SWEEP, "--round-to", "4", *flags, *timing, "--out", str(out)], capsys)
     assert code == 0, err
@@ -625,7 +637,7 @@ def test_prune_export_of_a_text_encoder_with_a_speedup_records_the_check(tmp_pat
     monkeypatch.setattr(speed, "time_models", lambda models, *_: {n: [fake_time(m)] * 6 for n, m in models.items()})
     monkeypatch.setattr(speed, "time_against", lambda _, models, *__: fake_timer(models))
     folder, out = tiny_text_folder(tmp_path), tmp_path / "run"
-    flags = ["--speedup", "1.3", "--latency-on", "ort-cpu-fp32", "--latency-batch", "2", "--latency-rounds", "2"]
+    flags = ["--speedup", "1.3", "--latency-on", "ort-cpu-fp32", "--latency-batch-size", "2", "--latency-rounds", "2"]
     argv = ["prune-export", str(folder), *TEXT_FLAGS, "--seq-len", str(SEQ), "--allocation", "local", *flags]
     code, stdout, err = run([*argv, "--precision", "fp32", "--out", str(out)], capsys)
     assert code == 0, err
@@ -642,7 +654,7 @@ def test_prune_export_of_a_text_encoder_with_a_speedup_records_the_check(tmp_pat
     [
         (["--seq-len", "41"], "--seq-len must be between 1 and 40"),
         (["--latency-on", "ort-cpu-int8"], "not supported yet"),
-        (["--latency-batch", "0"], "--latency-batch must be >= 1"),
+        (["--latency-batch-size", "0"], "--latency-batch-size must be >= 1"),
     ],
 )
 def test_bad_text_speed_flags_fail_in_one_line(tmp_path, capsys, cache, flags, message) -> None:

@@ -120,21 +120,22 @@ def layout(model: nn.Module) -> Layout:
 def stored(model: nn.Module) -> nn.Module:
     """The model as its folder stores it: itself, or (a standard folder with a folded bias) a copy whose Linears
     that the config flags give a bias have one, zero where the pruned model has none: transformers' Llama has
-    one ``mlp_bias`` for gate, up and down and one ``attention_bias`` for q, k, v and o."""
+    one ``mlp_bias`` for gate, up and down and one ``attention_bias`` for q, k, v and o. The copy's modules are new,
+    its weights the model's own: a 1.7B decoder's save holds its weights once."""
     plan, family = layout(model), adapter_for(model)
     if plan.form != STANDARD:
         return model
     flags = [flag for flag, _ in family.bias_flags.values() if plan.config[flag] and not getattr(model.config, flag)]
     if not flags:
         return model
-    model = copy.deepcopy(model)
+    model = copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())})  # the weights shared
     for block in family.blocks(model):
         for flag, paths in family.bias_flags.values():
             for path in paths if flag in flags else ():
                 old = modeling.get(block, path)
                 if old.bias is None:
                     new = modeling.linear_like(old, old.in_features, old.out_features, True)
-                    new.weight.copy_(old.weight)
+                    new.weight = old.weight
                     new.bias.zero_()
                     modeling.put(block, path, new)
     for flag in flags:

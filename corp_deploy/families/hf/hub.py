@@ -21,6 +21,7 @@ from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.families import adapter_for, for_model_type
 from corp_deploy.families.hf.adapter import architecture
+from corp_deploy.families.onload import Onloader, meta_parameters
 
 
 def transformers_module(purpose: str) -> Any:
@@ -55,22 +56,30 @@ def modality(source: str) -> str | None:
     return "text" if family is None else family.modality
 
 
-def load(source: str) -> tuple[nn.Module, Any]:
+def load(source: str, onload: bool = False) -> tuple[nn.Module, Any]:
     """(model in eval mode, tokenizer or None) from a local folder or ``hf:NAME``; one line when it cannot.
 
     Always float32, whatever the checkpoint holds (OPT's are float16): calibration, the fold and perplexity run
-    as for ViTs, and a float16 model on a CPU would be slow and lose precision; exports make FP16 themselves."""
+    as for ViTs, and a float16 model on a CPU would be slow and lose precision; exports make FP16 themselves.
+
+    ``onload``: a local folder of safetensors is built with its blocks' weights left on disk (``families.onload``:
+    one block is read at a time by the prune's walk); a checkpoint whose names the model does not take as they are
+    (``hf:NAME``, renamed keys, ``.bin`` files) loads whole, as without it. The refusal is the same either way: the
+    pruned model is read whole after the walk (for its report, its save and its export), and the dense model's
+    float32 weights bound it."""
     transformers = transformers_module("pruning a transformers model")
     transformers.utils.logging.disable_progress_bar()  # corp-deploy prints its own progress
     where, offline = source.removeprefix(HUB_PREFIX), _offline(source)
-    if Path(where).is_dir():  # before loading: float32 weights the machine cannot hold are refused in one line
-        memory.Plan({"weights": memory.safetensors_bytes(where, itemsize=4)}, memory.available(), "host").check(
-            "corp-deploy holds the weights in float32 on the host: run on a machine with more memory"
-        )
     try:
         config = transformers.AutoConfig.from_pretrained(where, **offline)
         cls = architecture(transformers, config)
-        model = cls.from_pretrained(where, attn_implementation="sdpa", dtype=torch.float32, **offline)
+        if Path(where).is_dir():  # before loading: float32 weights the machine cannot hold are refused in one line
+            memory.Plan({"weights": memory.safetensors_bytes(where, itemsize=4)}, memory.available(), "host").check(
+                "corp-deploy holds the weights in float32 on the host: run on a machine with more memory"
+            )
+        model = _onloaded(cls, config, where) if onload and Path(where).is_dir() else None
+        if model is None:
+            model = cls.from_pretrained(where, attn_implementation="sdpa", dtype=torch.float32, **offline)
     except SafetensorError as e:  # a truncated or corrupt weights file: not the hub's, the folder's
         raise CorpError(
             f"cannot load the transformers model {source}: its weights file is damaged ({first_line(e)}); copy or "
@@ -85,6 +94,18 @@ def load(source: str) -> tuple[nn.Module, Any]:
         raise CorpError(f"cannot load the transformers model {source} ({first_line(e)})") from None
     text = adapter_for(model).modality == "text"
     return model.eval(), load_tokenizer(source, model.config.vocab_size) if text else None
+
+
+def _onloaded(cls: type, config: Any, folder: str) -> nn.Module | None:
+    """``cls`` built on the meta device with what is outside its blocks read from ``folder``
+    (``Onloader``), or None when the checkpoint's names are not the model's."""
+    with meta_parameters():
+        model = cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    try:
+        Onloader(model, folder).start()
+    except KeyError:
+        return None
+    return model
 
 
 def _offline(source: str) -> dict[str, bool]:

@@ -1,0 +1,192 @@
+"""Sequential onloading: a model whose blocks' weights stay on disk until the block-by-block walk needs them.
+
+Why: a 1.7B decoder held in float32 is 6.4 GiB resident for the whole prune, most of the run's peak, while the walk
+(``core.blockwise``) only ever works on one block. Here (llm-compressor's idea) the model is built with its
+parameters on the meta device; what is not in a block (embeddings, final norm, head: read by every forward's stem)
+is read at once, and a block is read from its safetensors files, in float32 as ``from_pretrained(dtype=float32)``
+gives it (the same bits), when the walk reaches it. After a block is pruned its new weights go to a temporary
+store on disk, and its parameters back to meta; ``restore`` reads every block back once the walk is done (the
+pruned model, smaller than the dense one, is what the report, the save and the export read).
+
+The model is registered here (``of``), so the walk and the API need no new argument: a model without an onloader
+is the ordinary, fully resident one. Buffers (rotary frequencies, position ids) are small and always resident.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from corp_deploy.families.registry import adapter_for
+
+_ONLOADERS: weakref.WeakKeyDictionary[nn.Module, Onloader] = weakref.WeakKeyDictionary()
+
+
+def of(model: nn.Module) -> Onloader | None:
+    """``model``'s onloader, or None when every weight is resident."""
+    return _ONLOADERS.get(model)
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Modules built inside have their parameters on the meta device (no memory) and their buffers real: buffers
+    are computed at construction (rotary frequencies) and often absent from the checkpoint."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _set(module: nn.Module, name: str, value: Tensor) -> None:
+    """Replace parameter ``name`` (dotted, under ``module``) by ``value``, keeping its ``requires_grad``."""
+    owner, _, leaf = name.rpartition(".")
+    owner_module = module.get_submodule(owner) if owner else module
+    old = owner_module._parameters[leaf]
+    owner_module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
+
+
+class Onloader:
+    """Reads ``model``'s parameters from the safetensors files of ``folder``: the rest at once, a block on ``load``."""
+
+    def __init__(self, model: nn.Module, folder: str | Path, dtype: torch.dtype = torch.float32) -> None:
+        self.model, self.dtype, self.device = model, dtype, torch.device("cpu")
+        names = {id(m): n for n, m in model.named_modules()}
+        self.blocks = list(adapter_for(model).blocks(model))
+        self.prefixes = [names[id(b)] + "." for b in self.blocks]
+        self.files = _key_files(Path(folder))
+        self.store: tempfile.TemporaryDirectory | None = None
+        self.pruned: dict[int, Path] = {}
+        self.tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+        """Parameters ``tie_weights`` makes (a decoder's head, the embedding's), absent from the checkpoint."""
+        missing = [n for n, _ in model.named_parameters() if n not in self.files and n not in self.tied]
+        if missing:
+            raise KeyError(f"not in the checkpoint: {missing[:3]}")
+
+    def start(self) -> Onloader:
+        """Read everything outside the blocks, tie the embeddings where the config ties them, and register."""
+        inside = tuple(self.prefixes)
+        rest = [n for n, _ in self.model.named_parameters() if not n.startswith(inside) and n not in self.tied]
+        for name, tensor in self._read(rest).items():
+            _set(self.model, name, tensor)
+        self.model.tie_weights()
+        if any(p.is_meta for n, p in self.model.named_parameters() if not n.startswith(inside)):
+            raise KeyError("a weight outside the blocks was neither read nor tied")
+        _ONLOADERS[self.model] = self
+        return self
+
+    def _read(self, names: list[str]) -> dict[str, Tensor]:
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.files[n], []).append(n)
+        out = {}
+        for path, keys in by_file.items():
+            with safe_open(str(path), "pt", device="cpu") as f:
+                for k in keys:
+                    out[k] = f.get_tensor(k).to(self.device, self.dtype)
+        return out
+
+    def to(self, device: torch.device) -> None:
+        """Blocks are read onto ``device`` from now on; what is resident moves there."""
+        self.device = device
+        for module in self.model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and not p.is_meta:
+                    module._parameters[name] = nn.Parameter(p.data.to(device), requires_grad=p.requires_grad)
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    module._buffers[name] = b.to(device)
+
+    def load(self, i: int) -> None:
+        """Block ``i``'s weights in memory: the dense ones from the checkpoint, or the pruned ones from the store."""
+        block = self.blocks[i]
+        if i in self.pruned:
+            block.load_state_dict(load_file(self.pruned[i], device=str(self.device)), strict=False, assign=True)
+            return
+        names = [n for n, _ in block.named_parameters()]
+        for name, tensor in self._read([self.prefixes[i] + n for n in names]).items():
+            _set(block, name.removeprefix(self.prefixes[i]), tensor)
+
+    def drop(self, i: int, pruned: bool = False) -> None:
+        """Block ``i``'s parameters back to meta; ``pruned``: its weights changed, so they are kept in the store."""
+        block = self.blocks[i]
+        if pruned:
+            if self.store is None:
+                self.store = tempfile.TemporaryDirectory(prefix="corp-onload-")
+            self.pruned[i] = Path(self.store.name, f"block{i}.safetensors")
+            save_file({n: p.detach().contiguous().cpu() for n, p in block.named_parameters()}, self.pruned[i])
+        for name, p in list(block.named_parameters()):
+            _set(block, name, torch.empty_like(p, device="meta"))
+
+    def resident_bytes(self) -> int:
+        """Bytes of the parameters in memory now."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.is_meta)
+
+    def block_bytes(self) -> int:
+        """Bytes of the largest block's parameters as read (``dtype``)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return max(sum(p.numel() for p in b.parameters()) * size for b in self.blocks)
+
+    @contextlib.contextmanager
+    def streamed(self) -> Iterator[None]:
+        """Every forward inside reads each block as it runs and drops it after (one block in memory)."""
+        handles = []
+        for i, block in enumerate(self.blocks):
+            handles.append(block.register_forward_pre_hook(lambda *_, i=i: self.load(i)))
+            handles.append(block.register_forward_hook(lambda *_, i=i: self.drop(i)))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def restore(self) -> None:
+        """Every block in memory again (pruned ones from the store), the store deleted, the model unregistered."""
+        for i, block in enumerate(self.blocks):
+            if any(p.is_meta for p in block.parameters()):
+                self.load(i)
+        if self.store is not None:
+            self.store.cleanup()
+            self.store = None
+        _ONLOADERS.pop(self.model, None)
+
+
+def streamed(model: nn.Module) -> contextlib.AbstractContextManager:
+    """``Onloader.streamed`` for an onloaded model, else nothing."""
+    onloader = of(model)
+    return contextlib.nullcontext() if onloader is None else onloader.streamed()
+
+
+def restore(model: nn.Module) -> None:
+    """``model`` with every weight resident (a no-op when it is already)."""
+    onloader = of(model)
+    if onloader is not None:
+        onloader.restore()
+
+
+def _key_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file of ``folder`` holding it (sharded folders through their index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    files = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            files |= dict.fromkeys(f.keys(), path)
+    return files

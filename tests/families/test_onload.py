@@ -1,0 +1,171 @@
+"""Sequential onloading (``families.onload``): a ``transformers`` folder pruned with its blocks' weights on disk, one
+block read at a time by the walk, gives the artifact of the model loaded whole, bit for bit; at no point are two
+blocks' weights in memory; sequential CORP onloads too. Tiny random Llama (tied and untied head) and BERT folders
+built in the test; no hub."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
+
+from helpers import padded_batches, run, tiny_bert, tiny_text_folder, token_batches  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from corp_deploy import api  # noqa: E402
+from corp_deploy.base import memory  # noqa: E402
+from corp_deploy.core import blockwise  # noqa: E402
+from corp_deploy.core.config import PruneConfig  # noqa: E402
+from corp_deploy.families import adapter_for, onload  # noqa: E402
+from corp_deploy.families.hf import hub  # noqa: E402
+
+
+def _llama_folder(root: Path, tied: bool, **overrides) -> Path:
+    torch.manual_seed(0)
+    shape = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+    shape["intermediate_size"] = 128
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        **(shape | overrides),
+    )
+    folder = root / f"llama-tied{tied}"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def _bert_folder(root: Path) -> Path:
+    folder = root / "bert"
+    tiny_bert().save_pretrained(folder)
+    return folder
+
+
+FOLDERS = {
+    "llama": lambda root: _llama_folder(root, tied=False),
+    "llama-tied": lambda root: _llama_folder(root, tied=True),
+    "bert": _bert_folder,
+}
+BATCHES = {"llama": token_batches, "llama-tied": token_batches, "bert": padded_batches}
+
+
+def _pruned(folder: Path, name: str, onloaded: bool, out: Path, **config) -> dict[str, torch.Tensor]:
+    model, _ = hub.load(str(folder), onload=onloaded)
+    assert (onload.of(model) is not None) == onloaded
+    config = PruneConfig(sparsity=0.5, target="mlp,v", round_to=2, **config)
+    result = api.prune(model, BATCHES[name](n=12), config, "cpu", progress=False)
+    api.save(result, out, name)
+    return load_file(out / "model.safetensors")
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-tied", "bert"])
+@pytest.mark.parametrize("sequential", [False, True])
+def test_the_onloaded_prune_is_the_resident_one_bit_for_bit(name: str, sequential: bool, tmp_path: Path) -> None:
+    folder = FOLDERS[name](tmp_path)
+    resident = _pruned(folder, name, False, tmp_path / "resident", sequential=sequential)
+    onloaded = _pruned(folder, name, True, tmp_path / "onloaded", sequential=sequential)
+    assert resident.keys() == onloaded.keys()
+    for key, tensor in resident.items():
+        assert torch.equal(tensor, onloaded[key]), key
+
+
+def test_no_two_blocks_are_in_memory_at_once(tmp_path: Path) -> None:
+    """Every block forward of the walk's statistics counts the blocks whose weights are resident: one at most, and
+    the resident bytes stay below half the dense model's, until the walk's end restores the pruned model."""
+    folder = FOLDERS["llama"](tmp_path)
+    model, _ = hub.load(str(folder), onload=True)
+    loader = onload.of(model)
+    blocks = adapter_for(model).blocks(model)
+    dense_bytes = sum(p.numel() * 4 for p in transformers.LlamaForCausalLM.from_pretrained(folder).parameters())
+    seen: list[tuple[int, int]] = []
+
+    def count(*_) -> None:
+        if onload.of(model) is not None:  # until the walk's end restores the pruned model
+            live = sum(not any(p.is_meta for p in b.parameters()) for b in blocks)
+            seen.append((live, loader.resident_bytes()))
+
+    for block in blocks:
+        block.register_forward_pre_hook(count)
+    assert all(p.is_meta for b in blocks for p in b.parameters())
+    result = api.prune(model, token_batches(n=12), PruneConfig(sparsity=0.5, target="mlp"), "cpu", progress=False)
+    assert len(seen) >= len(blocks)
+    assert max(live for live, _ in seen) == 1
+    assert max(size for _, size in seen) < dense_bytes / 2
+    assert onload.of(model) is None and not any(p.is_meta for p in result.model.parameters())
+    assert result.report["calibration"]["mode"] == "blockwise"
+    assert result.report["calibration"]["groups"] == len(blocks)
+
+
+def test_a_budget_reads_the_onloaded_model_whole_and_prunes_it_as_before(tmp_path: Path) -> None:
+    """A budget compares every block's statistics at once: the model is read whole first, same result."""
+    folder = FOLDERS["llama"](tmp_path)
+    budget = {"budget": "macs=0.8", "allocation": "local"}
+    resident = _pruned(folder, "llama", False, tmp_path / "resident", **budget)
+    onloaded = _pruned(folder, "llama", True, tmp_path / "onloaded", **budget)
+    assert all(torch.equal(t, onloaded[k]) for k, t in resident.items())
+
+
+def test_prune_export_reads_the_dense_model_again_instead_of_copying_it(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The dense graph is exported from the folder read again after the onloaded prune, not from a copy held
+    through it: ``copy.deepcopy`` of a model in ``cli.prune`` fails the test."""
+    import copy
+
+    from corp_deploy.cli import prune as cli_prune
+
+    def no_model_copy(x, *args):
+        assert not isinstance(x, torch.nn.Module), "the dense model was copied"
+        return copy.deepcopy(x, *args)
+
+    monkeypatch.setattr(cli_prune, "copy", SimpleNamespace(deepcopy=no_model_copy))
+    loads = []
+    real_load = hub.load
+    monkeypatch.setattr(hub, "load", lambda source, onload=False: loads.append(onload) or real_load(source, onload))
+    folder = tiny_text_folder(tmp_path)
+    out = tmp_path / "run"
+    argv = ["prune-export", str(folder), "--calib", "synthetic", "--seq-len", "16", "--num-calib", "8"]
+    code, _, stderr = run([*argv, "--precision", "fp32", "--quiet", "--out", str(out)], capsys)
+    assert code == 0, stderr
+    assert loads == [True, False]  # onloaded for the prune, then the dense model read again
+    record = json.loads((out / "export.json").read_text())
+    assert [r["file"] for r in record["onnx"]] == ["dense.onnx", "pruned.onnx"]
+    dense_params = sum(p.numel() for p in real_load(str(folder))[0].parameters())
+    assert record["size"]["dense"]["params"] == dense_params > record["size"]["pruned"]["params"]
+
+
+def test_the_plan_of_an_onloaded_model_holds_one_block_and_its_peak_is_below_the_resident_plans(tmp_path: Path) -> None:
+    """Eight wide-attention blocks with a narrow MLP (the blocks' weights dominate): the walk's plan counts what is
+    resident and one block, and one block's statistics, and corp.json records it."""
+    folder = _llama_folder(tmp_path, False, hidden_size=256, num_hidden_layers=8, intermediate_size=64)
+    config = PruneConfig(sparsity=0.5, target="mlp", round_to=2)
+    model, _ = hub.load(str(folder), onload=True)
+    plan, bound = blockwise.memory_plan(model, config, 4, 24, 4, torch.device("cpu"), None, False)
+    resident = sum(p.numel() * 4 for p in model.parameters() if not p.is_meta)
+    block = sum(p.numel() * 4 for p in adapter_for(model).blocks(model)[0].parameters())
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    assert bound is None and plan.parts["weights"] == resident + block < whole / 4
+    assert plan.parts["statistics"] == blockwise.block_stats(model, config, [0], "meta").nbytes()
+    everything, _ = blockwise.memory_plan(hub.load(str(folder))[0], config, 4, 24, 4, torch.device("cpu"), None, False)
+    assert plan.peak < everything.peak - whole / 2
+    result = api.prune(model, token_batches(n=1), config, "cpu", progress=False)
+    assert result.report["memory"]["plan"]["weights_gib"] * memory.GIB == resident + block
+
+
+def test_the_stored_form_of_a_pruned_decoder_shares_its_weights(tmp_path: Path) -> None:
+    """A pruned Llama's standard folder flags ``mlp_bias`` (the compensation's bias): the stored copy has new
+    Linears with zero biases beside the folded one, and the model's own weight tensors (a save holds them once)."""
+    from corp_deploy.families.hf.folder import stored
+
+    folder = FOLDERS["llama"](tmp_path)
+    model, _ = hub.load(str(folder))
+    result = api.prune(model, token_batches(n=12), PruneConfig(sparsity=0.5, target="mlp"), "cpu", progress=False)
+    copy_ = stored(result.model)
+    assert copy_ is not result.model and copy_.config.mlp_bias and not result.model.config.mlp_bias
+    ours, theirs = (adapter_for(m).blocks(m)[0].mlp for m in (result.model, copy_))
+    assert ours.gate_proj.bias is None and not theirs.gate_proj.bias.any()
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert getattr(theirs, name).weight is getattr(ours, name).weight
