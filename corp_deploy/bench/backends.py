@@ -26,8 +26,7 @@ from corp_deploy.exporters import targets as export_targets
 from corp_deploy.exporters.compare import Feed
 from corp_deploy.exporters.onnx_export import image_graph
 from corp_deploy.exporters.rewrites import PATCH_LINEAR, rewritten
-from corp_deploy.exporters.targets import BenchSpec, Target
-from corp_deploy.exporters.tensorrt_target import TENSORRT
+from corp_deploy.exporters.targets import TENSORRT, BenchSpec, Target
 from corp_deploy.exporters.text_onnx import graph
 from corp_deploy.formats.artifact import build, load_pruned
 from corp_deploy.formats.run_folder import ARTIFACT, MODELS, RunFolder

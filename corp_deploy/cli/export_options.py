@@ -18,13 +18,12 @@ from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance
 from corp_deploy.exporters.genai import GRAPHS
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, OPSETS
 from corp_deploy.exporters.pipeline import VerifyOptions
-from corp_deploy.exporters.targets import ONNX, Option
+from corp_deploy.exporters.targets import ONNX, TENSORRT, Option
 from corp_deploy.exporters.tensorrt_engine import (
     BuildOptions,
     parse_compute_capabilities,
     parse_profile,
 )
-from corp_deploy.exporters.tensorrt_target import TENSORRT
 
 verify_group = group(
     click.option(

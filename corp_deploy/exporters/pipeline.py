@@ -54,7 +54,7 @@ from corp_deploy.exporters.onnx_export import (
 )
 from corp_deploy.exporters.rewrites import rewritten
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
-from corp_deploy.exporters.targets import ONNX, Job, Target, load
+from corp_deploy.exporters.targets import ONNX, TENSORRT, Job, Target, load
 from corp_deploy.exporters.tensorrt_engine import (
     TEXT_ENGINES,
     VERIFIED,
@@ -62,7 +62,6 @@ from corp_deploy.exporters.tensorrt_engine import (
     TrtRunner,
     build_engine,
 )
-from corp_deploy.exporters.tensorrt_target import TENSORRT
 from corp_deploy.exporters.text_onnx import export_text_onnx, graph
 from corp_deploy.formats.run_folder import (
     BASELINE_GENAI,

@@ -31,6 +31,8 @@ BUILT_IN = (
 )
 """The modules that register the built-in targets, in the order a run writes them (each imported by ``load``)."""
 ONNX = "onnx"
+TENSORRT = "tensorrt"
+"""The two names the pipeline hands its own options to (``export_run``'s ONNX export and engine arguments)."""
 
 
 @dataclass(frozen=True)

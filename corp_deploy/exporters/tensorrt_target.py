@@ -15,7 +15,7 @@ from typing import Any
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.exporters.onnx_export import load_onnx, read_metadata
-from corp_deploy.exporters.targets import BenchSpec, Job, Option, Target, register
+from corp_deploy.exporters.targets import TENSORRT, BenchSpec, Job, Option, Target, register
 from corp_deploy.exporters.tensorrt_engine import (
     PRECISIONS,
     RTX_DEFAULT_TARGETS,
@@ -28,7 +28,6 @@ from corp_deploy.exporters.tensorrt_engine import (
 from corp_deploy.formats.precisions import INT8
 from corp_deploy.formats.run_folder import engine_name, onnx_name
 
-TENSORRT = "tensorrt"
 OPTIONS = (
     Option("--batch-range", "Engine batch range MIN:OPT:MAX.", "1:32:256", key="batch"),
     Option(
