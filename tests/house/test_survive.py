@@ -6,8 +6,8 @@ Also: a Qwen2 config with null special token ids (``Qwen2Config()``'s defaults) 
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shlex
 import signal
 import subprocess
