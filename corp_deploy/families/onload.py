@@ -103,10 +103,13 @@ class Onloader:
     def to(self, device: torch.device) -> None:
         """Blocks are read onto ``device`` from now on; what is resident moves there."""
         self.device = device
+        moved: dict[int, nn.Parameter] = {}  # by identity: a tied head and its embedding stay one parameter
         for module in self.model.modules():
             for name, p in list(module._parameters.items()):
                 if p is not None and not p.is_meta:
-                    module._parameters[name] = nn.Parameter(p.data.to(device), requires_grad=p.requires_grad)
+                    if id(p) not in moved:
+                        moved[id(p)] = nn.Parameter(p.data.to(device), requires_grad=p.requires_grad)
+                    module._parameters[name] = moved[id(p)]
             for name, b in list(module._buffers.items()):
                 if b is not None:
                     module._buffers[name] = b.to(device)

@@ -180,3 +180,12 @@ def test_the_stored_form_of_a_pruned_decoder_shares_its_weights(tmp_path: Path) 
     assert ours.gate_proj.bias is None and not theirs.gate_proj.bias.any()
     for name in ("gate_proj", "up_proj", "down_proj"):
         assert getattr(theirs, name).weight is getattr(ours, name).weight
+
+
+def test_a_tied_head_stays_tied_through_the_onloaded_prune(tmp_path: Path) -> None:
+    """The head and the embedding are one parameter before and after: moving the resident weights to the compute
+    device once made two (the report then counted the embedding twice: SmolLM2-135M '134.5M -> 138.8M')."""
+    model, _ = hub.load(str(FOLDERS["llama-tied"](tmp_path)), onload=True)
+    result = api.prune(model, token_batches(n=12), PruneConfig(sparsity=0.5, target="mlp"), "cpu", progress=False)
+    assert result.model.lm_head.weight is result.model.model.embed_tokens.weight
+    assert result.report["pruned"]["params"] < result.report["dense"]["params"]
