@@ -180,3 +180,13 @@ def test_the_stored_form_of_a_pruned_decoder_shares_its_weights(tmp_path: Path) 
     assert ours.gate_proj.bias is None and not theirs.gate_proj.bias.any()
     for name in ("gate_proj", "up_proj", "down_proj"):
         assert getattr(theirs, name).weight is getattr(ours, name).weight
+
+
+def test_a_full_disk_under_the_store_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    def full(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(onload, "save_file", full)
+    model, _ = hub.load(str(FOLDERS["llama"](tmp_path)), onload=True)
+    with pytest.raises(api.CorpError, match=r"^could not keep pruned block 0 in .*No space left.*TMPDIR"):
+        api.prune(model, token_batches(n=2), PruneConfig(sparsity=0.5, target="mlp"), "cpu", progress=False)
