@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from corp_deploy.base.errors import CorpError
 from corp_deploy.families.registry import adapter_for
 
 _ONLOADERS: weakref.WeakKeyDictionary[nn.Module, Onloader] = weakref.WeakKeyDictionary()
@@ -131,7 +132,15 @@ class Onloader:
             if self.store is None:
                 self.store = tempfile.TemporaryDirectory(prefix="corp-onload-")
             self.pruned[i] = Path(self.store.name, f"block{i}.safetensors")
-            save_file({n: p.detach().contiguous().cpu() for n, p in block.named_parameters()}, self.pruned[i])
+            try:
+                save_file({n: p.detach().contiguous().cpu() for n, p in block.named_parameters()}, self.pruned[i])
+            except OSError as e:  # a full disk: one line, the store removed
+                self.store.cleanup()
+                raise CorpError(
+                    f"could not keep pruned block {i} in {self.store.name} ({e.strerror or e}): the pruned blocks "
+                    "wait there until the walk ends (about the pruned model's float32 size); free space there or "
+                    "point TMPDIR at a disk with room"
+                ) from None
         for name, p in list(block.named_parameters()):
             _set(block, name, torch.empty_like(p, device="meta"))
 

@@ -189,3 +189,13 @@ def test_a_tied_head_stays_tied_through_the_onloaded_prune(tmp_path: Path) -> No
     result = api.prune(model, token_batches(n=12), PruneConfig(sparsity=0.5, target="mlp"), "cpu", progress=False)
     assert result.model.lm_head.weight is result.model.model.embed_tokens.weight
     assert result.report["pruned"]["params"] < result.report["dense"]["params"]
+
+
+def test_a_full_disk_under_the_store_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    def full(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(onload, "save_file", full)
+    model, _ = hub.load(str(FOLDERS["llama"](tmp_path)), onload=True)
+    with pytest.raises(api.CorpError, match=r"^could not keep pruned block 0 in .*No space left.*TMPDIR"):
+        api.prune(model, token_batches(n=2), PruneConfig(sparsity=0.5, target="mlp"), "cpu", progress=False)
