@@ -212,7 +212,10 @@ def prune_export(
         api.save(run.result, tmp / ARTIFACT, run.name, run.args, weights=run.weights)
     engines = tuple(p for p in precisions_ if p != INT4.name)
     buildable = no_engines is None and not build_missing(build)
-    finish = _finisher(run_dir, prune_args["model"], engines, quantize is not None, decoder, precisions_, buildable)
+    # an INT8 engine is built from a Q/DQ graph only (``export_run`` skips it otherwise): where another recipe may be
+    # chosen, the finishing commands build none, as the run itself might not have
+    finishing = engines if recipes == ("static",) else tuple(p for p in engines if p != INT8.name)
+    finish = _finisher(run_dir, prune_args["model"], finishing, quantize is not None, decoder, precisions_, buildable)
     if run.stopped:
         raise Stopped(
             f"{run.stopped}; wrote {run_dir}/pruned/ with CORP's weights, not recovered (its corp.json says so); "
