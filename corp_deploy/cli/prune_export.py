@@ -162,7 +162,7 @@ def prune_export(
     started = time.perf_counter()
     precisions_ = parse_precisions(precision)
     targets = export_targets.parse(targets_)
-    parse_recipes(int8_opts["int8_recipe"])  # a bad recipe fails before the prune
+    recipes = parse_recipes(int8_opts["int8_recipe"])  # a bad recipe fails before the prune
     text = hub.modality(prune_args["model"]) == "text"
     decoder = text and sources.is_decoder(prune_args["model"])
     _int4_refused(precisions_, decoder)
