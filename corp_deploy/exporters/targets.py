@@ -6,8 +6,8 @@ A ``Target`` holds everything about one format: its name and file naming, the wr
 gates (``write``), the runner that executes a file, what it needs installed (``modules``, checked through
 ``base.deps``), its option group (``options``: the command line builds its flags from them), its bench backends and
 its quantize-only baseline. A new format is one module that calls ``register``; ``load`` imports the built-in ones:
-ONNX (every run writes it first: the others convert from its verified FP32 graphs), OpenVINO IR, and TensorRT
-engines (built wherever a flavour can build them, named in ``--targets`` or not).
+ONNX (every run writes it first: the others convert from its verified FP32 graphs), OpenVINO IR, TensorRT engines
+(built wherever a flavour can build them, named in ``--targets`` or not) and a decoder's onnxruntime-genai folders.
 """
 
 from __future__ import annotations
