@@ -24,6 +24,18 @@ Step = Callable[[], float]
 
 
 @dataclass(frozen=True)
+class Workload:
+    """What models are timed on: a batch of ``batch`` (x ``seq_len`` tokens for a text encoder) on ``threads`` CPU
+    threads, with ``rewrites`` (``exporters.rewrites``; None: the runtime's own) applied as the deployed model would
+    have them. What the plan hands a meter (``plan.speed.Meter.loaded``)."""
+
+    batch: int
+    threads: int
+    rewrites: tuple[str, ...] | None = None
+    seq_len: int | None = None
+
+
+@dataclass(frozen=True)
 class Method:
     """Warm-up by count and time, then iterations until both a minimum count and duration."""
 

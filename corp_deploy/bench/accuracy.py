@@ -22,9 +22,8 @@ from torch import Tensor
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_file
 from corp_deploy.base.tables import text_table
-from corp_deploy.bench.backends import BACKENDS, CUDA_DTYPES, Backend
+from corp_deploy.bench.backends import CUDA_DTYPES, Backend, all_backends
 from corp_deploy.exporters.compare import Runner
-from corp_deploy.formats.run_folder import engine_name, onnx_name
 
 Head = Callable[[Tensor], Tensor]
 """Outputs -> class logits: the identity for a classifier, a ``Probe`` for a backbone."""
@@ -233,7 +232,7 @@ run folder holds and this machine can run decides)."""
 def eval_backends(backends: str) -> list[Backend]:
     """``--backends`` in bench's vocabulary (``corp_deploy.bench.backends``); a compiled or graph-replayed variant
     computes its eager model's outputs, so only eager backends are evaluated."""
-    evaluable = {n: b for n, b in BACKENDS.items() if b.compiler is None and not b.graphed}
+    evaluable = {n: b for n, b in all_backends().items() if b.compiler is None and not b.graphed}
     names = EVAL_AUTO if backends == "auto" else tuple(b.strip() for b in backends.split(",") if b.strip())
     unknown = [n for n in names if n not in evaluable]
     if unknown or not names:
@@ -251,23 +250,21 @@ passes ``corp_deploy.formats.sources.dense_original``."""
 
 def graph_name(which: str, backend: Backend) -> str:
     """The run folder's file ``backend`` runs for model ``which``: ``pruned.onnx``, ``dense.int8.onnx``,
-    ``pruned.fp16.plan``... (``formats.run_folder``)."""
-    if backend.runtime == "onnxruntime":
-        return onnx_name(which, backend.precision)
-    return engine_name(which, backend.precision)
+    ``pruned.fp16.plan``, ``dense.xml``... (its export target's ``file_name``)."""
+    return backend.target.file_name(which, backend.precision)
 
 
 def _graph_runner(backend: Backend, path: Path, threads: int | None) -> tuple[Runner | None, str]:
-    """A runner of the ONNX graph or engine at ``path`` on ``backend``, or (None, why it cannot run here)."""
+    """A runner of the export target's file at ``path`` on ``backend``, or (None, why it cannot run here)."""
     from corp_deploy.exporters.runners import OrtRunner
-    from corp_deploy.exporters.tensorrt_engine import TrtRunner, run_missing
 
     if not path.is_file():
         return None, f"no {path.name} in {path.parent}"
-    if backend.runtime == "onnxruntime":
+    if why := backend.ready(path):
+        return None, why
+    if backend.runtime == "onnxruntime":  # on the backend's device; the target's runner is the CPU's
         return OrtRunner(path, "gpu" if backend.device == "cuda" else "cpu", threads), ""
-    why = run_missing(path)
-    return (None, why) if why else (TrtRunner(path), "")
+    return backend.target.runner(path, threads), ""
 
 
 def run_runners(

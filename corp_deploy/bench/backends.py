@@ -7,10 +7,12 @@ current stream, CPU steps with ``perf_counter``. ``missing`` says why a backend 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,15 +20,13 @@ import torch
 from torch import nn
 
 from corp_deploy.base.deps import missing as uninstalled
-from corp_deploy.base.deps import optional
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.timing import Step
 from corp_deploy.exporters import targets as export_targets
 from corp_deploy.exporters.compare import Feed
 from corp_deploy.exporters.onnx_export import image_graph
 from corp_deploy.exporters.rewrites import PATCH_LINEAR, rewritten
-from corp_deploy.exporters.targets import Target
-from corp_deploy.exporters.tensorrt_engine import TEXT_ENGINES, run_missing
+from corp_deploy.exporters.targets import TENSORRT, BenchSpec, Target
 from corp_deploy.exporters.text_onnx import graph
 from corp_deploy.formats.artifact import build, load_pruned
 from corp_deploy.formats.run_folder import ARTIFACT, MODELS, RunFolder
@@ -120,6 +120,10 @@ class Backend:
     """Why ``auto`` leaves this backend out (it runs only when named); None: ``auto`` includes it."""
     chosen_rewrites: tuple[str, ...] | None = None
     """The user's ``--rewrites`` where they replace the defaults: a latency budget times what is exported."""
+    target: Target | None = None
+    """The export target whose files it runs (``exporters.targets``); None: the PyTorch model itself."""
+    ready: Callable[[Path], str | None] = lambda path: None
+    """Why a file of its target that is there cannot run here (``BenchSpec.ready``)."""
 
     @property
     def rewrites(self) -> tuple[str, ...]:
@@ -237,11 +241,14 @@ def _torch(
     return load
 
 
-def _ort(device: str, precision: str = "fp32") -> Callable:
+def _ort(target: Target, spec: BenchSpec) -> Callable:
+    """onnxruntime's loader: on the GPU the inputs are copied to the device once, unless ``include_copies``."""
+    device = "gpu" if spec.device == "cuda" else "cpu"
+
     def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
         from corp_deploy.exporters.runners import OrtRunner
 
-        runner = OrtRunner(run.onnx(which, precision), device, threads)
+        runner = OrtRunner(run.root / target.file_name(which, spec.precision), device, threads)
         if device == "gpu" and runner.provider == "CPUExecutionProvider":
             raise CorpError("onnxruntime fell back to the CPU provider; its GPU provider did not load")
 
@@ -256,11 +263,11 @@ def _ort(device: str, precision: str = "fp32") -> Callable:
     return load
 
 
-def _tensorrt(precision: str) -> Callable:
-    def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
-        from corp_deploy.exporters.tensorrt_engine import TrtRunner
+def _tensorrt(target: Target, spec: BenchSpec) -> Callable:
+    """TensorRT's loader: torch CUDA tensors in and out, timed with CUDA events."""
 
-        runner = TrtRunner(run.engine(which, precision))
+    def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
+        runner = target.runner(run.root / target.file_name(which, spec.precision), threads)
         shape = run.input_size
 
         def at(batch: int) -> Step:
@@ -286,37 +293,6 @@ def _compile_missing(run: RunFolder) -> str | None:
     return absent and f"not installed: {absent} (torch.compile's inductor writes its CUDA kernels in Triton)"
 
 
-def _ort_missing(device: str, precision: str = "fp32") -> Callable[[RunFolder], str | None]:
-    def missing(run: RunFolder) -> str | None:
-        ort = optional("onnxruntime")
-        if ort is None:
-            return f"not installed: {uninstalled('onnxruntime')}"
-        absent = [run.onnx(m, precision).name for m in MODELS if not run.onnx(m, precision).is_file()]
-        if absent and precision == "int8":
-            return f"no {', '.join(absent)} in {run.root} (corp-deploy quantize {run.root} --calib-dir DIR)"
-        if absent:
-            return f"no dense.onnx/pruned.onnx in {run.root}"
-        if device == "gpu":
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                return "onnxruntime has no CUDA provider (install onnxruntime-gpu instead of onnxruntime)"
-            return _no_gpu(run)
-        return None
-
-    return missing
-
-
-def _engine_missing(precision: str) -> Callable[[RunFolder], str | None]:
-    def missing(run: RunFolder) -> str | None:
-        if run.text is not None:
-            return TEXT_ENGINES
-        absent = [run.engine(m, precision).name for m in MODELS if not run.engine(m, precision).is_file()]
-        if absent:
-            return f"no {', '.join(absent)} in {run.root} (prune-export --precision {precision})"
-        return next(filter(None, (run_missing(run.engine(m, precision)) for m in MODELS)), None)
-
-    return missing
-
-
 CUDA_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 COMPILE_OPT_IN = (
     "not in auto: torch.compile (inductor) compiles each model and batch size first, ~5-10 s each on an H200, "
@@ -333,14 +309,12 @@ CUDA_REWRITES = (PATCH_LINEAR,)
 """What pays on the torch CUDA backends: 0.55 ms as a cuDNN conv vs 0.08 ms as reshape+GEMM for deit_base's patch
 embedding at batch 64 in fp16 on an H200 (issue 23)."""
 
-BACKENDS: dict[str, Backend] = {
+TORCH_BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend(
             "torch-cpu-fp32", "torch", "cpu", "fp32", _torch("cpu", torch.float32), lambda run: None, equal_heads=True
         ),
-        Backend("ort-cpu-fp32", "onnxruntime", "cpu", "fp32", _ort("cpu"), _ort_missing("cpu")),
-        Backend("ort-cpu-int8", "onnxruntime", "cpu", "int8", _ort("cpu", "int8"), _ort_missing("cpu", "int8")),
         *(
             Backend(
                 f"torch-cuda-{p}{suffix}",
@@ -358,21 +332,16 @@ BACKENDS: dict[str, Backend] = {
             for suffix, (compiler, graph, missing, opt_in) in TORCH_CUDA_MODES.items()
             for p, dtype in CUDA_DTYPES.items()
         ),
-        Backend("ort-cuda-fp32", "onnxruntime", "cuda", "fp32", _ort("gpu"), _ort_missing("gpu")),
-        *(
-            Backend(f"tensorrt-{p}", "tensorrt", "cuda", p, _tensorrt(p), _engine_missing(p), equal_heads=True)
-            for p in ("fp32", "fp16", "int8")
-        ),
     )
 }
-"""Every backend, CPU first; ``auto`` keeps those that can run here, but not the opt-in ones (torch.compile)."""
+"""The PyTorch backends, eager, graphed and compiled: not export targets, the model itself timed."""
 
 
-def _target_loader(target: Target, precision: str) -> Callable:
-    """The loader of a registered export target's backend: its file of ``precision`` run by its runner on the CPU."""
+def _runner(target: Target, spec: BenchSpec) -> Callable:
+    """The loader of any other target's backend: its file of the spec's precision run by its runner on the CPU."""
 
     def load(run: RunFolder, which: str, include_copies: bool, threads: int | None) -> Callable[[int], Step]:
-        runner = target.runner(run.root / target.file_name(which, precision), threads)
+        runner = target.runner(run.root / target.file_name(which, spec.precision), threads)
 
         def at(batch: int) -> Step:
             x = inputs_for(run, batch)
@@ -383,38 +352,70 @@ def _target_loader(target: Target, precision: str) -> Callable:
     return load
 
 
-def _target_missing(target: Target, precision: str) -> Callable[[RunFolder], str | None]:
+LOADERS: dict[str, Callable[[Target, BenchSpec], Callable]] = {"onnxruntime": _ort, TENSORRT: _tensorrt}
+"""Runtimes timed their own way (inputs on the GPU, CUDA events), by ``BenchSpec.runtime``; every other target's
+files are timed through its runner on the CPU (``_runner``)."""
+
+
+def _target_missing(target: Target, spec: BenchSpec) -> Callable[[RunFolder], str | None]:
+    """Why a target's backend cannot time ``run`` here: its runtime not installed, a text run it does not time, its
+    files absent (and the command that writes them), or a file it cannot run (``BenchSpec.ready``)."""
+
     def missing(run: RunFolder) -> str | None:
         if reason := target.missing():
             return f"not installed: {reason}"
-        absent = [target.file_name(m, precision) for m in MODELS]
-        absent = [name for name in absent if not (run.root / name).is_file()]
-        if absent:
-            return (
-                f"no {', '.join(absent)} in {run.root} (prune-export --targets {target.name} --precision {precision})"
-            )
-        return None
+        if run.text is not None and target.text:
+            return target.text
+        files = [run.root / target.file_name(m, spec.precision) for m in MODELS]
+        if absent := [f.name for f in files if not f.is_file()]:
+            return f"no {', '.join(absent)} in {run.root} ({target.how_to_make(run.root, spec.precision)})"
+        return next(filter(None, map(spec.ready, files)), None)
 
     return missing
 
 
-def all_backends() -> dict[str, Backend]:
-    """``BACKENDS`` and every registered export target's (``exporters.targets``), CPU first: what ``bench`` and
-    ``eval`` choose from. Read at each call, so a target registered later is there too."""
-    added = [
+@functools.cache
+def _backends_of(target: Target) -> tuple[Backend, ...]:
+    """A registered export target's backends, built once (the same objects at every read)."""
+    return tuple(
         Backend(
-            s.name, s.runtime, s.device, s.precision, _target_loader(t, s.precision), _target_missing(t, s.precision)
+            s.name,
+            s.runtime,
+            s.device,
+            s.precision,
+            LOADERS.get(s.runtime, _runner)(target, s),
+            _target_missing(target, s),
+            equal_heads=s.equal_heads,
+            target=target,
+            ready=s.ready,
         )
-        for t in export_targets.load().values()
-        for s in t.backends
-    ]
-    ordered = [b for b in BACKENDS.values() if b.device == "cpu"] + added
-    return {b.name: b for b in ordered + [b for b in BACKENDS.values() if b.device != "cpu"]}
+        for s in target.backends
+    )
+
+
+BACKENDS: dict[str, Backend] = {}
+"""Every backend by name, CPU first: the PyTorch ones and every registered export target's (``all_backends`` keeps
+it current)."""
+
+
+def all_backends() -> dict[str, Backend]:
+    """``BACKENDS``, brought up to date with the registry: the PyTorch backends and every registered export target's
+    (``exporters.targets``: ONNX's onnxruntime, TensorRT, OpenVINO...), CPU first; what ``bench``, ``eval`` and a
+    latency budget choose from. Read at each call, so a target registered later is there too."""
+    ordered = [*TORCH_BACKENDS.values(), *(b for t in export_targets.load().values() for b in _backends_of(t))]
+    current = {b.name: b for device in ("cpu", "cuda") for b in ordered if b.device == device}
+    if list(current) != list(BACKENDS):  # a target registered or removed: entries replaced (tests patch them)
+        BACKENDS.clear()
+        BACKENDS.update(current)
+    return BACKENDS
+
+
+all_backends()
 
 
 def rewrites_on(name: str | None) -> tuple[str, ...]:
     """The rewrites that pay on backend ``name``; none for an unknown or absent one (refused where it is used)."""
-    return BACKENDS[name].default_rewrites if name in BACKENDS else ()
+    return TORCH_BACKENDS[name].default_rewrites if name in TORCH_BACKENDS else ()
 
 
 def select_backends(

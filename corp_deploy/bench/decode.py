@@ -39,7 +39,7 @@ from corp_deploy.base.timing import (
     median_of_repeats,
     summarize,
 )
-from corp_deploy.bench.backends import BACKENDS, MODELS, RunFolder, causal_lm, select_backends
+from corp_deploy.bench.backends import MODELS, RunFolder, all_backends, causal_lm, select_backends
 from corp_deploy.bench.run import new_record
 from corp_deploy.exporters.int4_gate import gate_words
 from corp_deploy.formats.run_folder import BASELINE, BASELINE_GENAI, GENAI_CONFIG, genai_name
@@ -142,7 +142,7 @@ def quantize_only(run: RunFolder, skipped: dict[str, str]) -> str | None:
 
 def select_decoders(names: str, run: RunFolder) -> tuple[list[DecodeBackend], dict[str, str]]:
     """``auto`` or a comma list of decoder backends -> (to run, {skipped: why})."""
-    return select_backends(names, run, DECODE_BACKENDS, "decoder backend", ("encoder and image runs", BACKENDS))
+    return select_backends(names, run, DECODE_BACKENDS, "decoder backend", ("encoder and image runs", all_backends()))
 
 
 def parse_prompts(text: str, limit: int, new_tokens: int) -> list[int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +25,8 @@ from torch import nn
 from corp_deploy.base.deps import missing
 from corp_deploy.base.env import cpu_model
 from corp_deploy.base.errors import CorpError
-from corp_deploy.base.timing import Step
-from corp_deploy.bench.backends import BACKENDS, Backend
+from corp_deploy.base.timing import Step, Workload
+from corp_deploy.bench.backends import Backend, all_backends
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, export_onnx, image_graph
 from corp_deploy.exporters.rewrites import rewritten
 from corp_deploy.exporters.text_onnx import export_text_onnx, graph
@@ -100,26 +100,19 @@ class BackendMeter:
         }
 
     @contextmanager
-    def loaded(
-        self,
-        models: dict[str, nn.Module],
-        batch: int,
-        threads: int,
-        rewrites: Sequence[str] | None = None,
-        seq_len: int | None = None,
-    ) -> Iterator[dict[str, Step]]:
-        """A timed step per model at ``batch`` (x ``seq_len`` tokens for a text encoder) on the backend (ONNX files
-        exported to a temporary folder for ort).
+    def loaded(self, models: dict[str, nn.Module], workload: Workload) -> Iterator[dict[str, Step]]:
+        """A timed step per model on ``workload`` on the backend (ONNX files exported to a temporary folder for ort).
 
-        Every model runs with ``rewrites`` (default: the backend's, ``Backend.rewrites``) applied where exact, as
-        the deployed model would: a latency table and the closed loop time what is deployed.
+        Every model runs with the workload's rewrites (default: the backend's, ``Backend.rewrites``) applied where
+        exact, as the deployed model would: a latency table and the closed loop time what is deployed.
         """
+        batch, threads, rewrites, seq_len = workload.batch, workload.threads, workload.rewrites, workload.seq_len
         if threads:
             torch.set_num_threads(threads)
         first = next(iter(models.values()))
         text = None if seq_len is None else Text(first.config.vocab_size, seq_len)
         shape = tuple(input_size(first)) if text is None else None
-        names = self.backend.rewrites if rewrites is None else tuple(rewrites)
+        names = self.backend.rewrites if rewrites is None else rewrites
         models = {name: rewritten(model, names)[0] for name, model in models.items()}
         with tempfile.TemporaryDirectory(prefix="corp-latency-") as tmp:
             run = _Models(Path(tmp), models, shape, text)
@@ -132,9 +125,10 @@ class BackendMeter:
 def check_backend(name: str, rewrites: tuple[str, ...] | None = None) -> BackendMeter:
     """The bench backend a latency budget is measured on, timing models with ``rewrites`` (None: the backend's
     defaults; ``prune-export --rewrites`` passes what it exports); one line when it cannot be here."""
-    if name not in BACKENDS:
-        raise CorpError(f"--latency-on: unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
-    backend = BACKENDS[name]
+    backends = all_backends()
+    if name not in backends:
+        raise CorpError(f"--latency-on: unknown backend {name!r}; choose from {', '.join(backends)}")
+    backend = backends[name]
     if backend.device == "cuda" and not torch.cuda.is_available():
         raise CorpError(f"--latency-on {name} cannot run here: no CUDA GPU visible; use ort-cpu-fp32 or torch-cpu-fp32")
     converted = backend.runtime == "onnxruntime" and backend.precision != "fp32"  # a graph made from the FP32 one

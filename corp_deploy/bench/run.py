@@ -12,7 +12,7 @@ import torch
 from corp_deploy.base import env
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.timing import Method, interleaved, median_of_repeats, summarize
-from corp_deploy.bench.backends import BACKENDS, MODELS, Backend, RunFolder
+from corp_deploy.bench.backends import MODELS, Backend, RunFolder
 from corp_deploy.exporters import targets as export_targets
 from corp_deploy.exporters.tensorrt_engine import FLAVOURS
 from corp_deploy.formats.run_folder import BASELINE
@@ -20,8 +20,6 @@ from corp_deploy.formats.run_folder import BASELINE
 SCHEMA = "corp-deploy/bench"
 SCHEMA_VERSION = 2
 """2: a decoder's results also hold ``phase`` (prefill, decode), ``prompt_len`` and ``tokens_per_s``."""
-WIDTH = max(map(len, BACKENDS))
-"""Backend names padded to this in progress lines, so their numbers line up."""
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -94,6 +92,7 @@ def benchmark(
     from corp_deploy.bench.baseline import runs_beside
 
     method = method or Method()
+    width = max((len(b.name) for b in backends), default=0)  # names padded alike: their numbers line up
     record = new_record(run, method, repeats, threads, skipped, include_copies=include_copies)
     tokens = {} if run.text is None else {"seq_len": run.text.seq_len}
     shape = "" if run.text is None else f" x {run.text.seq_len} tokens"
@@ -104,7 +103,7 @@ def benchmark(
                 loaders[BASELINE] = baseline[backend.runtime](run, BASELINE, include_copies, threads)
         except (torch.cuda.OutOfMemoryError, CorpError) as e:  # this backend cannot run: the others still do
             record["skipped"][backend.name] = first_line(e)
-            progress(f"{backend.name:{WIDTH}s} skipped ({first_line(e)})")
+            progress(f"{backend.name:{width}s} skipped ({first_line(e)})")
             continue
         device = record["environment"]["gpu"] if backend.device == "cuda" else "cpu"
         for batch in batch_sizes:
@@ -113,7 +112,7 @@ def benchmark(
                 repeats_ = [interleaved(steps, method, warm_up=i == 0) for i in range(repeats)]
             except (torch.cuda.OutOfMemoryError, CorpError) as e:
                 record["skipped"][f"{backend.name}@{batch}"] = first_line(e)
-                progress(f"{backend.name:{WIDTH}s} batch {batch:4d}{shape}: skipped ({first_line(e)})")
+                progress(f"{backend.name:{width}s} batch {batch:4d}{shape}: skipped ({first_line(e)})")
                 continue
             measured = {}
             for m in loaders:
@@ -133,7 +132,7 @@ def benchmark(
             dense, pruned = measured["dense"], measured["pruned"]
             base = f", quantize-only baseline {measured[BASELINE]:8.2f} ms" if BASELINE in measured else ""
             progress(
-                f"{backend.name:{WIDTH}s} batch {batch:4d}{shape}: p50 dense {dense:8.2f} ms, "
+                f"{backend.name:{width}s} batch {batch:4d}{shape}: p50 dense {dense:8.2f} ms, "
                 f"pruned {pruned:8.2f} ms ({dense / pruned:.2f}x){base}"
             )
         del loaders

@@ -23,6 +23,7 @@ from corp_deploy.cli.options import (
     onnx_needs,
 )
 from corp_deploy.exporters.genai import CONFIG, GRAPH, NEW_TOKENS, write_genai_folder
+from corp_deploy.exporters.genai_target import filled
 from corp_deploy.exporters.pipeline import (
     VerifyOptions,
     convert_verified,
@@ -159,7 +160,7 @@ def _genai_export(
     model, description = sources.load_source(source, "pretrained", None, {}, seq_len)
     with atomic_dir(out, overwrite) as tmp:
         record = write_genai_folder(model, tmp, description, folder, opset, ids, opts.fp32, graph=decode_graph)
-    if line := genai.filled(record, out.name):
+    if line := filled(record, out.name):
         click.echo(line)
     click.echo(genai.summary(record, out.name, folder if prompts else None))
     click.echo(f"wrote {out}/ ({GRAPH}, {GRAPH}.json, {CONFIG}, tokenizer files): onnxruntime_genai.Model('{out}')")

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +13,13 @@ import click
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.cli.options import group
+from corp_deploy.exporters import targets
 from corp_deploy.exporters.compare import FP16, FP32, INT8, Tolerance
 from corp_deploy.exporters.genai import GRAPHS
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, OPSETS
 from corp_deploy.exporters.pipeline import VerifyOptions
+from corp_deploy.exporters.targets import ONNX, TENSORRT, Option
 from corp_deploy.exporters.tensorrt_engine import (
-    RUNTIMES,
     BuildOptions,
     parse_compute_capabilities,
     parse_profile,
@@ -72,34 +74,29 @@ onnx_options = group(
 )
 
 
-engine_group = group(
-    click.option(
-        "--batch-range", "batch", default="1:32:256", show_default=True, help="Engine batch range MIN:OPT:MAX."
-    ),
-    click.option(
-        "--seq-range",
-        metavar="MIN:OPT:MAX",
-        help="Text encoders: the engine's tokens-per-sequence range [1:SEQ:SEQ, SEQ the graph's sequence length: "
-        "export --seq-len].",
-    ),
-    click.option("--workspace-gib", default=8.0, show_default=True, help="TensorRT workspace limit."),
-    click.option("--opt-level", default=3, show_default=True, help="TensorRT builder optimization level 0..5."),
-    click.option("--tf32", is_flag=True, help="Allow TF32 in FP32 engines (off: exact FP32)."),
-    click.option("--timing-cache", type=click.Path(dir_okay=False), help="Timing cache file [per GPU, ~/.cache]."),
-    click.option(
-        "--runtime",
-        type=click.Choice(RUNTIMES),
-        default="auto",
-        show_default=True,
-        help="Engine flavour; auto: TensorRT with a CUDA GPU, else TensorRT-RTX (builds without a GPU).",
-    ),
-    click.option(
-        "--compute-capability",
-        metavar="CC[,CC]",
-        help="TensorRT-RTX target GPUs, e.g. 8.9 (RTX 4090) or 7.5 (Turing) [8.0,8.6,8.9,12.0,12.1].",
-    ),
-    into="engine",
-)
+def option(spec: Option) -> Callable:
+    """A target's option (``exporters.targets.Option``, data) as a click option: a tuple type is a choice, ``Path``
+    a file, anything else click's type from the type or the default."""
+    kind = spec.type
+    if isinstance(kind, tuple):
+        kind = click.Choice(kind)
+    elif kind is Path:
+        kind = click.Path(dir_okay=False)
+    shown = spec.default is not None and not spec.is_flag
+    extra = {} if spec.is_flag else {"type": kind, "default": spec.default, "show_default": shown}
+    return click.option(spec.flag, spec.name, is_flag=spec.is_flag, metavar=spec.metavar, help=spec.help, **extra)
+
+
+def target_group(*names: str, into: str) -> Callable:
+    """The option groups of the registered targets ``names`` (all but ONNX's and TensorRT's when none are named:
+    those have their own groups, ``onnx_options`` and ``engine_group``), as click options handed to the command
+    as one dict ``into``."""
+    registered = targets.load()
+    chosen = [registered[n] for n in names] or [t for t in registered.values() if t.name not in (ONNX, TENSORRT)]
+    return group(*(option(o) for t in chosen for o in t.options), into=into)
+
+
+engine_group = target_group(TENSORRT, into="engine")
 
 
 def verify_options(verify: dict[str, Any]) -> VerifyOptions:

@@ -99,12 +99,6 @@ def summary(record: dict[str, Any], name: str, folder: Path | None) -> str:
     return "\n".join(lines)
 
 
-def filled(record: dict[str, Any], name: str) -> str:
-    """The line, said as it happens, on the special token ids a genai folder took from elsewhere than its model's
-    config ("" when none)."""
-    return f"{name}: special token ids: {record['special_ids_filled']}" if record.get("special_ids_filled") else ""
-
-
 def _widths(widths: list[int]) -> str:
     """``64 x30`` for equal widths, ``32..64 over 30 layers`` otherwise: a line, not a list of 30."""
     low, high = min(widths), max(widths)

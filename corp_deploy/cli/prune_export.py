@@ -3,7 +3,6 @@ folders), each verified; a step that stops names the commands that make the rest
 
 from __future__ import annotations
 
-import functools
 import shlex
 import time
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from corp_deploy import api
 from corp_deploy.base.env import versions
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir
-from corp_deploy.base.steps import Steps, Stopped, each, written
+from corp_deploy.base.steps import Steps, Stopped, written
 from corp_deploy.bench.backends import rewrites_on
 from corp_deploy.cli import genai
 from corp_deploy.cli.export import export, padded_qk, refuse_text_flags
@@ -24,6 +23,7 @@ from corp_deploy.cli.export_options import (
     build_options,
     engine_group,
     onnx_options,
+    target_group,
     verify_group,
     verify_options,
 )
@@ -38,20 +38,20 @@ from corp_deploy.cli.options import (
 from corp_deploy.cli.prune import again, pruned, say_folder
 from corp_deploy.cli.prune_options import prune_config, prune_options
 from corp_deploy.cli.quantize import build_engine, quantize
-from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options
+from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options, int8_quantizer
 from corp_deploy.exporters import targets as export_targets
-from corp_deploy.exporters.genai import tokenizer_files, write_genai_folder
+from corp_deploy.exporters.genai import GRAPH, tokenizer_files
+from corp_deploy.exporters.genai_target import GENAI
 from corp_deploy.exporters.int4 import (
     format_int4,
     format_int4_speed,
     int4_graphs,
 )
-from corp_deploy.exporters.int8_recipes import parse_recipes, quantize_graphs
+from corp_deploy.exporters.int8_recipes import parse_recipes
 from corp_deploy.exporters.pipeline import (
     decoder_int4_baseline,
     export_run,
     format_summary,
-    genai_brief,
     write_export_record,
 )
 from corp_deploy.exporters.quant_data import int4_calibration, int4_windows, int8_data, text_int8
@@ -71,6 +71,7 @@ from corp_deploy.formats.run_folder import (
     engine_name,
     genai_name,
     onnx_name,
+    read_sidecar,
     write_readme,
 )
 from corp_deploy.plan.report import format_report
@@ -95,6 +96,7 @@ def _int4_refused(precisions_: tuple[str, ...], decoder: bool) -> None:
 @onnx_options
 @verify_group
 @engine_group
+@target_group(into="target_opts")
 @click.option(
     "--precision",
     default=f"{FP32.name},{FP16.name}",
@@ -108,8 +110,12 @@ def _int4_refused(precisions_: tuple[str, ...], decoder: bool) -> None:
     "targets_",
     default=ONNX,
     show_default=True,
-    help=f"Comma list of export targets: {ONNX} (always: the others convert from its verified graphs), "
-    f"{', '.join(export_targets.load())} (each verified against its reference, timed by bench beside onnxruntime).",
+    help="Comma list of export targets: "
+    + "; ".join(
+        f"{t.name} ({t.what}{', always' if t.name == ONNX else ', written where it can be' if t.automatic else ''})"
+        for t in export_targets.load().values()
+    )
+    + ". Each file is verified against its reference and timed by bench beside onnxruntime.",
 )
 @click.option("--require-engines", is_flag=True, help="Fail (instead of skipping engines) where none can be built.")
 @click.option(
@@ -130,16 +136,12 @@ def prune_export(
     decode_graph: str,
     verify: dict[str, Any],
     engine: dict[str, Any],
+    target_opts: dict[str, Any],
     precision: str,
     require_engines: bool,
     latency_rounds: int,
     targets_: str,
-    int8_calib: int,
-    int8_verify: int,
-    calib_method: str,
-    smooth_alpha: float,
-    int8_recipe: str,
-    int8_batch: int,
+    int8_opts: dict[str, Any],
     int4: dict[str, Any],
     out: str | None,
     overwrite: bool,
@@ -160,7 +162,7 @@ def prune_export(
     started = time.perf_counter()
     precisions_ = parse_precisions(precision)
     targets = export_targets.parse(targets_)
-    recipes = parse_recipes(int8_recipe)
+    recipes = parse_recipes(int8_opts["int8_recipe"])  # a bad recipe fails before the prune
     text = hub.modality(prune_args["model"]) == "text"
     decoder = text and sources.is_decoder(prune_args["model"])
     _int4_refused(precisions_, decoder)
@@ -181,24 +183,14 @@ def prune_export(
     quantize = data = None
     if INT8.name in precisions_:  # INT8 engines are built from the INT8 graphs
         source = calibration_source(prune_args["calib_dir"], prune_args["calib"], text)
-        feeds = text_int8(prune_args["model"], source, int8_calib, int8_verify, prune_args["seed"]) if text else None
-        quantize = functools.partial(
-            quantize_graphs,
-            source=source,
-            tol=opts.int8,
-            num_calib=int8_calib,
-            num_verify=int8_verify,
-            seed=prune_args["seed"],
-            method=calib_method,
-            smooth_alpha=smooth_alpha,
-            workers=prune_args["workers"] or 0,
-            text=feeds,
-            say=click.echo,
-            recipes=recipes,
-            batch=int8_batch,
-            baseline=True,
+        counts, seed, workers = (
+            (int8_opts["int8_calib"], int8_opts["int8_verify"]),
+            prune_args["seed"],
+            prune_args["workers"] or 0,
         )
-        data = int8_data(source, int8_calib, int8_verify, prune_args["seed"], prune_args["workers"] or 0, feeds)
+        feeds = text_int8(prune_args["model"], source, *counts, seed) if text else None
+        quantize = int8_quantizer(int8_opts, source, opts.int8, seed, workers, feeds)
+        data = int8_data(source, *counts, seed, workers, feeds)
     rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
     run = pruned(config, **prune_args, keep_dense=True, transformers=True, latency_rounds=rounds, rewrites=rewrites_)
     if run is None:
@@ -248,21 +240,10 @@ def prune_export(
         click.echo,
         targets,
         data,
+        export_targets.option_values(target_opts)
+        | {GENAI: {"decoder": decoder, "opset": opset, "graph": decode_graph}},
     )
-    genai_records = {}
-    if decoder:
-        with steps("genai folders (dense, pruned)"):
-            for stem, (model, description) in each(
-                "genai folder", [(genai_name(s), (s, m)) for s, m in models.items()], click.echo
-            ):
-                with atomic_dir(run_dir / genai_name(stem)) as folder:
-                    genai_records[stem] = write_genai_folder(
-                        model, folder, description, run_dir / ARTIFACT, opset, None, opts.fp32, graph=decode_graph
-                    )
-                if line := genai.filled(genai_records[stem], genai_name(stem)):
-                    click.echo(line)
-        # each folder's model.onnx.json has it all; export.json names the folders and their checks
-        record["genai"] = {genai_name(stem): genai_brief(r) for stem, r in genai_records.items()}
+    genai_records = {stem: read_sidecar(run_dir / genai_name(stem) / GRAPH) for stem in models if decoder}
     if INT4.name in precisions_:
         with steps("INT4 quantization"):
             data, seed = calibration_source(prune_args["calib_dir"], prune_args["calib"]), prune_args["seed"]
@@ -290,7 +271,7 @@ def prune_export(
             click.echo(f"quantize-only baseline not built: {record['int4_baseline']['error']}")
     for stem, genai_record in genai_records.items():
         click.echo(genai.summary(genai_record, genai_name(stem), None))  # random-token prompts
-    write_readme(run_dir, record, summary, command_line(), [kind for t in targets for kind in t.files])
+    write_readme(run_dir, record, summary, command_line(), export_targets.file_kinds())
     click.echo(f"wrote {out}/ ({', '.join(written(run_dir))}; each graph and engine with its .json record): {README}")
     say_folder(run_dir / ARTIFACT)
     click.echo(steps.wall_time(time.perf_counter() - started, {"prune (model, data, tables, recovery)": prune_seconds}))

@@ -22,7 +22,7 @@ from corp_deploy.cli.options import (
     command_line,
     needs,
 )
-from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options
+from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options, int8_quantizer
 from corp_deploy.exporters.compare import INT8 as INT8_GATE
 from corp_deploy.exporters.genai import GRAPH
 from corp_deploy.exporters.int4 import (
@@ -30,7 +30,7 @@ from corp_deploy.exporters.int4 import (
     int4_graphs,
 )
 from corp_deploy.exporters.int4_quant import decoder_graph
-from corp_deploy.exporters.int8_recipes import parse_recipes, quantize_graphs
+from corp_deploy.exporters.int8_recipes import parse_recipes
 from corp_deploy.exporters.onnx_export import graph_precision, load_onnx, read_metadata
 from corp_deploy.exporters.pipeline import (
     engine_verified,
@@ -40,6 +40,7 @@ from corp_deploy.exporters.pipeline import (
     record_quantized,
 )
 from corp_deploy.exporters.quant_data import int4_calibration, int4_windows, text_int8
+from corp_deploy.exporters.targets import file_kinds
 from corp_deploy.exporters.tensorrt_engine import (
     PRECISIONS,
     for_graph,
@@ -132,12 +133,7 @@ def quantize(
     calib_dir: str | None,
     calib: str | None,
     seed: int,
-    int8_calib: int,
-    int8_verify: int,
-    calib_method: str,
-    smooth_alpha: float,
-    int8_recipe: str,
-    int8_batch: int,
+    int8_opts: dict[str, Any],
     int4: dict[str, Any],
     tol_cosine: float | None,
     tol_rel: float | None,
@@ -158,7 +154,7 @@ def quantize(
         _quantize_int4(Path(source), calibration_source(calib_dir, calib, True), int4, seed, overwrite)
         return
     pairs = int8_pairs(Path(source))
-    recipes = parse_recipes(int8_recipe)
+    parse_recipes(int8_opts["int8_recipe"])  # a bad recipe fails before the graphs are read
     metas = [read_metadata(load_onnx(g, weights=False)) for g, _ in pairs]
     data = calibration_source(calib_dir, calib, any(is_text(m) for m in metas))
     for _, out in pairs:
@@ -169,24 +165,8 @@ def quantize(
     if is_text(metas[0]):  # a run folder's graphs are one model's: the tokenizer is its artifact's, or its source's
         artifact = pairs[0][0].parent / ARTIFACT
         tokenizer_from = artifact if (artifact / META_FILE).is_file() else metas[0]["model"]
-        text = text_int8(tokenizer_from, data, int8_calib, int8_verify, seed)
-    records = quantize_graphs(
-        pairs,
-        data,
-        tol,
-        int8_calib,
-        int8_verify,
-        seed,
-        calib_method,
-        workers,
-        overwrite,
-        text,
-        click.echo,
-        smooth_alpha,
-        recipes,
-        int8_batch,
-        baseline=True,
-    )
+        text = text_int8(tokenizer_from, data, int8_opts["int8_calib"], int8_opts["int8_verify"], seed)
+    records = int8_quantizer(int8_opts, data, tol, seed, workers, text, overwrite)(pairs)
     click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}))
     click.echo(f"wrote {', '.join(str(out.parent / r['file']) for r in records)} (each with a .json record)")
     _recorded(Path(source), onnx=records)
@@ -196,7 +176,9 @@ def _recorded(folder: Path, **quantized: Any) -> None:
     """A run folder's export.json and README.md updated with what quantize wrote (nothing for a lone graph)."""
     if folder.is_dir() and (record := record_quantized(folder, **quantized)) is not None:
         summary = format_summary(record, {k: v["params"] for k, v in record.get("size", {}).items()})
-        click.echo(f"updated {folder / RECORD} and {write_readme(folder, record, summary, command_line())}")
+        click.echo(
+            f"updated {folder / RECORD} and {write_readme(folder, record, summary, command_line(), file_kinds())}"
+        )
 
 
 def _quantize_int4(source: Path, data: str, int4: dict[str, Any], seed: int, overwrite: bool) -> None:

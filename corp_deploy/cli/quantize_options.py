@@ -4,12 +4,16 @@ converters: INT8 calibration and recipes, and INT4's scheme and gate.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import click
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.cli.options import group
+from corp_deploy.exporters.compare import Tolerance
 from corp_deploy.exporters.int4 import AUTO, RECIPES, recipes
 from corp_deploy.exporters.int4_gate import INT4, DecoderTolerance
 from corp_deploy.exporters.int4_quant import (
@@ -25,6 +29,7 @@ from corp_deploy.exporters.int4_quant import (
     Scheme,
 )
 from corp_deploy.exporters.int8_quant import CALIB_METHODS
+from corp_deploy.exporters.int8_recipes import parse_recipes, quantize_graphs
 from corp_deploy.exporters.smooth import SMOOTH_ALPHA
 
 int8_options = group(
@@ -72,7 +77,33 @@ int8_options = group(
         help="The batch INT8 graphs are timed at on onnxruntime CPU (text: x the tokens per sequence the graph was "
         "exported with).",
     ),
+    into="int8_opts",
 )
+
+
+def int8_quantizer(
+    int8_opts: dict[str, Any], source: str, tol: Tolerance, seed: int, workers: int, text, overwrite: bool = False
+) -> Callable[[Sequence[tuple[Path, Path]]], list[dict[str, Any]]]:
+    """The INT8 group as one call, (FP32 graph, INT8 file) pairs -> verified INT8 records: ``quantize`` and
+    ``prune-export --int8`` quantize alike (every recipe of ``--int8-recipe`` gated, the quantize-only baseline
+    beside them). ``text``: a text encoder's feeds (``quant_data.text_int8``), None for images."""
+    return functools.partial(
+        quantize_graphs,
+        source=source,
+        tol=tol,
+        num_calib=int8_opts["int8_calib"],
+        num_verify=int8_opts["int8_verify"],
+        seed=seed,
+        method=int8_opts["calib_method"],
+        workers=workers,
+        overwrite=overwrite,
+        text=text,
+        say=click.echo,
+        smooth_alpha=int8_opts["smooth_alpha"],
+        recipes=parse_recipes(int8_opts["int8_recipe"]),
+        batch=int8_opts["int8_batch"],
+        baseline=True,
+    )
 
 
 int4_options = group(

@@ -31,7 +31,7 @@ KEEP_FP32 = (
 )
 ROTARY_SCOPE = "rotary_emb"
 """The module name (``transformers``' ``*RotaryEmbedding``) whose nodes stay FP32, found through the exporter's
-``namespace`` metadata."""
+``namespace`` metadata (dynamo) or the node's scoped name (TorchScript: ``/model/model/rotary_emb/Cast``)."""
 
 
 def rotary_nodes(proto) -> list[str]:
@@ -39,7 +39,19 @@ def rotary_nodes(proto) -> list[str]:
     return [
         n.name
         for n in proto.graph.node
-        if any(p.key == "namespace" and ROTARY_SCOPE in p.value for p in n.metadata_props)
+        if f"/{ROTARY_SCOPE}/" in n.name
+        or any(p.key == "namespace" and ROTARY_SCOPE in p.value for p in n.metadata_props)
+    ]
+
+
+def casts_to_fp32(proto) -> list[str]:
+    """Names of the ``Cast(to=FLOAT)`` nodes: a model's explicit upcast (an RMSNorm's ``x.to(float32)``, kept as a node
+    by the TorchScript tracer). The converter retypes their outputs to FP16 but leaves ``to=FLOAT``, which
+    ``onnx.checker`` then refuses; kept FP32, they do what the model asked."""
+    return [
+        n.name
+        for n in proto.graph.node
+        if n.op_type == "Cast" and any(a.name == "to" and a.i == 1 for a in n.attribute)
     ]
 
 
@@ -48,16 +60,17 @@ def convert_fp16(src: str | Path, out: str | Path) -> Path:
     float16 = require("onnxconverter_common.float16", "FP16 ONNX")
     proto = load_onnx(src)
     blocked = sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(KEEP_FP32))
-    rotary = rotary_nodes(proto)
+    rotary, upcasts = rotary_nodes(proto), casts_to_fp32(proto)
     try:
         with warnings.catch_warnings():  # one warning per weight below FP16's range: noise, not news
             warnings.simplefilter("ignore")
             half = float16.convert_float_to_float16(
-                proto, keep_io_types=True, op_block_list=blocked, node_block_list=rotary
+                proto, keep_io_types=True, op_block_list=blocked, node_block_list=sorted({*rotary, *upcasts})
             )
     except Exception as e:
         raise CorpError(f"FP16 conversion of {src} failed: {str(e).splitlines()[0]}") from None
-    kept = {"fp16_kept_fp32_ops": blocked} | ({"fp16_kept_fp32_nodes": f"{len(rotary)} rotary"} if rotary else {})
+    nodes = ", ".join(f"{len(n)} {what}" for n, what in ((rotary, "rotary"), (upcasts, "Cast to FP32")) if n)
+    kept = {"fp16_kept_fp32_ops": blocked} | ({"fp16_kept_fp32_nodes": nodes} if nodes else {})
     add_metadata(half, {"precision": "fp16", **kept})
     import onnx
 

@@ -186,30 +186,46 @@ def _record(src: Path, out: Path, verify: dict[str, Any], tol, windows, info, se
     return record | {"quantized_from": src.name, "source_sha256": onnx_sha256(src)}
 
 
-def quantize_int4_verified(
-    src: Path,
-    out: Path,
-    windows: np.ndarray,
-    tol: DecoderTolerance,
-    scheme: Scheme,
-    info: dict | None = None,
-    calibration: np.ndarray | None = None,
-    calibration_info: dict | None = None,
-) -> dict[str, Any]:
-    """Quantize ``src`` to ``out``, score it against ``src`` on ``windows``; return its record (also the sidecar).
+@dataclass(frozen=True)
+class Int4Gate:
+    """How an INT4 graph is made and gated: its ``scheme``, the held-out ``windows`` it is scored on against FP32
+    within ``tol`` (``info`` describes them in the record), and the ``calibration`` windows drawn apart from them
+    (GPTQ, ``keep_float``), described by ``calibration_info``."""
 
-    Raises one line (measured and allowed) when outside ``tol``; callers stage ``out`` so nothing is left.
+    windows: np.ndarray
+    tol: DecoderTolerance
+    scheme: Scheme
+    info: dict | None = None
+    calibration: np.ndarray | None = None
+    calibration_info: dict | None = None
+
+    @property
+    def calibrated(self) -> np.ndarray | None:
+        """The calibration windows where the scheme reads them, else None."""
+        return self.calibration if self.scheme.calibrated else None
+
+    def record(self, src: Path, out: Path, verify: dict[str, Any], seconds: float) -> dict[str, Any]:
+        """The sidecar record of ``out`` gated against ``src`` (``verify``: its figures), its calibration named."""
+        record = _record(src, out, verify, self.tol, self.windows, self.info, seconds)
+        if self.scheme.calibrated:
+            record["calibration"] = calibration_record(self.calibration, self.calibration_info)
+        return record
+
+
+def quantize_int4_verified(src: Path, out: Path, gate: Int4Gate) -> dict[str, Any]:
+    """Quantize ``src`` to ``out``, score it against ``src`` on the gate's windows; return its record (also the
+    sidecar).
+
+    Raises one line (measured and allowed) when outside the gate's tolerance; callers stage ``out`` so nothing is left.
     """
 
     start = time.perf_counter()
-    quantize_int4(src, out, scheme, calibration if scheme.calibrated else None)
+    quantize_int4(src, out, gate.scheme, gate.calibrated)
     seconds = time.perf_counter() - start
-    c = compare_decoders(src, out, windows)
-    if not c.within(tol):
-        raise CorpError(_refusal(out, src, {scheme.method: {"verify": c.as_dict()}}, tol, c.windows))
-    record = _record(src, out, c.as_dict(), tol, windows, info, seconds)
-    if scheme.calibrated:
-        record["calibration"] = calibration_record(calibration, calibration_info)
+    c = compare_decoders(src, out, gate.windows)
+    if not c.within(gate.tol):
+        raise CorpError(_refusal(out, src, {gate.scheme.method: {"verify": c.as_dict()}}, gate.tol, c.windows))
+    record = gate.record(src, out, c.as_dict(), seconds)
     write_sidecar(out, record)
     return record
 
@@ -280,24 +296,20 @@ def _why(chosen: str, outcomes: dict[str, dict], forced: bool) -> str:
 def int4_genai_folder(
     src: Path,
     out: Path,
-    windows: np.ndarray,
-    tol: DecoderTolerance,
-    scheme: Scheme,
-    info: dict | None = None,
-    calibration: np.ndarray | None = None,
-    calibration_info: dict | None = None,
+    gate: Int4Gate,
     candidates: Sequence[str] | None = None,
     source: BuilderInput | None = None,
     timer: Timer = decode_ms,
 ) -> dict[str, Any]:
     """``out`` (created; callers stage it): the onnxruntime-genai folder ``src`` with its decode step in INT4 by the
-    fastest of ``candidates`` (``recipes``; default: ``scheme`` alone) that passes ``tol`` against ``src``'s FP32
-    graph on ``windows``. Each candidate is built beside ``out`` and gated; when more than one passes, ``timer``
+    fastest of ``candidates`` (``recipes``; default: the gate's scheme alone) that passes the gate against ``src``'s
+    FP32 graph on its windows. Each candidate is built beside ``out`` and gated; when more than one passes, ``timer``
     times them all. A candidate that cannot be built (the builder without ``source``, or a model it does not take)
     is recorded as such, unless it was the only one asked for. The record (also the sidecar) holds the chosen
     graph's gate figures and ``int4_choice``: every candidate's figures and timing, the CPU, and why."""
     from corp_deploy.exporters.genai import GRAPH
 
+    windows, tol, scheme = gate.windows, gate.tol, gate.scheme
     names = tuple(candidates or (scheme.method,))
     outcomes: dict[str, dict[str, Any]] = {}
     folders = {name: out.parent / f".{out.name}.{name}" for name in names}
@@ -307,7 +319,7 @@ def int4_genai_folder(
             if name in RECIPES:
                 _builder_candidate(name, src, folder, scheme, source)
             else:
-                _project_candidate(src, folder, scheme, calibration)
+                _project_candidate(src, folder, scheme, gate.calibrated)
             seconds = time.perf_counter() - start
             c = compare_decoders(src / GRAPH, folder / GRAPH, windows)
         except CorpError as e:  # e.g. the builder without the model, or a graph onnxruntime cannot load
@@ -330,11 +342,9 @@ def int4_genai_folder(
         if name != chosen:
             shutil.rmtree(folder, ignore_errors=True)
     folders[chosen].rename(out)
-    record = _record(
-        src / GRAPH, out / GRAPH, outcomes[chosen]["verify"], tol, windows, info, outcomes[chosen]["seconds"]
-    )
-    if chosen not in RECIPES and scheme.calibrated:
-        record["calibration"] = calibration_record(calibration, calibration_info)
+    record = gate.record(src / GRAPH, out / GRAPH, outcomes[chosen]["verify"], outcomes[chosen]["seconds"])
+    if chosen in RECIPES:  # the builder reads no calibration windows
+        record.pop("calibration", None)
     record["int4_choice"] = {
         "chosen": chosen,
         "why": _why(chosen, outcomes, forced=candidates is not None and len(names) == 1),
@@ -443,12 +453,12 @@ def int4_graphs(
     records = []
     for i, (src, out) in enumerate(each("INT4", [(out.name, (src, out)) for src, out in pairs], say)):
         with staged(out, overwrite) as stage:
-            args = (src, stage / out.name, windows, tol, scheme, info, calibration, calibration_info)
+            gate = Int4Gate(windows, tol, scheme, info, calibration, calibration_info)
             if src.is_dir():
                 source = sources[i] if sources else None
-                records.append(int4_genai_folder(*args, candidates, source, timer))
+                records.append(int4_genai_folder(src, stage / out.name, gate, candidates, source, timer))
             else:
-                records.append(quantize_int4_verified(*args))
+                records.append(quantize_int4_verified(src, stage / out.name, gate))
     return records
 
 

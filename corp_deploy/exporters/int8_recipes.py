@@ -55,6 +55,7 @@ from corp_deploy.exporters.int8_quant import (
     compare_on,
     counted,
     float_graph,
+    head,
     int8_record,
     quantize_verified,
 )
@@ -67,10 +68,13 @@ TIME_BATCH = 32
 """The batch INT8 candidates are timed at (``--int8-batch-size``); a text graph's at its exported sequence length."""
 TIME_METHOD = Method(warmup_iters=2, warmup_seconds=0.2, min_iters=5, min_seconds=0.5, round_iters=1)
 TIME_REPEATS = 3
-TRIAL_METHOD = Method(warmup_iters=1, warmup_seconds=0.0, min_iters=3, min_seconds=0.0, round_iters=1)
-"""The race: one warm-up and three interleaved calls per candidate, at the batch the graphs are timed at (four calls
-where the full timing makes 21). Raced at batch 4 instead, deit_small's candidates came out in another order than
-at batch 32 (dynamic per tensor first, static 12% faster at 32: docs/BENCHMARKS.md, "Scale: time to artifact")."""
+TRIAL_METHOD = Method(warmup_iters=0, warmup_seconds=0.0, min_iters=3, min_seconds=0.0, round_iters=1)
+"""The race, and ``prune-export``'s speed table: three interleaved calls per graph at the batch the graphs are timed
+at, their median the p50, after one untimed call at batch 1 (``ort_timer``: the session's lazy set-up at a
+thirty-second of a call's cost; the first full-batch call's larger buffers are the one outlier the median drops).
+Three calls where the full timing makes 21 (``TIME_METHOD`` x ``TIME_REPEATS``: ``bench`` and the studies). Raced at
+batch 4 instead, deit_small's candidates came out in another order than at batch 32 (dynamic per tensor first,
+static 12% faster at 32: docs/BENCHMARKS.md, "Scale: time to artifact")."""
 TRIAL_REPEATS = 1
 BASELINE_WHAT = "onnxruntime.quantization.quantize_dynamic(dense.onnx, per_channel=True, weight_type=QInt8)"
 
@@ -249,11 +253,14 @@ Timer = Callable[[dict[str, Path], Feed], dict[str, float]]
 
 
 def ort_timer(threads: int | None = None, method: Method = TIME_METHOD, repeats: int = TIME_REPEATS) -> Timer:
-    """onnxruntime's CPU provider: every graph warmed up, then timed interleaved (``base.timing.interleaved``),
-    ``repeats`` times; each graph's p50 is the median over the repeats."""
+    """onnxruntime's CPU provider: every graph run once on one sample (untimed, cheap), warmed up as ``method``
+    says, then timed interleaved (``base.timing.interleaved``), ``repeats`` times; each graph's p50 is the median
+    over the repeats."""
 
     def time_graphs(graphs: dict[str, Path], feed: Feed) -> dict[str, float]:
         runners = {name: OrtRunner(path, "cpu", threads) for name, path in graphs.items()}
+        for runner in runners.values():
+            runner(head(feed, 1))
         steps = {name: _timed(runner, feed) for name, runner in runners.items()}
         runs = [interleaved(steps, method, warm_up=i == 0) for i in range(repeats)]
         return {name: float(np.median([np.median(r[name]) for r in runs]) * 1e3) for name in graphs}
@@ -475,13 +482,15 @@ def int8_speed(
 ) -> dict[str, Any]:
     """Time ``graphs`` (FP32, INT8 and the quantize-only baseline, by file) in one run and write into each INT8
     record (by its ``file``) its p50 and its speed against the baseline and the dense FP32 graph; returns the
-    timing. The summary's speed columns read it."""
+    timing. The summary's speed columns read it. Timed as the race is (``TRIAL_METHOD``: three calls a graph, where
+    the full method's 21 were 105 batch-32 calls of a deit_small run's five graphs); ``bench`` times with its own."""
     paths = {g.name: g for g in graphs}
     feed = timing_feed(load_onnx(graphs[0], weights=False), batch)
-    p50 = (timer or ort_timer())(paths, feed)
+    p50 = (timer or ort_timer(method=TRIAL_METHOD, repeats=TRIAL_REPEATS))(paths, feed)
     base, dense = p50.get(onnx_name(BASELINE, "int8")), p50.get(onnx_name("dense"))
     cpu = cpu_features()
     timing = {"shape": shape_of(feed), "runtime": "onnxruntime CPU", "graphs_p50_ms": p50, "cpu": cpu}
+    timing |= {"method": TRIAL_METHOD.as_dict(), "repeats": TRIAL_REPEATS, "interleaved": True}
     for r in records:
         if r["file"] in p50:
             ms = p50[r["file"]]

@@ -15,6 +15,8 @@ run folder and the bench loop read it from there.
 
 from __future__ import annotations
 
+import functools
+import gc
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +29,7 @@ from corp_deploy.base.env import module_versions
 from corp_deploy.base.fsio import staged
 from corp_deploy.exporters.compare import Feed, Tolerance, check, summary
 from corp_deploy.exporters.onnx_export import load_onnx
-from corp_deploy.exporters.targets import BenchSpec, Job, Target, register
+from corp_deploy.exporters.targets import BenchSpec, Job, Option, Target, register
 from corp_deploy.formats.precisions import FP32, INT8
 from corp_deploy.formats.run_folder import onnx_name, write_sidecar
 
@@ -37,6 +39,15 @@ register_package("nncf", "nncf", "openvino", "2.16")
 MODULES = ("openvino", "nncf")
 LOAD = "openvino.Core().compile_model({p}, 'CPU')"
 NNCF_WHAT = "nncf.quantize: static INT8, ModelType.TRANSFORMER, OpenVINO's own post-training quantization"
+MIXED = "mixed"
+PRESET = Option(
+    "--openvino-int8-preset",
+    "OpenVINO INT8 (NNCF): mixed (symmetric weights, asymmetric activations: NNCF's choice for transformers) or "
+    "performance (symmetric both: faster kernels on some CPUs, a larger error).",
+    MIXED,
+    type=(MIXED, "performance"),
+)
+"""The target's option group: NNCF's quantization preset."""
 
 
 def ir_name(stem: str, precision: str) -> str:
@@ -44,16 +55,27 @@ def ir_name(stem: str, precision: str) -> str:
     return f"{stem}.xml" if precision == FP32.name else f"{stem}.{precision}.xml"
 
 
+@functools.cache
+def core():
+    """The process's one ``openvino.Core``. Each Core's CPU plugin replaces the calling thread's alternate signal
+    stack (``sigaltstack``) with its own when it first compiles, and puts back the one it found when it is freed:
+    two Cores freed in the order they were made (not the reverse) leave the thread on the first one's stack, already
+    unmapped, and the next signal whose handler runs on that stack (every Python-level handler: CPython installs them
+    ``SA_ONSTACK``; torch's DataLoader handles SIGCHLD, so a later calibration with image workers; Ctrl-C) kills the
+    process with SIGSEGV (measured with openvino 2026.4.1: docs/USAGE.md, troubleshooting). One Core, never freed,
+    sets its stack once and never restores a stale one."""
+    return require("openvino", PURPOSE).Core()
+
+
 class OvRunner:
     """An IR on OpenVINO's CPU plugin, numpy in, FP32 numpy out; FP32 kept FP32 (``INFERENCE_PRECISION_HINT``
     f32), the threads and the performance hint set, so a timing is comparable with onnxruntime's."""
 
     def __init__(self, path: str | Path, threads: int | None = None, hint: str = "LATENCY"):
-        ov = require("openvino", PURPOSE)
         config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": hint}
         if threads:
             config["INFERENCE_NUM_THREADS"] = threads
-        self.compiled = ov.Core().compile_model(str(path), "CPU", config)
+        self.compiled = core().compile_model(str(path), "CPU", config)
         self.request = self.compiled.create_infer_request()
         self.input = self.compiled.inputs[0].get_any_name()
         self.name = "openvino-cpu"
@@ -82,24 +104,31 @@ def convert_verified(src: Path, out: Path, inputs, tol: Tolerance, batches) -> d
     return _record(src, out, FP32.name, seconds, reference, candidate, comparisons, tol) | {"converted_from": src.name}
 
 
-def quantize_verified(src: Path, out: Path, calibration: list[Feed], held_out, tol: Tolerance) -> dict[str, Any]:
-    """The FP32 IR ``src`` quantized by NNCF on ``calibration`` at ``out``, checked against ``src`` on
-    ``held_out`` (``int8_quant.compare_on``: one sample and all of them in one batch)."""
+def quantize_verified(
+    src: Path, out: Path, calibration: list[Feed], held_out, tol: Tolerance, preset: str = MIXED
+) -> dict[str, Any]:
+    """The FP32 IR ``src`` quantized by NNCF on ``calibration`` at ``out`` (``preset``: NNCF's activation scheme),
+    checked against ``src`` on ``held_out`` (``int8_quant.compare_on``: one sample and all of them in one batch)."""
     from corp_deploy.exporters.int8_quant import compare_on
 
     ov, nncf = require("openvino", PURPOSE), require("nncf", PURPOSE)
     start = time.perf_counter()
-    model = ov.Core().read_model(str(src))
+    model = core().read_model(str(src))
     name = model.inputs[0].get_any_name()
     dataset = nncf.Dataset(calibration, lambda feed: feed if isinstance(feed, dict) else {name: feed})
-    quantized = nncf.quantize(model, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration))
+    scheme = nncf.QuantizationPreset(preset)
+    quantized = nncf.quantize(
+        model, dataset, preset=scheme, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(calibration)
+    )
     ov.save_model(quantized, str(out), compress_to_fp16=False)
+    gc.collect()  # NNCF's engines (a Core each, see ``core``) freed now, newest first, while ours holds its stack
     seconds = time.perf_counter() - start
     reference, candidate = OvRunner(src), OvRunner(out)
     comparisons = compare_on(reference, candidate, held_out)
     check(comparisons, tol, f"INT8 OpenVINO IR {out.name} against {src.name} on held-out inputs")
     record = _record(src, out, INT8.name, seconds, reference, candidate, comparisons, tol)
-    return record | {"int8": NNCF_WHAT, "calibration_batches": len(calibration), "quantized_from": src.name}
+    what = {"int8": NNCF_WHAT, "preset": preset, "calibration_batches": len(calibration)}
+    return record | what | {"quantized_from": src.name}
 
 
 def _record(src: Path, out: Path, precision: str, seconds: float, reference, candidate, comparisons, tol) -> dict:
@@ -135,7 +164,8 @@ def write(job: Job) -> list[dict[str, Any]]:
         src, xml = job.out / ir_name(stem, FP32.name), job.out / ir_name(stem, INT8.name)
         calibration, held_out, _ = job.data(load_onnx(job.out / onnx_name(stem), weights=False))
         with staged(xml, overwrite=True) as stage:
-            record = quantize_verified(src, stage / xml.name, list(calibration), held_out, job.opts.int8)
+            preset = job.options.get(PRESET.name, MIXED)
+            record = quantize_verified(src, stage / xml.name, list(calibration), held_out, job.opts.int8, preset)
             write_sidecar(stage / xml.name, record)
         records.append(record)
     return records
@@ -168,6 +198,7 @@ register(
             ("*.bin", "the weights of the OpenVINO IR of the same name", ""),
         ),
         backends=tuple(BenchSpec(f"ov-cpu-{p}", "openvino", "cpu", p) for p in (FP32.name, INT8.name)),
+        options=(PRESET,),
         baseline=lambda root: (root / ir_name("dense", INT8.name), f"dense.int8.xml of the run folder ({NNCF_WHAT})"),
     )
 )

@@ -27,7 +27,6 @@ from torch import nn
 from corp_deploy.base.env import describe_cpu
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.fsio import atomic_file, staged
-from corp_deploy.base.steps import each
 from corp_deploy.base.tables import text_table
 from corp_deploy.exporters.compare import (
     FP16,
@@ -55,22 +54,19 @@ from corp_deploy.exporters.onnx_export import (
 )
 from corp_deploy.exporters.rewrites import rewritten
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner
-from corp_deploy.exporters.targets import Job, Target
+from corp_deploy.exporters.targets import ONNX, TENSORRT, Job, Target, load
 from corp_deploy.exporters.tensorrt_engine import (
     TEXT_ENGINES,
     VERIFIED,
     BuildOptions,
     TrtRunner,
     build_engine,
-    build_missing,
 )
 from corp_deploy.exporters.text_onnx import export_text_onnx, graph
 from corp_deploy.formats.run_folder import (
     BASELINE_GENAI,
     RECORD,
-    engine_name,
     genai_name,
-    onnx_name,
     read_sidecar,
     write_sidecar,
 )
@@ -235,77 +231,59 @@ def export_run(
     say: Callable[[str], None] = lambda line: None,
     targets: Sequence[Target] = (),
     data: Callable[[Any], Any] | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """ONNX for every model (FP16 and INT8 too when asked), then an engine per model and precision, unless
-    ``no_engines`` says why not (recorded as the skip reason).
+    """Every registered export target (``exporters.targets``) this run writes, in the registry's order: ONNX first
+    (FP16 and INT8 too when asked; the others convert from its verified FP32 graphs), those in ``targets`` and the
+    automatic ones (TensorRT engines per model and precision, unless ``no_engines`` says why not, recorded as the
+    skip reason). Each target's records go to its key of the record (``onnx``, ``engines``), else to
+    ``record["targets"][name]``; why it wrote nothing or less to ``<key>_skipped`` (``targets_skipped[name]``).
 
-    ``rewrites`` go into every model's graph alike (``export_verified``), so dense and pruned stay comparable.
-
-    ``models`` maps a stem (``dense``, ``pruned``) to (model, description). ``quantize`` turns
-    (FP32 graph, INT8 file) pairs into verified INT8 graphs (``corp_deploy.exporters.int8_recipes.quantize_graphs``
-    bound to calibration images); INT8 engines need it. Engines are skipped, with the reason
-    recorded, where no TensorRT flavour can build them, unless ``require_engines``.
+    ``models`` maps a stem (``dense``, ``pruned``) to (model, description). ``rewrites`` go into every model's graph
+    alike (``export_verified``), so dense and pruned stay comparable. ``quantize`` turns (FP32 graph, INT8 file)
+    pairs into verified INT8 graphs (``int8_recipes.quantize_graphs`` bound to calibration images); INT8 engines need
+    it. Engines are skipped, with the reason recorded, where no TensorRT flavour can build them, unless
+    ``require_engines``. ``data`` (graph -> its calibration and held-out inputs) is what a target's INT8 reads;
+    ``options`` each target's option group values, by target name.
 
     Every file is staged on its own into ``out`` (an existing folder), so a run that stops keeps each file that
     finished, whole; ``step`` wraps each phase (``corp_deploy.base.steps.Steps``: it announces, times, and turns a stop
     into one line); ``say`` gets a line as each model's export starts, with the time the rest should take
     (``corp_deploy.base.steps.each``: a decoder's graph is minutes of tracing).
-
-    ``targets`` (``exporters.targets``: OpenVINO...) each convert the verified FP32 graphs (and, with ``int8``, quantize
-    them on ``data``: graph -> its calibration and held-out inputs) after the ONNX files, recorded under
-    ``record["targets"][name]``.
     """
     if "int8" in precisions and quantize is None:
         raise CorpError("INT8 engines are built from INT8 Q/DQ graphs: quantize with calibration images first")
+    given = {
+        ONNX: {"opset": opset, "simplify": simplify, "rewrites": rewrites, "quantize": quantize},
+        TENSORRT: {"build": build, "require": require_engines, "skip": no_engines},
+    }
     record: dict[str, Any] = {"onnx": [], "engines": [], "engines_skipped": None}
-    with step(f"ONNX export and verification ({', '.join(models)})"):
-        for stem, (model, description) in each("ONNX export", [(s, (s, m)) for s, m in models.items()], say):
-            fp32 = out / onnx_name(stem)
-            with staged(fp32) as stage:
-                record["onnx"].append(
-                    export_verified(model, stage / fp32.name, description, opset, simplify, opts, rewrites)
-                )
-            if "fp16" in precisions:
-                with staged(out / onnx_name(stem, "fp16")) as stage:
-                    record["onnx"].append(convert_verified(fp32, stage / onnx_name(stem, "fp16"), opts))
-    if quantize is not None:
-        with step("INT8 quantization"):
-            record["onnx"] += quantize([(out / onnx_name(stem), out / onnx_name(stem, "int8")) for stem in models])
-    for target in targets:
-        with step(f"{target.name}: {target.what}"):
-            job = Job(out, tuple(models), tuple(precisions), opts, data)
-            record.setdefault("targets", {})[target.name] = target.write(job)
-    build = build or BuildOptions()
-    reason = no_engines or build_missing(build)
-    if reason:
-        if require_engines:
-            raise CorpError(f"--require-engines: cannot build TensorRT engines here: {reason}")
-        record["engines_skipped"] = reason
-        return record
-    if "int8" in precisions and (not_qdq := _not_qdq(out, models)):
-        precisions = tuple(p for p in precisions if p != "int8")
-        record["engines_skipped"] = (
-            f"int8: {not_qdq}; TensorRT builds INT8 from Q/DQ graphs only: `corp-deploy quantize {out} "
-            "--int8-recipe static` writes them, then `corp-deploy build-engine GRAPH --precision int8`"
-        )
-    with step("TensorRT engines"):
-        for precision in precisions:
-            for stem in models:
-                source = out / onnx_name(stem, precision)
-                options = replace(build, precision=precision)
-                engine = out / engine_name(stem, precision)
-                record["engines"].append({"file": engine.name, **engine_verified(source, engine, options, opts)})
+    named = {t.name for t in targets}
+    for target in load().values():
+        if target.name == ONNX or target.name in named or target.automatic:
+            values = {**given.get(target.name, {}), **(options or {}).get(target.name, {})}
+            job = Job(out, tuple(models), tuple(precisions), opts, data, values, say, models, step)
+            _write(target, job, record)
     return record
 
 
-def _not_qdq(out: Path, models: Mapping[str, Any]) -> str:
-    """Which INT8 graphs of ``out`` an engine cannot be built from (their recipe is not Q/DQ), and why; '' if none."""
-    recipes = {stem: read_metadata(load_onnx(out / f"{stem}.int8.onnx", weights=False)) for stem in models}
-    return ", ".join(
-        f"{stem}.int8.onnx is {meta.get('int8_recipe', {}).get('chosen', 'not Q/DQ')} (the fastest passing recipe)"
-        for stem, meta in recipes.items()
-        if meta.get("int8_scheme", {}).get("format") != "QDQ"
-    )
+def _write(target: Target, job: Job, record: dict[str, Any]) -> None:
+    """``target``'s files of ``job`` (announced as its step, unless it announces its own phases), its records and
+    any skip reason into ``record``."""
+    skipped: list[str] = []
+    job = replace(job, skip=skipped.append)
+    with nullcontext() if target.step is None else job.step(target.step or f"{target.name}: {target.what}"):
+        written = target.write(job)
+    if target.record is None:
+        record.setdefault("targets", {})[target.name] = written
+    elif target.by_file and written:
+        record[target.record] = {r.pop("file"): r for r in written}
+    elif written or target.record in record:
+        record[target.record] = record.get(target.record, []) + written
+    if skipped and target.record is None:
+        record.setdefault("targets_skipped", {})[target.name] = "; ".join(skipped)
+    elif skipped:
+        record[f"{target.record}_skipped"] = "; ".join(skipped)
 
 
 def write_export_record(

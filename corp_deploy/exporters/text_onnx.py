@@ -3,8 +3,14 @@
 The graph takes ``input_ids`` and ``attention_mask`` (int64, batch x sequence) and returns an encoder's
 ``last_hidden_state`` (pooling stays with the caller, as with sentence-transformers) or a causal LM's
 ``logits`` (the full-sequence forward, no key/value cache: scoring and prefill, not token-by-token decoding).
-The dynamo exporter keeps both axes symbolic (a pruned attention reshapes with -1, so no size is baked in);
-``verify_text_onnx`` runs onnxruntime at shapes other than the traced one, with padding, against PyTorch.
+Two exporters (``EXPORTERS``, the one used recorded in the graph as ``exporter``): a causal LM's logits graph is
+traced by TorchScript where it can (weights under 2 GB, opset up to 20); the dynamo exporter writes the rest: a 1.7B
+decoder's 6.8 GB as one ``.data`` file (the tracer writes a file per tensor), and encoders, whose INT8 fusion
+(``attention.fuse_attention``) matches dynamo's SDPA pattern. Both keep batch and sequence symbolic (a pruned
+attention reshapes with -1, so no size is baked in) and give the same graph within float rounding; the tracer took
+5.9 CPU s where dynamo took 19.7 (6 of SmolLM2-135M's 30 layers; ~3 CPU s a layer and graph, docs/BENCHMARKS.md
+"Scale: time to artifact"). ``verify_text_onnx`` runs onnxruntime at shapes other than the traced one, with padding,
+against PyTorch, and so does ``pipeline.export_verified`` for every graph it ships.
 """
 
 from __future__ import annotations
@@ -32,6 +38,12 @@ OUTPUT = "last_hidden_state"
 LOGITS = "logits"
 EXAMPLE = (2, 8)
 """Traced (batch, sequence): torch.export specialises sizes 0 and 1, which would pin an axis."""
+TRACER, DYNAMO = "torchscript", "dynamo"
+EXPORTERS = {
+    TRACER: "torch.onnx.export(dynamo=False): the TorchScript tracer",
+    DYNAMO: "torch.onnx.export(dynamo=True): torch.export and onnxscript's optimizer",
+}
+TRACER_MAX_OPSET = 20
 VERIFY_SHAPES = ((1, 5), (3, 19))
 
 
@@ -75,37 +87,55 @@ def example_inputs(vocab: int, batch: int, seq: int, seed: int = 0) -> tuple[Ten
     return ids, (torch.arange(seq)[None] < lengths[:, None]).long()
 
 
+def exporter_for(module: nn.Module, opset: int) -> str:
+    """``EXPORTERS``' key for ``module`` (``graph``'s): the tracer for a causal LM (seconds a decoder layer fewer)
+    unless its weights need external data or the opset is past the tracer's; dynamo for the rest."""
+    traced = isinstance(module, CausalLM) and opset <= TRACER_MAX_OPSET
+    return TRACER if traced and not external_weights(module) else DYNAMO
+
+
 def export_text_onnx(
     model: nn.Module, path: str | Path, opset: int = DEFAULT_OPSET, metadata: dict[str, Any] | None = None
 ) -> Path:
-    """Export ``model`` (moved to CPU, eval) to ``path`` and check it; weights of 2 GB and more go to ``path.data``
-    (``onnx_export.external_weights``: a 1.7B decoder's 6.8 GB), written by the exporter straight from the tensors,
-    the graph then rewritten alone with its metadata."""
+    """Export ``model`` (moved to CPU, eval) to ``path`` with ``exporter_for``'s exporter and check it; weights of 2 GB
+    and more go to ``path.data`` (``onnx_export.external_weights``: a 1.7B decoder's 6.8 GB), written by the exporter
+    straight from the tensors, the graph then rewritten alone with its metadata."""
     onnx = require("onnx", "ONNX export")
     module, output = graph(model)
-    external = external_weights(module)
-    batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    exporter, external = exporter_for(module, opset), external_weights(module)
+    example = example_inputs(model.config.vocab_size, *EXAMPLE)
     try:
         with _quiet():
-            program = torch.onnx.export(
-                module,
-                example_inputs(model.config.vocab_size, *EXAMPLE),
-                input_names=list(INPUTS),
-                output_names=[output],
-                opset_version=opset,
-                dynamic_shapes={name: {0: batch, 1: seq} for name in INPUTS},
-                dynamo=True,
-                external_data=external,
-                verbose=False,
-            )
+            if exporter == TRACER:
+                axes = {name: {0: "batch", 1: "sequence"} for name in (*INPUTS, output)}
+                torch.onnx.export(
+                    module,
+                    example,
+                    str(path),
+                    input_names=list(INPUTS),
+                    output_names=[output],
+                    opset_version=opset,
+                    dynamic_axes=axes,
+                    dynamo=False,
+                )
+            else:
+                batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
+                program = torch.onnx.export(
+                    module,
+                    example,
+                    input_names=list(INPUTS),
+                    output_names=[output],
+                    opset_version=opset,
+                    dynamic_shapes={name: {0: batch, 1: seq} for name in INPUTS},
+                    dynamo=True,
+                    external_data=external,
+                    verbose=False,
+                )
+                program.save(str(path), external_data=external)  # weights in f"{path.name}.data", one file
     except Exception as e:
         raise CorpError(f"ONNX export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    if external:
-        program.save(str(path), external_data=True)  # the weights in f"{path.name}.data", as onnx_files expects
-        proto = load_onnx(path, weights=False)
-    else:
-        proto = program.model_proto
-    add_metadata(proto, metadata or {})
+    proto = load_onnx(path, weights=False)
+    add_metadata(proto, {**(metadata or {}), "exporter": EXPORTERS[exporter]})
     onnx.save(proto, str(path))  # external tensors keep their references: only the graph is rewritten
     check_onnx(path)
     return Path(path)

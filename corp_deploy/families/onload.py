@@ -70,14 +70,12 @@ class Onloader:
         names = {id(m): n for n, m in model.named_modules()}
         self.blocks = list(adapter_for(model).blocks(model))
         self.prefixes = [names[id(b)] + "." for b in self.blocks]
-        self.files = _key_files(Path(folder))
         self.store: tempfile.TemporaryDirectory | None = None
         self.pruned: dict[int, Path] = {}
         self.tied = set(getattr(model, "all_tied_weights_keys", None) or {})
         """Parameters ``tie_weights`` makes (a decoder's head, the embedding's), absent from the checkpoint."""
-        missing = [n for n, _ in model.named_parameters() if n not in self.files and n not in self.tied]
-        if missing:
-            raise KeyError(f"not in the checkpoint: {missing[:3]}")
+        self.files = _key_files(Path(folder))
+        self.keys = _checkpoint_names(model, self.tied, self.files)
 
     def start(self) -> Onloader:
         """Read everything outside the blocks, tie the embeddings where the config ties them, and register."""
@@ -94,12 +92,12 @@ class Onloader:
     def _read(self, names: list[str]) -> dict[str, Tensor]:
         by_file: dict[Path, list[str]] = {}
         for n in names:
-            by_file.setdefault(self.files[n], []).append(n)
+            by_file.setdefault(self.files[self.keys[n]], []).append(n)
         out = {}
-        for path, keys in by_file.items():
+        for path, found in by_file.items():
             with safe_open(str(path), "pt", device="cpu") as f:
-                for k in keys:
-                    out[k] = f.get_tensor(k).to(self.device, self.dtype)
+                for n in found:
+                    out[n] = f.get_tensor(self.keys[n]).to(self.device, self.dtype)
         return out
 
     def to(self, device: torch.device) -> None:
@@ -178,6 +176,19 @@ def restore(model: nn.Module) -> None:
     onloader = of(model)
     if onloader is not None:
         onloader.restore()
+
+
+def _checkpoint_names(model: nn.Module, tied: set[str], files: dict[str, Path]) -> dict[str, str]:
+    """Parameter name -> its name in the checkpoint: the same, or with the base model's prefix added (a head
+    model's checkpoint read into the base model: a config without ``architectures``) or taken away (the reverse),
+    as ``from_pretrained`` reads them. KeyError when no way names every parameter."""
+    names = [n for n, _ in model.named_parameters() if n not in tied]
+    base = getattr(model, "base_model_prefix", "") + "."
+    for add, strip in (("", ""), (base, ""), ("", base)):
+        keys = {n: add + n.removeprefix(strip) for n in names}
+        if all(k in files for k in keys.values()):
+            return keys
+    raise KeyError(f"not in the checkpoint: {[n for n in names if n not in files][:3]}")
 
 
 def _key_files(folder: Path) -> dict[str, Path]:

@@ -207,26 +207,13 @@ KINDS = (
         "the pruned model: model.safetensors + corp.json (its prune report)",
         "corp_deploy.load_pruned({p})",
     ),
-    (
-        f"*{GENAI_SUFFIX}{INT4_SUFFIX}/",
-        "onnxruntime-genai folder, INT4 weights (MatMulNBits)",
-        "onnxruntime_genai.Model({p})",
-    ),
-    (f"*{GENAI_SUFFIX}/", "onnxruntime-genai folder (FP32 decode-step graph)", "onnxruntime_genai.Model({p})"),
-    (
-        "*.plan",
-        "TensorRT engine (its .json: the build and its check)",
-        "corp-deploy bench <this folder> (TensorRT's runtime)",
-    ),
-    ("*.int8.onnx", "INT8 ONNX graph (its .json: the recipe and the gate)", "onnxruntime.InferenceSession({p})"),
-    ("*.fp16.onnx", "FP16 ONNX graph, FP32 inputs and outputs", "onnxruntime.InferenceSession({p})"),
-    ("*.onnx", "FP32 ONNX graph (its .json: how it was verified)", "onnxruntime.InferenceSession({p})"),
     (RECORD, "the run's record: every file's checks, sizes, versions", "json.load(open({p}))"),
     ("eval.json", "accuracy evaluations, oldest first (corp-deploy eval)", "json.load(open({p}))"),
     ("bench.json", "a benchmark record (corp-deploy bench --json)", "json.load(open({p}))"),
     (README, "this file", ""),
 )
-"""A run folder's entries by name pattern (first match): what each is and how to load it."""
+"""A run folder's entries by name pattern (first match) beside its export targets' files (``exporters.targets``:
+each target lists its own): what each is and how to load it."""
 
 
 def describe_entry(name: str, kinds: Sequence[tuple[str, str, str]] = ()) -> tuple[str, str]:

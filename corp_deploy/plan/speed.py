@@ -27,7 +27,7 @@ from torch import nn
 
 from corp_deploy.base.env import module_versions
 from corp_deploy.base.errors import CorpError
-from corp_deploy.base.timing import Method, Step, interleaved
+from corp_deploy.base.timing import Method, Step, Workload, interleaved
 from corp_deploy.base.version import __version__
 from corp_deploy.families import Adapter, adapter_for
 from corp_deploy.formats.text import check_seq_len
@@ -61,16 +61,8 @@ class Meter(Protocol):
         ``libraries`` (module names whose versions the key records) and ``rewrites``."""
         ...
 
-    def loaded(
-        self,
-        models: dict[str, nn.Module],
-        batch: int,
-        threads: int,
-        rewrites: Sequence[str] | None = None,
-        seq_len: int | None = None,
-    ) -> AbstractContextManager[dict[str, Step]]:
-        """A timed step per model at ``batch`` (x ``seq_len`` tokens for a text encoder), with ``rewrites`` (None:
-        the runtime's own) applied as the deployed model would have them."""
+    def loaded(self, models: dict[str, nn.Module], workload: Workload) -> AbstractContextManager[dict[str, Step]]:
+        """A timed step per model on ``workload`` (its batch, threads, rewrites and a text encoder's tokens)."""
         ...
 
 
@@ -177,7 +169,9 @@ def time_models(
 ) -> dict[str, list[float]]:
     """Seconds per forward of every model at ``batch`` on ``meter``, all interleaved in one loop."""
     check_inputs(next(iter(models.values())), seq_len)
-    with meter.loaded(models, batch, threads, rewrites, seq_len) as steps:
+    with meter.loaded(
+        models, Workload(batch, threads, None if rewrites is None else tuple(rewrites), seq_len)
+    ) as steps:
         return interleaved(steps, method)
 
 
@@ -197,7 +191,7 @@ def time_against(
     measured minutes apart do not (a grid of 14 deit_small models at batch 32 takes minutes).
     """
     check_inputs(models[reference], seq_len)
-    with meter.loaded(models, batch, threads, None, seq_len) as steps:
+    with meter.loaded(models, Workload(batch, threads, None, seq_len)) as steps:
         ratios, ref = {}, []
         for name in steps:
             if name != reference:

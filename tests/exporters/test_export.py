@@ -12,7 +12,7 @@ from helpers import pruned_copy, tf32_state, tiny_llama, tiny_vit
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.core.config import PruneConfig
-from corp_deploy.exporters import onnx_export
+from corp_deploy.exporters import onnx_export, text_onnx
 from corp_deploy.exporters.compare import FP16, FP32, Tolerance, check, compare, image_inputs, random_inputs, verify
 from corp_deploy.exporters.fp16 import KEEP_FP32, convert_fp16
 from corp_deploy.exporters.int8_quant import compare_on
@@ -37,6 +37,7 @@ from corp_deploy.exporters.tensorrt_engine import (
     sidecar,
     source_record,
 )
+from corp_deploy.exporters.text_onnx import example_inputs, export_text_onnx, verify_text_onnx
 from corp_deploy.formats.sources import describe
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
@@ -87,7 +88,29 @@ def test_a_decoder_over_the_protobuf_limit_keeps_its_weights_in_external_data(tm
     weights = sum(p.numel() * 4 for p in model.parameters())
     assert (tmp_path / "dense.onnx.data").stat().st_size >= 0.9 * weights  # all but the smallest tensors
     assert record["bytes"] == onnx_bytes(path) and record["verify"]["cosine"] > FP32.min_cosine
-    assert read_metadata(load_onnx(path, weights=False))["precision"] == "fp32"
+    meta = read_metadata(load_onnx(path, weights=False))
+    assert meta["precision"] == "fp32" and meta["exporter"] == text_onnx.EXPORTERS["dynamo"]  # one .data file
+
+
+def test_a_text_graph_under_2_gb_is_traced_and_gives_the_dynamo_graphs_logits(tmp_path, monkeypatch) -> None:
+    """Issue 49: the dynamo export of SmolLM2-135M's logits graph took ~3 CPU s a layer (two graphs, 30 layers: most
+    of 640 s); the TorchScript tracer takes a third of that. A pruned Llama (MLP and V at per-layer widths: -1
+    reshapes, transformers' masks) traced and exported by dynamo gives the same logits at untraced shapes with
+    padding, and the graph says which exporter wrote it."""
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(1))
+    batches = [({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 0)]
+    model, _ = pruned_copy(tiny_llama(), PruneConfig(sparsity=0.5, target="mlp,v", round_to=2), batches)
+    traced = export_text_onnx(model, tmp_path / "traced.onnx")
+    monkeypatch.setattr(text_onnx, "TRACER_MAX_OPSET", 0)  # the dynamo exporter, as past the tracer's opsets
+    dynamo = export_text_onnx(model, tmp_path / "dynamo.onnx")
+    exporters = [read_metadata(load_onnx(g, weights=False))["exporter"] for g in (traced, dynamo)]
+    assert exporters == [text_onnx.EXPORTERS["torchscript"], text_onnx.EXPORTERS["dynamo"]]
+    for ids, mask in (example_inputs(100, 1, 5, seed=3), example_inputs(100, 3, 19, seed=4)):
+        feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+        real = mask.numpy().astype(bool)
+        logits = [OrtRunner(g, "cpu")(feed)[real] for g in (traced, dynamo)]
+        assert compare(logits[1], logits[0]).within(FP32)
+    assert verify_text_onnx(model, traced, shapes=((1, 5), (3, 19), (4, 33))) < 1e-5
 
 
 def test_the_onnx_export_step_says_which_model_it_is_on_and_how_long_the_rest_takes(tmp_path) -> None:

@@ -53,6 +53,10 @@ def decoder(tmp_path_factory) -> tuple[Path, Path, Path]:
     return folder, text, graph
 
 
+DOWN_PROJ = "/model/model/layers.0/mlp/down_proj/MatMul"
+"""The first layer's down_proj in the traced logits graph (``text_onnx``'s TorchScript tracer names nodes by module)."""
+
+
 def _windows(n: int = 4, seed: int = 3) -> np.ndarray:
     return np.random.default_rng(seed).integers(4, 300, (n, SEQ))
 
@@ -224,7 +228,7 @@ def test_gptq_reads_calibration_windows_and_a_failing_gate_still_writes_nothing(
     windows, calibration = _windows(), _windows(4, seed=5)
     out = tmp_path / "g" / "dense.int4.onnx"
     out.parent.mkdir()
-    scheme = Scheme(block_size=16, method="gptq", keep_nodes=("node_linear_6",), int8_outliers_db=None)  # named
+    scheme = Scheme(block_size=16, method="gptq", keep_nodes=(DOWN_PROJ,), int8_outliers_db=None)  # named
     with pytest.raises(CorpError, match="fails its gate"):
         int4_graphs([(graph, out)], windows, DecoderTolerance(10.0, 1.01), scheme, None, False, calibration)
     assert not any(out.parent.iterdir())
@@ -234,8 +238,8 @@ def test_gptq_reads_calibration_windows_and_a_failing_gate_still_writes_nothing(
         next(a.i for a in n.attribute if a.name == "bits") for n in proto.graph.node if n.op_type == "MatMulNBits"
     )
     assert bits == [4] * 13 + [8]  # onnxruntime's GPTQ ignores nodes_to_exclude: the head and the named one held back
-    assert next(n for n in proto.graph.node if n.name == "node_linear_6").op_type == "MatMul"
-    assert record["int4_kept_float"] == [{"node": "node_linear_6", "reason": "named by the caller"}]
+    assert next(n for n in proto.graph.node if n.name == DOWN_PROJ).op_type == "MatMul"
+    assert record["int4_kept_float"] == [{"node": DOWN_PROJ, "reason": "named by the caller"}]
     assert not [n for n in proto.graph.node if n.op_type == "Identity" and n.name.endswith(".kept_float")]
     assert record["int4_scheme"]["method"] == "gptq" and record["int4_scheme"]["symmetric"] is True
     assert record["calibration"]["windows"] == 4 and record["calibration"]["seq_len"] == SEQ
@@ -343,7 +347,7 @@ def test_the_default_quantizes_the_one_matmul_off_a_q4_1_grid_with_error_feedbac
     proto = onnx.load(str(graph))
     weights = {n.input[1]: n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name in weight_names(graph)}
     for t in proto.graph.initializer:
-        if t.name in weights and weights[t.name] != "node_linear_6":
+        if t.name in weights and weights[t.name] != DOWN_PROJ:
             w = onnx.numpy_helper.to_array(t)
             b = w.reshape(-1, 16, w.shape[1])
             low, step = b.min(1, keepdims=True), np.ptp(b, axis=1, keepdims=True) / 15
@@ -356,26 +360,26 @@ def test_the_default_quantizes_the_one_matmul_off_a_q4_1_grid_with_error_feedbac
     assert record["int4_scheme"]["method"] == "minmax" and record["int4_scheme"]["error_feedback"]
     assert record["int4_int8"] == [] and record["int4_kept_float"] == [] and record["int4_matmuls"] == 14
     (feedback,) = record["int4_error_feedback"]
-    assert feedback["node"] == "node_linear_6" and "with error feedback" in feedback["reason"]
-    assert record["int4_worst_sqnr_db"][0][0] == "node_linear_6" and record["int4_worst_sqnr_db"][0][1] < 30
+    assert feedback["node"] == DOWN_PROJ and "with error feedback" in feedback["reason"]
+    assert record["int4_worst_sqnr_db"][0][0] == DOWN_PROJ and record["int4_worst_sqnr_db"][0][1] < 30
     assert record["int4_median_sqnr_db"] > 60 and record["verify"]["agreement"] > 0.9
     int4 = onnx.load(str(out))
     nodes, constants = {n.name: n for n in int4.graph.node}, _constants(int4)
-    assert "node_linear_6.offsets" not in nodes and f"node_linear_6{MINS}" not in constants  # the zero point holds it
-    grid = error_feedback_grids(load_onnx(gridded), {"node_linear_6"}, _calibration(), 16)["node_linear_6"]
-    assert np.allclose(dequantize(nodes["node_linear_6_Q4"], constants), grid_weight(*grid, 16), rtol=0, atol=1e-6)
+    assert f"{DOWN_PROJ}.offsets" not in nodes and f"{DOWN_PROJ}{MINS}" not in constants  # the zero point holds it
+    grid = error_feedback_grids(load_onnx(gridded), {DOWN_PROJ}, _calibration(), 16)[DOWN_PROJ]
+    assert np.allclose(dequantize(nodes[f"{DOWN_PROJ}_Q4"], constants), grid_weight(*grid, 16), rtol=0, atol=1e-6)
     node = onnx.NodeProto()
-    node.CopyFrom(nodes["node_linear_6_Q4"])
+    node.CopyFrom(nodes[f"{DOWN_PROJ}_Q4"])
     next(a for a in node.attribute if a.name == "accuracy_level").i = 0  # float activations: the weight alone
     x = np.random.default_rng(0).standard_normal((5, grid[0].shape[0])).astype(np.float32)
     assert np.allclose(_kernel_output(int4, node, x), x @ grid_weight(*grid, 16), rtol=1e-4, atol=1e-4)
     record = int4_graphs(
         [(gridded, eight)], _windows(), tol, Scheme(16, error_feedback=False), None, False, _calibration()
     )[0]
-    assert [r["node"] for r in record["int4_int8"]] == ["node_linear_6"] and record["int4_error_feedback"] == []
+    assert [r["node"] for r in record["int4_int8"]] == [DOWN_PROJ] and record["int4_error_feedback"] == []
     assert "below" in record["int4_int8"][0]["reason"] and record["int4_matmuls"] == 13
     nodes = {n.name: n for n in onnx.load(str(eight)).graph.node}
-    assert next(a.i for a in nodes["node_linear_6_Q8"].attribute if a.name == "bits") == 8
+    assert next(a.i for a in nodes[f"{DOWN_PROJ}_Q8"].attribute if a.name == "bits") == 8
 
 
 @pytest.mark.e2e

@@ -17,6 +17,7 @@ from corp_deploy.base.errors import CorpError
 from corp_deploy.bench import gate
 from corp_deploy.bench.report import format_table
 from corp_deploy.core.config import PruneConfig
+from corp_deploy.exporters import int8_recipes
 from corp_deploy.exporters.compare import FP32, INT8, Tolerance
 from corp_deploy.exporters.int8_quant import compare_on
 from corp_deploy.exporters.int8_recipes import (
@@ -25,6 +26,7 @@ from corp_deploy.exporters.int8_recipes import (
     Recipe,
     choose_int8,
     fused_graph,
+    int8_speed,
     parse_recipes,
     quantize_graphs,
 )
@@ -169,6 +171,38 @@ def test_the_choice_races_once_and_gates_only_until_one_passes(vits, tmp_path) -
     progress = [line for line in lines if "INT8 candidate" in line]
     assert len(progress) == 5 and progress[0].startswith("  INT8 candidate 1/5: static (")
     assert "s left)" in progress[-1]
+
+
+class CountingRunner(OrtRunner):
+    """onnxruntime's CPU runner that counts its calls by batch size, per graph file."""
+
+    calls: dict[tuple[Path, int], int] = {}
+
+    def __init__(self, path: Path, *args) -> None:
+        super().__init__(path, *args)
+        self.path = Path(path)
+
+    def __call__(self, feed):
+        key = (self.path, len(feed))
+        CountingRunner.calls[key] = CountingRunner.calls.get(key, 0) + 1
+        return super().__call__(feed)
+
+
+def test_the_race_and_the_speed_table_make_three_calls_a_graph_at_the_timing_batch(vits, tmp_path, monkeypatch):
+    """Issue 49: a deit_small run's INT8 step was batch-32 calls (1.3 s each, quiet): 4 a candidate in the race and 21
+    a graph in the speed table (5 graphs). Now three a graph in both, after one untimed call of one sample."""
+    monkeypatch.setattr(int8_recipes, "OrtRunner", CountingRunner)
+    monkeypatch.setattr(CountingRunner, "calls", {})
+    src = _copy(vits["pruned"], tmp_path)
+    choose_int8(src, tmp_path / "pruned.int8.onnx", _job(), ("dynamic", "dynamic-per-tensor"), 32)
+    raced = {name: n for (name, batch), n in CountingRunner.calls.items() if batch == 32}
+    assert list(raced.values()) == [3] * 4 and all(CountingRunner.calls[name, 1] >= 1 for name in raced)
+    monkeypatch.setattr(CountingRunner, "calls", {})
+    records = [{"file": "pruned.int8.onnx"}]
+    timing = int8_speed([src, tmp_path / "pruned.int8.onnx"], records, 32, say=lambda line: None)
+    timed = {path.name: n for (path, batch), n in CountingRunner.calls.items() if batch == 32}
+    assert timed == {"pruned.onnx": 3, "pruned.int8.onnx": 3}
+    assert timing["method"]["min_iters"] == 3 and records[0]["speed"]["p50_ms"] > 0
 
 
 def test_a_rescuing_recipe_is_written_only_where_the_one_it_rescues_missed(vits, tmp_path, monkeypatch) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -231,7 +232,8 @@ def test_a_qwen2_with_no_eos_anywhere_keeps_its_prune_and_onnx(tmp_path, capsys)
     assert "dense-genai" not in whole(out)
     for stem in ("dense", "pruned"):
         record = read_metadata(load_onnx(out / f"{stem}.fp16.onnx", weights=False))
-        assert record["precision"] == "fp16" and record["fp16_kept_fp32_nodes"] == "6 rotary", record
+        kept = record["fp16_kept_fp32_nodes"]  # the TorchScript tracer names its rotary nodes and keeps the upcasts
+        assert record["precision"] == "fp16" and re.fullmatch(r"[1-9]\d* rotary, 9 Cast to FP32", kept), record
     assert f"to finish: corp-deploy export {tmp_path / 'tiny-qwen2'} " in line and f"--out {out}/dense-genai" in line
 
 
