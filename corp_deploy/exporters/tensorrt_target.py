@@ -3,7 +3,7 @@ ONNX graph, checked against onnxruntime on that graph where this machine can run
 (``pipeline.engine_verified``: nothing claims a verification that did not run). Automatic: built wherever a flavour
 can build them, named in ``--targets`` or not; the reason recorded (``engines_skipped``) where none can.
 
-Its option group is the engine builder's (``--batch`` ... ``--compute-capability``); its bench backends are
+Its option group is the engine builder's (``--batch-range`` ... ``--compute-capability``); its bench backends are
 ``tensorrt-fp32``, ``tensorrt-fp16`` and ``tensorrt-int8`` on the GPU.
 """
 
