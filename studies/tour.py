@@ -364,10 +364,10 @@ def main() -> None:
     chosen = steps(a.out)
     lines: list[str] = []
     for step in chosen:
-        if str(a.out / "tiny-llama") in step.argv or step.finding.startswith("9"):
-            tiny_llama(a.out / "smollm2", a.out / "tiny-llama")
         if a.only and not any(step.finding.startswith(o) for o in a.only.split(",")):
             continue
+        if str(a.out / "tiny-llama") in step.argv or step.finding.startswith("9"):
+            tiny_llama(a.out / "smollm2", a.out / "tiny-llama")
         block = run_step(step)
         print("\n".join(block), flush=True)
         lines += block
