@@ -3,6 +3,7 @@ The builders themselves live in ``helpers`` (test modules import it; nothing imp
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,20 @@ import pytest
 import torch
 from helpers import tf32_state
 from PIL import Image
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each process that runs tests gets its share of the cores: ``make test``'s two workers on two cores get one
+    thread each. torch's default (every core, in each worker) put four threads on two cores, and a tiny model's many
+    small ops mostly waited for the other worker (a 40-step recovery of the tiny ViT took 6-13 s at two threads and
+    0.6-0.8 s at one on the loaded 2-core machine). Processes the tests start inherit the count through
+    ``OMP_NUM_THREADS``; a count the caller set is kept."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None and config.getoption("numprocesses", None):
+        return  # xdist's controller: it runs no test, and its workers inherit its environment
+    threads = max(1, len(os.sched_getaffinity(0)) // (worker["workercount"] if worker else 1))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture
@@ -73,6 +88,29 @@ def _torchlib_registry_once():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ONNXRegistry, "from_torchlib", classmethod(from_torchlib))
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _onnxruntime_threads():
+    """onnxruntime sessions get the worker's share of the cores too (``pytest_configure``), unless the caller set a
+    count: onnxruntime ignores ``OMP_NUM_THREADS`` and spins one thread per core in every session by default, in each
+    worker. Sessions made by the library, onnxruntime's quantizers and the tests alike (the class's constructor)."""
+    try:
+        import onnxruntime
+    except ImportError:  # nothing here runs a graph
+        yield
+        return
+    init, threads = onnxruntime.InferenceSession.__init__, torch.get_num_threads()
+
+    def shared(self, path_or_bytes, sess_options=None, *args, **kwargs):
+        options = sess_options or onnxruntime.SessionOptions()
+        if not options.intra_op_num_threads:
+            options.intra_op_num_threads = threads
+        init(self, path_or_bytes, options, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(onnxruntime.InferenceSession, "__init__", shared)
         yield
 
 
