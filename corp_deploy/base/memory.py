@@ -29,6 +29,13 @@ RUNTIME = 750 * 2**20
 (2026-12-02, torch 2.14, transformers 5.24). Every plan holds it."""
 
 
+EXPORT_COPIES = 2.0
+"""An export's peak beside the interpreter, in multiples of the larger model's float32 weights (the dense one's): the
+model held (``exporters.pipeline.OneAtATime``: one at a time) and what an exporter holds beside it (onnxruntime's
+session of the graph it verifies, genai's builder reading its own copy). Judgement from the 1.7B-wide 2-layer runs
+(measured peak RSS against this prediction in docs/BENCHMARKS.md "Scale")."""
+
+
 def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
@@ -125,3 +132,10 @@ class Plan:
             "runtime_gib": RUNTIME / GIB,
             **parts,
         }
+
+
+def export_plan(weights: int, available: int | None) -> Plan:
+    """The peak of exporting a model of ``weights`` bytes of float32 weights and its pruned copy (never larger), one
+    at a time (``EXPORT_COPIES``). The save before it holds the pruned model alone: less, and ``hub.load``'s check of
+    the dense weights bounds it."""
+    return Plan({"model": weights, "exporters": round((EXPORT_COPIES - 1) * weights)}, available)

@@ -32,7 +32,7 @@ from corp_deploy.base.fsio import check_writable, staged
 from corp_deploy.base.steps import each
 from corp_deploy.base.tables import text_table
 from corp_deploy.base.timing import Method, interleaved
-from corp_deploy.exporters.int4_gate import INT4, DecoderTolerance, compare_decoders, gate_words
+from corp_deploy.exporters.int4_gate import INT4, DecoderTolerance, compare_decoders, gate_words, scores
 from corp_deploy.exporters.int4_quant import (
     QUANTIZED_OP,
     Scheme,
@@ -79,8 +79,9 @@ AUTO = "auto"
 """``--int4-method auto``: every builder recipe and the project's scheme, the fastest passing one chosen."""
 Timer = Callable[[dict[str, Path]], dict[str, float]]
 """Genai folders by name -> decode ms/token by name."""
-BuilderInput = tuple[Any, Sequence[Path]]
-"""What the builder reads: the model (written as its prune artifact) and its tokenizer files."""
+BuilderInput = tuple[Callable[[], Any], Sequence[Path]]
+"""What the builder reads: the model (written as its prune artifact), read by the callable only when a builder recipe
+runs (a decoder's run holds one model at a time: ``pipeline.OneAtATime``), and its tokenizer files."""
 
 
 def recipes(method: str, scheme: Scheme) -> tuple[str, ...]:
@@ -254,7 +255,8 @@ def _builder_candidate(recipe: str, src: Path, folder: Path, scheme: Scheme, sou
 
     if source is None:
         raise CorpError("the builder reads the model, which this command does not hold (prune-export does)")
-    model, tokenizer = source
+    read, tokenizer = source
+    model = read()
     meta = read_metadata(load_onnx(src / GRAPH, weights=False))
     meta = {k: v for k, v in meta.items() if k != "kv_cache"} | {"precision": "int4"}
     folder.mkdir(parents=True)
@@ -313,6 +315,7 @@ def int4_genai_folder(
     names = tuple(candidates or (scheme.method,))
     outcomes: dict[str, dict[str, Any]] = {}
     folders = {name: out.parent / f".{out.name}.{name}" for name in names}
+    reference = scores(src / GRAPH, windows)  # once for every candidate
     for name, folder in folders.items():
         start = time.perf_counter()
         try:
@@ -321,7 +324,7 @@ def int4_genai_folder(
             else:
                 _project_candidate(src, folder, scheme, gate.calibrated)
             seconds = time.perf_counter() - start
-            c = compare_decoders(src / GRAPH, folder / GRAPH, windows)
+            c = compare_decoders(reference, folder / GRAPH, windows)
         except CorpError as e:  # e.g. the builder without the model, or a graph onnxruntime cannot load
             if len(names) == 1:
                 raise

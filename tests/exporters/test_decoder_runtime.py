@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
 
+from corp_deploy.base import memory  # noqa: E402
 from corp_deploy.core.config import PruneConfig  # noqa: E402
 from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.exporters.genai import write_genai_folder  # noqa: E402
@@ -386,3 +387,32 @@ def test_prune_export_on_a_decoder_needs_genai_before_pruning(llama_folder, tmp_
         "error: a decoder's onnxruntime-genai folder needs onnxruntime-genai (pip install 'corp-deploy[genai]')"
     ]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.e2e
+def test_prune_export_of_a_decoder_holds_one_model_at_a_time(llama_folder, tmp_path, capsys, monkeypatch) -> None:
+    """Each graph and genai folder is written while the other model's weights are let go (on the meta device): the
+    1.7B shape's dense and pruned float32 weights together would be 11.8 GB beside the exporters' own copies."""
+    pytest.importorskip("onnxruntime_genai", reason="genai folders need onnxruntime-genai (pip install '.[genai]')")
+    from corp_deploy.exporters import genai, pipeline
+
+    seen: list[tuple[str, torch.nn.Module]] = []
+
+    def spying(real, what):
+        def spy(model, *args, **kwargs):
+            resident = [m for _, m in seen if m is not model and any(not p.is_meta for p in m.parameters())]
+            assert not resident, f"{what}: another model is resident"
+            seen.append((what, model))
+            return real(model, *args, **kwargs)
+
+        return spy
+
+    monkeypatch.setattr(pipeline, "export_verified", spying(pipeline.export_verified, "onnx"))
+    monkeypatch.setattr(genai, "write_genai_folder", spying(genai.write_genai_folder, "genai"))
+    argv = ["prune-export", str(llama_folder), "--calib", "synthetic", "--seq-len", "16", "--precision", "fp32"]
+    code, _, stderr = run([*argv, "--verify-batch-sizes", "1,2", "--quiet", "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, stderr
+    assert [what for what, _ in seen] == ["onnx", "onnx", "genai", "genai"]  # dense, pruned; each read again
+    memory_ = json.loads((tmp_path / "run" / "export.json").read_text())["memory"]  # predicted beside measured
+    assert memory_["plan"]["model_gib"] * memory.GIB == memory.safetensors_bytes(llama_folder, itemsize=4)
+    assert memory_["plan"]["peak_gib"] > memory_["plan"]["model_gib"] and memory_["host_rss_mib"] > 0
