@@ -80,6 +80,7 @@ def build(shape: str, root: Path, layers: int | None = None) -> Path:
     )
     config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 2
     config.tie_word_embeddings = False
+    config.architectures = ["LlamaForCausalLM"]  # as a real checkpoint names it: loaded with its head
     config.dtype = dtype
     folder = root / (shape if layers is None else f"{shape}-{layers}l")
     folder.mkdir(parents=True, exist_ok=True)

@@ -138,15 +138,13 @@ def steps(out: Path) -> list[Step]:
         "--sensitivity-images",
         "4",
         "--speedup",
-        "3",
+        "1.5",
         "--latency-on",
         "ort-cpu-fp32",
     ]
     speed += [
         "--latency-batch-size",
         "1",
-        "--target",
-        "mlp",
         "--latency-rounds",
         "1",
         "--precision",

@@ -9,7 +9,7 @@ from typing import Any
 from corp_deploy.base.errors import CorpError
 from corp_deploy.cli.options import ONNX_EXPORT, needs
 from corp_deploy.exporters.genai import NEW_TOKENS
-from corp_deploy.families import decoders, get
+from corp_deploy.families import decoders, for_model_type, get
 from corp_deploy.families.hf.adapter import max_positions
 from corp_deploy.families.hf.hub import HUB_PREFIX
 from corp_deploy.formats.artifact import META_FILE, read_meta
@@ -44,7 +44,10 @@ def decoder_folder(source: str) -> Path:
     if (path / "config.json").is_file():
         if not is_decoder(source):
             kind = model_type(source) or "transformers"
-            raise CorpError(f"{source} is a {kind} model: --out must be a .onnx file ({folder_is()})")
+            family = for_model_type(kind)
+            head = " without a language-model head (its config.json names no ...ForCausalLM architecture)"
+            head = head if family is not None and family.genai_type else ""
+            raise CorpError(f"{source} is a {kind} model{head}: --out must be a .onnx file ({folder_is()})")
         return path
     raise CorpError(
         f"{source} is neither a prune artifact (no {META_FILE}) nor a transformers folder (no config.json); "

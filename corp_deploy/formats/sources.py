@@ -107,15 +107,25 @@ def text_model(source: str | Path) -> tuple[nn.Module, Any]:
     return hub.load(str(source))
 
 
+def _config(source: str) -> dict:
+    """A local folder's config.json ({} when it has none or it is unreadable)."""
+    try:
+        config = json.loads(Path(source, "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def model_type(source: str) -> str | None:
     """The ``model_type`` in a local folder's config.json (None when it has none or it is unreadable)."""
-    try:
-        return json.loads(Path(source, "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
+    return _config(source).get("model_type")
 
 
 def is_decoder(source: str) -> bool:
-    """Whether a prune MODEL (a local transformers folder) is a decoder with a genai decode graph."""
-    family = for_model_type(model_type(source))
-    return family is not None and family.genai_type is not None
+    """Whether a prune MODEL (a local transformers folder) is a decoder with a genai decode graph: a family that
+    decodes, loaded with its language-model head. ``hub.load`` builds the class ``architectures`` names first, the
+    base model (``LlamaModel``: hidden states, nothing to generate with) where it names none."""
+    config = _config(source)
+    family = for_model_type(config.get("model_type"))
+    head = (config.get("architectures") or [""])[0].endswith("ForCausalLM")
+    return family is not None and family.genai_type is not None and head

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -332,6 +333,7 @@ BAD = {
     ),
     "a vit artifact": ("{vit}", [], "is a timm-vit prune artifact: --out must be a .onnx file"),
     "an encoder folder": ("{bert}", [], "is a bert model: --out must be a .onnx file"),
+    "a decoder folder without its head": ("{headless}", [], "is a llama model without a language-model head"),
     "a foreign folder": ("{foreign}", [], "is neither a prune artifact (no corp.json) nor a transformers folder"),
     "a prompt longer than the positions": (
         "{llama}",
@@ -364,6 +366,7 @@ def test_bad_decoder_export_input_is_one_line_and_writes_nothing(case, llama_fol
         ),
         "bert": tiny_text_folder(tmp_path) if case == "an encoder folder" else None,
         "foreign": (tmp_path / "foreign").mkdir() or tmp_path / "foreign",
+        "headless": _headless(llama_folder, tmp_path / "headless"),
     }
     out = tmp_path / ("out.onnx" if case == "decode-graph for a .onnx" else "out")
     capsys.readouterr()  # what building the folders printed
@@ -371,6 +374,16 @@ def test_bad_decoder_export_input_is_one_line_and_writes_nothing(case, llama_fol
     lines = stderr.strip().splitlines()
     assert code == 1 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], stderr
     assert "Traceback" not in stderr and not out.exists()
+
+
+def _headless(folder: Path, to: Path) -> Path:
+    """``folder`` with no ``architectures`` in its config: ``hub.load`` builds the base ``LlamaModel`` (hidden states,
+    no head to generate with), as it did for the scale study's folders before they named their class."""
+    shutil.copytree(folder, to)
+    config = json.loads((to / "config.json").read_text())
+    del config["architectures"]
+    (to / "config.json").write_text(json.dumps(config))
+    return to
 
 
 def _never(*args, **kwargs):
