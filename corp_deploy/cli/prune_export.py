@@ -295,9 +295,9 @@ def _models(
     run: Pruned, source: str, artifact: Path, seq_len: int, pad_qk: bool
 ) -> Mapping[str, tuple[nn.Module, dict[str, Any]]]:
     """Stem -> (model, description), what the exports read. A ``transformers`` source's are held one at a time
-    (``OneAtATime``): the dense model read from ``source`` when its turn comes (or the one a recovery kept, first),
-    the pruned one as the prune left it, then read again from its saved ``artifact``. A timm model's are both held:
-    small (88 MB for a ViT-S), and its dense copy has no file to be read again from."""
+    (``OneAtATime``): the pruned one as the prune left it until another is read, then read again from its saved
+    ``artifact``; the dense one read from ``source`` when its turn comes (a recovery's copy let go now). A timm
+    model's are both held: small (88 MB for a ViT-S), and its dense copy has no file to be read again from."""
 
     def dense(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
         return model, sources.describe(model, run.name, run.args, run.weights, seq_len)
@@ -307,17 +307,10 @@ def _models(
 
     if not hub.is_source(source):
         return {"dense": dense(run.dense), "pruned": pruned(run.result.model)}
-    held = {"dense": run.dense, "pruned": run.result.model}  # each used once, then let go
-    again = {"dense": lambda: hub.load(source)[0], "pruned": lambda: load_pruned(artifact)}
-
-    def reader(stem: str, describe: Callable[[nn.Module], tuple[nn.Module, dict[str, Any]]]):
-        def read() -> tuple[nn.Module, dict[str, Any]]:
-            model = held.pop(stem, None)
-            return describe(again[stem]() if model is None else model)
-
-        return read
-
-    return OneAtATime({"dense": reader("dense", dense), "pruned": reader("pruned", pruned)})
+    if run.dense is not None:
+        run.dense.to("meta")
+    readers = {"dense": lambda: dense(hub.load(source)[0]), "pruned": lambda: pruned(load_pruned(artifact))}
+    return OneAtATime(readers, held=("pruned", pruned(run.result.model)))
 
 
 def _model(models: Mapping[str, tuple[nn.Module, dict[str, Any]]], stem: str) -> nn.Module:

@@ -223,9 +223,14 @@ class OneAtATime(Mapping[str, tuple[nn.Module, dict[str, Any]]]):
     ``export_run``'s models, for a decoder of a ``transformers`` folder (a timm model stays a plain dict: both are
     small, and the dense one has no file to be read again from)."""
 
-    def __init__(self, readers: Mapping[str, Callable[[], tuple[nn.Module, dict[str, Any]]]]) -> None:
+    def __init__(
+        self,
+        readers: Mapping[str, Callable[[], tuple[nn.Module, dict[str, Any]]]],
+        held: tuple[str, tuple[nn.Module, dict[str, Any]]] | None = None,
+    ) -> None:
+        """``held``: (stem, (model, description)) already in memory (the prune's result), freed as any other."""
         self._readers = dict(readers)
-        self._held: tuple[str, tuple[nn.Module, dict[str, Any]]] | None = None
+        self._held = held
 
     def __getitem__(self, stem: str) -> tuple[nn.Module, dict[str, Any]]:
         if self._held is not None and self._held[0] == stem:
