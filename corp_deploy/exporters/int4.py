@@ -77,6 +77,10 @@ RECIPES = {
 DEFAULT_SCHEME = Scheme()
 AUTO = "auto"
 """``--int4-method auto``: every builder recipe and the project's scheme, the fastest passing one chosen."""
+AUTO_MAX_BYTES = 2**31
+"""FP32 decode-step graphs from this size on (external data: the 1.7B shape's 6.8 GB) get the project's scheme alone
+under ``auto``: each builder recipe reads the model and rebuilds it through genai's builder (a model's copy and minutes
+each at that size), and the gate runs every candidate on every window; ``--int4-method`` still names any one."""
 Timer = Callable[[dict[str, Path]], dict[str, float]]
 """Genai folders by name -> decode ms/token by name."""
 BuilderInput = tuple[Callable[[], Any], Sequence[Path]]
@@ -312,7 +316,13 @@ def int4_genai_folder(
     from corp_deploy.exporters.genai import GRAPH
 
     windows, tol, scheme = gate.windows, gate.tol, gate.scheme
-    names = tuple(candidates or (scheme.method,))
+    names, narrowed = tuple(candidates or (scheme.method,)), None
+    if len(names) > 1 and (size := onnx_bytes(src / GRAPH)) >= AUTO_MAX_BYTES:
+        names = (scheme.method,)
+        narrowed = (
+            f"the project's scheme alone: {size / 2**30:.1f} GiB of FP32 graph is over auto's "
+            f"{AUTO_MAX_BYTES / 2**30:.0f} GiB (each builder recipe rebuilds the model; --int4-method names one)"
+        )
     outcomes: dict[str, dict[str, Any]] = {}
     folders = {name: out.parent / f".{out.name}.{name}" for name in names}
     reference = scores(src / GRAPH, windows)  # once for every candidate
@@ -350,7 +360,7 @@ def int4_genai_folder(
         record.pop("calibration", None)
     record["int4_choice"] = {
         "chosen": chosen,
-        "why": _why(chosen, outcomes, forced=candidates is not None and len(names) == 1),
+        "why": narrowed or _why(chosen, outcomes, forced=candidates is not None and len(names) == 1),
         "candidates": list(outcomes.values()),
         "timing": {"batch": 1, "prompt": TIMING_PROMPT, "runtime": "onnxruntime-genai CPU", **TIMING.as_dict()}
         if timed

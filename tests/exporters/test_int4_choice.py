@@ -147,6 +147,18 @@ def test_the_fp32_graph_is_scored_once_for_every_candidate_and_never_beside_one(
     }
 
 
+def test_auto_on_a_graph_over_its_size_bound_tries_the_projects_scheme_alone_and_says_why(
+    fused, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(int4, "AUTO_MAX_BYTES", 1)  # the tiny graph stands for the 1.7B shape's 6.8 GB
+    timer = FakeTimer(dict.fromkeys(ALL, 1.0))
+    record = _choose(fused, tmp_path / "dense-genai-int4", LOOSE, timer)
+    choice = record["int4_choice"]
+    assert [c["recipe"] for c in choice["candidates"]] == ["minmax"] and timer.asked == []
+    assert choice["chosen"] == "minmax" and choice["why"].startswith("the project's scheme alone: ")
+    assert "over auto's 0 GiB" in choice["why"] and "--int4-method" in choice["why"]
+
+
 def test_every_candidate_failing_is_one_line_that_names_each_and_writes_nothing(fused, tmp_path) -> None:
     out = tmp_path / "run" / "dense-genai-int4"
     with pytest.raises(CorpError, match="fails its gate") as e:
