@@ -29,11 +29,12 @@ RUNTIME = 750 * 2**20
 (2026-12-02, torch 2.14, transformers 5.24). Every plan holds it."""
 
 
-EXPORT_COPIES = 2.0
+EXPORT_COPIES = {"fp32": 4.8, "int4": 7.8}
 """An export's peak beside the interpreter, in multiples of the larger model's float32 weights (the dense one's): the
-model held (``exporters.pipeline.OneAtATime``: one at a time) and what an exporter holds beside it (onnxruntime's
-session of the graph it verifies, genai's builder reading its own copy). Judgement from the 1.7B-wide 2-layer runs
-(measured peak RSS against this prediction in docs/BENCHMARKS.md "Scale")."""
+model held (``exporters.pipeline.OneAtATime``: one at a time) and what the exporters hold beside it (the tracer's
+proto, onnxruntime's session of the graph it verifies, genai's builder reading its own copy; with INT4, the builder's
+recipes and the quantizer). Measured peak RSS of the 1.7B-wide shape cut to 2 layers (1.25 GiB of weights), 2026-12-02,
+docs/BENCHMARKS.md "Scale": 6.76 GiB in the ONNX step, 10.5 GiB in the INT4 step."""
 
 
 def gib(n: float) -> str:
@@ -134,8 +135,9 @@ class Plan:
         }
 
 
-def export_plan(weights: int, available: int | None) -> Plan:
+def export_plan(weights: int, available: int | None, int4: bool = False) -> Plan:
     """The peak of exporting a model of ``weights`` bytes of float32 weights and its pruned copy (never larger), one
-    at a time (``EXPORT_COPIES``). The save before it holds the pruned model alone: less, and ``hub.load``'s check of
-    the dense weights bounds it."""
-    return Plan({"model": weights, "exporters": round((EXPORT_COPIES - 1) * weights)}, available)
+    at a time (``EXPORT_COPIES``; ``int4``: with INT4 folders). The save before it holds the pruned model alone:
+    less, and ``hub.load``'s check of the dense weights bounds it."""
+    copies = EXPORT_COPIES["int4" if int4 else "fp32"]
+    return Plan({"model": weights, "exporters": round((copies - 1) * weights)}, available)

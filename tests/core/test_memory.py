@@ -87,9 +87,11 @@ def test_calibration_stops_after_the_last_block_with_statistics() -> None:
 
 
 def test_the_export_plan_counts_one_model_and_the_exporters_copies() -> None:
+    copies = memory.EXPORT_COPIES["fp32"]
     plan = memory.export_plan(4 * memory.GIB, 100 * memory.GIB)
-    assert plan.parts == {"model": 4 * memory.GIB, "exporters": round((memory.EXPORT_COPIES - 1) * 4 * memory.GIB)}
-    assert plan.peak == memory.RUNTIME + memory.EXPORT_COPIES * 4 * memory.GIB and plan.fits()
+    assert plan.parts == {"model": 4 * memory.GIB, "exporters": round((copies - 1) * 4 * memory.GIB)}
+    assert plan.peak == memory.RUNTIME + round(copies * 4 * memory.GIB) and plan.fits()
+    assert memory.export_plan(4 * memory.GIB, 100 * memory.GIB, int4=True).peak > plan.peak  # INT4's recipes too
     assert not memory.export_plan(4 * memory.GIB, 4 * memory.GIB).fits()
 
 
@@ -102,7 +104,7 @@ def test_a_prune_export_whose_exports_cannot_fit_is_refused_in_one_line_before_l
     weights = memory.safetensors_bytes(folder, itemsize=4)
     monkeypatch.setenv(memory.ENV, str((memory.RUNTIME + 2 * weights) / memory.HEADROOM / memory.GIB))
     assert memory.Plan({"weights": weights}, memory.available()).fits()  # hub.load's check: the prune could run
-    monkeypatch.setattr(memory, "EXPORT_COPIES", 3.0)
+    monkeypatch.setitem(memory.EXPORT_COPIES, "fp32", 3.0)
     monkeypatch.setattr("corp_deploy.families.hf.hub.load", _never)
     out = tmp_path / "run"
     capsys.readouterr()

@@ -72,9 +72,10 @@ class FakeTimer:
         return {name: self.ms[name] for name in folders}
 
 
-def _choose(fused, out: Path, tol: DecoderTolerance, timer: FakeTimer, candidates=ALL):
+def _choose(fused, out: Path, tol: DecoderTolerance, timer: FakeTimer, candidates=ALL, say=lambda line: None):
     genai, source = fused
-    return int4_graphs([(genai, out)], _windows(), tol, SCHEME, None, False, None, None, candidates, [source], timer)[0]
+    pair, windows = [(genai, out)], _windows()
+    return int4_graphs(pair, windows, tol, SCHEME, None, False, None, None, candidates, [source], timer, say)[0]
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -140,8 +141,11 @@ def test_the_fp32_graph_is_scored_once_for_every_candidate_and_never_beside_one(
 
     monkeypatch.setattr(int4_gate, "scores", counting)
     monkeypatch.setattr(int4, "scores", counting)
-    record = _choose(fused, tmp_path / "dense-genai-int4", LOOSE, FakeTimer(dict.fromkeys(ALL, 1.0)))
+    lines: list[str] = []
+    record = _choose(fused, tmp_path / "dense-genai-int4", LOOSE, FakeTimer(dict.fromkeys(ALL, 1.0)), say=lines.append)
     assert scored.count("dense-genai") == 1 and len(scored) == 1 + len(ALL)
+    said = [line.split(" (")[0].strip() for line in lines]  # each candidate announced as it starts (minutes at 1.7B)
+    assert said == ["INT4 1/1: dense-genai-int4", *(f"candidate {i}/{len(ALL)}: {n}" for i, n in enumerate(ALL, 1))]
     assert {c["verify"]["reference_ppl"] for c in record["int4_choice"]["candidates"]} == {
         record["verify"]["reference_ppl"]
     }
