@@ -273,7 +273,10 @@ def prune_export(
     for stem, genai_record in genai_records.items():
         click.echo(genai.summary(genai_record, genai_name(stem), None))  # random-token prompts
     write_readme(run_dir, record, summary, command_line(), export_targets.file_kinds())
-    click.echo(f"wrote {out}/ ({', '.join(written(run_dir))}; each graph and engine with its .json record): {README}")
+    click.echo(
+        f"wrote {out}/ ({', '.join(written(run_dir))}; each graph and engine with its .json record); "
+        f"what each file is: {run_dir / README}"
+    )
     say_folder(run_dir / ARTIFACT)
     click.echo(steps.wall_time(time.perf_counter() - started, {"prune (model, data, tables, recovery)": prune_seconds}))
 

@@ -189,7 +189,8 @@ def test_quantize_a_run_folder_then_bench_and_eval_its_int8_graphs(tmp_path, cap
     code, out, _ = run(argv, capsys)
     assert code == 0
     on_disk = written(run_dir)  # issue 50, item 10: the closing line lists what is on the disk, engines or none
-    assert f"wrote {run_dir}/ ({', '.join(on_disk)}; each graph and engine with its .json record)" in out
+    listed = f"wrote {run_dir}/ ({', '.join(on_disk)}; each graph and engine with its .json record)"
+    assert f"{listed}; what each file is: {run_dir / 'README.md'}\n" in out
     assert {"README.md", "export.json", "dense.onnx", "pruned.onnx", "pruned/"} <= set(on_disk)
     readme = (run_dir / "README.md").read_text()
     assert "Made by `corp-deploy prune-export deit_tiny " in readme and "parameters" in readme

@@ -199,3 +199,40 @@ def test_a_full_disk_under_the_store_is_one_line(tmp_path: Path, monkeypatch) ->
     model, _ = hub.load(str(FOLDERS["llama"](tmp_path)), onload=True)
     with pytest.raises(api.CorpError, match=r"^could not keep pruned block 0 in .*No space left.*TMPDIR"):
         api.prune(model, token_batches(n=2), PruneConfig(sparsity=0.5, target="mlp"), "cpu", progress=False)
+
+
+def _hub_cache(root: Path, folder: Path, monkeypatch) -> str:
+    """``folder`` as the hub cache holds ``org/tiny`` (``models--org--tiny/snapshots/REV``), with no network: what
+    ``hf:org/tiny`` reads on a machine that downloaded it once."""
+    import shutil
+    import socket
+
+    def unresolved(*_args, **_kwargs):
+        raise socket.gaierror("Name or service not known")
+
+    repo, revision = root / "models--org--tiny", "0" * 40
+    shutil.copytree(folder, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(socket, "getaddrinfo", unresolved)
+    return "hf:org/tiny"
+
+
+def test_a_hub_name_is_onloaded_from_its_snapshot_and_refused_by_size_before_loading(tmp_path: Path, monkeypatch):
+    """``hf:NAME`` is onloaded as its folder is (one block at a time, the same artifact) and its float32 size is
+    checked before a weight is read: a model the machine cannot hold is one line, not the kernel's kill."""
+    folder = FOLDERS["llama"](tmp_path)
+    name = _hub_cache(tmp_path / "hub", folder, monkeypatch)
+    model, _ = hub.load(name, onload=True)
+    assert onload.of(model) is not None and all(p.is_meta for p in adapter_for(model).blocks(model)[0].parameters())
+    config = PruneConfig(sparsity=0.5, target="mlp,v", round_to=2)
+    api.save(api.prune(model, token_batches(n=12), config, "cpu", progress=False), tmp_path / "hub-run", "tiny")
+    local = _pruned(folder, "llama", True, tmp_path / "local")
+    assert all(torch.equal(t, local[k]) for k, t in load_file(tmp_path / "hub-run" / "model.safetensors").items())
+    monkeypatch.setattr(memory, "available", lambda *args: 1024)
+    monkeypatch.setattr(hub, "_onloaded", lambda *args: pytest.fail("the model was built before the size check"))
+    with pytest.raises(api.CorpError, match="this run needs about .* of host memory") as info:
+        hub.load(name, onload=True)
+    assert "\n" not in str(info.value)

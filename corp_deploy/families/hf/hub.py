@@ -62,22 +62,23 @@ def load(source: str, onload: bool = False) -> tuple[nn.Module, Any]:
     Always float32, whatever the checkpoint holds (OPT's are float16): calibration, the fold and perplexity run
     as for ViTs, and a float16 model on a CPU would be slow and lose precision; exports make FP16 themselves.
 
-    ``onload``: a local folder of safetensors is built with its blocks' weights left on disk (``families.onload``:
-    one block is read at a time by the prune's walk); a checkpoint whose names the model does not take as they are
-    (``hf:NAME``, renamed keys, ``.bin`` files) loads whole, as without it. The refusal is the same either way: the
-    pruned model is read whole after the walk (for its report, its save and its export), and the dense model's
-    float32 weights bound it."""
+    ``onload``: a folder of safetensors (a local one, or an ``hf:NAME``'s snapshot in the hub cache) is built with
+    its blocks' weights left on disk (``families.onload``: one block is read at a time by the prune's walk); a
+    checkpoint whose names the model does not take as they are (renamed keys, ``.bin`` files) loads whole, as without
+    it. The refusal is the same either way, before any weight is read: the pruned model is read whole after the walk
+    (for its report, its save and its export), and the dense model's float32 weights bound it."""
     transformers = transformers_module("pruning a transformers model")
     transformers.utils.logging.disable_progress_bar()  # corp-deploy prints its own progress
     where, offline = source.removeprefix(HUB_PREFIX), _offline(source)
     try:
         config = transformers.AutoConfig.from_pretrained(where, **offline)
         cls = architecture(transformers, config)
-        if Path(where).is_dir():  # before loading: float32 weights the machine cannot hold are refused in one line
-            memory.Plan({"weights": memory.safetensors_bytes(where, itemsize=4)}, memory.available(), "host").check(
+        folder = _snapshot(source, offline)
+        if folder is not None:  # before loading: float32 weights the machine cannot hold are refused in one line
+            memory.Plan({"weights": memory.safetensors_bytes(folder, itemsize=4)}, memory.available(), "host").check(
                 "corp-deploy holds the weights in float32 on the host: run on a machine with more memory"
             )
-        model = _onloaded(cls, config, where) if onload and Path(where).is_dir() else None
+        model = _onloaded(cls, config, folder) if onload and folder is not None else None
         if model is None:
             model = cls.from_pretrained(where, attn_implementation="sdpa", dtype=torch.float32, **offline)
     except SafetensorError as e:  # a truncated or corrupt weights file: not the hub's, the folder's
@@ -94,6 +95,18 @@ def load(source: str, onload: bool = False) -> tuple[nn.Module, Any]:
         raise CorpError(f"cannot load the transformers model {source} ({first_line(e)})") from None
     text = adapter_for(model).modality == "text"
     return model.eval(), load_tokenizer(source, model.config.vocab_size) if text else None
+
+
+def _snapshot(source: str, offline: dict[str, bool]) -> str | None:
+    """The local folder of ``source``'s safetensors: the folder itself, or an ``hf:NAME``'s snapshot in the hub
+    cache, its json and safetensors files fetched first as ``from_pretrained`` would fetch them (so that its size is
+    checked and its blocks onloaded like a folder's); None when it has no safetensors (``.bin`` weights load whole)."""
+    if source.startswith(HUB_PREFIX):
+        from huggingface_hub import snapshot_download
+
+        name = source.removeprefix(HUB_PREFIX)
+        source = snapshot_download(name, allow_patterns=["*.json", "*.safetensors"], **offline)
+    return source if Path(source).is_dir() and any(Path(source).glob("*.safetensors")) else None
 
 
 def _onloaded(cls: type, config: Any, folder: str) -> nn.Module | None:
