@@ -413,14 +413,16 @@ def test_prune_export_of_a_decoder_holds_one_model_at_a_time(llama_folder, tmp_p
 
     written: list[str] = []
 
+    def llamas() -> list[torch.nn.Module]:
+        gc.collect()
+        return [m for m in gc.get_objects() if isinstance(m, transformers.LlamaForCausalLM)]
+
+    others = llamas()  # other tests' (module fixtures in this process): not the command's
+
     def spying(real, what):
         def spy(model, *args, **kwargs):
-            gc.collect()
-            resident = [
-                m
-                for m in gc.get_objects()
-                if isinstance(m, transformers.LlamaForCausalLM) and any(not p.is_meta for p in m.parameters())
-            ]
+            made = [m for m in llamas() if not any(m is o for o in others)]
+            resident = [m for m in made if any(not p.is_meta for p in m.parameters())]
             assert resident == [model], f"{what}: {len(resident)} models resident"
             written.append(what)
             return real(model, *args, **kwargs)
