@@ -433,3 +433,17 @@ def test_a_stand_in_whose_real_graph_differs_is_raced_again_with_the_candidates_
     raced = ["dynamic-per-tensor", "dynamic-per-tensor (fused)", "odd", "static"]
     assert timer.timed == [raced, raced]  # the real graph of odd, raced with every candidate left
     assert record["int8_recipe"]["chosen"] == "odd"
+
+
+def test_the_pick_study_times_every_raced_candidate_beside_the_pick(vits, tmp_path) -> None:
+    """``studies.int8_pick``: the race's pick and every candidate it raced, written for real, gated and timed
+    exhaustively in one process; the pick's ratio to the fastest passing one (no speed asserted: tiny graphs)."""
+    from studies import int8_pick
+
+    result = int8_pick.study(_copy(vits["pruned"], tmp_path), "synthetic", 16, 8, batch=4, repeats=1)
+    rows = {r["candidate"]: r for r in result["rows"]}
+    assert set(rows) == {"static", "dynamic", "dynamic (fused)", "dynamic-per-tensor", "dynamic-per-tensor (fused)"}
+    assert all(r["race_p50_ms"] > 0 and r["exhaustive_p50_ms"] > 0 for r in rows.values())
+    assert rows[result["pick"]]["passes"] and rows[result["exhaustive_choice"]]["passes"]
+    assert result["ratio"] == rows[result["pick"]]["exhaustive_p50_ms"] / result["exhaustive_p50_ms"] >= 1.0
+    assert "ratio" in int8_pick.markdown([result], {"date": "d", "cpu": "c", "method": {}, "repeats": 1})
