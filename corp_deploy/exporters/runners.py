@@ -91,7 +91,6 @@ class OrtRunner:
 
     def __init__(self, path: str | Path, device: str = "auto", threads: int | None = None):
         ort = require("onnxruntime", ORT_PURPOSE)
-        load_onnx(path, weights=False)  # one-line errors for missing or non-ONNX files
         providers, self.why = ort_providers(device)
         options = ort.SessionOptions()
         options.log_severity_level = 3  # onnxruntime's warnings are about its own fallbacks
@@ -103,6 +102,7 @@ class OrtRunner:
             chosen = [(p, PROVIDER_OPTIONS.get(p, {})) for p in providers]
             self.session = ort.InferenceSession(str(path), options, providers=chosen)
         except Exception as e:
+            load_onnx(path, weights=False)  # a missing or non-ONNX file's own line (parsed only here: seconds a graph)
             raise CorpError(f"onnxruntime cannot load {path}: {str(e).splitlines()[0]}") from None
         self.provider = self.session.get_providers()[0]
         self.input = self.session.get_inputs()[0].name
