@@ -189,21 +189,30 @@ def _genai_tokens(og: Any, genai_model: Any, prompt: list[int], new_tokens: int)
     return [int(t) for t in generator.get_sequence(0)][len(prompt) :]
 
 
+def genai_model(folder: Path) -> Any:
+    """``onnxruntime_genai.Model`` of ``folder``, once for its checks: each load builds an onnxruntime session over
+    the whole graph (seconds for SmolLM2-135M's 520 MB)."""
+    og = require("onnxruntime_genai", "a decoder's genai folder")
+    try:
+        return og.Model(str(folder))
+    except RuntimeError as e:
+        raise CorpError(f"onnxruntime-genai cannot run {folder.name}: {first_line(e)}") from None
+
+
 def verify_genai(
-    folder: Path, model: nn.Module, prompt_ids: list[list[int]] | None = None, new_tokens: int = NEW_TOKENS
+    folder: Path, loaded: Any, model: nn.Module, prompt_ids: list[list[int]] | None = None, new_tokens: int = NEW_TOKENS
 ) -> dict[str, Any]:
     """Greedy generation in onnxruntime-genai from ``prompt_ids`` (default: ``prompts``) against ``generate``;
     fails unless every token matches. Both suppress EOS until ``new_tokens`` are out (``min_length`` /
-    ``min_new_tokens``), so every prompt checks ``new_tokens`` tokens."""
+    ``min_new_tokens``), so every prompt checks ``new_tokens`` tokens. ``loaded`` is ``genai_model(folder)``."""
     og = require("onnxruntime_genai", "a decoder's genai folder")
     config = model.config
     special = {t for t in (config.bos_token_id, config.eos_token_id, config.pad_token_id) if t is not None}
     try:
-        genai_model = og.Model(str(folder))
         checks = []
         for prompt in prompt_ids or prompts(config.vocab_size, special):
             got, want = (
-                _genai_tokens(og, genai_model, prompt, new_tokens),
+                _genai_tokens(og, loaded, prompt, new_tokens),
                 _transformers_tokens(model, prompt, new_tokens),
             )
             checks.append({"prompt": prompt, "tokens": want, "genai_equal": got == want})
@@ -218,15 +227,16 @@ def verify_genai(
     return {"runtime": f"onnxruntime-genai {og.__version__}", "new_tokens": new_tokens, "prompts": checks}
 
 
-def check_tokenizer(folder: Path) -> dict[str, Any] | None:
-    """Whether genai tokenizes ``TOKENIZER_SAMPLE`` as ``transformers`` does; None without tokenizer files."""
+def check_tokenizer(folder: Path, loaded: Any) -> dict[str, Any] | None:
+    """Whether genai tokenizes ``TOKENIZER_SAMPLE`` as ``transformers`` does; None without tokenizer files.
+    ``loaded`` is ``genai_model(folder)``."""
     if not (folder / "tokenizer.json").is_file():
         return None
     og = require("onnxruntime_genai", "a decoder's genai folder")
     transformers = require("transformers", "a decoder's genai folder")
     want = transformers.AutoTokenizer.from_pretrained(str(folder))(TOKENIZER_SAMPLE)["input_ids"]
     try:
-        got = [int(t) for t in og.Tokenizer(og.Model(str(folder))).encode(TOKENIZER_SAMPLE)]
+        got = [int(t) for t in og.Tokenizer(loaded).encode(TOKENIZER_SAMPLE)]
     except RuntimeError as e:
         raise CorpError(f"onnxruntime-genai cannot read the tokenizer of {folder.name}: {first_line(e)}") from None
     if got != want:
@@ -328,6 +338,7 @@ def _written(
         for f in tokenizer:
             shutil.copy2(f, folder / f.name)
         (folder / CONFIG).write_text(json.dumps(genai_config(step, model.config, lay), indent=2) + "\n")
+    loaded = genai_model(folder)
     record = {
         "file": GRAPH,
         "precision": "fp32",
@@ -338,8 +349,8 @@ def _written(
         "seconds": round(seconds, 2),
         "kv_cache": lay.record(),
         "verify": {**check, "reference": "torch (its own key/value cache)", "tolerance": asdict(tol)},
-        "tokenizer": check_tokenizer(folder),
-        "genai": verify_genai(folder, model, prompt_ids),
+        "tokenizer": check_tokenizer(folder, loaded),
+        "genai": verify_genai(folder, loaded, model, prompt_ids),
         **description,
     }
     (folder / f"{GRAPH}.json").write_text(json.dumps(record, indent=2) + "\n")

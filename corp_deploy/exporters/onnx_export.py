@@ -150,6 +150,19 @@ def add_metadata(proto, metadata: dict[str, Any]) -> None:
         entry.value = value if isinstance(value, str) else json.dumps(value)
 
 
+def append_metadata(path: str | Path, metadata: dict[str, Any]) -> None:
+    """Add ``metadata`` to the graph file at ``path`` without reading it: a model message holding only these
+    ``metadata_props`` is appended to the file, and protobuf reads concatenated messages as one, their repeated fields
+    joined. Parsing, editing and re-serializing a decoder's graph with its weights inside costs seconds a graph
+    (SmolLM2-135M's 520 MB: docs/BENCHMARKS.md "Scale: time to artifact"); this costs the bytes of the metadata.
+    For a file whose writer set none of these keys (the TorchScript exporter sets none): where ``add_metadata``
+    replaces a key, this would add a second entry."""
+    extra = _onnx().ModelProto()
+    add_metadata(extra, metadata)
+    with open(path, "ab") as f:
+        f.write(extra.SerializeToString())
+
+
 def read_metadata(proto) -> dict[str, Any]:
     """``metadata_props`` of an ONNX model, JSON values decoded."""
     out = {}
@@ -193,9 +206,9 @@ def onnx_sha256(path: str | Path) -> str:
     return sha256(*onnx_files(path))
 
 
-def onnx_bytes(path: str | Path) -> int:
-    """Size of an ONNX model on disk: its graph and its external weights."""
-    return sum(f.stat().st_size for f in onnx_files(path))
+def onnx_bytes(path: str | Path, proto=None) -> int:
+    """Size of an ONNX model on disk: its graph and its external weights (``proto``: as in ``onnx_files``)."""
+    return sum(f.stat().st_size for f in onnx_files(path, proto))
 
 
 def _tensors(proto) -> Iterator:

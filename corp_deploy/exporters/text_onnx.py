@@ -28,6 +28,7 @@ from corp_deploy.exporters.onnx_export import (
     DEFAULT_OPSET,
     _quiet,
     add_metadata,
+    append_metadata,
     check_onnx,
     external_weights,
     load_onnx,
@@ -99,7 +100,8 @@ def export_text_onnx(
 ) -> Path:
     """Export ``model`` (moved to CPU, eval) to ``path`` with ``exporter_for``'s exporter and check it; weights of 2 GB
     and more go to ``path.data`` (``onnx_export.external_weights``: a 1.7B decoder's 6.8 GB), written by the exporter
-    straight from the tensors, the graph then rewritten alone with its metadata."""
+    straight from the tensors, the graph then rewritten alone with its metadata; a traced graph, weights inside, gets
+    its metadata appended (``onnx_export.append_metadata``)."""
     onnx = require("onnx", "ONNX export")
     module, output = graph(model)
     exporter, external = exporter_for(module, opset), external_weights(module)
@@ -134,9 +136,13 @@ def export_text_onnx(
                 program.save(str(path), external_data=external)  # weights in f"{path.name}.data", one file
     except Exception as e:
         raise CorpError(f"ONNX export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    proto = load_onnx(path, weights=False)
-    add_metadata(proto, {**(metadata or {}), "exporter": EXPORTERS[exporter]})
-    onnx.save(proto, str(path))  # external tensors keep their references: only the graph is rewritten
+    metadata = {**(metadata or {}), "exporter": EXPORTERS[exporter]}
+    if exporter == TRACER:  # the graph holds its weights: appended to, never parsed and written again
+        append_metadata(path, metadata)
+    else:
+        proto = load_onnx(path, weights=False)
+        add_metadata(proto, metadata)
+        onnx.save(proto, str(path))  # external tensors keep their references: only the graph is rewritten
     check_onnx(path)
     return Path(path)
 

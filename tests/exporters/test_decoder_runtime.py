@@ -174,6 +174,18 @@ def test_genai_loads_the_folder_and_greedy_generates_transformers_tokens(exporte
     assert got == want[0].tolist() and len(got) == len(prompt) + 32
 
 
+def test_a_genai_folder_is_loaded_once_for_its_tokenizer_and_generation_checks(tokenizer_dir, tmp_path, monkeypatch):
+    """Issue 49: each ``onnxruntime_genai.Model`` builds an onnxruntime session over the whole graph (seconds for
+    SmolLM2-135M); the tokenizer check and the greedy-token check each made one. One serves both now, and both
+    checks still run."""
+    og = pytest.importorskip("onnxruntime_genai", reason="genai folders need onnxruntime-genai")
+    made, model_ = [], og.Model
+    monkeypatch.setattr(og, "Model", lambda path: made.append(path) or model_(path))
+    record = write_genai_folder(tiny_decoder("llama"), tmp_path / "genai", {"modality": "text"}, tokenizer_dir)
+    assert made == [str(tmp_path / "genai")] and record["tokenizer"]["tokens"]
+    assert all(p["genai_equal"] for p in record["genai"]["prompts"])
+
+
 # --------------------------------------------------------------------------- the fused graph (genai's builder)
 
 

@@ -113,6 +113,47 @@ def test_a_text_graph_under_2_gb_is_traced_and_gives_the_dynamo_graphs_logits(tm
     assert verify_text_onnx(model, traced, shapes=((1, 5), (3, 19), (4, 33))) < 1e-5
 
 
+def test_a_traced_graph_is_written_once_and_parsed_once_by_its_verified_export(tmp_path, monkeypatch) -> None:
+    """Issue 49: SmolLM2-135M's logits graph (520 MB, weights inside) was parsed 5 times and serialized twice by its
+    verified export (the metadata read in and written again, the checker, the verification inputs, the size, the
+    runner's file check): seconds each. The exporter's file now gets its metadata appended, and the graph is parsed
+    by the checker and once for verification; the metadata still reads back and onnxruntime still runs it."""
+    import onnx
+
+    parsed = []
+    load = onnx.load
+
+    def counted(*args, **kwargs):
+        parsed.append(args[0])
+        return load(*args, **kwargs)
+
+    def never(*args, **kwargs):
+        raise AssertionError("a traced graph is not serialized again")
+
+    monkeypatch.setattr(onnx, "load", counted)
+    monkeypatch.setattr(onnx, "save", never)
+    model, path = tiny_llama(), tmp_path / "dense.onnx"
+    record = export_verified(model, path, describe(model, "tiny-llama", {}, "random", 16))
+    assert len(parsed) == 2 and record["verify"]["cosine"] > FP32.min_cosine
+    meta = read_metadata(load(str(path), load_external_data=False))
+    assert meta["precision"] == "fp32" and meta["exporter"] == text_onnx.EXPORTERS["torchscript"]
+    assert meta["vocab_size"] == model.config.vocab_size and record["bytes"] == path.stat().st_size
+
+
+def test_appended_metadata_reads_as_the_graphs_own(exported, tmp_path) -> None:
+    """``append_metadata`` adds entries to a graph file without parsing it; onnx and onnxruntime read the merged
+    message: the graph unchanged, the new entries beside the old."""
+    import onnxruntime as ort
+
+    path = tmp_path / "g.onnx"
+    path.write_bytes(exported["dense"].read_bytes())
+    before = read_metadata(load_onnx(path))
+    onnx_export.append_metadata(path, {"note": {"why": "appended"}})
+    assert read_metadata(load_onnx(path)) == before | {"note": {"why": "appended"}}
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert session.get_modelmeta().custom_metadata_map["note"] == '{"why": "appended"}'
+
+
 def test_the_onnx_export_step_says_which_model_it_is_on_and_how_long_the_rest_takes(tmp_path) -> None:
     """Issue 50 item 9: 409 s of one line "ONNX export and verification (dense, pruned)..."; now a line per model."""
     lines: list[str] = []
