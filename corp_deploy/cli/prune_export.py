@@ -288,9 +288,9 @@ def _export_plan(source: str, int4: bool) -> memory.Plan | None:
         return None
     weights = memory.safetensors_bytes(source, itemsize=4)
     return memory.export_plan(weights, memory.available(), int4).check(
-        "prune-export holds one model at a time in float32 and an exporter's copies beside it; run `corp-deploy "
-        "prune` here (it needs less: one block at a time) and export its artifact on a machine with more memory, or "
-        "free memory"
+        "prune-export holds one model at a time in float32 and the exporters' copies beside it (an estimate from "
+        "their measured multiples); run `corp-deploy prune` here (one block at a time) and export its artifact on a "
+        f"machine with more memory, free memory, or set {memory.ENV}=GIB to plan with that much instead"
     )
 
 
