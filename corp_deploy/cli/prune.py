@@ -40,6 +40,8 @@ class Pruned(NamedTuple):
     args: dict
     weights: str
     dense: nn.Module | None
+    """The dense model kept (``pruned(keep_dense=True)``); None for a ``transformers`` source without a recovery: its
+    folder is read again when needed."""
     stopped: str | None = None
     """Why a recovery did not finish (Ctrl-C): the result holds CORP's weights and its report says so."""
 
@@ -107,9 +109,10 @@ def pruned(
     will be exported.
 
     A transformers folder without a latency budget is onloaded (``families.onload``: one block's weights in memory
-    at a time; the latency table and loop time the whole model). The dense model (``keep_dense``, or for a
-    recovery) of a transformers source is read again from it after the prune, so it is never held twice; a timm
-    model's is a copy made before pruning (small: 4 bytes a parameter, 88 MB for a ViT-S). A recovery
+    at a time; the latency table and loop time the whole model). The dense model of a transformers source is never
+    held twice: a recovery reads it again after the prune, and ``keep_dense`` alone leaves it to the caller
+    (``Pruned.dense`` None: prune-export reads it when its export's turn comes, the pruned model let go first); a
+    timm model's is a copy made before pruning (small: 4 bytes a parameter, 88 MB for a ViT-S). A recovery
     (``api.recover_pruned``, after the closed loop: the widths are final) trains on the first ``recover.KEPT_INPUTS``
     calibration inputs, kept as the calibration pass reads them (``recover.Kept``), on the device pruning used,
     with the sensitivity pass's held-out inputs (if any) evaluated, never trained on.
@@ -154,7 +157,7 @@ def pruned(
     )
     if result is None:
         return None
-    if reread:
+    if reread and recover is not None:
         dense = hub.load(flags["model"])[0]
     stopped = None
     if recover is not None:

@@ -3,15 +3,19 @@ folders), each verified; a step that stops names the commands that make the rest
 
 from __future__ import annotations
 
+import functools
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import click
+import torch
+from torch import nn
 
 from corp_deploy import api
+from corp_deploy.base import memory
 from corp_deploy.base.env import versions
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import atomic_dir
@@ -35,7 +39,7 @@ from corp_deploy.cli.options import (
     out_options,
     out_path,
 )
-from corp_deploy.cli.prune import again, pruned, say_folder
+from corp_deploy.cli.prune import Pruned, again, pruned, say_folder
 from corp_deploy.cli.prune_options import prune_config, prune_options
 from corp_deploy.cli.quantize import build_engine, quantize
 from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options, int8_quantizer
@@ -49,6 +53,7 @@ from corp_deploy.exporters.int4 import (
 )
 from corp_deploy.exporters.int8_recipes import parse_recipes
 from corp_deploy.exporters.pipeline import (
+    OneAtATime,
     decoder_int4_baseline,
     export_run,
     format_summary,
@@ -63,6 +68,7 @@ from corp_deploy.exporters.tensorrt_engine import (
 )
 from corp_deploy.families.hf import hub
 from corp_deploy.formats import sources
+from corp_deploy.formats.artifact import load_pruned
 from corp_deploy.formats.precisions import FP16, FP32, INT4, INT8, PRECISIONS
 from corp_deploy.formats.precisions import parse as parse_precisions
 from corp_deploy.formats.run_folder import (
@@ -74,7 +80,7 @@ from corp_deploy.formats.run_folder import (
     read_sidecar,
     write_readme,
 )
-from corp_deploy.plan.report import format_report
+from corp_deploy.plan.report import format_report, peak_memory
 
 DECODER_ENGINES = (
     "decoders get none: an engine of the full-sequence logits graph cannot generate token by token (the genai "
@@ -191,23 +197,15 @@ def prune_export(
         feeds = text_int8(prune_args["model"], source, *counts, seed) if text else None
         quantize = int8_quantizer(int8_opts, source, opts.int8, seed, workers, feeds)
         data = int8_data(source, *counts, seed, workers, feeds)
+    plan = _export_plan(prune_args["model"], INT4.name in precisions_)  # before the model and data load
     rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
     run = pruned(config, **prune_args, keep_dense=True, transformers=True, latency_rounds=rounds, rewrites=rewrites_)
     if run is None:
         return
     prune_seconds = time.perf_counter() - started  # the model, the data, any latency table, the prune, a recovery
     click.echo(format_report(run.result.report))
-    seq_len = prune_args["seq_len"]
-    models = {
-        "dense": (run.dense, sources.describe(run.dense, run.name, run.args, run.weights, seq_len)),
-        "pruned": (
-            run.result.model,
-            padded_qk(
-                run.result.model, sources.describe(run.result.model, run.name, run.args, "corp-pruned", seq_len), pad_qk
-            ),
-        ),
-    }
     run_dir = Path(out)
+    models = _models(run, prune_args["model"], run_dir / ARTIFACT, prune_args["seq_len"], pad_qk)
     with atomic_dir(run_dir, overwrite) as tmp:  # first, alone: a later step that stops leaves the prune
         api.save(run.result, tmp / ARTIFACT, run.name, run.args, weights=run.weights)
     engines = tuple(p for p in precisions_ if p != INT4.name)
@@ -247,19 +245,22 @@ def prune_export(
     if INT4.name in precisions_:
         with steps("INT4 quantization"):
             data, seed = calibration_source(prune_args["calib_dir"], prune_args["calib"]), prune_args["seed"]
-            vocab = run.dense.config.vocab_size
+            vocab = run.result.model.config.vocab_size  # the config stays when the weights are let go
             windows = int4_windows(prune_args["model"], data, vocab, int4["int4_seq_len"], int4["int4_windows"], seed)
             pairs = [(run_dir / genai_name(s), run_dir / genai_name(s, int4=True)) for s in models]
             scheme, tol = int4_setup(int4)
             calibration = int4_calibration(
                 prune_args["model"], data, vocab, int4["int4_seq_len"], int4["int4_calib_windows"], seed, scheme
             )
-            inputs = [(model, tokenizer_files(run_dir / ARTIFACT)) for model, _ in models.values()]
+            tokenizer = tokenizer_files(run_dir / ARTIFACT)
+            inputs = [(functools.partial(_model, models, stem), tokenizer) for stem in models]  # read when used
             info, candidates = {"text": data, "seed": seed}, int4_candidates(int4, scheme)
             record["int4"] = int4_graphs(
                 pairs, windows, tol, scheme, info, **calibration, candidates=candidates, sources=inputs, say=click.echo
             )
             record |= decoder_int4_baseline(run_dir, [out.name for _, out in pairs], windows, tol, inputs[0], info)
+    if plan is not None:
+        record["memory"] = {"plan": plan.to_dict(), **peak_memory(torch.device("cpu"))}
     record = write_export_record(run_dir, run.name, run.result.report, record, versions())
     summary = format_summary(record, {k: v["params"] for k, v in record["size"].items()})
     click.echo(summary)
@@ -278,6 +279,45 @@ def prune_export(
     )
     say_folder(run_dir / ARTIFACT)
     click.echo(steps.wall_time(time.perf_counter() - started, {"prune (model, data, tables, recovery)": prune_seconds}))
+
+
+def _export_plan(source: str, int4: bool) -> memory.Plan | None:
+    """The exports' predicted peak for a ``transformers`` folder (``memory.export_plan``, from its safetensors'
+    headers), or the one line that says it cannot fit and what would; None for other sources (a timm model: small)."""
+    if not (hub.is_source(source) and Path(source).is_dir()):
+        return None
+    weights = memory.safetensors_bytes(source, itemsize=4)
+    return memory.export_plan(weights, memory.available(), int4).check(
+        "prune-export holds one model at a time in float32 and the exporters' copies beside it (an estimate from "
+        "their measured multiples); run `corp-deploy prune` here (one block at a time) and export its artifact on a "
+        f"machine with more memory, free memory, or set {memory.ENV}=GIB to plan with that much instead"
+    )
+
+
+def _models(
+    run: Pruned, source: str, artifact: Path, seq_len: int, pad_qk: bool
+) -> Mapping[str, tuple[nn.Module, dict[str, Any]]]:
+    """Stem -> (model, description), what the exports read. A ``transformers`` source's are held one at a time
+    (``OneAtATime``): the pruned one as the prune left it until another is read, then read again from its saved
+    ``artifact``; the dense one read from ``source`` when its turn comes (a recovery's copy let go now). A timm
+    model's are both held: small (88 MB for a ViT-S), and its dense copy has no file to be read again from."""
+
+    def dense(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+        return model, sources.describe(model, run.name, run.args, run.weights, seq_len)
+
+    def pruned(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+        return model, padded_qk(model, sources.describe(model, run.name, run.args, "corp-pruned", seq_len), pad_qk)
+
+    if not hub.is_source(source):
+        return {"dense": dense(run.dense), "pruned": pruned(run.result.model)}
+    if run.dense is not None:
+        run.dense.to("meta")
+    readers = {"dense": lambda: dense(hub.load(source)[0]), "pruned": lambda: pruned(load_pruned(artifact))}
+    return OneAtATime(readers, held=("pruned", pruned(run.result.model)))
+
+
+def _model(models: Mapping[str, tuple[nn.Module, dict[str, Any]]], stem: str) -> nn.Module:
+    return models[stem][0]
 
 
 def _finisher(

@@ -35,9 +35,8 @@ def write(job: Job) -> list[dict[str, Any]]:
         return []
     briefs = []
     with job.step(f"genai folders ({', '.join(job.stems)})"):
-        for stem, (model, description) in each(
-            "genai folder", [(genai_name(s), (s, m)) for s, m in job.models.items()], job.say
-        ):
+        for stem in each("genai folder", [(genai_name(s), s) for s in job.models], job.say):
+            model, description = job.models[stem]  # read now: ``pipeline.OneAtATime`` holds one at a time
             with atomic_dir(job.out / genai_name(stem)) as folder:
                 record = write_genai_folder(
                     model, folder, description, job.out / ARTIFACT, o["opset"], None, job.opts.fp32, graph=o["graph"]

@@ -32,7 +32,7 @@ from corp_deploy.base.fsio import check_writable, staged
 from corp_deploy.base.steps import each
 from corp_deploy.base.tables import text_table
 from corp_deploy.base.timing import Method, interleaved
-from corp_deploy.exporters.int4_gate import INT4, DecoderTolerance, compare_decoders, gate_words
+from corp_deploy.exporters.int4_gate import INT4, DecoderTolerance, compare_decoders, gate_words, scores
 from corp_deploy.exporters.int4_quant import (
     QUANTIZED_OP,
     Scheme,
@@ -77,10 +77,15 @@ RECIPES = {
 DEFAULT_SCHEME = Scheme()
 AUTO = "auto"
 """``--int4-method auto``: every builder recipe and the project's scheme, the fastest passing one chosen."""
+AUTO_MAX_BYTES = 2**31
+"""FP32 decode-step graphs from this size on (external data: the 1.7B shape's 6.8 GB) get the project's scheme alone
+under ``auto``: each builder recipe reads the model and rebuilds it through genai's builder (a model's copy and minutes
+each at that size), and the gate runs every candidate on every window; ``--int4-method`` still names any one."""
 Timer = Callable[[dict[str, Path]], dict[str, float]]
 """Genai folders by name -> decode ms/token by name."""
-BuilderInput = tuple[Any, Sequence[Path]]
-"""What the builder reads: the model (written as its prune artifact) and its tokenizer files."""
+BuilderInput = tuple[Callable[[], Any], Sequence[Path]]
+"""What the builder reads: the model (written as its prune artifact), read by the callable only when a builder recipe
+runs (a decoder's run holds one model at a time: ``pipeline.OneAtATime``), and its tokenizer files."""
 
 
 def recipes(method: str, scheme: Scheme) -> tuple[str, ...]:
@@ -254,7 +259,8 @@ def _builder_candidate(recipe: str, src: Path, folder: Path, scheme: Scheme, sou
 
     if source is None:
         raise CorpError("the builder reads the model, which this command does not hold (prune-export does)")
-    model, tokenizer = source
+    read, tokenizer = source
+    model = read()
     meta = read_metadata(load_onnx(src / GRAPH, weights=False))
     meta = {k: v for k, v in meta.items() if k != "kv_cache"} | {"precision": "int4"}
     folder.mkdir(parents=True)
@@ -300,6 +306,7 @@ def int4_genai_folder(
     candidates: Sequence[str] | None = None,
     source: BuilderInput | None = None,
     timer: Timer = decode_ms,
+    say: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """``out`` (created; callers stage it): the onnxruntime-genai folder ``src`` with its decode step in INT4 by the
     fastest of ``candidates`` (``recipes``; default: the gate's scheme alone) that passes the gate against ``src``'s
@@ -310,18 +317,25 @@ def int4_genai_folder(
     from corp_deploy.exporters.genai import GRAPH
 
     windows, tol, scheme = gate.windows, gate.tol, gate.scheme
-    names = tuple(candidates or (scheme.method,))
+    names, narrowed = tuple(candidates or (scheme.method,)), None
+    if len(names) > 1 and (size := onnx_bytes(src / GRAPH)) >= AUTO_MAX_BYTES:
+        names = (scheme.method,)
+        narrowed = (
+            f"the project's scheme alone: {size / 2**30:.1f} GiB of FP32 graph is over auto's "
+            f"{AUTO_MAX_BYTES / 2**30:.0f} GiB (each builder recipe rebuilds the model; --int4-method names one)"
+        )
     outcomes: dict[str, dict[str, Any]] = {}
     folders = {name: out.parent / f".{out.name}.{name}" for name in names}
-    for name, folder in folders.items():
-        start = time.perf_counter()
+    reference = scores(src / GRAPH, windows)  # once for every candidate
+    for name, folder in each("candidate", [(name, (name, folder)) for name, folder in folders.items()], say):
+        start = time.perf_counter()  # ``say`` gets a line as each starts: minutes each at the 1.7B shape
         try:
             if name in RECIPES:
                 _builder_candidate(name, src, folder, scheme, source)
             else:
                 _project_candidate(src, folder, scheme, gate.calibrated)
             seconds = time.perf_counter() - start
-            c = compare_decoders(src / GRAPH, folder / GRAPH, windows)
+            c = compare_decoders(reference, folder / GRAPH, windows)
         except CorpError as e:  # e.g. the builder without the model, or a graph onnxruntime cannot load
             if len(names) == 1:
                 raise
@@ -347,7 +361,7 @@ def int4_genai_folder(
         record.pop("calibration", None)
     record["int4_choice"] = {
         "chosen": chosen,
-        "why": _why(chosen, outcomes, forced=candidates is not None and len(names) == 1),
+        "why": narrowed or _why(chosen, outcomes, forced=candidates is not None and len(names) == 1),
         "candidates": list(outcomes.values()),
         "timing": {"batch": 1, "prompt": TIMING_PROMPT, "runtime": "onnxruntime-genai CPU", **TIMING.as_dict()}
         if timed
@@ -456,7 +470,7 @@ def int4_graphs(
             gate = Int4Gate(windows, tol, scheme, info, calibration, calibration_info)
             if src.is_dir():
                 source = sources[i] if sources else None
-                records.append(int4_genai_folder(src, stage / out.name, gate, candidates, source, timer))
+                records.append(int4_genai_folder(src, stage / out.name, gate, candidates, source, timer, say))
             else:
                 records.append(quantize_int4_verified(src, stage / out.name, gate))
     return records

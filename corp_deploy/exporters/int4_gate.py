@@ -95,24 +95,42 @@ def gate_words(verify: dict[str, Any]) -> str:
     return f"{'passes' if passes else 'fails'} gate x{verify['ppl_ratio']:.3f} / {verify['agreement']:.3f}"
 
 
-def compare_decoders(reference: str | Path, candidate: str | Path, windows: np.ndarray) -> DecoderComparison:
-    """Both graphs on every window (one at a time: a window's logits are sequence x vocabulary): the negative
-    log-likelihood of each true next token, summed in float64, and top-1 agreement."""
+@dataclass(frozen=True)
+class Scores:
+    """One decoder graph's teacher-forced scores on windows: the summed negative log-likelihood of every true next
+    token (float64) and each window's top-1 tokens. A reference's are scored once and compared with every candidate."""
+
+    nll: float
+    top1: list[np.ndarray]
+    tokens: int
+
+
+def scores(graph: str | Path, windows: np.ndarray) -> Scores:
+    """``graph`` on every window, one at a time (a window's logits are sequence x vocabulary), alone in memory."""
     ort = require("onnxruntime", "decoder verification")
     try:
-        sessions = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (reference, candidate)]
+        session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime's load errors are of many pybind types; an invalid graph is one line
-        raise CorpError(f"onnxruntime cannot load {Path(candidate).name}: {first_line(e)}") from None
-    nll, same, count = np.zeros(2), 0, 0
+        raise CorpError(f"onnxruntime cannot load {Path(graph).name}: {first_line(e)}") from None
+    nll, top1, count = 0.0, [], 0
     for window in windows:
         ids = window[None]
-        logits = [s.run([LOGITS], prefill_feeds(s, ids))[0][0, :-1] for s in sessions]
+        z = session.run([LOGITS], prefill_feeds(session, ids))[0][0, :-1]
         targets = ids[0, 1:]
-        for k, z in enumerate(logits):
-            nll[k] -= log_probs(z)[np.arange(len(targets)), targets].sum()
-        same += int((logits[0].argmax(-1) == logits[1].argmax(-1)).sum())
+        nll -= log_probs(z)[np.arange(len(targets)), targets].sum()
+        top1.append(z.argmax(-1))
         count += len(targets)
     if not count:
         raise CorpError("decoder verification needs windows of at least 2 tokens")
-    ppl = np.exp(nll / count)
-    return DecoderComparison(len(windows), count, float(ppl[0]), float(ppl[1]), same / count)
+    return Scores(float(nll), top1, count)
+
+
+def compare_decoders(reference: str | Path | Scores, candidate: str | Path, windows: np.ndarray) -> DecoderComparison:
+    """The candidate graph against the reference (a graph, or its ``scores`` on the same windows) on every window:
+    the negative log-likelihood of each true next token, summed in float64, and top-1 agreement. The two graphs are
+    never loaded together (the 1.7B shape's FP32 graph is 6.8 GB)."""
+    ref = reference if isinstance(reference, Scores) else scores(reference, windows)
+    got = scores(candidate, windows)
+    same = sum(int((a == b).sum()) for a, b in zip(ref.top1, got.top1, strict=True))
+    ppl = np.exp(np.array([ref.nll, got.nll]) / ref.tokens)
+    return DecoderComparison(len(windows), ref.tokens, float(ppl[0]), float(ppl[1]), same / ref.tokens)

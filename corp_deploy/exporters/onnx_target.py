@@ -29,7 +29,8 @@ def write(job: Job) -> list[dict[str, Any]]:
 
     o, records = job.options, []
     with job.step(f"ONNX export and verification ({', '.join(job.stems)})"):
-        for stem, (model, description) in each("ONNX export", [(s, (s, m)) for s, m in job.models.items()], job.say):
+        for stem in each("ONNX export", [(s, s) for s in job.models], job.say):
+            model, description = job.models[stem]  # read now: ``pipeline.OneAtATime`` holds one at a time
             fp32 = job.out / onnx_name(stem)
             with staged(fp32) as stage:
                 written = export_verified(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -217,8 +217,46 @@ def fp16_graph(src: Path, half: Path, opts: VerifyOptions, say: Callable[[str], 
     return half
 
 
+class OneAtATime(Mapping[str, tuple[nn.Module, dict[str, Any]]]):
+    """Stem -> (model, description), each model read when asked for and the one asked for before it freed first: a
+    run holds one model at a time (the 1.7B shape's dense and pruned float32 weights together are 11.8 GB, beside
+    the exporters' own copies). Freeing moves the model's tensors to the meta device, so a reference kept elsewhere
+    (a loop's variable, the prune's result) holds no memory; asked for again, a model is read again by its reader.
+    ``export_run``'s models, for a decoder of a ``transformers`` folder (a timm model stays a plain dict: both are
+    small, and the dense one has no file to be read again from)."""
+
+    def __init__(
+        self,
+        readers: Mapping[str, Callable[[], tuple[nn.Module, dict[str, Any]]]],
+        held: tuple[str, tuple[nn.Module, dict[str, Any]]] | None = None,
+    ) -> None:
+        """``held``: (stem, (model, description)) already in memory (the prune's result), freed as any other."""
+        self._readers = dict(readers)
+        self._held = held
+
+    def __getitem__(self, stem: str) -> tuple[nn.Module, dict[str, Any]]:
+        if self._held is not None and self._held[0] == stem:
+            return self._held[1]
+        reader = self._readers[stem]  # an unknown stem fails before anything is freed
+        self.free()
+        self._held = stem, reader()
+        return self._held[1]
+
+    def free(self) -> None:
+        """Let go of the model held, if any, its tensors on the meta device."""
+        if self._held is not None:
+            self._held[1][0].to("meta")
+            self._held = None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._readers)
+
+    def __len__(self) -> int:
+        return len(self._readers)
+
+
 def export_run(
-    models: dict[str, tuple[nn.Module, dict[str, Any]]],
+    models: Mapping[str, tuple[nn.Module, dict[str, Any]]],
     out: Path,
     precisions: Sequence[str] = ("fp32", "fp16"),
     opset: int = DEFAULT_OPSET,
@@ -241,7 +279,8 @@ def export_run(
     skip reason). Each target's records go to its key of the record (``onnx``, ``engines``), else to
     ``record["targets"][name]``; why it wrote nothing or less to ``<key>_skipped`` (``targets_skipped[name]``).
 
-    ``models`` maps a stem (``dense``, ``pruned``) to (model, description). ``rewrites`` go into every model's graph
+    ``models`` maps a stem (``dense``, ``pruned``) to (model, description), read by a target as it needs each
+    (``OneAtATime``: one held at a time). ``rewrites`` go into every model's graph
     alike (``export_verified``), so dense and pruned stay comparable. ``quantize`` turns (FP32 graph, INT8 file)
     pairs into verified INT8 graphs (``int8_recipes.quantize_graphs`` bound to calibration images); INT8 engines need
     it. Engines are skipped, with the reason recorded, where no TensorRT flavour can build them, unless

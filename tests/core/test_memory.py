@@ -84,3 +84,37 @@ def test_calibration_stops_after_the_last_block_with_statistics() -> None:
     collect(model, token_batches(n=2), stats, "cpu", progress=False)
     assert stats.samples == 8 and float(stats.mlp[1].count) == 8 * 24
     assert heads == []  # the LM head's 100-way logits feed no sum
+
+
+def test_the_export_plan_counts_one_model_and_the_exporters_copies() -> None:
+    copies = memory.EXPORT_COPIES["fp32"]
+    plan = memory.export_plan(4 * memory.GIB, 100 * memory.GIB)
+    assert plan.parts == {"model": 4 * memory.GIB, "exporters": round((copies - 1) * 4 * memory.GIB)}
+    assert plan.peak == memory.RUNTIME + round(copies * 4 * memory.GIB) and plan.fits()
+    assert memory.export_plan(4 * memory.GIB, 100 * memory.GIB, int4=True).peak > plan.peak  # INT4's recipes too
+    assert not memory.export_plan(4 * memory.GIB, 4 * memory.GIB).fits()
+
+
+def test_a_prune_export_whose_exports_cannot_fit_is_refused_in_one_line_before_loading(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """The prune alone fits (its own check passes) but the exports after it do not: refused before the model loads,
+    naming ``prune`` alone and a machine with more memory."""
+    folder, text = tiny_llama_folder(tmp_path, layers=1)
+    weights = memory.safetensors_bytes(folder, itemsize=4)
+    monkeypatch.setenv(memory.ENV, str((memory.RUNTIME + 2 * weights) / memory.HEADROOM / memory.GIB))
+    assert memory.Plan({"weights": weights}, memory.available()).fits()  # hub.load's check: the prune could run
+    monkeypatch.setitem(memory.EXPORT_COPIES, "fp32", 3.0)
+    monkeypatch.setattr("corp_deploy.families.hf.hub.load", _never)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    argv = ["prune-export", str(folder), "--calib-dir", str(text), "--num-calib", "8", "--precision", "fp32"]
+    code, _, err = run([*argv, "--out", str(out)], capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("error: this run needs about"), err
+    assert "model " in lines[0] and "exporters " in lines[0] and "corp-deploy prune" in lines[0]
+    assert "more memory" in lines[0] and not out.exists()
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the model was loaded before the plan was checked")

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers", reason="text models need tran
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install '.[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install '.[onnx]')")
 
+from corp_deploy.base import memory  # noqa: E402
 from corp_deploy.core.config import PruneConfig  # noqa: E402
 from corp_deploy.core.pruner import calibrate, prune_model  # noqa: E402
 from corp_deploy.exporters.genai import write_genai_folder  # noqa: E402
@@ -411,3 +412,41 @@ def test_prune_export_on_a_decoder_needs_genai_before_pruning(llama_folder, tmp_
         "error: a decoder's onnxruntime-genai folder needs onnxruntime-genai (pip install 'corp-deploy[genai]')"
     ]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.e2e
+def test_prune_export_of_a_decoder_holds_one_model_at_a_time(llama_folder, tmp_path, capsys, monkeypatch) -> None:
+    """Each graph and genai folder is written with one model's weights in memory, the other's let go (on the meta
+    device): the 1.7B shape's dense and pruned float32 weights together would be 11.8 GB beside the exporters'."""
+    pytest.importorskip("onnxruntime_genai", reason="genai folders need onnxruntime-genai (pip install '.[genai]')")
+    import gc
+
+    from corp_deploy.exporters import genai, pipeline
+
+    written: list[str] = []
+
+    def llamas() -> list[torch.nn.Module]:
+        gc.collect()
+        return [m for m in gc.get_objects() if isinstance(m, transformers.LlamaForCausalLM)]
+
+    others = llamas()  # other tests' (module fixtures in this process): not the command's
+
+    def spying(real, what):
+        def spy(model, *args, **kwargs):
+            made = [m for m in llamas() if not any(m is o for o in others)]
+            resident = [m for m in made if any(not p.is_meta for p in m.parameters())]
+            assert resident == [model], f"{what}: {len(resident)} models resident"
+            written.append(what)
+            return real(model, *args, **kwargs)
+
+        return spy
+
+    monkeypatch.setattr(pipeline, "export_verified", spying(pipeline.export_verified, "onnx"))
+    monkeypatch.setattr(genai, "write_genai_folder", spying(genai.write_genai_folder, "genai"))
+    argv = ["prune-export", str(llama_folder), "--calib", "synthetic", "--seq-len", "16", "--precision", "fp32"]
+    code, _, stderr = run([*argv, "--verify-batch-sizes", "1,2", "--quiet", "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, stderr
+    assert written == ["onnx", "onnx", "genai", "genai"]  # dense, pruned, each read again
+    memory_ = json.loads((tmp_path / "run" / "export.json").read_text())["memory"]  # predicted beside measured
+    assert memory_["plan"]["model_gib"] * memory.GIB == memory.safetensors_bytes(llama_folder, itemsize=4)
+    assert memory_["plan"]["peak_gib"] > memory_["plan"]["model_gib"] and memory_["host_rss_mib"] > 0

@@ -25,7 +25,7 @@ from corp_deploy.exporters.onnx_export import (
     onnx_sha256,
     read_metadata,
 )
-from corp_deploy.exporters.pipeline import VerifyOptions, convert_verified, export_run, export_verified
+from corp_deploy.exporters.pipeline import OneAtATime, VerifyOptions, convert_verified, export_run, export_verified
 from corp_deploy.exporters.runners import OrtRunner, TorchRunner, ort_providers
 from corp_deploy.exporters.tensorrt_engine import (
     BuildOptions,
@@ -569,3 +569,29 @@ def test_onnxruntime_gpu_provider_is_reported(exported) -> None:
 def test_verify_options_validate_themselves_naming_the_field(make, message) -> None:
     with pytest.raises(CorpError, match=message):
         make()
+
+
+def test_one_at_a_time_frees_the_model_it_held_before_reading_the_next() -> None:
+    """``OneAtATime``: a model asked for again in a row is not read again; asking for another lets the first go (its
+    tensors on the meta device, whatever still refers to it) before the reader runs; asked for later, it is read
+    again."""
+    reads: list[str] = []
+    held: dict[str, torch.nn.Module] = {}
+
+    def reader(stem: str):
+        def read():
+            assert all(p.is_meta for m in held.values() for p in m.parameters()), "two models held"
+            reads.append(stem)
+            held[stem] = torch.nn.Linear(4, 4)
+            return held[stem], {"stem": stem}
+
+        return read
+
+    models = OneAtATime({"dense": reader("dense"), "pruned": reader("pruned")})
+    assert list(models) == ["dense", "pruned"] and len(models) == 2 and reads == []
+    first, description = models["dense"]
+    assert models["dense"][0] is first and description == {"stem": "dense"} and reads == ["dense"]
+    second = models["pruned"][0]
+    assert first.weight.is_meta and not second.weight.is_meta
+    assert models["dense"][0] is not first and second.weight.is_meta
+    assert reads == ["dense", "pruned", "dense"]

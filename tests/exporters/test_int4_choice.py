@@ -20,6 +20,7 @@ pytest.importorskip("transformers", reason="text models need transformers (pip i
 onnx = pytest.importorskip("onnx")
 og = pytest.importorskip("onnxruntime_genai", reason="genai folders need onnxruntime-genai (pip install '.[genai]')")
 
+from corp_deploy.exporters import int4, int4_gate  # noqa: E402
 from corp_deploy.exporters.genai import GRAPH, tokenizer_files, write_genai_folder  # noqa: E402
 from corp_deploy.exporters.int4 import (  # noqa: E402
     AUTO,
@@ -45,13 +46,14 @@ ALL = (*RECIPES, "minmax")
 
 @pytest.fixture(scope="module")
 def fused(tmp_path_factory) -> tuple[Path, tuple]:
-    """(the FP32 genai folder written by genai's builder, the builder's input: model and tokenizer files)."""
+    """(the FP32 genai folder written by genai's builder, the builder's input: the model's reader and tokenizer
+    files)."""
     root = tmp_path_factory.mktemp("int4-choice")
     folder, _ = tiny_llama_folder(root, layers=1)
     model, _ = hub.load(str(folder))
     genai = root / "dense-genai"
     write_genai_folder(model, genai, {"modality": "text"}, folder, graph="fused")
-    return genai, (model, tokenizer_files(folder))
+    return genai, (lambda: model, tokenizer_files(folder))
 
 
 def _windows() -> np.ndarray:
@@ -70,9 +72,10 @@ class FakeTimer:
         return {name: self.ms[name] for name in folders}
 
 
-def _choose(fused, out: Path, tol: DecoderTolerance, timer: FakeTimer, candidates=ALL):
+def _choose(fused, out: Path, tol: DecoderTolerance, timer: FakeTimer, candidates=ALL, say=lambda line: None):
     genai, source = fused
-    return int4_graphs([(genai, out)], _windows(), tol, SCHEME, None, False, None, None, candidates, [source], timer)[0]
+    pair, windows = [(genai, out)], _windows()
+    return int4_graphs(pair, windows, tol, SCHEME, None, False, None, None, candidates, [source], timer, say)[0]
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -126,6 +129,40 @@ def test_the_choice_takes_the_fastest_passing_candidate_and_never_a_failing_one(
     assert choice["timing"]["batch"] == 1 and isinstance(choice["flags"], list) and choice["cpu"]
 
 
+def test_the_fp32_graph_is_scored_once_for_every_candidate_and_never_beside_one(fused, tmp_path, monkeypatch) -> None:
+    """The reference's perplexity and top-1 tokens are the same for every candidate: computed once (the 1.7B shape's
+    FP32 graph is 6.8 GB and minutes of windows), each graph in its own onnxruntime session."""
+    scored: list[str] = []
+    real = int4_gate.scores
+
+    def counting(graph, windows):
+        scored.append(Path(graph).parent.name)
+        return real(graph, windows)
+
+    monkeypatch.setattr(int4_gate, "scores", counting)
+    monkeypatch.setattr(int4, "scores", counting)
+    lines: list[str] = []
+    record = _choose(fused, tmp_path / "dense-genai-int4", LOOSE, FakeTimer(dict.fromkeys(ALL, 1.0)), say=lines.append)
+    assert scored.count("dense-genai") == 1 and len(scored) == 1 + len(ALL)
+    said = [line.split(" (")[0].strip() for line in lines]  # each candidate announced as it starts (minutes at 1.7B)
+    assert said == ["INT4 1/1: dense-genai-int4", *(f"candidate {i}/{len(ALL)}: {n}" for i, n in enumerate(ALL, 1))]
+    assert {c["verify"]["reference_ppl"] for c in record["int4_choice"]["candidates"]} == {
+        record["verify"]["reference_ppl"]
+    }
+
+
+def test_auto_on_a_graph_over_its_size_bound_tries_the_projects_scheme_alone_and_says_why(
+    fused, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(int4, "AUTO_MAX_BYTES", 1)  # the tiny graph stands for the 1.7B shape's 6.8 GB
+    timer = FakeTimer(dict.fromkeys(ALL, 1.0))
+    record = _choose(fused, tmp_path / "dense-genai-int4", LOOSE, timer)
+    choice = record["int4_choice"]
+    assert [c["recipe"] for c in choice["candidates"]] == ["minmax"] and timer.asked == []
+    assert choice["chosen"] == "minmax" and choice["why"].startswith("the project's scheme alone: ")
+    assert "over auto's 0 GiB" in choice["why"] and "--int4-method" in choice["why"]
+
+
 def test_every_candidate_failing_is_one_line_that_names_each_and_writes_nothing(fused, tmp_path) -> None:
     out = tmp_path / "run" / "dense-genai-int4"
     with pytest.raises(CorpError, match="fails its gate") as e:
@@ -171,8 +208,6 @@ def test_a_candidate_graph_onnxruntime_cannot_load_is_recorded_and_the_others_st
 ) -> None:
     # genai 0.18's builder writes such a graph for SmolLM2 (tied embeddings) with is_symmetric=false: a
     # GatherBlockQuantized without its scales; here a builder graph with one node's input dropped stands in for it
-    from corp_deploy.exporters import int4
-
     real = int4._builder_candidate
 
     def broken(recipe, src, folder, scheme, source):

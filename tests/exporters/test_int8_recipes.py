@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +20,7 @@ from corp_deploy.bench.report import format_table
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.exporters import int8_recipes
 from corp_deploy.exporters.compare import FP32, INT8, Tolerance
-from corp_deploy.exporters.int8_quant import compare_on
+from corp_deploy.exporters.int8_quant import compare_on, quantize_verified
 from corp_deploy.exporters.int8_recipes import (
     RECIPES,
     Job,
@@ -359,3 +360,90 @@ def test_int8_engines_are_skipped_saying_how_where_the_fastest_recipe_is_not_qdq
     assert record["engines_skipped"].startswith("int8: dense.int8.onnx is dynamic")
     assert "--int8-recipe static" in record["engines_skipped"]
     assert not list(tmp_path.glob("*.int8.plan"))
+
+
+def _rss() -> int:
+    """This process's resident bytes (Linux)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads resident memory from /proc")
+def test_onnxruntime_sessions_share_one_arena_so_live_sessions_hold_one_calls_buffers(tmp_path) -> None:
+    """Issue 49: a session's own arena keeps its largest call's buffers while it lives (deit_small FP32: 0.7 GB at
+    batch 32), and the INT8 choice holds a reference and five raced candidates at once: a 9.3 GB peak. Four sessions
+    of a graph with 32 MB intermediates, each run once and kept alive, now hold one call's buffers between them."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2**20])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1])
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    nodes = [
+        helper.make_node("Mul", ["x", "two"], ["a"]),
+        helper.make_node("Add", ["a", "x"], ["b"]),
+        helper.make_node("Mul", ["b", "two"], ["c"]),
+        helper.make_node("ReduceSum", ["c"], ["y"], keepdims=1),
+    ]
+    graph = helper.make_graph(nodes, "wide", [x], [y], [two])
+    path = tmp_path / "wide.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    feed = np.ones((8, 2**20), dtype=np.float32)  # every intermediate 32 MB
+    OrtRunner(path, "cpu")(feed)  # the arena has grown to one call's size (or was already larger)
+    before = _rss()
+    sessions = [OrtRunner(path, "cpu") for _ in range(4)]
+    for session in sessions:
+        assert session(feed)[0, 0] == 6.0 * feed.size
+    assert _rss() - before < 48 * 2**20, (_rss() - before) / 2**20  # own arenas: at least 2 x 32 MB each
+
+
+@pytest.mark.parametrize("static_ms", [1.0, 20.0])
+def test_static_races_as_its_stand_in_and_calibrates_on_everything_only_when_gated(
+    vits, tmp_path, monkeypatch, static_ms
+):
+    """Issue 49: static's calibration over every calibration image was the INT8 step's longest part, also where
+    static then lost the race. Its stand-in (the same nodes, calibrated on a few images) races; the full calibration
+    runs only where static comes up to be gated."""
+    full = []
+    monkeypatch.setattr(
+        int8_recipes, "quantize_verified", lambda *a, **k: full.append(a[2]) or quantize_verified(*a, **k)
+    )
+    src = _copy(vits["pruned"], tmp_path)
+    timer = FakeTimer({"static": static_ms})
+    record = choose_int8(src, tmp_path / "pruned.int8.onnx", _job(), ("static", "dynamic"), 4, timer)
+    choice = record["int8_recipe"]
+    static = next(c for c in choice["candidates"] if c["recipe"] == "static")
+    assert static["raced"].startswith("a stand-in") and len(timer.timed) == 1  # the same nodes: raced once
+    if static_ms < 10.0:
+        assert choice["chosen"] == "static" and static["passed"] and len(full) == 1 and len(full[0]) == 1
+        meta = read_metadata(load_onnx(tmp_path / "pruned.int8.onnx", weights=False))
+        assert (
+            meta["int8_calibration"]["images"] == 16
+        )  # the shipped graph: every calibration image, not the stand-in's
+    else:
+        assert choice["chosen"] == "dynamic" and static["passed"] is None and full == []  # never calibrated in full
+
+
+def test_a_stand_in_whose_real_graph_differs_is_raced_again_with_the_candidates_left(vits, tmp_path, monkeypatch):
+    def fp32_copy(src: Path, out: Path, job: Job) -> None:
+        shutil.copy(src, out)
+
+    monkeypatch.setitem(RECIPES, "odd", Recipe("odd", RECIPES["dynamic"].write, fusable=False, stand_in=fp32_copy))
+    src = _copy(vits["pruned"], tmp_path)
+    timer = FakeTimer({"odd": 1.0, "dynamic-per-tensor": 5.0})
+    record = choose_int8(src, tmp_path / "pruned.int8.onnx", _job(), ("odd", "dynamic-per-tensor", "static"), 4, timer)
+    raced = ["dynamic-per-tensor", "dynamic-per-tensor (fused)", "odd", "static"]
+    assert timer.timed == [raced, raced]  # the real graph of odd, raced with every candidate left
+    assert record["int8_recipe"]["chosen"] == "odd"
+
+
+def test_the_pick_study_times_every_raced_candidate_beside_the_pick(vits, tmp_path) -> None:
+    """``studies.int8_pick``: the race's pick and every candidate it raced, written for real, gated and timed
+    exhaustively in one process; the pick's ratio to the fastest passing one (no speed asserted: tiny graphs)."""
+    from studies import int8_pick
+
+    result = int8_pick.study(_copy(vits["pruned"], tmp_path), "synthetic", 16, 8, batch=4, repeats=1)
+    rows = {r["candidate"]: r for r in result["rows"]}
+    assert set(rows) == {"static", "dynamic", "dynamic (fused)", "dynamic-per-tensor", "dynamic-per-tensor (fused)"}
+    assert all(r["race_p50_ms"] > 0 and r["exhaustive_p50_ms"] > 0 for r in rows.values())
+    assert rows[result["pick"]]["passes"] and rows[result["exhaustive_choice"]]["passes"]
+    assert result["ratio"] == rows[result["pick"]]["exhaustive_p50_ms"] / result["exhaustive_p50_ms"] >= 1.0
+    assert "ratio" in int8_pick.markdown([result], {"date": "d", "cpu": "c", "method": {}, "repeats": 1})
