@@ -105,6 +105,7 @@ def run_demo(
 
         run = RunFolder.open(tmp / "corp")
         chosen, skipped = select_backends("auto", run)
+        skipped = {b: why.replace(str(tmp), str(out)) for b, why in skipped.items()}  # the folder as it will be
         warm_up = min(0.5, config.min_seconds)
         method = Method(warmup_iters=3, warmup_seconds=warm_up, min_iters=5, min_seconds=config.min_seconds)
         record = benchmark(run, chosen, config.batch_sizes, method, skipped=skipped) | {"run": str(out / "corp")}

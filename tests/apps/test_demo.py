@@ -49,7 +49,10 @@ def test_demo_writes_table_plot_and_runs_on_a_tiny_backbone(tmp_path, monkeypatc
     assert any("INT8 recipe static" in line for line in lines if line not in steps)
     for name in ("demo.json", "demo.md", "demo.png", "corp/pruned/corp.json", "corp/pruned.onnx", "none/pruned"):
         assert (out / name).exists(), name
-    assert json.loads((out / "demo.json").read_text())["dataset"] == "blobs"
+    record = json.loads((out / "demo.json").read_text())
+    assert record["dataset"] == "blobs"
+    skips = [why for why in record["skipped_backends"].values() if str(tmp_path) in why]
+    assert skips and all(str(out / "corp") in why for why in skips)  # the folder as it is, never the staging one
     structure = json.loads((out / "corp/pruned/corp.json").read_text())["structure"]
     assert {b["v_dim"] for b in structure} == ({b["qk_dim"] for b in structure} if target == "all" else {DIM // HEADS})
     acc = result["accuracy"]
