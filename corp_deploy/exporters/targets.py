@@ -57,6 +57,14 @@ class Job:
     skip: Callable[[str], None] = lambda reason: None
     """Records why the target wrote nothing, or less than asked (TensorRT without a flavour that can build)."""
 
+    def free(self) -> None:
+        """Let go of the model ``models`` holds, where it holds one at a time (``pipeline.OneAtATime``); a plain
+        mapping keeps its models. A writer calls it once it has what it needs of the PyTorch model (the file written,
+        the reference outputs computed), so that what checks the file (onnxruntime, genai) runs without the model
+        beside it; the next ``models[stem]`` reads a model again."""
+        if callable(free := getattr(self.models, "free", None)):
+            free()
+
 
 @dataclass(frozen=True)
 class Option:

@@ -595,3 +595,17 @@ def test_one_at_a_time_frees_the_model_it_held_before_reading_the_next() -> None
     assert first.weight.is_meta and not second.weight.is_meta
     assert models["dense"][0] is not first and second.weight.is_meta
     assert reads == ["dense", "pruned", "dense"]
+
+
+def test_a_job_frees_the_model_held_one_at_a_time_and_keeps_a_plain_mapping() -> None:
+    """``Job.free``: a writer lets go of the model a ``OneAtATime`` holds (its tensors on the meta device, read again
+    when asked for); a plain mapping's models stay (a timm model's dense copy has no file to be read from)."""
+    from corp_deploy.exporters.targets import Job
+
+    one = OneAtATime({"dense": lambda: (torch.nn.Linear(4, 4), {})})
+    first = one["dense"][0]
+    Job(Path("."), ("dense",), ("fp32",), VerifyOptions(), models=one).free()
+    assert first.weight.is_meta and not one["dense"][0].weight.is_meta
+    kept = torch.nn.Linear(4, 4)
+    Job(Path("."), ("dense",), ("fp32",), VerifyOptions(), models={"dense": (kept, {})}).free()
+    assert not kept.weight.is_meta
