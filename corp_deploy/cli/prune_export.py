@@ -47,6 +47,7 @@ from corp_deploy.exporters import targets as export_targets
 from corp_deploy.exporters.genai import GRAPH, tokenizer_files
 from corp_deploy.exporters.genai_target import GENAI
 from corp_deploy.exporters.int4 import (
+    BuilderInput,
     format_int4,
     format_int4_speed,
     int4_graphs,
@@ -222,6 +223,7 @@ def prune_export(
         )
     click.echo(f"wrote {run_dir}/pruned/ (the pruned model); now the exports")
     steps = Steps(run_dir, finish, click.echo)
+    folders = _folders(prune_args["model"], run_dir / ARTIFACT)
     record = export_run(
         models,
         run_dir,
@@ -239,7 +241,7 @@ def prune_export(
         targets,
         data,
         export_targets.option_values(target_opts)
-        | {GENAI: {"decoder": decoder, "opset": opset, "graph": decode_graph}},
+        | {GENAI: {"decoder": decoder, "opset": opset, "graph": decode_graph, "folders": folders}},
     )
     genai_records = {stem: read_sidecar(run_dir / genai_name(stem) / GRAPH) for stem in models if decoder}
     if INT4.name in precisions_:
@@ -253,7 +255,9 @@ def prune_export(
                 prune_args["model"], data, vocab, int4["int4_seq_len"], int4["int4_calib_windows"], seed, scheme
             )
             tokenizer = tokenizer_files(run_dir / ARTIFACT)
-            inputs = [(functools.partial(_model, models, stem), tokenizer) for stem in models]  # read when used
+            inputs = [  # the builder reads each model's folder; the model is read only where there is none
+                BuilderInput(functools.partial(_model, models, stem), tokenizer, folders[stem]) for stem in models
+            ]
             info, candidates = {"text": data, "seed": seed}, int4_candidates(int4, scheme)
             record["int4"] = int4_graphs(
                 pairs, windows, tol, scheme, info, **calibration, candidates=candidates, sources=inputs, say=click.echo
@@ -314,6 +318,12 @@ def _models(
         run.dense.to("meta")
     readers = {"dense": lambda: dense(hub.load(source)[0]), "pruned": lambda: pruned(load_pruned(artifact))}
     return OneAtATime(readers, held=("pruned", pruned(run.result.model)))
+
+
+def _folders(source: str, artifact: Path) -> dict[str, Path | None]:
+    """Each stem's ``transformers`` folder on disk, which genai's builder reads itself (no copy written while the model
+    is held): the source where it is a local folder, and the run's saved prune ``artifact``."""
+    return {"dense": Path(source) if Path(source).is_dir() else None, "pruned": artifact}
 
 
 def _model(models: Mapping[str, tuple[nn.Module, dict[str, Any]]], stem: str) -> nn.Module:

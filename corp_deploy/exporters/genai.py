@@ -5,6 +5,11 @@ Layout (``write_genai_folder``): ``model.onnx`` (the decode-step graph, ``export
 ``onnxruntime_genai.Model(folder)`` loads it and generates. The folder is written only if onnxruntime runs the
 graph to the torch model's logits over a prefill and decode steps, and if genai's greedy generation from
 ``PROMPTS`` equals ``transformers``' ``generate`` (greedy, key/value cache) token for token.
+
+Both references (the decode steps' logits, ``generate``'s tokens) are computed first, while the model is held; then
+the model may be let go (``free``: a run that holds one model at a time) before the graph is built, checked in
+onnxruntime and generated with in genai: at the 1.7B shape the float32 weights are 6.4 GiB, and the builder's copy
+and each onnxruntime session of the graph as much again.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -30,9 +35,10 @@ from corp_deploy.exporters.kv_cache import (
     PRESENT,
     CacheLayout,
     DecodeStep,
+    check_decode_steps,
+    decode_references,
     export_decoder_onnx,
     layout,
-    verify_decoder_onnx,
 )
 from corp_deploy.exporters.onnx_export import DEFAULT_OPSET, check_opset, onnx_bytes
 from corp_deploy.formats.run_folder import GENAI_CONFIG as CONFIG
@@ -199,23 +205,30 @@ def genai_model(folder: Path) -> Any:
         raise CorpError(f"onnxruntime-genai cannot run {folder.name}: {first_line(e)}") from None
 
 
-def verify_genai(
-    folder: Path, loaded: Any, model: nn.Module, prompt_ids: list[list[int]] | None = None, new_tokens: int = NEW_TOKENS
-) -> dict[str, Any]:
-    """Greedy generation in onnxruntime-genai from ``prompt_ids`` (default: ``prompts``) against ``generate``;
-    fails unless every token matches. Both suppress EOS until ``new_tokens`` are out (``min_length`` /
-    ``min_new_tokens``), so every prompt checks ``new_tokens`` tokens. ``loaded`` is ``genai_model(folder)``."""
-    og = require("onnxruntime_genai", "a decoder's genai folder")
+def greedy_references(
+    model: nn.Module, prompt_ids: list[list[int]] | None = None, new_tokens: int = NEW_TOKENS
+) -> list[dict[str, Any]]:
+    """``generate``'s greedy tokens from ``prompt_ids`` (default: ``prompts``), ``new_tokens`` each (EOS suppressed
+    until then: ``min_new_tokens``), as ``{"prompt", "tokens"}``: what ``verify_genai`` checks genai against, computed
+    while the model is held."""
     config = model.config
     special = {t for t in (config.bos_token_id, config.eos_token_id, config.pad_token_id) if t is not None}
+    return [
+        {"prompt": prompt, "tokens": _transformers_tokens(model, prompt, new_tokens)}
+        for prompt in prompt_ids or prompts(config.vocab_size, special)
+    ]
+
+
+def verify_genai(folder: Path, loaded: Any, references: list[dict[str, Any]]) -> dict[str, Any]:
+    """Greedy generation in onnxruntime-genai from each reference's prompt against its ``generate`` tokens
+    (``greedy_references``); fails unless every token matches. genai suppresses EOS until as many tokens are out
+    (``min_length``), so every prompt checks them all. ``loaded`` is ``genai_model(folder)``."""
+    og = require("onnxruntime_genai", "a decoder's genai folder")
+    new_tokens = len(references[0]["tokens"])
     try:
-        checks = []
-        for prompt in prompt_ids or prompts(config.vocab_size, special):
-            got, want = (
-                _genai_tokens(og, loaded, prompt, new_tokens),
-                _transformers_tokens(model, prompt, new_tokens),
-            )
-            checks.append({"prompt": prompt, "tokens": want, "genai_equal": got == want})
+        checks = [
+            {**r, "genai_equal": _genai_tokens(og, loaded, r["prompt"], new_tokens) == r["tokens"]} for r in references
+        ]
     except RuntimeError as e:
         raise CorpError(f"onnxruntime-genai cannot run {folder.name}: {first_line(e)}") from None
     bad = [c for c in checks if not c["genai_equal"]]
@@ -275,6 +288,9 @@ def write_genai_folder(
     tol: Tolerance = FP32,
     steps: int = 4,
     graph: str = "auto",
+    source: Path | None = None,
+    free: Callable[[], None] = lambda: None,
+    again: Callable[[], nn.Module] | None = None,
 ) -> dict[str, Any]:
     """Write and verify the genai folder for ``model`` into ``folder`` (created; callers stage it); its record.
 
@@ -283,6 +299,11 @@ def write_genai_folder(
     from ``prompt_ids`` (default ``prompts``); ``model.onnx.json`` records both checks, the tokenizer check, the
     cache layout and which writer made the graph (and why not the fused one). Under ``auto`` a fused graph that
     fails a check is replaced by the exported one, the failure recorded as the reason.
+
+    Both references are computed first; ``free`` is then called as soon as the model's weights are no longer needed
+    (the exported graph written; for the builder, before it loads its own copy from ``source``, the model's
+    ``transformers`` folder, or from a copy written first where there is none). ``again`` reads the model anew after
+    ``free``, for the exported graph that replaces a failed fused one.
     """
     check_opset(opset)
     require("onnxruntime_genai", "a decoder's genai folder")
@@ -290,16 +311,21 @@ def write_genai_folder(
     description = description | ({"special_ids_filled": filled} if filled else {})  # recorded with the graph
     tokenizer = tokenizer_files(tokenizer_dir)
     writer, why = choose_graph(model, graph, tokenizer)
-    check = {"model": model, "prompt_ids": prompt_ids, "tol": tol, "steps": steps}
+    check = {"prompt_ids": prompt_ids, "tol": tol, "steps": steps, "free": free}
     if writer == "fused":
-        try:
-            return _written(folder, description, "fused", tokenizer, opset, None, **check)
+        try:  # a config whose ids were filled here differs from the folder's: the builder reads a copy
+            return _written(
+                folder, description, "fused", tokenizer, opset, None, model, None if filled else source, **check
+            )
         except CorpError as e:
             if graph == "fused":
                 raise
             shutil.rmtree(folder, ignore_errors=True)
             why = f"the builder's graph failed its check ({e})"
-    return _written(folder, description, "export", tokenizer, opset, why, **check)
+            if again is not None:
+                model = again()
+                fill_special_ids(model, tokenizer_dir)
+    return _written(folder, description, "export", tokenizer, opset, why, model, None, **check)
 
 
 def _written(
@@ -310,25 +336,32 @@ def _written(
     opset: int,
     why: str | None,
     model: nn.Module,
+    source: Path | None,
     prompt_ids: list[list[int]] | None,
     tol: Tolerance,
     steps: int,
+    free: Callable[[], None],
 ) -> dict[str, Any]:
-    """``write_genai_folder`` with one writer: the graph, its checks, the folder's files and record."""
+    """``write_genai_folder`` with one writer: the references, the graph (the model let go once written, or before
+    the builder runs), its checks against the references, the folder's files and record."""
     og = require("onnxruntime_genai", "a decoder's genai folder")
     folder.mkdir(parents=True, exist_ok=True)
+    tokens = greedy_references(model, prompt_ids)
+    reference = decode_references(model, steps, batched=writer == "export")
+    config = model.config  # kept when the weights are let go
     start = time.perf_counter()
     metadata = {**description, "precision": "fp32", "graph": "decode-step"}
     if writer == "fused":
-        fused_decoder.build_fused(model, folder, metadata, tokenizer)
         lay = layout(model, padded=False)
+        fused_decoder.build_fused(model, folder, metadata, tokenizer, source=source, free=free)
         made = {"writer": f"onnxruntime-genai {og.__version__} model builder (fused operators)"}
     else:
         step = export_decoder_onnx(model, folder / GRAPH, opset, metadata)
         lay = step.lay
+        free()
         made = {"writer": f"torch.export (opset {opset})", "why_not_fused": why}
     seconds = time.perf_counter() - start
-    check = verify_decoder_onnx(model, folder / GRAPH, steps, batched=writer == "export")
+    check = check_decode_steps(reference, folder / GRAPH)
     worst = max(check["max_rel_error_per_step"])
     if worst > tol.max_rel_error:
         raise CorpError(
@@ -337,7 +370,7 @@ def _written(
     if writer == "export":
         for f in tokenizer:
             shutil.copy2(f, folder / f.name)
-        (folder / CONFIG).write_text(json.dumps(genai_config(step, model.config, lay), indent=2) + "\n")
+        (folder / CONFIG).write_text(json.dumps(genai_config(step, config, lay), indent=2) + "\n")
     loaded = genai_model(folder)
     record = {
         "file": GRAPH,
@@ -350,7 +383,7 @@ def _written(
         "kv_cache": lay.record(),
         "verify": {**check, "reference": "torch (its own key/value cache)", "tolerance": asdict(tol)},
         "tokenizer": check_tokenizer(folder, loaded),
-        "genai": verify_genai(folder, loaded, model, prompt_ids),
+        "genai": verify_genai(folder, loaded, tokens),
         **description,
     }
     (folder / f"{GRAPH}.json").write_text(json.dumps(record, indent=2) + "\n")

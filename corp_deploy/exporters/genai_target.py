@@ -10,6 +10,7 @@ A decoder's runtime is its genai folder, timed token by token by ``bench.decode`
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,12 @@ LOAD = "onnxruntime_genai.Model({p})"
 
 
 def write(job: Job) -> list[dict[str, Any]]:
-    """Every model's verified genai folder, for a decoder (options: ``decoder``, ``opset``, ``decode_graph``); each
-    folder appears whole or not at all. Returns each folder's brief for ``export.json`` (``pipeline.genai_brief``,
-    its ``file`` the folder's name); the folder's ``model.onnx.json`` holds the whole record."""
+    """Every model's verified genai folder, for a decoder (options: ``decoder``, ``opset``, ``graph``, and
+    ``folders``: each stem's ``transformers`` folder on disk, which genai's builder reads instead of a copy); each
+    folder appears whole or not at all. The model is let go (``Job.free``) once its references are computed, so the
+    builder, onnxruntime and genai run without it. Returns each folder's brief for ``export.json``
+    (``pipeline.genai_brief``, its ``file`` the folder's name); the folder's ``model.onnx.json`` holds the whole
+    record."""
     from corp_deploy.exporters.genai import write_genai_folder
     from corp_deploy.exporters.pipeline import genai_brief
 
@@ -39,12 +43,26 @@ def write(job: Job) -> list[dict[str, Any]]:
             model, description = job.models[stem]  # read now: ``pipeline.OneAtATime`` holds one at a time
             with atomic_dir(job.out / genai_name(stem)) as folder:
                 record = write_genai_folder(
-                    model, folder, description, job.out / ARTIFACT, o["opset"], None, job.opts.fp32, graph=o["graph"]
+                    model,
+                    folder,
+                    description,
+                    job.out / ARTIFACT,
+                    o["opset"],
+                    None,
+                    job.opts.fp32,
+                    graph=o["graph"],
+                    source=o.get("folders", {}).get(stem),
+                    free=job.free,
+                    again=functools.partial(_model, job, stem),
                 )
             briefs.append({"file": genai_name(stem), **genai_brief(record)})
             if line := filled(record, genai_name(stem)):
                 job.say(line)
     return briefs
+
+
+def _model(job: Job, stem: str) -> Any:
+    return job.models[stem][0]
 
 
 def filled(record: dict[str, Any], name: str) -> str:

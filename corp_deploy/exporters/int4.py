@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,7 +42,7 @@ from corp_deploy.exporters.int4_quant import (
     quiet,
 )
 from corp_deploy.exporters.onnx_export import load_onnx, onnx_bytes, onnx_sha256, read_metadata
-from corp_deploy.formats.run_folder import BASELINE_GENAI, write_sidecar
+from corp_deploy.formats.run_folder import BASELINE_GENAI, read_sidecar, write_sidecar
 
 BASELINE_RECIPE = "builder"
 
@@ -83,9 +83,16 @@ under ``auto``: each builder recipe reads the model and rebuilds it through gena
 each at that size), and the gate runs every candidate on every window; ``--int4-method`` still names any one."""
 Timer = Callable[[dict[str, Path]], dict[str, float]]
 """Genai folders by name -> decode ms/token by name."""
-BuilderInput = tuple[Callable[[], Any], Sequence[Path]]
-"""What the builder reads: the model (written as its prune artifact), read by the callable only when a builder recipe
-runs (a decoder's run holds one model at a time: ``pipeline.OneAtATime``), and its tokenizer files."""
+
+
+class BuilderInput(NamedTuple):
+    """What the builder reads for a model: its ``transformers`` ``folder`` on disk (the builder loads it itself),
+    else the model, read by ``read`` only when a builder recipe runs (a decoder's run holds one model at a time:
+    ``pipeline.OneAtATime``) and written as its prune artifact first; its ``tokenizer`` files."""
+
+    read: Callable[[], Any]
+    tokenizer: Sequence[Path]
+    folder: Path | None = None
 
 
 def recipes(method: str, scheme: Scheme) -> tuple[str, ...]:
@@ -249,23 +256,29 @@ def _project_candidate(src: Path, folder: Path, scheme: Scheme, calibration: np.
 
 
 def _builder_candidate(recipe: str, src: Path, folder: Path, scheme: Scheme, source: BuilderInput | None) -> None:
-    """genai's builder with ``recipe`` from the model's prune artifact: a folder of its own (graph, config,
-    tokenizer), the graph's metadata the FP32 graph's with the scheme and its 4- and 8-bit MatMuls."""
+    """genai's builder with ``recipe``: a folder of its own (graph, config, tokenizer), the graph's metadata the FP32
+    graph's with the scheme and its 4- and 8-bit MatMuls. The builder reads the model's folder on disk where it can
+    (its cache widths then pinned as the FP32 graph pins them), else the model, written as its prune artifact."""
     import onnx
 
-    from corp_deploy.exporters.fused_decoder import build_fused
+    from corp_deploy.exporters.fused_decoder import build_from_folder, build_fused, builder_folder, cache_dims
     from corp_deploy.exporters.genai import GRAPH
     from corp_deploy.exporters.onnx_export import add_metadata
 
     if source is None:
         raise CorpError("the builder reads the model, which this command does not hold (prune-export does)")
-    read, tokenizer = source
-    model = read()
-    meta = read_metadata(load_onnx(src / GRAPH, weights=False))
-    meta = {k: v for k, v in meta.items() if k != "kv_cache"} | {"precision": "int4"}
+    meta = read_metadata(load_onnx(src / GRAPH, weights=False)) | {"precision": "int4"}
     folder.mkdir(parents=True)
+    options = builder_options(recipe, scheme)
     with quiet():
-        build_fused(model, folder, meta, tokenizer, precision="int4", options=builder_options(recipe, scheme))
+        if (read := builder_folder(source.folder, source.tokenizer)) is not None:
+            fp32 = read_sidecar(src / GRAPH)
+            if not fp32.get("writer", "").startswith("onnxruntime-genai"):  # the FP32 graph says why not the builder's
+                raise CorpError(f"genai's model builder cannot write this model: {fp32.get('why_not_fused')}")
+            build_from_folder(read, folder, meta, cache_dims(src / GRAPH), precision="int4", options=options)
+        else:
+            meta.pop("kv_cache", None)
+            build_fused(source.read(), folder, meta, source.tokenizer, precision="int4", options=options)
     proto = onnx.load(str(folder / GRAPH), load_external_data=False)
     bits = {
         n.name: next(a.i for a in n.attribute if a.name == "bits")

@@ -259,54 +259,74 @@ def _reference_steps(model: nn.Module, ids: Tensor, mask: Tensor, steps: int) ->
     return calls
 
 
-def verify_decoder_onnx(
-    model: nn.Module, path: str | Path, steps: int = 4, seed: int = 0, padded: bool = True, batched: bool = True
-) -> dict[str, Any]:
-    """Prefill + ``steps`` decode steps in onnxruntime, each step's past fed from the last step's present, against
-    the torch model with its own cache: the largest |onnxruntime - torch| / max |torch| over real tokens, per step.
+@dataclass(frozen=True)
+class DecodeReference:
+    """torch's logits over a prefill and decode steps (``decode_references``), kept to check a graph with
+    (``check_decode_steps``) once the model is let go: the 1.7B shape's float32 weights (6.4 GiB) and an onnxruntime
+    session of its graph (as much again) are never held together."""
 
-    The graph's inputs and outputs are matched by name, so any decode-step graph with genai's names is checked
-    (this module's, and genai's builder's, which counts positions itself and takes no ``position_ids``).
-    ``batched``: the ``VERIFY_PROMPTS`` in one left-padded batch; else one at a time (the builder's attention
-    reads a mask's padding on the right, as genai feeds it, not ``generate``'s left padding)."""
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    calls: tuple[tuple[tuple[dict[str, np.ndarray], list[tuple[np.ndarray, np.ndarray, np.ndarray]]], ...], ...]
+    """Per prompt batch: (its empty past by input name, each call's (input_ids, attention_mask, logits))."""
+    steps: int
+    batched: bool
+
+
+def decode_references(
+    model: nn.Module, steps: int = 4, seed: int = 0, padded: bool = True, batched: bool = True
+) -> DecodeReference:
+    """The torch model's own prefill + ``steps`` greedy decode steps on the ``VERIFY_PROMPTS`` (in one left-padded
+    batch, or one at a time unless ``batched``: the builder's attention reads a mask's padding on the right, as
+    genai feeds it, not ``generate``'s left padding), with its own key/value cache: what ``check_decode_steps``
+    compares a graph with."""
+    step = DecodeStep(model, padded)
+    names, outputs = step.names()
+    groups = []
+    for lengths in [VERIFY_PROMPTS] if batched else [(n,) for n in VERIFY_PROMPTS]:
+        g = torch.Generator().manual_seed(seed)
+        longest = max(lengths)
+        ids = torch.randint(0, model.config.vocab_size, (len(lengths), longest), generator=g)
+        mask = (torch.arange(longest)[None] >= torch.tensor([longest - n for n in lengths])[:, None]).long()
+        with torch.inference_mode():
+            calls = [(i.numpy(), m.numpy(), z.numpy()) for i, m, z in _reference_steps(model, ids, mask, steps)]
+        empty = step.empty_past(len(lengths))
+        past = {n: t.numpy() for n, t in zip(names[-2 * len(step.lay.key) :], empty, strict=True)}
+        groups.append((past, calls))
+    return DecodeReference(tuple(names), tuple(outputs), tuple(groups), steps, batched)
+
+
+def check_decode_steps(reference: DecodeReference, path: str | Path) -> dict[str, Any]:
+    """The graph at ``path`` in onnxruntime over ``reference``'s calls, each step's past fed from the last step's
+    present: the largest |onnxruntime - torch| / max |torch| over real tokens, per step. Inputs and outputs are
+    matched by name, so any decode-step graph with genai's names is checked (``export_decoder_onnx``'s, and genai's
+    builder's, which counts positions itself and takes no ``position_ids``)."""
     ort = require("onnxruntime", "ONNX verification")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    step = DecodeStep(model, padded)
-    errors = [0.0] * (steps + 1)
-    for lengths in [VERIFY_PROMPTS] if batched else [(n,) for n in VERIFY_PROMPTS]:
-        for k, e in enumerate(_step_errors(session, step, lengths, steps, seed)):
-            errors[k] = max(errors[k], e)
+    wanted, outputs = {i.name for i in session.get_inputs()}, list(reference.outputs)
+    errors = [0.0] * (reference.steps + 1)
+    for past, calls in reference.calls:
+        for k, (ids, mask, ref) in enumerate(calls):
+            feeds = {"input_ids": ids, "attention_mask": mask, **past}
+            feeds["position_ids"] = positions(torch.from_numpy(mask))[:, -ids.shape[1] :].numpy()
+            try:
+                run = session.run(outputs, {k_: v for k_, v in feeds.items() if k_ in wanted})
+            except Exception as e:  # onnxruntime's own exception types
+                raise CorpError(f"onnxruntime cannot run the decode-step graph: {first_line(e)}") from None
+            got = dict(zip(outputs, run, strict=True))
+            past = {name.replace("present", "past_key_values", 1): got[name] for name in outputs[1:]}
+            real = mask[:, -ids.shape[1] :].astype(bool)
+            errors[k] = max(errors[k], float(np.abs(got["logits"] - ref)[real].max() / np.abs(ref[real]).max()))
     return {
         "prompt_lengths": list(VERIFY_PROMPTS),
-        "batched": batched,
-        "decode_steps": steps,
+        "batched": reference.batched,
+        "decode_steps": reference.steps,
         "max_rel_error_per_step": errors,
     }
 
 
-def _step_errors(session: Any, step: DecodeStep, lengths: Sequence[int], steps: int, seed: int) -> list[float]:
-    """Per call (prefill, then each decode step), the relative error of the graph's logits on a batch of prompts
-    of ``lengths`` tokens, left-padded to the longest."""
-    model, (names, outputs) = step.model, step.names()
-    wanted = {i.name for i in session.get_inputs()}
-    longest = max(lengths)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (len(lengths), longest), generator=g)
-    mask = (torch.arange(longest)[None] >= torch.tensor([longest - n for n in lengths])[:, None]).long()
-    with torch.inference_mode():
-        calls = _reference_steps(model, ids, mask, steps)
-    past = {n: t.numpy() for n, t in zip(names[-2 * len(step.lay.key) :], step.empty_past(len(lengths)), strict=True)}
-    errors = []
-    for ids_, mask_, ref in calls:
-        feeds = {"input_ids": ids_.numpy(), "attention_mask": mask_.numpy(), **past}
-        feeds["position_ids"] = positions(mask_)[:, -ids_.shape[1] :].numpy()
-        try:
-            run = session.run(outputs, {k: v for k, v in feeds.items() if k in wanted})
-        except Exception as e:  # onnxruntime's own exception types
-            raise CorpError(f"onnxruntime cannot run the decode-step graph: {first_line(e)}") from None
-        got = dict(zip(outputs, run, strict=True))
-        past = {name.replace("present", "past_key_values", 1): got[name] for name in outputs[1:]}
-        real = mask_[:, -ids_.shape[1] :].numpy().astype(bool)
-        ref_ = ref.numpy()
-        errors.append(float(np.abs(got["logits"] - ref_)[real].max() / np.abs(ref_[real]).max()))
-    return errors
+def verify_decoder_onnx(
+    model: nn.Module, path: str | Path, steps: int = 4, seed: int = 0, padded: bool = True, batched: bool = True
+) -> dict[str, Any]:
+    """``check_decode_steps`` of the graph at ``path`` against ``model``'s ``decode_references``, the model held."""
+    return check_decode_steps(decode_references(model, steps, seed, padded, batched), path)

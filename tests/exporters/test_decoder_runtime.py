@@ -224,6 +224,56 @@ def test_the_fused_graph_is_genais_own_ops_at_the_models_widths_and_generates_tr
     assert [v[0] for _, v in sorted(downs.items())] == widths and (name == "dense") == (widths[0] == widths[1])
 
 
+def test_the_builder_reads_the_models_folder_and_runs_with_the_model_let_go(
+    fused, tokenizer_dir, tmp_path, monkeypatch
+):
+    """References first (the decode steps' logits, ``generate``'s tokens), then ``free``, then genai's builder on the
+    model's own folder on disk (no copy written), onnxruntime's check and genai's generation, none with the torch
+    model's weights resident: the record and its tokens are those of a run that held the model throughout."""
+    pytest.importorskip("onnxruntime_genai", reason="genai folders need onnxruntime-genai (pip install '.[genai]')")
+    from corp_deploy.exporters import fused_decoder, genai
+
+    held, _, want = fused["dense"]
+    model = copy.deepcopy(held)
+    source = tmp_path / "source"
+    model.save_pretrained(source)
+    shutil.copytree(tokenizer_dir, source, dirs_exist_ok=True)
+    order: list[tuple[str, bool]] = []
+
+    def resident() -> bool:
+        return any(not p.is_meta for p in model.parameters())
+
+    def spying(module, name):
+        real = getattr(module, name)
+
+        def spy(*args, **kwargs):
+            order.append((name, resident()))
+            if name == "build_from_folder":
+                assert args[0] == source  # the folder on disk, not a copy
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+
+    for module, name in ((fused_decoder, "build_from_folder"), (genai, "check_decode_steps"), (genai, "genai_model")):
+        spying(module, name)
+    monkeypatch.setattr(fused_decoder, "save_pruned", _never)
+
+    def free() -> None:
+        model.to("meta")
+        order.append(("free", resident()))
+
+    got = write_genai_folder(
+        model, tmp_path / "genai", {"modality": "text"}, tokenizer_dir, graph="fused", source=source, free=free
+    )
+    assert order == [
+        ("free", False),
+        ("build_from_folder", False),
+        ("check_decode_steps", False),
+        ("genai_model", False),
+    ]
+    assert got["genai"] == want["genai"] and got["verify"] == want["verify"] and got["kv_cache"] == want["kv_cache"]
+
+
 def tiny_rope(kind: str, **window):
     """A tiny random Mistral or Qwen2 (heads of 16 over 2 K/V heads, random biases for Qwen2's q/k/v)."""
     torch.manual_seed(0)
@@ -262,14 +312,14 @@ def test_a_fused_graph_that_fails_its_check_is_replaced_under_auto_and_refused_w
     from corp_deploy.base.errors import CorpError
     from corp_deploy.exporters import genai
 
-    real = genai.verify_decoder_onnx
+    real = genai.check_decode_steps
 
-    def broken_fused(model, path, steps, batched=True):  # the fused graph is checked one prompt at a time
-        if not batched:
+    def broken_fused(reference, path):  # the fused graph is checked one prompt at a time
+        if not reference.batched:
             raise CorpError("onnxruntime cannot run the decode-step graph: (a stand-in failure)")
-        return real(model, path, steps, batched=batched)
+        return real(reference, path)
 
-    monkeypatch.setattr(genai, "verify_decoder_onnx", broken_fused)
+    monkeypatch.setattr(genai, "check_decode_steps", broken_fused)
     model = tiny_decoder("llama", head=16, layers=1)
     record = write_genai_folder(model, tmp_path / "auto", {"modality": "text"}, tokenizer_dir)
     assert record["writer"].startswith("torch.export") and "a stand-in failure" in record["why_not_fused"]
@@ -417,7 +467,8 @@ def test_prune_export_on_a_decoder_needs_genai_before_pruning(llama_folder, tmp_
 @pytest.mark.e2e
 def test_prune_export_of_a_decoder_holds_one_model_at_a_time(llama_folder, tmp_path, capsys, monkeypatch) -> None:
     """Each graph and genai folder is written with one model's weights in memory, the other's let go (on the meta
-    device): the 1.7B shape's dense and pruned float32 weights together would be 11.8 GB beside the exporters'."""
+    device): the 1.7B shape's dense and pruned float32 weights together would be 11.8 GB beside the exporters'. A
+    genai folder's graph is checked and generated with once the model is let go too (its references kept)."""
     pytest.importorskip("onnxruntime_genai", reason="genai folders need onnxruntime-genai (pip install '.[genai]')")
     import gc
 
@@ -441,12 +492,23 @@ def test_prune_export_of_a_decoder_holds_one_model_at_a_time(llama_folder, tmp_p
 
         return spy
 
+    def let_go(real, what):  # onnxruntime's check and genai's run of the folder: no model beside them
+        def spy(*args, **kwargs):
+            made = [m for m in llamas() if not any(m is o for o in others)]
+            assert not [m for m in made if any(not p.is_meta for p in m.parameters())], what
+            written.append(what)
+            return real(*args, **kwargs)
+
+        return spy
+
     monkeypatch.setattr(pipeline, "export_verified", spying(pipeline.export_verified, "onnx"))
     monkeypatch.setattr(genai, "write_genai_folder", spying(genai.write_genai_folder, "genai"))
+    monkeypatch.setattr(genai, "check_decode_steps", let_go(genai.check_decode_steps, "check"))
+    monkeypatch.setattr(genai, "genai_model", let_go(genai.genai_model, "run"))
     argv = ["prune-export", str(llama_folder), "--calib", "synthetic", "--seq-len", "16", "--precision", "fp32"]
     code, _, stderr = run([*argv, "--verify-batch-sizes", "1,2", "--quiet", "--out", str(tmp_path / "run")], capsys)
     assert code == 0, stderr
-    assert written == ["onnx", "onnx", "genai", "genai"]  # dense, pruned, each read again
+    assert written == ["onnx", "onnx", *["genai", "check", "run"] * 2]  # dense, pruned, each read again
     memory_ = json.loads((tmp_path / "run" / "export.json").read_text())["memory"]  # predicted beside measured
     assert memory_["plan"]["model_gib"] * memory.GIB == memory.safetensors_bytes(llama_folder, itemsize=4)
     assert memory_["plan"]["peak_gib"] > memory_["plan"]["model_gib"] and memory_["host_rss_mib"] > 0

@@ -25,6 +25,7 @@ from corp_deploy.exporters.genai import GRAPH, tokenizer_files, write_genai_fold
 from corp_deploy.exporters.int4 import (  # noqa: E402
     AUTO,
     RECIPES,
+    BuilderInput,
     format_int4,
     format_int4_speed,
     int4_baseline,
@@ -34,6 +35,7 @@ from corp_deploy.exporters.int4 import (  # noqa: E402
 )
 from corp_deploy.exporters.int4_gate import DecoderTolerance  # noqa: E402
 from corp_deploy.exporters.int4_quant import Scheme  # noqa: E402
+from corp_deploy.exporters.onnx_export import read_metadata  # noqa: E402
 from corp_deploy.families.hf import hub  # noqa: E402
 from corp_deploy.formats.run_folder import BASELINE_GENAI  # noqa: E402
 
@@ -46,14 +48,14 @@ ALL = (*RECIPES, "minmax")
 
 @pytest.fixture(scope="module")
 def fused(tmp_path_factory) -> tuple[Path, tuple]:
-    """(the FP32 genai folder written by genai's builder, the builder's input: the model's reader and tokenizer
-    files)."""
+    """(the FP32 genai folder written by genai's builder, the builder's input: the model's reader, tokenizer files
+    and folder on disk)."""
     root = tmp_path_factory.mktemp("int4-choice")
     folder, _ = tiny_llama_folder(root, layers=1)
     model, _ = hub.load(str(folder))
     genai = root / "dense-genai"
     write_genai_folder(model, genai, {"modality": "text"}, folder, graph="fused")
-    return genai, (lambda: model, tokenizer_files(folder))
+    return genai, BuilderInput(lambda: model, tokenizer_files(folder), folder)
 
 
 def _windows() -> np.ndarray:
@@ -247,3 +249,33 @@ def test_the_quantize_only_baseline_is_the_builders_int4_kept_and_labelled_with_
     assert "genai builder -p int4 of the dense model" in row and verdict in row and "2.40" in row and "1.00x" in row
     row = next(line for line in rows if line.startswith("dense-genai-int4 "))
     assert "minmax" in row and "passes gate" in row and "3.00" in row and "0.80x" in row
+
+
+def test_the_builder_reads_the_models_folder_and_the_model_only_where_there_is_none(fused, tmp_path, monkeypatch):
+    """An INT4 builder candidate (the quantize-only baseline) is built from the model's folder on disk: the model is
+    not read, nor written again as a copy. Without a folder the model is read and written for the builder, to the
+    same graph."""
+    from corp_deploy.exporters import fused_decoder
+
+    genai, source = fused
+    tol, never = LOOSE, BuilderInput(_never, source.tokenizer, source.folder)
+    saves: list[Path] = []
+    real = fused_decoder.save_pruned
+    monkeypatch.setattr(
+        fused_decoder, "save_pruned", lambda model, out, meta: saves.append(out) or real(model, out, meta)
+    )
+    from_folder = int4_baseline(genai, tmp_path / "folder" / BASELINE_GENAI, _windows(), tol, never)
+    assert saves == []
+    from_model = int4_baseline(
+        genai, tmp_path / "model" / BASELINE_GENAI, _windows(), tol, source._replace(folder=None)
+    )
+    assert len(saves) == 1 and from_folder["verify"] == from_model["verify"]
+    meta = [
+        read_metadata(onnx.load(str(tmp_path / f / BASELINE_GENAI / GRAPH), load_external_data=False))
+        for f in ("folder", "model")
+    ]
+    assert meta[0] == meta[1] and meta[0]["kv_cache"] and meta[0]["precision"] == "int4"
+
+
+def _never():
+    raise AssertionError("the model was read although its folder is on disk")
