@@ -199,7 +199,7 @@ def weight_matmuls(proto) -> list[str]:
     return [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in constants]
 
 
-def lm_head(proto) -> str | None:
+def lm_head(proto, base_dir: str = "") -> str | None:
     """Name of the MatMul that writes ``logits``, after its weight is made a constant: a key/value-cache graph reads
     the tied embedding through ``Transpose``, which hides it from the quantizer, so the transposed weight becomes
     its own initializer (the embedding's Gather keeps the original). None when no MatMul writes the logits."""
@@ -213,7 +213,7 @@ def lm_head(proto) -> str | None:
     feed = producers.get(head.input[1])
     tied = feed is not None and feed.op_type == "Transpose" and feed.input[0] in constants
     if head.input[1] not in constants and tied and len(constants[feed.input[0]].dims) == 2:
-        weight = numpy_helper.to_array(constants[feed.input[0]]).T.copy()
+        weight = numpy_helper.to_array(constants[feed.input[0]], base_dir).T.copy()
         proto.graph.initializer.append(numpy_helper.from_array(weight, f"{feed.input[0]}.transposed"))
         head.input[1] = f"{feed.input[0]}.transposed"
         if not any(feed.output[0] in n.input for n in proto.graph.node):
@@ -271,7 +271,12 @@ MINS = ".block_min"
 
 
 def minmax_int4(
-    proto, block: int, accuracy_level: int, exclude: set[str], grids: dict[str, tuple] | None = None
+    proto,
+    block: int,
+    accuracy_level: int,
+    exclude: set[str],
+    grids: dict[str, tuple] | None = None,
+    base_dir: str = "",
 ) -> None:
     """Rewrite, in place, every weight MatMul of ``proto`` outside ``exclude`` as llama.cpp's Q4_1 does: per block
     of ``block`` input channels and output column, the minimum ``m`` and step ``d = (max - min) / 15``, codes
@@ -281,7 +286,8 @@ def minmax_int4(
     codes on onnxruntime's fast kernel; the minimum adds ``(x @ S) @ M``, ``S`` the [K, K/block] block indicator
     (one per K, shared by the MatMuls of one input) and ``M`` the [K/block, N] minima, two small FP32 MatMuls and
     an Add. A weight already on such a grid (a GGUF Q4_1 model, dequantized) comes back exactly. A K that is not a
-    multiple of ``block`` ends in a short block (MatMulNBits pads it)."""
+    multiple of ``block`` ends in a short block (MatMulNBits pads it). A weight the graph keeps outside is read from
+    ``base_dir`` when its MatMul's turn comes, one at a time (the 1.7B shape's 6.4 GiB never held whole)."""
     from onnx import helper, numpy_helper
 
     constants = {t.name: t for t in proto.graph.initializer}
@@ -296,7 +302,7 @@ def minmax_int4(
         k, n = weight.dims
         blocks, x, out = -(-k // block), node.input[0], node.output[0]
         grid = grids.get(node.name)
-        codes, low, step = grid or minmax_grid(numpy_helper.to_array(weight).astype(np.float32), block)
+        codes, low, step = grid or minmax_grid(numpy_helper.to_array(weight, base_dir).astype(np.float32), block)
         if k % block:  # the short last block's padding takes its first row's codes (MatMulNBits ignores them)
             codes = np.concatenate([codes, np.repeat(codes[(blocks - 1) * block][None], blocks * block - k, 0)])
         codes = codes.reshape(blocks, block, n).transpose(2, 0, 1)
@@ -403,8 +409,9 @@ def dequantize(node, constants: dict[str, np.ndarray]) -> np.ndarray:
     return ((codes.astype(np.float32) - zero) * scales).reshape(n, -1)[:, :k].T
 
 
-def _activations(fp32, names: set[str], windows: np.ndarray) -> Iterator[dict[str, np.ndarray]]:
-    """The FP32 graph's tensors ``names`` on each window (a prefill from an empty cache), one dict a window."""
+def _activations(fp32, names: set[str], windows: np.ndarray, base_dir: str = "") -> Iterator[dict[str, np.ndarray]]:
+    """The FP32 graph's tensors ``names`` on each window (a prefill from an empty cache), one dict a window.
+    ``fp32`` may leave its weights in external data beside the graph, in ``base_dir`` (onnxruntime reads them)."""
     import onnx
 
     ort = require("onnxruntime", "INT4 calibration")
@@ -412,72 +419,111 @@ def _activations(fp32, names: set[str], windows: np.ndarray) -> Iterator[dict[st
     augmented.CopyFrom(fp32)
     outputs = sorted(set(names) - {o.name for o in augmented.graph.output})
     augmented.graph.output.extend(onnx.ValueInfoProto(name=name) for name in outputs)
-    session = ort.InferenceSession(augmented.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(base_dir or "."))
+    session = ort.InferenceSession(augmented.SerializeToString(), options, providers=["CPUExecutionProvider"])
     del augmented
     names = sorted(names)
     for window in windows:
         yield dict(zip(names, session.run(names, prefill_feeds(session, window[None])), strict=True))
 
 
-def input_moments(fp32, matmuls: set[str], windows: np.ndarray) -> dict[str, np.ndarray]:
+ACTIVATION_BYTES = 2**30
+"""The error ranking holds each weight MatMul's input on the ranking windows, as rows, up to this many bytes: beyond,
+every s-th token is kept (the 1.7B shape's 16 x 128 tokens at 24 layers are 2.8 GB in full). The ranking only has to
+separate MatMuls that reproduce their weight from those off the grid (tens of dB apart); small models keep every
+row (SmolLM2-135M: 0.8 GB)."""
+
+
+def ranking_activations(fp32, windows: np.ndarray, base_dir: str = "") -> dict[str, np.ndarray]:
+    """{input name: rows (tokens, K)} of every weight MatMul's input in the FP32 graph on ``windows``, each token a
+    row (every ``stride``-th one where all would pass ``ACTIVATION_BYTES``): computed once, in one FP32 session, before
+    any quantized copy is made, and read by ``matmul_errors`` for every MatMul."""
+    constants = {t.name: t for t in fp32.graph.initializer}
+    widths = {
+        n.input[0]: constants[n.input[1]].dims[0]
+        for n in fp32.graph.node
+        if n.op_type == "MatMul" and n.input[1] in constants and len(constants[n.input[1]].dims) == 2
+    }
+    full = 4 * windows.shape[0] * windows.shape[1] * sum(widths.values())
+    stride = -(-full // ACTIVATION_BYTES)
+    rows: dict[str, list[np.ndarray]] = {name: [] for name in widths}
+    for acts in _activations(fp32, set(widths), windows, base_dir):
+        for name, x in acts.items():
+            rows[name].append(x.reshape(-1, x.shape[-1])[::stride].astype(np.float32))
+    return {name: np.concatenate(r) for name, r in rows.items()}
+
+
+def input_moments(fp32, matmuls: set[str], windows: np.ndarray, base_dir: str = "") -> dict[str, np.ndarray]:
     """{MatMul: X^T X} (float64, (K, K)) of each named MatMul's input X in the FP32 graph on ``windows`` (every
     token of every window a row): the Hessian of its output error, for ``gptq_grid``."""
     inputs = {n.name: n.input[0] for n in fp32.graph.node if n.name in matmuls}
     moments: dict[str, np.ndarray] = {}
-    for acts in _activations(fp32, set(inputs.values()), windows):
+    for acts in _activations(fp32, set(inputs.values()), windows, base_dir):
         for act, x in acts.items():
             x = x.reshape(-1, x.shape[-1]).astype(np.float64)
             moments[act] = moments.get(act, 0) + x.T @ x
     return {name: moments[act] for name, act in inputs.items()}
 
 
-def matmul_errors(fp32, quantized, windows: np.ndarray) -> list[tuple[str, float]]:
+def matmul_errors(
+    fp32, quantized, windows: np.ndarray, base_dir: str = "", activations: dict[str, np.ndarray] | None = None
+) -> list[tuple[str, float]]:
     """(quantized MatMul, output SQNR in dB), worst first: each MatMulNBits' output from the FP32 graph's own
-    activation (its input in the FP32 graph, on ``windows``) and the dequantized weight, against the same
-    activation through the float weight. Local, as ``int8_quant.gemm_errors`` for INT8: it ranks where precision
-    is lost, not where the loss arrives."""
+    activation (its input in the FP32 graph, on ``windows``, or the ``ranking_activations`` given) and the dequantized
+    weight, against the same activation through the float weight. Local, as ``int8_quant.gemm_errors`` for INT8: it
+    ranks where precision is lost, not where the loss arrives. One MatMul's float and dequantized weights are held at
+    a time (the float one read from ``base_dir`` where the graph keeps it outside)."""
     from onnx import numpy_helper
 
+    acts = activations if activations is not None else ranking_activations(fp32, windows, base_dir)
     float_weights = {t.name: t for t in fp32.graph.initializer}
     originals = {n.name: n for n in fp32.graph.node if n.op_type == "MatMul"}
     constants = {t.name: t for t in quantized.graph.initializer}
-    targets = []
+    errors = []
     for node in quantized.graph.node:
         base = node.name.rsplit("_Q", 1)[0]  # every quantizer names the node <MatMul>_Q<bits>
-        if node.op_type == QUANTIZED_OP and base in originals:
-            original = originals[base]
-            weight = numpy_helper.to_array(float_weights[original.input[1]])
-            arrays = {i: numpy_helper.to_array(constants[i]) for i in node.input[1:] if i}
-            dequantized = dequantize(node, arrays)
-            if f"{base}{MINS}" in constants:  # minmax: the block minima come in through their own MatMul
-                low = numpy_helper.to_array(constants[f"{base}{MINS}"])
-                block = next(a.i for a in node.attribute if a.name == "block_size")
-                dequantized += np.repeat(low, block, axis=0)[: dequantized.shape[0]]
-            targets.append((original.name, node.input[0], weight, dequantized))
-    signal, noise = np.zeros(len(targets)), np.zeros(len(targets))
-    for acts in _activations(fp32, {t[1] for t in targets}, windows):
-        for i, (_, act, weight, dequantized) in enumerate(targets):
-            x = acts[act].reshape(-1, weight.shape[0]).astype(np.float32)
-            reference = x @ weight
-            signal[i] += float(np.square(reference, dtype=np.float64).sum())
-            noise[i] += float(np.square(reference - x @ dequantized, dtype=np.float64).sum())
-    errors = [
-        (t[0], float("inf") if s == 0 else 10 * np.log10(s / max(e, 1e-30)))
-        for t, s, e in zip(targets, signal, noise, strict=True)
-    ]
+        if node.op_type != QUANTIZED_OP or base not in originals:
+            continue
+        original = originals[base]
+        weight = numpy_helper.to_array(float_weights[original.input[1]], base_dir).astype(np.float32)
+        dequantized = dequantize(node, {i: numpy_helper.to_array(constants[i]) for i in node.input[1:] if i})
+        if f"{base}{MINS}" in constants:  # minmax: the block minima come in through their own MatMul
+            low = numpy_helper.to_array(constants[f"{base}{MINS}"])
+            block = next(a.i for a in node.attribute if a.name == "block_size")
+            dequantized += np.repeat(low, block, axis=0)[: dequantized.shape[0]]
+        x = acts[original.input[0]]
+        reference = x @ weight
+        signal = float(np.square(reference, dtype=np.float64).sum())
+        noise = float(np.square(reference - x @ dequantized, dtype=np.float64).sum())
+        errors.append((original.name, float("inf") if signal == 0 else 10 * np.log10(signal / max(noise, 1e-30))))
     return sorted(errors, key=lambda e: e[1])
 
 
 def _quantize(
-    nbits, fp32, scheme: Scheme, exclude: set[str], int8: set[str], calibration, src, grids: dict | None = None
+    nbits,
+    fp32,
+    scheme: Scheme,
+    exclude: set[str],
+    int8: set[str],
+    calibration,
+    src,
+    base_dir: str = "",
+    grids: dict | None = None,
 ) -> Any:
     """A copy of ``fp32`` with every weight MatMul outside ``exclude`` in INT4 by ``scheme`` (``minmax``: on the
     codes, minima and steps ``grids`` gives for a MatMul), then those of ``int8`` (a subset of ``exclude``) in 8
-    bits (round to nearest, symmetric, blocks of ``block_size``)."""
+    bits (round to nearest, symmetric, blocks of ``block_size``). ``fp32`` may keep its weights outside, in
+    ``base_dir``: ``minmax`` reads them one at a time and the copy takes in only what stays float (the embedding,
+    the norms, the LM head); onnxruntime's quantizers take the whole graph in memory."""
+    from onnx.external_data_helper import load_external_data_for_model
+
     proto = type(fp32)()
     proto.CopyFrom(fp32)
     if scheme.method == "minmax":
-        minmax_int4(proto, scheme.block_size, scheme.accuracy_level, exclude, grids)
+        minmax_int4(proto, scheme.block_size, scheme.accuracy_level, exclude, grids, base_dir)
+    load_external_data_for_model(proto, base_dir)  # what stays float; all of it for onnxruntime's quantizers
+    if scheme.method == "minmax":
         quantized = proto
     elif scheme.method == "gptq":  # onnxruntime's GPTQ ignores nodes_to_exclude: hide their weights instead
         with _hidden(proto, exclude):
@@ -521,16 +567,18 @@ def _chosen(errors: list[tuple[str, float]], scheme: Scheme, taken: set[str], wi
     return floats, int8
 
 
-def error_feedback_grids(fp32, names: set[str], windows: np.ndarray, block: int) -> dict[str, tuple]:
+def error_feedback_grids(
+    fp32, names: set[str], windows: np.ndarray, block: int, base_dir: str = ""
+) -> dict[str, tuple]:
     """minmax's grid with GPTQ's error feedback (``int4_grid.gptq_grid``) for the MatMuls ``names``: each from its
     FP32 weight and its input's second moment in the FP32 graph on ``windows``."""
     from onnx import numpy_helper
 
     weights = {t.name: t for t in fp32.graph.initializer}
-    moments = input_moments(fp32, names, windows)
+    moments = input_moments(fp32, names, windows, base_dir)
     return {
         node.name: gptq_grid(
-            numpy_helper.to_array(weights[node.input[1]]).astype(np.float32),
+            numpy_helper.to_array(weights[node.input[1]], base_dir).astype(np.float32),
             moments[node.name],
             block,
             integer_zero=True,
@@ -568,34 +616,37 @@ def quantize_int4(
     nbits = require("onnxruntime.quantization.matmul_nbits_quantizer", "INT4 quantization")
     decoder_graph(src)
     needs_calibration(scheme, calibration)
-    fp32 = load_onnx(src)
-    head = lm_head(fp32) if scheme.lm_head != "fp32" else _head_name(fp32)
+    fp32 = load_onnx(src, weights=False)  # the weights read one MatMul at a time (``minmax_int4``)
+    base = str(Path(src).parent)
+    ranking = calibration[:RANK_WINDOWS] if scheme.ranked else None
+    acts = ranking_activations(fp32, ranking, base) if scheme.ranked else None  # the FP32 session alone
+    head = lm_head(fp32, base) if scheme.lm_head != "fp32" else _head_name(fp32)
     matmuls = weight_matmuls(fp32)
     if unknown := [n for n in scheme.keep_nodes if n not in matmuls]:
         raise CorpError(f"--int4 keep_nodes {', '.join(unknown)}: no weight MatMul of that name in {src}")
     kept = {n: "named by the caller" for n in scheme.keep_nodes}
     int8 = {head} if head and scheme.lm_head == "int8" else set()
     exclude = set(kept) | ({head} if head and scheme.lm_head != "int4" else set())
-    quantized = _quantize(nbits, fp32, scheme, exclude, int8, calibration, src)
+    quantized = _quantize(nbits, fp32, scheme, exclude, int8, calibration, src, base)
     errors: list[tuple[str, float]] = []
     outliers: dict[str, str] = {}
     refined: dict[str, str] = {}
     grids: dict[str, tuple] = {}
     if scheme.ranked:
-        ranking = calibration[:RANK_WINDOWS]
-        errors = [e for e in matmul_errors(fp32, quantized, ranking) if e[0] != head]  # the head: --int4-lm-head
+        errors = [e for e in matmul_errors(fp32, quantized, ranking, base, acts) if e[0] != head]  # --int4-lm-head
         floats, outliers = _chosen(errors, scheme, set(kept), len(ranking))
         kept |= floats
         if outliers and scheme.method == "minmax" and scheme.error_feedback:
-            grids = error_feedback_grids(fp32, set(outliers), calibration, scheme.block_size)
+            grids = error_feedback_grids(fp32, set(outliers), calibration, scheme.block_size, base)
             outliers = {}
         if floats or outliers or grids:
             # again without them: each MatMul's quantization reads only its own weight (and, for GPTQ, the FP32
             # graph's activations), so the others come out as in the first pass
             exclude |= set(floats) | set(outliers)
-            quantized = _quantize(nbits, fp32, scheme, exclude, int8 | set(outliers), calibration, src, grids)
+            quantized = None  # let the first pass go before the second is made
+            quantized = _quantize(nbits, fp32, scheme, exclude, int8 | set(outliers), calibration, src, base, grids)
         if grids:
-            refined = _with_feedback(errors, matmul_errors(fp32, quantized, ranking), grids, len(ranking))
+            refined = _with_feedback(errors, matmul_errors(fp32, quantized, ranking, base, acts), grids, len(ranking))
     import onnx
 
     for node in quantized.graph.node:  # HQQ's nodes carry none; onnxruntime's GPTQ adds no opset for its op

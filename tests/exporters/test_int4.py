@@ -469,3 +469,36 @@ def test_int4_on_a_vision_model_or_an_encoder_is_one_line_and_writes_nothing(ber
     code, _, stderr = run(["quantize", str(graph), "--precision", "int4", "--calib", "synthetic"], capsys)
     assert code == 1 and "not a decoder graph" in stderr and stderr.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bert.onnx"]
+
+
+def test_a_graph_with_external_weights_is_quantized_one_weight_at_a_time_to_the_same_int4_graph(
+    decoder, tmp_path, monkeypatch
+) -> None:
+    """The FP32 graph is read without its weights (the 1.7B shape's are 6.4 GiB beside the graph): each MatMul's
+    weight is read when its turn comes, onnxruntime reads the ranking's activations from the file, and what stays
+    float is taken in last. The INT4 graph is the one quantized from the graph held whole."""
+    from corp_deploy.exporters import int4_quant
+
+    _, _, graph = decoder
+    outside = tmp_path / "outside" / "model.onnx"
+    outside.parent.mkdir()
+    proto = onnx.load(str(graph))
+    onnx.save(proto, str(outside), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    loads: list[bool] = []
+    real = int4_quant.load_onnx
+
+    def spy(path, weights=True):
+        loads.append(weights)
+        return real(path, weights)
+
+    monkeypatch.setattr(int4_quant, "load_onnx", spy)
+    scheme = Scheme(block_size=16)  # minmax, the LM head in 8 bits, MatMuls ranked on calibration windows
+    whole, apart = tmp_path / "whole.int4.onnx", tmp_path / "apart.int4.onnx"
+    int4_quant.quantize_int4(graph, whole, scheme, _calibration())
+    int4_quant.quantize_int4(outside, apart, scheme, _calibration())
+    assert loads and not any(loads)  # never with its weights
+    a, b = onnx.load(str(whole)), onnx.load(str(apart))
+    assert [n.SerializeToString() for n in a.graph.node] == [n.SerializeToString() for n in b.graph.node]
+    assert a.metadata_props == b.metadata_props and len(a.graph.initializer) == len(b.graph.initializer)
+    for x, y in zip(a.graph.initializer, b.graph.initializer, strict=True):
+        assert x.name == y.name and np.array_equal(onnx.numpy_helper.to_array(x), onnx.numpy_helper.to_array(y))
