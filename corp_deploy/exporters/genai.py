@@ -291,6 +291,7 @@ def write_genai_folder(
     source: Path | None = None,
     free: Callable[[], None] = lambda: None,
     again: Callable[[], nn.Module] | None = None,
+    say: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Write and verify the genai folder for ``model`` into ``folder`` (created; callers stage it); its record.
 
@@ -303,7 +304,8 @@ def write_genai_folder(
     Both references are computed first; ``free`` is then called as soon as the model's weights are no longer needed
     (the exported graph written; for the builder, before it loads its own copy from ``source``, the model's
     ``transformers`` folder, or from a copy written first where there is none). ``again`` reads the model anew after
-    ``free``, for the exported graph that replaces a failed fused one.
+    ``free``, for the exported graph that replaces a failed fused one. ``say`` gets a line as each phase starts (each
+    is minutes at the 1.7B shape).
     """
     check_opset(opset)
     require("onnxruntime_genai", "a decoder's genai folder")
@@ -311,7 +313,7 @@ def write_genai_folder(
     description = description | ({"special_ids_filled": filled} if filled else {})  # recorded with the graph
     tokenizer = tokenizer_files(tokenizer_dir)
     writer, why = choose_graph(model, graph, tokenizer)
-    check = {"prompt_ids": prompt_ids, "tol": tol, "steps": steps, "free": free}
+    check = {"prompt_ids": prompt_ids, "tol": tol, "steps": steps, "free": free, "say": say}
     if writer == "fused":
         try:  # a config whose ids were filled here differs from the folder's: the builder reads a copy
             return _written(
@@ -341,16 +343,22 @@ def _written(
     tol: Tolerance,
     steps: int,
     free: Callable[[], None],
+    say: Callable[[str], None],
 ) -> dict[str, Any]:
     """``write_genai_folder`` with one writer: the references, the graph (the model let go once written, or before
     the builder runs), its checks against the references, the folder's files and record."""
     og = require("onnxruntime_genai", "a decoder's genai folder")
     folder.mkdir(parents=True, exist_ok=True)
+    phase = _phases(folder.name, say)
+    phase("transformers' references (greedy tokens, decode-step logits)")
     tokens = greedy_references(model, prompt_ids)
     reference = decode_references(model, steps, batched=writer == "export")
     config = model.config  # kept when the weights are let go
     start = time.perf_counter()
     metadata = {**description, "precision": "fp32", "graph": "decode-step"}
+    phase(
+        f"the decode-step graph ({writer}; the model let go {'before the builder' if writer == 'fused' else 'after'})"
+    )
     if writer == "fused":
         lay = layout(model, padded=False)
         fused_decoder.build_fused(model, folder, metadata, tokenizer, source=source, free=free)
@@ -361,6 +369,7 @@ def _written(
         free()
         made = {"writer": f"torch.export (opset {opset})", "why_not_fused": why}
     seconds = time.perf_counter() - start
+    phase("onnxruntime's check of the decode steps")
     check = check_decode_steps(reference, folder / GRAPH)
     worst = max(check["max_rel_error_per_step"])
     if worst > tol.max_rel_error:
@@ -371,6 +380,7 @@ def _written(
         for f in tokenizer:
             shutil.copy2(f, folder / f.name)
         (folder / CONFIG).write_text(json.dumps(genai_config(step, config, lay), indent=2) + "\n")
+    phase("onnxruntime-genai's greedy generation")
     loaded = genai_model(folder)
     record = {
         "file": GRAPH,
@@ -387,4 +397,18 @@ def _written(
         **description,
     }
     (folder / f"{GRAPH}.json").write_text(json.dumps(record, indent=2) + "\n")
+    phase(None)
     return record
+
+
+def _phases(name: str, say: Callable[[str], None]) -> Callable[[str | None], None]:
+    """``phase(what)``: says the last phase's seconds and that ``what`` starts (None: the last one ended)."""
+    state = {"what": None, "start": time.perf_counter()}
+
+    def phase(what: str | None) -> None:
+        now = time.perf_counter()
+        done = f"{state['what']} took {now - state['start']:.0f} s" if state["what"] else ""
+        say(f"    {name}: " + "; ".join(x for x in (done, what and f"{what}...") if x))
+        state.update(what=what, start=now)
+
+    return phase

@@ -54,6 +54,7 @@ def write(job: Job) -> list[dict[str, Any]]:
                     source=o.get("folders", {}).get(stem),
                     free=job.free,
                     again=functools.partial(_model, job, stem),
+                    say=job.say,
                 )
             briefs.append({"file": genai_name(stem), **genai_brief(record)})
             if line := filled(record, genai_name(stem)):
