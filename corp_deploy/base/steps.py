@@ -126,3 +126,18 @@ def each(what: str, items: Iterable[tuple[str, T]], say: Callable[[str], None] =
         eta = f", about {elapsed / done * (len(items) - done):.0f} s left" if done else ""
         say(f"  {what} {done + 1}/{len(items)}: {label} ({elapsed:.0f} s so far{eta})")
         yield item
+
+
+def phases(name: str, say: Callable[[str], None]) -> Callable[[str | None], None]:
+    """``phase(what)``: says, in one line, how long the last phase of ``name`` took and that ``what`` starts (None:
+    the last one ended): the phases of one slow item (a genai folder, an INT4 graph at the 1.7B shape, each minutes)
+    are never one silent line."""
+    state: dict[str, Any] = {"what": None, "start": time.perf_counter()}
+
+    def phase(what: str | None) -> None:
+        now = time.perf_counter()
+        done = f"{state['what']} took {now - state['start']:.0f} s" if state["what"] else ""
+        say(f"    {name}: " + "; ".join(x for x in (done, what and f"{what}...") if x))
+        state.update(what=what, start=now)
+
+    return phase

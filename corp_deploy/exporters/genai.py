@@ -27,6 +27,7 @@ from torch import nn
 
 from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError, first_line
+from corp_deploy.base.steps import phases
 from corp_deploy.exporters import fused_decoder
 from corp_deploy.exporters.compare import FP32, Tolerance
 from corp_deploy.exporters.kv_cache import (
@@ -349,7 +350,7 @@ def _written(
     the builder runs), its checks against the references, the folder's files and record."""
     og = require("onnxruntime_genai", "a decoder's genai folder")
     folder.mkdir(parents=True, exist_ok=True)
-    phase = _phases(folder.name, say)
+    phase = phases(folder.name, say)
     phase("transformers' references (greedy tokens, decode-step logits)")
     tokens = greedy_references(model, prompt_ids)
     reference = decode_references(model, steps, batched=writer == "export")
@@ -399,16 +400,3 @@ def _written(
     (folder / f"{GRAPH}.json").write_text(json.dumps(record, indent=2) + "\n")
     phase(None)
     return record
-
-
-def _phases(name: str, say: Callable[[str], None]) -> Callable[[str | None], None]:
-    """``phase(what)``: says the last phase's seconds and that ``what`` starts (None: the last one ended)."""
-    state = {"what": None, "start": time.perf_counter()}
-
-    def phase(what: str | None) -> None:
-        now = time.perf_counter()
-        done = f"{state['what']} took {now - state['start']:.0f} s" if state["what"] else ""
-        say(f"    {name}: " + "; ".join(x for x in (done, what and f"{what}...") if x))
-        state.update(what=what, start=now)
-
-    return phase

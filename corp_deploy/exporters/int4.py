@@ -29,7 +29,7 @@ from corp_deploy.base.deps import require
 from corp_deploy.base.env import cpu_features
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable, staged
-from corp_deploy.base.steps import each
+from corp_deploy.base.steps import each, phases
 from corp_deploy.base.tables import text_table
 from corp_deploy.base.timing import Method, interleaved
 from corp_deploy.exporters.int4_gate import INT4, DecoderTolerance, compare_decoders, gate_words, scores
@@ -242,7 +242,9 @@ def quantize_int4_verified(src: Path, out: Path, gate: Int4Gate) -> dict[str, An
     return record
 
 
-def _project_candidate(src: Path, folder: Path, scheme: Scheme, calibration: np.ndarray | None) -> None:
+def _project_candidate(
+    src: Path, folder: Path, scheme: Scheme, calibration: np.ndarray | None, say: Callable[[str], None]
+) -> None:
     """The project's scheme: ``src``'s folder with its graph quantized (its genai_config.json and tokenizer files
     copied unchanged: the graph keeps its names and cache layout; a fused graph's ``model.onnx.data`` is not copied:
     the INT4 graph is one file)."""
@@ -252,7 +254,7 @@ def _project_candidate(src: Path, folder: Path, scheme: Scheme, calibration: np.
     for f in src.iterdir():
         if f.is_file() and not f.name.startswith(GRAPH):
             shutil.copy2(f, folder / f.name)
-    quantize_int4(src / GRAPH, folder / GRAPH, scheme, calibration if scheme.calibrated else None)
+    quantize_int4(src / GRAPH, folder / GRAPH, scheme, calibration if scheme.calibrated else None, say)
 
 
 def _builder_candidate(recipe: str, src: Path, folder: Path, scheme: Scheme, source: BuilderInput | None) -> None:
@@ -339,16 +341,21 @@ def int4_genai_folder(
         )
     outcomes: dict[str, dict[str, Any]] = {}
     folders = {name: out.parent / f".{out.name}.{name}" for name in names}
-    reference = scores(src / GRAPH, windows)  # once for every candidate
+    phase = phases(out.name, say)
+    phase(f"the FP32 graph's scores on {len(windows)} held-out windows (once, for every candidate)")
+    reference = scores(src / GRAPH, windows)
+    phase(None)
     for name, folder in each("candidate", [(name, (name, folder)) for name, folder in folders.items()], say):
         start = time.perf_counter()  # ``say`` gets a line as each starts: minutes each at the 1.7B shape
         try:
             if name in RECIPES:
                 _builder_candidate(name, src, folder, scheme, source)
             else:
-                _project_candidate(src, folder, scheme, gate.calibrated)
+                _project_candidate(src, folder, scheme, gate.calibrated, say)
             seconds = time.perf_counter() - start
+            phase(f"{name}'s scores on the held-out windows (the gate)")
             c = compare_decoders(reference, folder / GRAPH, windows)
+            phase(None)
         except CorpError as e:  # e.g. the builder without the model, or a graph onnxruntime cannot load
             if len(names) == 1:
                 raise

@@ -23,7 +23,7 @@ import contextlib
 import io
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ import numpy as np
 
 from corp_deploy.base.deps import require
 from corp_deploy.base.errors import CorpError
+from corp_deploy.base.steps import phases
 from corp_deploy.exporters.int4_gate import LOGITS, prefill_feeds
 from corp_deploy.exporters.int4_grid import gptq_grid, minmax_grid, zero_points
 from corp_deploy.exporters.onnx_export import add_metadata, check_onnx, graph_precision, load_onnx, read_metadata
@@ -607,18 +608,25 @@ def needs_calibration(scheme: Scheme, calibration: np.ndarray | None) -> None:
 
 
 def quantize_int4(
-    src: str | Path, out: str | Path, scheme: Scheme = Scheme(), calibration: np.ndarray | None = None
+    src: str | Path,
+    out: str | Path,
+    scheme: Scheme = Scheme(),
+    calibration: np.ndarray | None = None,
+    say: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Write the INT4 weight-only graph of the FP32 decoder graph ``src`` to ``out`` (one file), checked; callers
     stage ``out``. ``calibration`` (token windows, disjoint from the gate's) feeds GPTQ and the error ranking of
     ``keep_float`` and ``int8_outliers_db``. Returns what it added to the graph's metadata (the scheme, the LM
-    head, the MatMuls kept float or in 8 bits and why)."""
+    head, the MatMuls kept float or in 8 bits and why). ``say`` gets a line as each phase starts."""
     nbits = require("onnxruntime.quantization.matmul_nbits_quantizer", "INT4 quantization")
     decoder_graph(src)
     needs_calibration(scheme, calibration)
     fp32 = load_onnx(src, weights=False)  # the weights read one MatMul at a time (``minmax_int4``)
     base = str(Path(src).parent)
+    phase = phases(f"INT4 {scheme.method}", say)
     ranking = calibration[:RANK_WINDOWS] if scheme.ranked else None
+    if scheme.ranked:
+        phase(f"the FP32 graph's MatMul inputs on {len(ranking)} calibration windows")
     acts = ranking_activations(fp32, ranking, base) if scheme.ranked else None  # the FP32 session alone
     head = lm_head(fp32, base) if scheme.lm_head != "fp32" else _head_name(fp32)
     matmuls = weight_matmuls(fp32)
@@ -627,12 +635,14 @@ def quantize_int4(
     kept = {n: "named by the caller" for n in scheme.keep_nodes}
     int8 = {head} if head and scheme.lm_head == "int8" else set()
     exclude = set(kept) | ({head} if head and scheme.lm_head != "int4" else set())
+    phase(f"{scheme.method} over {len(matmuls)} MatMuls")
     quantized = _quantize(nbits, fp32, scheme, exclude, int8, calibration, src, base)
     errors: list[tuple[str, float]] = []
     outliers: dict[str, str] = {}
     refined: dict[str, str] = {}
     grids: dict[str, tuple] = {}
     if scheme.ranked:
+        phase("each MatMul's output error")
         errors = [e for e in matmul_errors(fp32, quantized, ranking, base, acts) if e[0] != head]  # --int4-lm-head
         floats, outliers = _chosen(errors, scheme, set(kept), len(ranking))
         kept |= floats
@@ -672,8 +682,10 @@ def quantize_int4(
         extra["int4_worst_sqnr_db"] = [[n, round(db, 2)] for n, db in errors[:shown]]
         extra["int4_median_sqnr_db"] = round(float(np.median([db for _, db in errors])), 2)
     add_metadata(quantized, {"precision": "int4", **extra})
+    phase("writing the INT4 graph")
     onnx.save(quantized, str(out))
     check_onnx(out)
+    phase(None)
     return extra
 
 
