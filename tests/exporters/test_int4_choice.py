@@ -146,8 +146,12 @@ def test_the_fp32_graph_is_scored_once_for_every_candidate_and_never_beside_one(
     lines: list[str] = []
     record = _choose(fused, tmp_path / "dense-genai-int4", LOOSE, FakeTimer(dict.fromkeys(ALL, 1.0)), say=lines.append)
     assert scored.count("dense-genai") == 1 and len(scored) == 1 + len(ALL)
-    said = [line.split(" (")[0].strip() for line in lines]  # each candidate announced as it starts (minutes at 1.7B)
-    assert said == ["INT4 1/1: dense-genai-int4", *(f"candidate {i}/{len(ALL)}: {n}" for i, n in enumerate(ALL, 1))]
+    said = [line.split(" (")[0].strip() for line in lines if "..." not in line]  # each candidate and phase as it
+    assert said[:2] == ["INT4 1/1: dense-genai-int4", "dense-genai-int4: the FP32 graph's scores on 4 held-out windows"]
+    assert [line for line in said if line.startswith("candidate")] == [  # starts: minutes each at the 1.7B shape
+        f"candidate {i}/{len(ALL)}: {n}" for i, n in enumerate(ALL, 1)
+    ]
+    assert said[-1] == "dense-genai-int4: minmax's scores on the held-out windows"
     assert {c["verify"]["reference_ppl"] for c in record["int4_choice"]["candidates"]} == {
         record["verify"]["reference_ppl"]
     }
