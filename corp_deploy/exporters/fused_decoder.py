@@ -20,6 +20,7 @@ width has no place in its packed Q/K/V). Those keep ``exporters.kv_cache``'s gra
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import shutil
 import tempfile
@@ -140,6 +141,8 @@ def build_from_folder(
                 builder.create_model(*args, **parsed)
         except Exception as e:  # the builder raises bare Exceptions of every kind
             raise CorpError(f"onnxruntime-genai's model builder failed: {type(e).__name__}: {first_line(e)}") from None
+        finally:  # the builder's objects hold its model in reference cycles: 6.4 GiB at the 1.7B shape, beside the
+            gc.collect()  # onnxruntime session that checks the graph next unless collected now (measured)
     _finish(folder / "model.onnx", cache, metadata)
 
 
