@@ -431,27 +431,37 @@ def _activations(fp32, names: set[str], windows: np.ndarray, base_dir: str = "")
 
 ACTIVATION_BYTES = 2**30
 """The error ranking holds each weight MatMul's input on the ranking windows, as rows, up to this many bytes: beyond,
-every s-th token is kept (the 1.7B shape's 16 x 128 tokens at 24 layers are 2.8 GB in full). The ranking only has to
-separate MatMuls that reproduce their weight from those off the grid (tens of dB apart); small models keep every
-row (SmolLM2-135M: 0.8 GB)."""
+it reads fewer windows (the 1.7B shape's 16 x 128 tokens at 24 layers are 2.8 GB in full: 6 windows are read). The
+ranking only has to separate MatMuls that reproduce their weight from those off the grid (tens of dB apart), and each
+window is a prefill of the FP32 graph (16 took 4-5 min at the 1.7B shape, loaded); small models read every window
+(SmolLM2-135M: 0.8 GB)."""
 
 
-def ranking_activations(fp32, windows: np.ndarray, base_dir: str = "") -> dict[str, np.ndarray]:
-    """{input name: rows (tokens, K)} of every weight MatMul's input in the FP32 graph on ``windows``, each token a
-    row (every ``stride``-th one where all would pass ``ACTIVATION_BYTES``): computed once, in one FP32 session, before
-    any quantized copy is made, and read by ``matmul_errors`` for every MatMul."""
+def _input_widths(fp32) -> dict[str, int]:
+    """{input name: K} of every weight MatMul's input."""
     constants = {t.name: t for t in fp32.graph.initializer}
-    widths = {
+    return {
         n.input[0]: constants[n.input[1]].dims[0]
         for n in fp32.graph.node
         if n.op_type == "MatMul" and n.input[1] in constants and len(constants[n.input[1]].dims) == 2
     }
-    full = 4 * windows.shape[0] * windows.shape[1] * sum(widths.values())
-    stride = -(-full // ACTIVATION_BYTES)
-    rows: dict[str, list[np.ndarray]] = {name: [] for name in widths}
-    for acts in _activations(fp32, set(widths), windows, base_dir):
+
+
+def ranking_windows(fp32, calibration: np.ndarray) -> np.ndarray:
+    """The calibration windows the error ranking reads: the first ``RANK_WINDOWS``, fewer where their rows of every
+    weight MatMul's input would pass ``ACTIVATION_BYTES``."""
+    window = 4 * calibration.shape[1] * sum(_input_widths(fp32).values())  # bytes of one window's rows
+    return calibration[: max(1, min(RANK_WINDOWS, ACTIVATION_BYTES // window))]
+
+
+def ranking_activations(fp32, windows: np.ndarray, base_dir: str = "") -> dict[str, np.ndarray]:
+    """{input name: rows (tokens, K)} of every weight MatMul's input in the FP32 graph on ``windows``, each token a
+    row: computed once, in one FP32 session, before any quantized copy is made, and read by ``matmul_errors`` for
+    every MatMul."""
+    rows: dict[str, list[np.ndarray]] = {name: [] for name in _input_widths(fp32)}
+    for acts in _activations(fp32, set(rows), windows, base_dir):
         for name, x in acts.items():
-            rows[name].append(x.reshape(-1, x.shape[-1])[::stride].astype(np.float32))
+            rows[name].append(x.reshape(-1, x.shape[-1]).astype(np.float32))
     return {name: np.concatenate(r) for name, r in rows.items()}
 
 
@@ -624,7 +634,7 @@ def quantize_int4(
     fp32 = load_onnx(src, weights=False)  # the weights read one MatMul at a time (``minmax_int4``)
     base = str(Path(src).parent)
     phase = phases(f"INT4 {scheme.method}", say)
-    ranking = calibration[:RANK_WINDOWS] if scheme.ranked else None
+    ranking = ranking_windows(fp32, calibration) if scheme.ranked else None
     if scheme.ranked:
         phase(f"the FP32 graph's MatMul inputs on {len(ranking)} calibration windows")
     acts = ranking_activations(fp32, ranking, base) if scheme.ranked else None  # the FP32 session alone

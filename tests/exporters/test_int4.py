@@ -502,3 +502,20 @@ def test_a_graph_with_external_weights_is_quantized_one_weight_at_a_time_to_the_
     assert a.metadata_props == b.metadata_props and len(a.graph.initializer) == len(b.graph.initializer)
     for x, y in zip(a.graph.initializer, b.graph.initializer, strict=True):
         assert x.name == y.name and np.array_equal(onnx.numpy_helper.to_array(x), onnx.numpy_helper.to_array(y))
+
+
+def test_the_error_ranking_reads_fewer_windows_where_their_activations_would_pass_the_bound(
+    decoder, monkeypatch
+) -> None:
+    """Every weight MatMul's input is held for the ranking: where the windows' rows would pass ``ACTIVATION_BYTES``
+    (the 1.7B shape's 16 windows: 2.8 GB), the first ones that fit are read, and the record says how many."""
+    from corp_deploy.exporters import int4_quant
+
+    _, _, graph = decoder
+    fp32, calibration = load_onnx(graph, weights=False), _windows(16, seed=11)
+    assert len(int4_quant.ranking_windows(fp32, calibration)) == int4_quant.RANK_WINDOWS  # a small model: all
+    one = 4 * SEQ * sum(int4_quant._input_widths(fp32).values())
+    monkeypatch.setattr(int4_quant, "ACTIVATION_BYTES", 3 * one + 1)
+    assert len(int4_quant.ranking_windows(fp32, calibration)) == 3
+    acts = int4_quant.ranking_activations(fp32, int4_quant.ranking_windows(fp32, calibration))
+    assert sum(x.nbytes for x in acts.values()) <= 3 * one + 1 and {x.shape[0] for x in acts.values()} == {3 * SEQ}
