@@ -29,14 +29,21 @@ RUNTIME = 750 * 2**20
 (2026-12-02, torch 2.14, transformers 5.24). Every plan holds it."""
 
 
-EXPORT_COPIES = {"fp32": 5.0, "int4": 9.4}
+EXPORT_COPIES = {"fp32": 5.0, "int4": 1.6}
 """An export's peak beside the interpreter, in multiples of the larger model's float32 weights (the dense one's): the
 model held (``exporters.pipeline.OneAtATime``: one at a time) and what the exporters hold beside it (the tracer's
 proto, onnxruntime's session of the graph it verifies, genai's builder reading its own copy; with INT4, the builder's
 recipes and the quantizer). Measured on the 1.7B-wide shape cut to 2 layers (1.25 GiB of weights), 2026-12-02,
 docs/BENCHMARKS.md "Scale": 6.76 GiB sampled in the ONNX step, 12.49 GiB for the process (the INT4 step); cut to 6
 layers (2.25 GiB), 11.9 GiB sampled in the ONNX step (the tracer's pruned graph, under 2 GB: 5x; the dense one, by
-dynamo with external data, 5.1 GiB: the 24-layer graphs take that path, so this over-predicts them)."""
+dynamo with external data, 5.1 GiB: the 24-layer graphs take that path, so this over-predicts them).
+
+``int4``: the genai and INT4 steps after the ONNX graphs, measured at 24 layers (the 1.7B shape, 6.37 GiB of float32
+weights; genai55, 2026-12-02, loaded, docs/BENCHMARKS.md "Scale"): 10.72 GiB for the process, reached reading the
+pruned artifact (``load_pruned`` builds the dense-shaped model before it cuts it); the genai folders 9.09 GiB (genai's
+builder on the dense folder: its own model, memory-mapped, and the graph it writes; the torch model let go first);
+the INT4 step 8.9 GiB sampled (the ranking's FP32 onnxruntime session and the activations it holds). (10.72 - 0.73) /
+6.37 = 1.57. A run with INT4 writes the ONNX graphs first, so its plan is never below ``fp32``'s."""
 
 
 def gib(n: float) -> str:
@@ -141,5 +148,5 @@ def export_plan(weights: int, available: int | None, int4: bool = False) -> Plan
     """The peak of exporting a model of ``weights`` bytes of float32 weights and its pruned copy (never larger), one
     at a time (``EXPORT_COPIES``; ``int4``: with INT4 folders). The save before it holds the pruned model alone:
     less, and ``hub.load``'s check of the dense weights bounds it."""
-    copies = EXPORT_COPIES["int4" if int4 else "fp32"]
+    copies = max(EXPORT_COPIES["fp32"], EXPORT_COPIES["int4"] if int4 else 0)  # INT4 after the ONNX graphs
     return Plan({"model": weights, "exporters": round((copies - 1) * weights)}, available)
