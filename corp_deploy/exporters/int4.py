@@ -405,9 +405,16 @@ def int4_baseline(
     ``DEFAULT_SCHEME``'s block and accuracy level) of the dense model ``source``, beside its FP32 genai folder
     ``src``. Gated on ``windows`` as every INT4 candidate is, and kept whatever the verdict: it is the alternative a
     user weighs pruning against, so a baseline that fails the gate is shown, and its record (also the sidecar) says
-    so in ``int4_baseline``."""
+    so in ``int4_baseline``. Not built (one line) for an FP32 graph of ``AUTO_MAX_BYTES`` or more: the builder's int4
+    of the 1.7B shape passed 11 GiB (2026-12-02, docs/BENCHMARKS.md "Scale")."""
     from corp_deploy.exporters.genai import GRAPH
 
+    if (size := onnx_bytes(src / GRAPH)) >= AUTO_MAX_BYTES:
+        raise CorpError(
+            f"genai's builder -p int4 of a {size / 2**30:.1f} GiB FP32 decode graph holds more than 11 GiB (measured "
+            f"at the 1.7B shape); it is not built from {AUTO_MAX_BYTES / 2**30:.0f} GiB on: run "
+            "`python -m onnxruntime_genai.models.builder -p int4` on the dense folder where memory allows"
+        )
     with staged(out, overwrite) as stage:
         folder = stage / out.name
         start = time.perf_counter()

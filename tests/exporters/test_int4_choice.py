@@ -283,3 +283,19 @@ def test_the_builder_reads_the_models_folder_and_the_model_only_where_there_is_n
 
 def _never():
     raise AssertionError("the model was read although its folder is on disk")
+
+
+def test_the_quantize_only_baseline_of_a_graph_over_the_size_bound_is_not_built_and_says_why(
+    fused, tmp_path, monkeypatch
+) -> None:
+    """genai's builder -p int4 of the 1.7B shape's 6.8 GB graph passed 11 GiB: from ``AUTO_MAX_BYTES`` on the baseline
+    is one line in the record (``decoder_int4_baseline``), nothing is written, and the model is never read."""
+    from corp_deploy.exporters.pipeline import decoder_int4_baseline
+
+    genai, source = fused
+    monkeypatch.setattr(int4, "AUTO_MAX_BYTES", 1)  # the tiny graph stands for the 1.7B shape's 6.8 GB
+    never = BuilderInput(_never, source.tokenizer, None)
+    run = genai.parent
+    got = decoder_int4_baseline(run, [], _windows(), LOOSE, never, {})
+    assert set(got) == {"int4_baseline"} and "-p int4 of a 0.0 GiB FP32 decode graph" in got["int4_baseline"]["error"]
+    assert not (run / BASELINE_GENAI).exists()
