@@ -192,6 +192,11 @@ class Onloader:
         for i, block in enumerate(self.blocks):
             if any(p.is_meta for p in block.parameters()):
                 self.load(i)
+        self.release()
+
+    def release(self) -> None:
+        """The store deleted and the model unregistered, its blocks left on meta: once it is saved, the artifact is
+        the pruned model (the store is the pruned model's float32 size on disk, beside what comes next)."""
         if self.store is not None:
             self.store.cleanup()
             self.store = None
@@ -209,6 +214,13 @@ def restore(model: nn.Module) -> None:
     onloader = of(model)
     if onloader is not None:
         onloader.restore()
+
+
+def release(model: nn.Module) -> None:
+    """``Onloader.release`` for an onloaded model, else nothing."""
+    onloader = of(model)
+    if onloader is not None:
+        onloader.release()
 
 
 def _checkpoint_names(model: nn.Module, tied: set[str], files: dict[str, Path]) -> dict[str, str]:

@@ -204,7 +204,8 @@ def test_an_onloaded_model_is_checked_for_what_it_holds_not_for_its_whole_weight
 
 def test_prune_export_reads_the_dense_model_again_instead_of_copying_it(tmp_path: Path, capsys, monkeypatch) -> None:
     """The dense graph is exported from the folder read again after the onloaded prune, not from a copy held
-    through it: ``copy.deepcopy`` of a model in ``cli.prune`` fails the test."""
+    through it: ``copy.deepcopy`` of a model in ``cli.prune`` fails the test; the pruned one from its artifact, the
+    onloaded prune's store deleted before the exports."""
     import copy
 
     from corp_deploy.cli import prune as cli_prune
@@ -214,6 +215,18 @@ def test_prune_export_reads_the_dense_model_again_instead_of_copying_it(tmp_path
         return copy.deepcopy(x, *args)
 
     monkeypatch.setattr(cli_prune, "copy", SimpleNamespace(deepcopy=no_model_copy))
+    import tempfile
+
+    from corp_deploy.cli import prune_export
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stores: list[list[Path]] = []  # the onloaded prune's store, once its artifact is saved: deleted before the exports
+    real_run = prune_export.export_run
+    monkeypatch.setattr(
+        prune_export,
+        "export_run",
+        lambda *a, **k: stores.append(list(tmp_path.glob("corp-onload-*"))) or real_run(*a, **k),
+    )
     loads = []
     real_load = hub.load
     monkeypatch.setattr(hub, "load", lambda source, onload=False: loads.append(onload) or real_load(source, onload))
@@ -223,6 +236,7 @@ def test_prune_export_reads_the_dense_model_again_instead_of_copying_it(tmp_path
     code, _, stderr = run([*argv, "--precision", "fp32", "--quiet", "--out", str(out)], capsys)
     assert code == 0, stderr
     assert loads == [True, False]  # onloaded for the prune, then the dense model read again
+    assert stores == [[]]
     record = json.loads((out / "export.json").read_text())
     assert [r["file"] for r in record["onnx"]] == ["dense.onnx", "pruned.onnx"]
     dense_params = sum(p.numel() for p in real_load(str(folder))[0].parameters())
