@@ -163,7 +163,8 @@ def run(shape: str, root: Path, extra: list[str]) -> dict:
     subprocess.run(command, check=True)
     wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
     meta = json.loads((out / "corp.json").read_text())
-    measured = {"wall_s": wall, "cpu_s": cpu, "load": [load, os.getloadavg()[0]], "dims": dims}
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB: the command's whole run, the save too
+    measured = {"wall_s": wall, "cpu_s": cpu, "peak_rss_gib": peak, "load": [load, os.getloadavg()[0]], "dims": dims}
     return {"shape": shape, **measured, "command": " ".join(command), **meta["report"]}
 
 
@@ -175,13 +176,13 @@ def _children_cpu() -> float:
 def row(report: dict) -> str:
     """One markdown row: shape, dimensions, mode, seconds per step, the wall and CPU seconds of the command (the rest
     of the wall time: starting, loading, reading the data, writing), the memory plan's predicted peak and the
-    measured peak RSS (GiB), the load average before -> after."""
+    command's peak RSS (GiB; corp.json's is taken at the report, before the save), the load average before -> after."""
     s, memory = report["seconds"], report["memory"]
     cells = " | ".join(f"{x:.1f}" for x in [*(s.get(k, 0.0) for k in STEPS), report["wall_s"]])
     plan, load = memory.get("plan", {}), report["load"]
     return (
         f"| {report['shape']} | {report['dims']} | {report['calibration']['mode']} | {cells} | {report['cpu_s']:.0f} "
-        f"| {plan.get('peak_gib', float('nan')):.2f} | {memory['host_rss_mib'] / 1024:.2f} "
+        f"| {plan.get('peak_gib', float('nan')):.2f} | {report['peak_rss_gib']:.2f} "
         f"| {load[0]:.1f} -> {load[1]:.1f} |"
     )
 

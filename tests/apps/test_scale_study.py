@@ -21,7 +21,8 @@ def _report(params: float, b: dict[str, float], share: float = 0.5) -> dict:
         "load": [3.0, 4.5],
         "dense": {"params": params},
         "calibration": {"mode": "one-pass"},
-        "memory": {"host_rss_mib": 1536.0, "plan": {"peak_gib": 2.0}},
+        "peak_rss_gib": 1.5,
+        "memory": {"host_rss_mib": 1024.0, "plan": {"peak_gib": 2.0}},
     }
 
 
