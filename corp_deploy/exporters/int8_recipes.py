@@ -135,7 +135,7 @@ STAND_IN_MARGIN = 0.03
 """How much faster than a candidate ready to ship a stand-in must race to be gated before it: its real graph costs a
 pass over every calibration image (deit_small's dense static, 256 images: 30-70 s, more than the rest of its choice),
 and a lead inside the 3% the pick is held to is inside what three calls resolve. On the quiet machine dense's static
-stand-in led the race by 1.5% and its calibrated graph came last of five when timed exhaustively, 6.5% behind the
+stand-in led one race by 1.5% and its calibrated graph came last of five when timed exhaustively, 6.5% behind the
 fastest (docs/BENCHMARKS.md, "Scale: time to artifact")."""
 
 
