@@ -80,10 +80,15 @@ def test_a_decoder_over_the_protobuf_limit_keeps_its_weights_in_external_data(tm
     """A 1.7B decoder's logits graph (6.8 GB of FP32 weights) cannot be one protobuf message: the weights go to
     ``<graph>.data``. The limit is lowered here so that a tiny Llama takes the same path; the graph round-trips through
     onnxruntime (the verification) and carries its metadata."""
+    from corp_deploy.exporters import pipeline
+
     monkeypatch.setattr(onnx_export, "MAX_SINGLE_FILE", 1)
+    lean, runner = [], pipeline.OrtRunner
+    monkeypatch.setattr(pipeline, "OrtRunner", lambda *a, **k: lean.append(k.get("lean")) or runner(*a, **k))
     model = tiny_llama()
     path = tmp_path / "dense.onnx"
     record = export_verified(model, path, describe(model, "tiny-llama", {}, "random", 16))
+    assert lean == [True]  # checked without pre-packing: the weights stay mapped from the file (one copy)
     assert onnx_files(path) == [path, tmp_path / "dense.onnx.data"]
     weights = sum(p.numel() * 4 for p in model.parameters())
     assert (tmp_path / "dense.onnx.data").stat().st_size >= 0.9 * weights  # all but the smallest tensors
