@@ -36,7 +36,8 @@ model held (``exporters.pipeline.OneAtATime``: one at a time) and what the expor
 - ``fp32``, weights of ``TRACED_BELOW`` and more: the logits graphs by dynamo with external data, the model let go
   before onnxruntime's session of the graph opens (``pipeline.export_verified``), so the model or the session is
   held, about one copy. Measured at 24 layers (the 1.7B shape, 6.75 GiB of weights), 2026-12-02, docs/BENCHMARKS.md
-  "Scale": dense.onnx written and verified at 7.74 GiB peak RSS = the runtime and 1.04 copies; 1.1 leaves room.
+  "Scale": dense.onnx written and verified at 7.74 GiB peak RSS = the runtime and 1.04 copies (pruned.onnx, 5.41
+  GiB: 6.38 GiB, 1.03 copies); 1.1 leaves room. Reading a prune artifact back (``load_pruned``) is not counted.
 - ``traced``, weights under it: the TorchScript tracer holds its proto in memory, 5x (the 1.7B-wide shape cut to 2
   and 6 layers, 2026-12-02). A dense model at or over the limit whose pruned copy falls under it has its pruned graph
   traced: up to 5x of that copy, which this plan does not see.
