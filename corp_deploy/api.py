@@ -274,6 +274,8 @@ def _report(
     """What ``corp.json`` records of one pruning (``calibration`` counts ``images``: text models count sequences)."""
     adapter = adapter_for(model)
     calibration = {adapter.unit: calibration.pop("samples"), "unit": adapter.unit, **calibration}
+    with onload.streamed(model):  # an onloaded result: its pruned blocks read one at a time, as the dense ones were
+        pruned = model_size(model)
     report = {
         "config": config.to_dict(),
         "mlp_out": adapter.mlp_out_name,
@@ -282,7 +284,7 @@ def _report(
         "seconds": timer.seconds,
         "memory": {"statistics_mib": statistics_bytes / 2**20, **peak_memory(device)},
         "dense": dense_size,
-        "pruned": model_size(model),
+        "pruned": pruned,
         "blocks": blocks,
     }
     if allocation is not None:
@@ -322,7 +324,10 @@ def prune(
 
     An onloaded ``model`` (``hub.load(..., onload=True)``: its blocks' weights on disk, ``families.onload``) is pruned
     by the walk with one block in memory at a time, the same result as one pass; a budget, a scored selection or
-    the closed loop compare every block at once, so for them it is read whole first.
+    the closed loop compare every block at once, so for them it is read whole first (the memory plan counts it).
+    The walk's result stays onloaded: its pruned blocks wait in the onloader's store, the report measures it
+    streamed and ``save`` writes it from there, one tensor at a time; ``onload.restore(result.model)`` reads it
+    whole, ``load_pruned`` reads the saved artifact.
 
     A ``latency=`` budget is predicted with ``table`` (``corp_deploy.plan.speed.table_for`` measures one); with
     ``loop`` the pruned model is timed against the dense one and re-planned while it misses (``close_loop``).
@@ -332,11 +337,9 @@ def prune(
     with onload.streamed(model):
         dense = model_size(model)
     mode, widths = check(model, config, dense["macs"], max_stats_gib, world, table, loop)
-    if onload.of(model) is not None:
-        if widths is None or loop is not None:  # every block's statistics at once: every block in memory
-            onload.restore(model)
-        elif mode == ONE_PASS:  # the same result, one block in memory at a time
-            mode = GROUPED
+    whole = onload.of(model) is not None and (widths is None or loop is not None)  # every block's statistics at once
+    if onload.of(model) is not None and not whole and mode == ONE_PASS:  # the same result, one block at a time
+        mode = GROUPED
     if config.heldout_images and heldout is None and world.is_main:
         if adapter_for(model).modality == "text":
             raise CorpError(
@@ -345,6 +348,8 @@ def prune(
             )
         heldout, batches, total = hold_out(batches, config.heldout_images, total)
     batches, plan, bound = _memory_plan(model, config, batches, total, device, max_stats_gib, loop is not None)
+    if whole:  # read after the plan, which counts it: a model the machine cannot hold is refused unread
+        onload.restore(model)
     if bound is not None and mode == ONE_PASS:  # one pass does not fit: the same result, block group by group
         mode, max_stats_gib = GROUPED, bound
     if onload.of(model) is None:

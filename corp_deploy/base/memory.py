@@ -147,7 +147,7 @@ class Plan:
 
 def export_plan(weights: int, available: int | None, int4: bool = False) -> Plan:
     """The peak of exporting a model of ``weights`` bytes of float32 weights and its pruned copy (never larger), one
-    at a time (``EXPORT_COPIES``; ``int4``: with INT4 folders). The save before it holds the pruned model alone:
-    less, and ``hub.load``'s check of the dense weights bounds it."""
+    at a time (``EXPORT_COPIES``; ``int4``: with INT4 folders). The prune and its save before it hold less: an
+    onloaded prune's peak is its walk's (``blockwise.memory_plan``), and its save streams the pruned blocks."""
     copies = EXPORT_COPIES["int4" if int4 else "fp32" if weights >= TRACED_BELOW else "traced"]
     return Plan({"model": weights, "exporters": round((copies - 1) * weights)}, available)

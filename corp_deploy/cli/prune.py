@@ -25,7 +25,7 @@ from corp_deploy.cli.prune_options import prune_config, prune_options, recovery_
 from corp_deploy.core import distributed
 from corp_deploy.core.config import PruneConfig
 from corp_deploy.core.recover import Interrupted, Kept
-from corp_deploy.families import adapter_for
+from corp_deploy.families import adapter_for, onload
 from corp_deploy.families.hf import hub
 from corp_deploy.families.timm.models import create_model, parse_model_args, resolve_name
 from corp_deploy.formats.artifact import read_meta
@@ -159,6 +159,7 @@ def pruned(
         return None
     if reread and recover is not None:
         dense = hub.load(flags["model"])[0]
+        onload.restore(result.model)  # trained whole: its pruned blocks read back from the store
     stopped = None
     if recover is not None:
         try:

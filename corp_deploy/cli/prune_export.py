@@ -66,6 +66,7 @@ from corp_deploy.exporters.tensorrt_engine import (
     build_missing,
     for_graph,
 )
+from corp_deploy.families import onload
 from corp_deploy.families.hf import hub
 from corp_deploy.formats import sources
 from corp_deploy.formats.artifact import load_pruned
@@ -208,6 +209,7 @@ def prune_export(
     models = _models(run, prune_args["model"], run_dir / ARTIFACT, prune_args["seq_len"], pad_qk)
     with atomic_dir(run_dir, overwrite) as tmp:  # first, alone: a later step that stops leaves the prune
         api.save(run.result, tmp / ARTIFACT, run.name, run.args, weights=run.weights)
+    onload.release(run.result.model)  # an onloaded prune's store: the artifact holds it now (``_models`` reads it)
     engines = tuple(p for p in precisions_ if p != INT4.name)
     buildable = no_engines is None and not build_missing(build)
     # an INT8 engine is built from a Q/DQ graph only (``export_run`` skips it otherwise): where another recipe may be
@@ -300,7 +302,8 @@ def _models(
     """Stem -> (model, description), what the exports read. A ``transformers`` source's are held one at a time
     (``OneAtATime``): the pruned one as the prune left it until another is read, then read again from its saved
     ``artifact``; the dense one read from ``source`` when its turn comes (a recovery's copy let go now). A timm
-    model's are both held: small (88 MB for a ViT-S), and its dense copy has no file to be read again from."""
+    model's are both held: small (88 MB for a ViT-S), and its dense copy has no file to be read again from. An
+    onloaded prune's model was never whole: it is read from the artifact when its turn comes."""
 
     def dense(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
         return model, sources.describe(model, run.name, run.args, run.weights, seq_len)
@@ -313,6 +316,8 @@ def _models(
     if run.dense is not None:
         run.dense.to("meta")
     readers = {"dense": lambda: dense(hub.load(source)[0]), "pruned": lambda: pruned(load_pruned(artifact))}
+    if onload.of(run.result.model) is not None:  # never whole (its blocks in the store): read from the artifact
+        return OneAtATime(readers)
     return OneAtATime(readers, held=("pruned", pruned(run.result.model)))
 
 

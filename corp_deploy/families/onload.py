@@ -5,8 +5,10 @@ Why: a 1.7B decoder held in float32 is 6.4 GiB resident for the whole prune, mos
 parameters on the meta device; what is not in a block (embeddings, final norm, head: read by every forward's stem)
 is read at once, and a block is read from its safetensors files, in float32 as ``from_pretrained(dtype=float32)``
 gives it (the same bits), when the walk reaches it. After a block is pruned its new weights go to a temporary
-store on disk, and its parameters back to meta; ``restore`` reads every block back once the walk is done (the
-pruned model, smaller than the dense one, is what the report, the save and the export read).
+store on disk, and its parameters back to meta, and there they stay: the report measures the pruned model streamed
+(``streamed``: one block read at a time), the save writes it one tensor at a time (``tensor``,
+``formats.artifact``), and the exports read the saved artifact. ``restore`` reads every block back, for what needs
+the model whole (a recovery, a caller's own use); the store is deleted with it, or with the model.
 
 The model is registered here (``of``), so the walk and the API need no new argument: a model without an onloader
 is the ordinary, fully resident one. Buffers (rotary frequencies, position ids) are small and always resident.
@@ -125,6 +127,15 @@ class Onloader:
         for name, tensor in self._read([self.prefixes[i] + n for n in names]).items():
             _set(block, name.removeprefix(self.prefixes[i]), tensor)
 
+    def tensor(self, name: str) -> Tensor:
+        """Parameter ``name`` of a block, as it is now, alone: from the store once its block is pruned, else from the
+        checkpoint (what a save reads, one tensor at a time, instead of the blocks whole)."""
+        i = next(i for i, prefix in enumerate(self.prefixes) if name.startswith(prefix))
+        if i not in self.pruned:
+            return self._read([name])[name]
+        with safe_open(str(self.pruned[i]), "pt", device="cpu") as f:
+            return f.get_tensor(name.removeprefix(self.prefixes[i]))
+
     def drop(self, i: int, pruned: bool = False) -> None:
         """Block ``i``'s parameters back to meta; ``pruned``: its weights changed, so they are kept in the store."""
         block = self.blocks[i]
@@ -147,6 +158,16 @@ class Onloader:
     def resident_bytes(self) -> int:
         """Bytes of the parameters in memory now."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.is_meta)
+
+    def held_bytes(self) -> int:
+        """Bytes the onloaded model holds at most (``dtype``): everything outside the blocks and the largest block;
+        known from the meta shapes before anything is read."""
+        inside = tuple(self.prefixes)
+        size = torch.empty((), dtype=self.dtype).element_size()
+        rest = sum(
+            p.numel() for n, p in self.model.named_parameters() if not n.startswith(inside) and n not in self.tied
+        )
+        return rest * size + self.block_bytes()
 
     def block_bytes(self) -> int:
         """Bytes of the largest block's parameters as read (``dtype``)."""
@@ -171,6 +192,11 @@ class Onloader:
         for i, block in enumerate(self.blocks):
             if any(p.is_meta for p in block.parameters()):
                 self.load(i)
+        self.release()
+
+    def release(self) -> None:
+        """The store deleted and the model unregistered, its blocks left on meta: once it is saved, the artifact is
+        the pruned model (the store is the pruned model's float32 size on disk, beside what comes next)."""
         if self.store is not None:
             self.store.cleanup()
             self.store = None
@@ -188,6 +214,13 @@ def restore(model: nn.Module) -> None:
     onloader = of(model)
     if onloader is not None:
         onloader.restore()
+
+
+def release(model: nn.Module) -> None:
+    """``Onloader.release`` for an onloaded model, else nothing."""
+    onloader = of(model)
+    if onloader is not None:
+        onloader.release()
 
 
 def _checkpoint_names(model: nn.Module, tied: set[str], files: dict[str, Path]) -> dict[str, str]:

@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_model, save_model
-from torch import nn
+from safetensors.torch import _remove_duplicate_names, load_model
+from torch import Tensor, nn
 
 from corp_deploy import families
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.fsio import atomic_dir
+from corp_deploy.families import onload
+from corp_deploy.formats import safetensors_writer
 
 FORMAT = "corp-deploy/pruned"
 READS = frozenset({FORMAT, "corp-deploy/pruned-vit"})
@@ -39,10 +41,12 @@ META_FILE = "corp.json"
 def save_pruned(model: nn.Module, out: str | Path, meta: dict[str, Any], overwrite: bool = False) -> Path:
     """Write ``model`` and its description to ``out`` atomically.
 
-    ``meta`` must hold ``model: {name, args}``; the per-block widths are taken from the model itself.
+    ``meta`` must hold ``model: {name, args}``; the per-block widths are taken from the model itself. The weights
+    are written one tensor at a time (``write_weights``): an onloaded model's pruned blocks are read from their
+    store as they are written, never the whole model at once.
     """
-    adapter = families.adapter_for(model)
-    model = adapter.stored(model)
+    adapter, loader = families.adapter_for(model), onload.of(model)
+    model = adapter.stored(model)  # a copy where the family adds zero biases: the loader is the model's
     record = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -52,12 +56,30 @@ def save_pruned(model: nn.Module, out: str | Path, meta: dict[str, Any], overwri
     }
     try:
         with atomic_dir(out, overwrite) as tmp:
-            save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})  # tied weights stored once
+            write_weights(model, tmp / WEIGHTS_FILE, loader)
             folder = adapter.write_files(model, tmp)
             (tmp / META_FILE).write_text(json.dumps(record | ({"folder": folder} if folder else {}), indent=2) + "\n")
-    except (OSError, SafetensorError) as e:  # a full disk is already one line (``fsio.staged``)
+    except OSError as e:  # a full disk is already one line (``fsio.staged``)
         raise CorpError(f"could not write {out} ({first_line(e)}); whatever was there is unchanged") from None
     return Path(out)
+
+
+def write_weights(model: nn.Module, path: Path, loader: onload.Onloader | None = None) -> None:
+    """``model``'s state as ``safetensors.torch.save_model`` writes it (tied weights stored once under the first
+    name, the others recorded in the metadata; the same bytes: ``formats.safetensors_writer``), each tensor read
+    when it is written: a weight still on disk (on the meta device: an onloaded model's pruned blocks) from
+    ``loader`` (``families.onload``), one tensor at a time."""
+    state = model.state_dict()
+    metadata = {"format": FORMAT}
+    for kept, removed in _remove_duplicate_names(state).items():  # safetensors' own choice of the name kept
+        for name in removed:
+            metadata.setdefault(name, kept)
+            del state[name]
+
+    def read(name: str, tensor: Tensor) -> Tensor:
+        return loader.tensor(name) if tensor.is_meta and loader is not None else tensor
+
+    safetensors_writer.write(path, state, read, metadata)
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

@@ -85,9 +85,54 @@ def test_the_onloaded_prune_is_the_resident_one_bit_for_bit(name: str, sequentia
         assert torch.equal(tensor, onloaded[key]), key
 
 
-def test_no_two_blocks_are_in_memory_at_once(tmp_path: Path) -> None:
-    """Every block forward of the walk's statistics counts the blocks whose weights are resident: one at most, and
-    the resident bytes stay below half the dense model's, until the walk's end restores the pruned model."""
+def _weights_file(path: Path) -> tuple[dict, bytes]:
+    """A safetensors file's header (parsed: its ``__metadata__`` order changes from run to run) and data bytes."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-tied", "bert"])
+def test_the_streamed_save_writes_what_the_whole_pruned_model_wrote(name: str, tmp_path: Path, monkeypatch) -> None:
+    """The save of an onloaded prune (its pruned blocks written from the store, one tensor at a time, the report's
+    sizes measured streamed) against the path before it (the pruned model read back whole, measured, and written by
+    ``safetensors.torch.save_model``): the same header and data bytes in model.safetensors, the same other files,
+    the same corp.json but for the timings and the measured peak RSS."""
+    from safetensors.torch import save_model
+
+    from corp_deploy.formats import artifact
+    from corp_deploy.plan.report import model_size
+
+    model, _ = hub.load(str(FOLDERS[name](tmp_path)), onload=True)
+    config = PruneConfig(sparsity=0.5, target="mlp,v", round_to=2)
+    result = api.prune(model, BATCHES[name](n=12), config, "cpu", progress=False)
+    new = api.save(result, tmp_path / "new", name)
+    onload.restore(result.model)
+    result.report["pruned"] = model_size(result.model)
+
+    def whole(model: torch.nn.Module, path: Path, loader: onload.Onloader | None) -> None:
+        assert not any(p.is_meta for p in model.parameters())
+        save_model(model, str(path), metadata={"format": artifact.FORMAT})
+
+    monkeypatch.setattr(artifact, "write_weights", whole)
+    old = api.save(result, tmp_path / "old", name)
+    assert _weights_file(new / "model.safetensors") == _weights_file(old / "model.safetensors")
+    files = sorted(p.name for p in old.iterdir())
+    assert files == sorted(p.name for p in new.iterdir())
+    for f in set(files) - {"model.safetensors", "corp.json"}:
+        assert (new / f).read_bytes() == (old / f).read_bytes(), f
+    metas = [json.loads((folder / "corp.json").read_text()) for folder in (new, old)]
+    for meta in metas:
+        del meta["report"]["seconds"], meta["report"]["memory"]["host_rss_mib"]
+    assert metas[0] == metas[1]
+
+
+def test_no_two_blocks_are_in_memory_at_once(tmp_path: Path, monkeypatch) -> None:
+    """Every block forward (the walk's statistics, the report's measure of the pruned model) counts the blocks whose
+    weights are resident: one at most, and the resident bytes stay below half the dense model's; then the save
+    writes the pruned blocks one tensor at a time from the store, with no block resident. The pruned model is never
+    read back whole (``restore`` fails the test: the save of the walk's result once read it all)."""
+    monkeypatch.setattr(onload.Onloader, "restore", lambda self: pytest.fail("the pruned model was read back whole"))
     folder = FOLDERS["llama"](tmp_path)
     model, _ = hub.load(str(folder), onload=True)
     loader = onload.of(model)
@@ -95,21 +140,27 @@ def test_no_two_blocks_are_in_memory_at_once(tmp_path: Path) -> None:
     dense_bytes = sum(p.numel() * 4 for p in transformers.LlamaForCausalLM.from_pretrained(folder).parameters())
     seen: list[tuple[int, int]] = []
 
+    def live() -> int:
+        return sum(not any(p.is_meta for p in b.parameters()) for b in blocks)
+
     def count(*_) -> None:
-        if onload.of(model) is not None:  # until the walk's end restores the pruned model
-            live = sum(not any(p.is_meta for p in b.parameters()) for b in blocks)
-            seen.append((live, loader.resident_bytes()))
+        seen.append((live(), loader.resident_bytes()))
 
     for block in blocks:
         block.register_forward_pre_hook(count)
     assert all(p.is_meta for b in blocks for p in b.parameters())
     result = api.prune(model, token_batches(n=12), PruneConfig(sparsity=0.5, target="mlp"), "cpu", progress=False)
-    assert len(seen) >= len(blocks)
-    assert max(live for live, _ in seen) == 1
+    assert len(seen) >= 2 * len(blocks)  # the walk's, then the report's
+    assert max(n for n, _ in seen) == 1
     assert max(size for _, size in seen) < dense_bytes / 2
-    assert onload.of(model) is None and not any(p.is_meta for p in result.model.parameters())
     assert result.report["calibration"]["mode"] == "blockwise"
     assert result.report["calibration"]["groups"] == len(blocks)
+    saving: list[int] = []  # blocks resident at each tensor the save reads from the store
+    read = onload.Onloader.tensor
+    monkeypatch.setattr(onload.Onloader, "tensor", lambda self, name: saving.append(live()) or read(self, name))
+    api.save(result, tmp_path / "out", "llama")
+    assert len(saving) == sum(1 for b in blocks for _ in b.parameters()) and max(saving) == 0
+    assert onload.of(result.model) is loader and all(p.is_meta for b in blocks for p in b.parameters())
 
 
 def test_a_budget_reads_the_onloaded_model_whole_and_prunes_it_as_before(tmp_path: Path) -> None:
@@ -121,9 +172,40 @@ def test_a_budget_reads_the_onloaded_model_whole_and_prunes_it_as_before(tmp_pat
     assert all(torch.equal(t, onloaded[k]) for k, t in resident.items())
 
 
+def test_a_budget_plans_the_onloaded_model_whole_and_is_refused_before_it_is_read_whole(tmp_path: Path, monkeypatch):
+    """A budget reads the onloaded model whole before calibrating: the memory plan counts the whole model's float32
+    weights, and a run that cannot hold them is refused before the model is read whole (it was read, then planned)."""
+    config = PruneConfig(sparsity=0.5, target="mlp", round_to=2, budget="macs=0.8", allocation="local")
+    model, _ = hub.load(str(FOLDERS["llama"](tmp_path)), onload=True)
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    result = api.prune(model, token_batches(n=12), config, "cpu", progress=False)
+    assert result.report["memory"]["plan"]["weights_gib"] * memory.GIB == whole
+    model, _ = hub.load(str(FOLDERS["llama"](tmp_path)), onload=True)
+    monkeypatch.setattr(onload.Onloader, "restore", lambda self: pytest.fail("read whole before the plan"))
+    monkeypatch.setenv(memory.ENV, "0.0001")
+    with pytest.raises(api.CorpError, match=r"^this run needs about .* of host memory"):
+        api.prune(model, token_batches(n=12), config, "cpu", progress=False)
+
+
+def test_an_onloaded_model_is_checked_for_what_it_holds_not_for_its_whole_weights(tmp_path: Path, monkeypatch):
+    """With room for the embeddings, the head and one block but not for every weight, ``hub.load`` onloads (the
+    7B shape's case: its pruned model was once read back whole, so it was refused by its whole float32 size) and
+    refuses to load the model whole."""
+    folder = FOLDERS["llama"](tmp_path)
+    whole = memory.safetensors_bytes(folder, itemsize=4)
+    model, _ = hub.load(str(folder), onload=True)
+    held = onload.of(model).held_bytes()
+    assert held == onload.of(model).resident_bytes() + onload.of(model).block_bytes() < whole
+    monkeypatch.setenv(memory.ENV, str((memory.RUNTIME + (held + whole) / 2) / memory.HEADROOM / memory.GIB))
+    assert onload.of(hub.load(str(folder), onload=True)[0]) is not None
+    with pytest.raises(api.CorpError, match=r"^this run needs about .* of host memory"):
+        hub.load(str(folder))
+
+
 def test_prune_export_reads_the_dense_model_again_instead_of_copying_it(tmp_path: Path, capsys, monkeypatch) -> None:
     """The dense graph is exported from the folder read again after the onloaded prune, not from a copy held
-    through it: ``copy.deepcopy`` of a model in ``cli.prune`` fails the test."""
+    through it: ``copy.deepcopy`` of a model in ``cli.prune`` fails the test; the pruned one from its artifact, the
+    onloaded prune's store deleted before the exports."""
     import copy
 
     from corp_deploy.cli import prune as cli_prune
@@ -133,6 +215,18 @@ def test_prune_export_reads_the_dense_model_again_instead_of_copying_it(tmp_path
         return copy.deepcopy(x, *args)
 
     monkeypatch.setattr(cli_prune, "copy", SimpleNamespace(deepcopy=no_model_copy))
+    import tempfile
+
+    from corp_deploy.cli import prune_export
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stores: list[list[Path]] = []  # the onloaded prune's store, once its artifact is saved: deleted before the exports
+    real_run = prune_export.export_run
+    monkeypatch.setattr(
+        prune_export,
+        "export_run",
+        lambda *a, **k: stores.append(list(tmp_path.glob("corp-onload-*"))) or real_run(*a, **k),
+    )
     loads = []
     real_load = hub.load
     monkeypatch.setattr(hub, "load", lambda source, onload=False: loads.append(onload) or real_load(source, onload))
@@ -142,6 +236,7 @@ def test_prune_export_reads_the_dense_model_again_instead_of_copying_it(tmp_path
     code, _, stderr = run([*argv, "--precision", "fp32", "--quiet", "--out", str(out)], capsys)
     assert code == 0, stderr
     assert loads == [True, False]  # onloaded for the prune, then the dense model read again
+    assert stores == [[]]
     record = json.loads((out / "export.json").read_text())
     assert [r["file"] for r in record["onnx"]] == ["dense.onnx", "pruned.onnx"]
     dense_params = sum(p.numel() for p in real_load(str(folder))[0].parameters())
@@ -221,7 +316,7 @@ def _hub_cache(root: Path, folder: Path, monkeypatch) -> str:
 
 
 def test_a_hub_name_is_onloaded_from_its_snapshot_and_refused_by_size_before_loading(tmp_path: Path, monkeypatch):
-    """``hf:NAME`` is onloaded as its folder is (one block at a time, the same artifact) and its float32 size is
+    """``hf:NAME`` is onloaded as its folder is (one block at a time, the same artifact) and what it will hold is
     checked before a weight is read: a model the machine cannot hold is one line, not the kernel's kill."""
     folder = FOLDERS["llama"](tmp_path)
     name = _hub_cache(tmp_path / "hub", folder, monkeypatch)
@@ -232,7 +327,7 @@ def test_a_hub_name_is_onloaded_from_its_snapshot_and_refused_by_size_before_loa
     local = _pruned(folder, "llama", True, tmp_path / "local")
     assert all(torch.equal(t, local[k]) for k, t in load_file(tmp_path / "hub-run" / "model.safetensors").items())
     monkeypatch.setattr(memory, "available", lambda *args: 1024)
-    monkeypatch.setattr(hub, "_onloaded", lambda *args: pytest.fail("the model was built before the size check"))
+    monkeypatch.setattr(onload.Onloader, "start", lambda self: pytest.fail("a weight was read before the size check"))
     with pytest.raises(api.CorpError, match="this run needs about .* of host memory") as info:
         hub.load(name, onload=True)
     assert "\n" not in str(info.value)

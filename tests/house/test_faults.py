@@ -118,7 +118,7 @@ def test_overwrite_whose_write_fails_leaves_the_old_artifact(tmp_path, capsys, m
     def disk_full(*_args, **_kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("corp_deploy.formats.artifact.save_model", disk_full)
+    monkeypatch.setattr("corp_deploy.formats.safetensors_writer.write", disk_full)
     code, _, stderr = run([*PRUNE, "--calib", "synthetic", "--out", str(out), "--overwrite"], capsys)
     assert code == 1 and "Traceback" not in stderr
     (line,) = [ln for ln in stderr.splitlines() if ln.startswith("error:")]

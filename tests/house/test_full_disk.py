@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import onnx
 import pytest
 from helpers import PRUNE, run
-from safetensors import SafetensorError
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import staged
@@ -52,10 +51,7 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 def test_prune_whose_safetensors_write_fails_on_a_full_disk(tmp_path, capsys, monkeypatch) -> None:
-    def full(*_args, **_kwargs):
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-
-    monkeypatch.setattr("corp_deploy.formats.artifact.save_model", full)
+    monkeypatch.setattr("corp_deploy.formats.safetensors_writer.write", disk_full)
     out = tmp_path / "run"
     _one_error(*run([*PRUNE, "--calib", "synthetic", "--out", str(out)], capsys)[::2], out)
     assert list(tmp_path.iterdir()) == []

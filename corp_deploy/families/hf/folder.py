@@ -135,8 +135,8 @@ def stored(model: nn.Module) -> nn.Module:
                 old = modeling.get(block, path)
                 if old.bias is None:
                     new = modeling.linear_like(old, old.in_features, old.out_features, True)
-                    new.weight = old.weight
-                    new.bias.zero_()
+                    new.weight = old.weight  # on meta where the model is onloaded: its zero bias is made here
+                    new.bias = nn.Parameter(torch.zeros_like(new.bias, device="cpu" if new.bias.is_meta else None))
                     modeling.put(block, path, new)
     for flag in flags:
         setattr(model.config, flag, True)

@@ -65,8 +65,10 @@ def load(source: str, onload: bool = False) -> tuple[nn.Module, Any]:
     ``onload``: a folder of safetensors (a local one, or an ``hf:NAME``'s snapshot in the hub cache) is built with
     its blocks' weights left on disk (``families.onload``: one block is read at a time by the prune's walk); a
     checkpoint whose names the model does not take as they are (renamed keys, ``.bin`` files) loads whole, as without
-    it. The refusal is the same either way, before any weight is read: the pruned model is read whole after the walk
-    (for its report, its save and its export), and the dense model's float32 weights bound it."""
+    it. Before any weight is read, what will be held is checked against the memory available, one line when it
+    cannot fit: the float32 weights of a model loaded whole; onloaded, what stays resident (the embeddings, the
+    head) and the largest block (nothing reads the pruned model whole after the walk: the save streams it). The
+    prune's memory plan (``blockwise.memory_plan``) then counts the rest before any data is read."""
     transformers = transformers_module("pruning a transformers model")
     transformers.utils.logging.disable_progress_bar()  # corp-deploy prints its own progress
     where, offline = source.removeprefix(HUB_PREFIX), _offline(source)
@@ -74,12 +76,10 @@ def load(source: str, onload: bool = False) -> tuple[nn.Module, Any]:
         config = transformers.AutoConfig.from_pretrained(where, **offline)
         cls = architecture(transformers, config)
         folder = _snapshot(source, offline)
-        if folder is not None:  # before loading: float32 weights the machine cannot hold are refused in one line
-            memory.Plan({"weights": memory.safetensors_bytes(folder, itemsize=4)}, memory.available(), "host").check(
-                "corp-deploy holds the weights in float32 on the host: run on a machine with more memory"
-            )
         model = _onloaded(cls, config, folder) if onload and folder is not None else None
         if model is None:
+            if folder is not None:  # before loading: float32 weights the machine cannot hold are refused in one line
+                _check_fits(memory.safetensors_bytes(folder, itemsize=4))
             model = cls.from_pretrained(where, attn_implementation="sdpa", dtype=torch.float32, **offline)
     except SafetensorError as e:  # a truncated or corrupt weights file: not the hub's, the folder's
         raise CorpError(
@@ -111,14 +111,24 @@ def _snapshot(source: str, offline: dict[str, bool]) -> str | None:
 
 def _onloaded(cls: type, config: Any, folder: str) -> nn.Module | None:
     """``cls`` built on the meta device with what is outside its blocks read from ``folder``
-    (``Onloader``), or None when the checkpoint's names are not the model's."""
+    (``Onloader``), or None when the checkpoint's names are not the model's; refused in one line before a weight is
+    read when what onloading holds (``Onloader.held_bytes``) cannot fit."""
     with meta_parameters():
         model = cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     try:
-        Onloader(model, folder).start()
+        loader = Onloader(model, folder)
+        _check_fits(loader.held_bytes())
+        loader.start()
     except KeyError:
         return None
     return model
+
+
+def _check_fits(weights: int) -> None:
+    """The one line when ``weights`` bytes of float32 weights (with the runtime) cannot fit the host's memory."""
+    memory.Plan({"weights": weights}, memory.available(), "host").check(
+        "corp-deploy holds the weights in float32 on the host: run on a machine with more memory"
+    )
 
 
 def _offline(source: str) -> dict[str, bool]:
