@@ -27,7 +27,7 @@ from typing import Any
 
 from corp_deploy.base.env import cpu_features, describe_cpu
 from corp_deploy.exporters.compare import INT8
-from corp_deploy.exporters.int8_quant import calibration_data, compare_on, float_graph
+from corp_deploy.exporters.int8_quant import IMAGE_CALIB, calibration_data, compare_on, float_graph
 from corp_deploy.exporters.int8_recipes import (
     AUTO,
     RECIPES,
@@ -125,7 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("graphs", nargs="+", type=Path)
     parser.add_argument("--calib", default="synthetic", help="'synthetic' or an image folder (CORP's sample, seed 0)")
-    parser.add_argument("--int8-calib", type=int, default=256)
+    parser.add_argument("--int8-calib", type=int, default=IMAGE_CALIB)
     parser.add_argument("--int8-verify", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)

@@ -29,21 +29,27 @@ RUNTIME = 750 * 2**20
 (2026-12-02, torch 2.14, transformers 5.24). Every plan holds it."""
 
 
-EXPORT_COPIES = {"fp32": 5.0, "int4": 1.6}
+EXPORT_COPIES = {"fp32": 1.1, "traced": 5.0, "int4": 1.6}
 """An export's peak beside the interpreter, in multiples of the larger model's float32 weights (the dense one's): the
-model held (``exporters.pipeline.OneAtATime``: one at a time) and what the exporters hold beside it (the tracer's
-proto, onnxruntime's session of the graph it verifies, genai's builder reading its own copy; with INT4, the builder's
-recipes and the quantizer). Measured on the 1.7B-wide shape cut to 2 layers (1.25 GiB of weights), 2026-12-02,
-docs/BENCHMARKS.md "Scale": 6.76 GiB sampled in the ONNX step, 12.49 GiB for the process (the INT4 step); cut to 6
-layers (2.25 GiB), 11.9 GiB sampled in the ONNX step (the tracer's pruned graph, under 2 GB: 5x; the dense one, by
-dynamo with external data, 5.1 GiB: the 24-layer graphs take that path, so this over-predicts them).
+model held (``exporters.pipeline.OneAtATime``: one at a time) and what the exporters hold beside it.
 
-``int4``: the genai and INT4 steps after the ONNX graphs, measured at 24 layers (the 1.7B shape, 6.37 GiB of float32
-weights; genai55, 2026-12-02, loaded, docs/BENCHMARKS.md "Scale"): 10.72 GiB for the process, reached reading the
-pruned artifact (``load_pruned`` builds the dense-shaped model before it cuts it); the genai folders 9.09 GiB (genai's
-builder on the dense folder: its own model, memory-mapped, and the graph it writes; the torch model let go first);
-the INT4 step 8.9 GiB sampled (the ranking's FP32 onnxruntime session and the activations it holds). (10.72 - 0.73) /
-6.37 = 1.57. A run with INT4 writes the ONNX graphs first, so its plan is never below ``fp32``'s."""
+- ``fp32``, weights of ``TRACED_BELOW`` and more: the logits graphs by dynamo with external data, the model let go
+  before onnxruntime's session of the graph opens (``pipeline.export_verified``), so the model or the session is
+  held, about one copy. Measured at 24 layers (the 1.7B shape, 6.75 GiB of weights), 2026-12-02, docs/BENCHMARKS.md
+  "Scale": dense.onnx written and verified at 7.74 GiB peak RSS = the runtime and 1.04 copies (pruned.onnx, 5.41
+  GiB: 6.38 GiB, 1.03 copies); 1.1 leaves room. Reading a prune artifact back (``load_pruned``) is not counted.
+- ``traced``, weights under it: the TorchScript tracer holds its proto in memory, 5x (the 1.7B-wide shape cut to 2
+  and 6 layers, 2026-12-02). A dense model at or over the limit whose pruned copy falls under it has its pruned graph
+  traced: up to 5x of that copy, which this plan does not see.
+- ``int4``: the genai and INT4 steps after the ONNX graphs (an INT4 run's plan takes the larger of the two), measured
+  at 24 layers (the 1.7B shape, 6.37 GiB of float32 weights as ``safetensors_bytes`` counts them; genai55,
+  2026-12-02, loaded, docs/BENCHMARKS.md "Scale"): 10.72 GiB for the process, reached in ``load_pruned`` (it built the
+  dense-shaped model before cutting it); the genai folders 9.09 GiB (genai's builder on the dense folder: its own
+  model, memory-mapped, and the graph it writes, the torch model let go first); the INT4 step under 8.9 GiB (the
+  ranking's FP32 onnxruntime session and the activations it holds). (10.72 - 0.73) / 6.37 = 1.57."""
+TRACED_BELOW = 2 * GIB
+"""``exporters.onnx_export.MAX_SINGLE_FILE``: the logits graphs of smaller models are traced (``base`` imports no
+exporter)."""
 
 
 def gib(n: float) -> str:
@@ -148,5 +154,6 @@ def export_plan(weights: int, available: int | None, int4: bool = False) -> Plan
     """The peak of exporting a model of ``weights`` bytes of float32 weights and its pruned copy (never larger), one
     at a time (``EXPORT_COPIES``; ``int4``: with INT4 folders). The prune and its save before it hold less: an
     onloaded prune's peak is its walk's (``blockwise.memory_plan``), and its save streams the pruned blocks."""
-    copies = max(EXPORT_COPIES["fp32"], EXPORT_COPIES["int4"] if int4 else 0)  # INT4 after the ONNX graphs
+    onnx = EXPORT_COPIES["fp32" if weights >= TRACED_BELOW else "traced"]
+    copies = max(onnx, EXPORT_COPIES["int4"]) if int4 else onnx  # INT4 after the ONNX graphs
     return Plan({"model": weights, "exporters": round((copies - 1) * weights)}, available)

@@ -127,11 +127,12 @@ def export(
     if is_text(description):
         refuse_text_flags(pad_qk, simplify)
     description = padded_qk(model, description, pad_qk)
-    with staged(out_, overwrite) as stage:
-        records = [export_verified(model, stage / out_.name, description, opset, simplify, opts, rewrites_)]
+    params = {out_.stem: sum(p.numel() for p in model.parameters())}
+    with staged(out_, overwrite) as stage:  # the graph is checked with the model let go (on the meta device)
+        args = (description, opset, simplify, opts, rewrites_, lambda: model.to("meta"))
+        records = [export_verified(model, stage / out_.name, *args)]
         if half_too:
             records.append(convert_verified(stage / out_.name, stage / half.name, opts))
-    params = {out_.stem: sum(p.numel() for p in model.parameters())}
     click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}, params))
     click.echo(f"wrote {', '.join(str(out_.with_name(r['file'])) for r in records)} (each with a .json record)")
 

@@ -42,7 +42,14 @@ from corp_deploy.cli.options import (
 from corp_deploy.cli.prune import Pruned, again, pruned, say_folder
 from corp_deploy.cli.prune_options import prune_config, prune_options
 from corp_deploy.cli.quantize import build_engine, quantize
-from corp_deploy.cli.quantize_options import int4_candidates, int4_options, int4_setup, int8_options, int8_quantizer
+from corp_deploy.cli.quantize_options import (
+    int4_candidates,
+    int4_options,
+    int4_setup,
+    int8_calib,
+    int8_options,
+    int8_quantizer,
+)
 from corp_deploy.exporters import targets as export_targets
 from corp_deploy.exporters.genai import GRAPH, tokenizer_files
 from corp_deploy.exporters.genai_target import GENAI
@@ -192,7 +199,7 @@ def prune_export(
     if INT8.name in precisions_:  # INT8 engines are built from the INT8 graphs
         source = calibration_source(prune_args["calib_dir"], prune_args["calib"], text)
         counts, seed, workers = (
-            (int8_opts["int8_calib"], int8_opts["int8_verify"]),
+            (int8_calib(int8_opts, text), int8_opts["int8_verify"]),
             prune_args["seed"],
             prune_args["workers"] or 0,
         )

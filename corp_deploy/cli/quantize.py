@@ -10,6 +10,7 @@ import click
 
 from corp_deploy.base.errors import CorpError
 from corp_deploy.base.fsio import check_writable
+from corp_deploy.cli import quantize_options
 from corp_deploy.cli.export_options import (
     build_options,
     engine_group,
@@ -165,7 +166,9 @@ def quantize(
     if is_text(metas[0]):  # a run folder's graphs are one model's: the tokenizer is its artifact's, or its source's
         artifact = pairs[0][0].parent / ARTIFACT
         tokenizer_from = artifact if (artifact / META_FILE).is_file() else metas[0]["model"]
-        text = text_int8(tokenizer_from, data, int8_opts["int8_calib"], int8_opts["int8_verify"], seed)
+        text = text_int8(
+            tokenizer_from, data, quantize_options.int8_calib(int8_opts, True), int8_opts["int8_verify"], seed
+        )
     records = int8_quantizer(int8_opts, data, tol, seed, workers, text, overwrite)(pairs)
     click.echo(format_summary({"onnx": records, "engines": [], "engines_skipped": None}))
     click.echo(f"wrote {', '.join(str(out.parent / r['file']) for r in records)} (each with a .json record)")

@@ -28,16 +28,15 @@ from corp_deploy.exporters.int4_quant import (
     RANK_WINDOWS,
     Scheme,
 )
-from corp_deploy.exporters.int8_quant import CALIB_METHODS
+from corp_deploy.exporters.int8_quant import CALIB_METHODS, IMAGE_CALIB, TEXT_CALIB
 from corp_deploy.exporters.int8_recipes import parse_recipes, quantize_graphs
 from corp_deploy.exporters.smooth import SMOOTH_ALPHA
 
 int8_options = group(
     click.option(
         "--int8-calib",
-        default=256,
-        show_default=True,
-        help="INT8 calibration images (text: documents): CORP's first N.",
+        type=click.IntRange(1),
+        help=f"INT8 calibration images (text: documents): CORP's first N [{IMAGE_CALIB}; text {TEXT_CALIB}].",
     ),
     click.option(
         "--int8-verify",
@@ -81,6 +80,13 @@ int8_options = group(
 )
 
 
+def int8_calib(int8_opts: dict[str, Any], text: bool) -> int:
+    """``--int8-calib``, or the default of the graph's modality: min-max over more images only widened the ranges
+    (``int8_quant.IMAGE_CALIB``); text keeps ``TEXT_CALIB`` documents."""
+    n = int8_opts["int8_calib"]
+    return n if n is not None else TEXT_CALIB if text else IMAGE_CALIB
+
+
 def int8_quantizer(
     int8_opts: dict[str, Any], source: str, tol: Tolerance, seed: int, workers: int, text, overwrite: bool = False
 ) -> Callable[[Sequence[tuple[Path, Path]]], list[dict[str, Any]]]:
@@ -91,7 +97,7 @@ def int8_quantizer(
         quantize_graphs,
         source=source,
         tol=tol,
-        num_calib=int8_opts["int8_calib"],
+        num_calib=int8_calib(int8_opts, text is not None),
         num_verify=int8_opts["int8_verify"],
         seed=seed,
         method=int8_opts["calib_method"],

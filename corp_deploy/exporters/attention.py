@@ -17,7 +17,7 @@ outputs to the merged-heads output, by ``MultiHeadAttention(q, k, v, key_padding
   term is computed from that input alone (a bidirectional encoder's padding mask); a graph without a mask (a ViT)
   fuses without one.
 
-What it rewrites is checked, not trusted: ``int8_recipes.fused_graph`` keeps the fused graph only where it matches the
+What it rewrites is checked, not trusted: ``int8_recipes.check_fused`` keeps the fused graph only where it matches the
 FP32 graph within the FP32 tolerance on the held-out data (on MiniLM it matches to the bit), and a layer whose chain
 has any other shape is left as it is.
 """

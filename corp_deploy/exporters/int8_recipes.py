@@ -12,13 +12,14 @@ at batch 32 and all gated took 608 s of a deit_small run). The choice, every can
 line per graph says what was chosen and why.
 
 Fusions: the FP32 graph is also put through onnxruntime's transformer optimizer (``fuse``: SkipLayerNormalization,
-BiasGelu; ``bert`` for text encoders, ``vit`` for images) and the fused graph kept only where it matches the FP32
-graph within the FP32 tolerance on the held-out data; each fusable recipe is then a candidate on both graphs, so a
-fusion ships only where it is verified and faster. The optimizer fuses no ``Attention`` in our exported graphs (its
-patterns expect the mask as ``(1 - mask) * -10000`` added to the scores and Q K^T scaled after the MatMul, while
-torch's exported SDPA scales Q and K each by sqrt(scale) and masks with ``Where``), so ``attention.fuse_attention``
-rewrites each layer's attention as ``MultiHeadAttention`` first; it also keeps ``quantize_dynamic`` from quantizing
-the two activation-by-activation MatMuls of every layer.
+BiasGelu; ``bert`` for text encoders, ``vit`` for images); each fusable recipe is then a candidate on both graphs,
+and the fused graph is kept only where it matches the FP32 graph within the FP32 tolerance on the held-out data,
+checked once a candidate on it comes up to be gated (where a plain one passes first, the check, the fused FP32 graph
+over every held-out sample, is not run: the record says so), so a fusion ships only where it is verified and faster.
+The optimizer fuses no ``Attention`` in our exported graphs (its patterns expect the mask as ``(1 - mask) * -10000``
+added to the scores and Q K^T scaled after the MatMul, while torch's exported SDPA scales Q and K each by sqrt(scale)
+and masks with ``Where``), so ``attention.fuse_attention`` rewrites each layer's attention as ``MultiHeadAttention``
+first; it also keeps ``quantize_dynamic`` from quantizing the two activation-by-activation MatMuls of every layer.
 
 TensorRT parses Q/DQ graphs only: an INT8 engine is built where the chosen recipe is ``static`` (``int8_scheme``'s
 format ``QDQ``), and skipped, saying how to get one, where the fastest passing recipe is another.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -46,6 +48,7 @@ from corp_deploy.base.steps import each
 from corp_deploy.base.timing import Method, interleaved
 from corp_deploy.exporters.compare import FP32, Comparison, Feed, Runner, Tolerance
 from corp_deploy.exporters.int8_quant import (
+    IMAGE_CALIB,
     Data,
     HeldOut,
     _inferred_copy_removed,
@@ -128,6 +131,12 @@ def register(name: str, fusable: bool = True, rescues: str | None = None, stand_
 
 STAND_IN_SAMPLES = 4
 """Calibration images (text: documents) of static's stand-in in the race: its ranges are never shipped."""
+STAND_IN_MARGIN = 0.03
+"""How much faster than a candidate ready to ship a stand-in must race to be gated before it: its real graph costs a
+pass over every calibration image (deit_small's dense static, 256 images: 30-70 s, more than the rest of its choice),
+and a lead inside the 3% the pick is held to is inside what three calls resolve. On the quiet machine dense's static
+stand-in led one race by 1.5% and its calibrated graph came last of five when timed exhaustively, 6.5% behind the
+fastest (docs/BENCHMARKS.md, "Scale: time to artifact")."""
 
 
 def _static_stand_in(src: Path, out: Path, job: Job) -> None:
@@ -244,9 +253,9 @@ def fuse(src: Path, dst: Path) -> dict[str, int]:
     return {op: n for op, n in counts.items() if n}
 
 
-def fused_graph(src: Path, dst: Path, reference: Runner, held_out: HeldOut) -> tuple[Path | None, dict]:
-    """(the fused graph, its record), or (None, why not): kept only where it fuses something and matches ``src``
-    within the FP32 tolerance on the held-out data."""
+def fused_unchecked(src: Path, dst: Path) -> tuple[Path | None, dict]:
+    """(the fused graph, its record: the fused ops), or (None, why not); not yet compared with ``src``
+    (``check_fused``)."""
     if len(onnx_files(src)) > 1:
         return None, {"skipped": "the graph keeps its weights in external data (over 2 GB); not fused"}
     try:
@@ -255,12 +264,25 @@ def fused_graph(src: Path, dst: Path, reference: Runner, held_out: HeldOut) -> t
         return None, {"skipped": f"onnxruntime's transformer optimizer failed: {type(e).__name__}: {first_line(e)}"}
     if not fused:
         return None, {"skipped": "onnxruntime's transformer optimizer fused nothing"}
-    comparisons = compare_on(reference, OrtRunner(dst, "cpu"), held_out)
-    worst = min(comparisons, key=lambda c: c.cosine)
-    record = {"fused": fused, "cosine": worst.cosine, "rel_error": max(c.rel_error for c in comparisons)}
+    return dst, {"fused": fused}
+
+
+def check_fused(fused: Path, record: dict, reference: Runner, held_out: HeldOut) -> bool:
+    """Whether the fused graph matches the FP32 graph (``reference``) within the FP32 tolerance on the held-out data;
+    its figures, and why it is not kept where it misses, go into ``record``."""
+    comparisons = compare_on(reference, OrtRunner(fused, "cpu"), held_out)
+    record |= {"cosine": min(c.cosine for c in comparisons), "rel_error": max(c.rel_error for c in comparisons)}
     if not all(c.within(FP32) for c in comparisons):
-        return None, record | {"skipped": f"the fused graph does not match the FP32 graph within {FP32}"}
-    return dst, record
+        record["skipped"] = f"the fused graph does not match the FP32 graph within {FP32}"
+        return False
+    return True
+
+
+def fused_graph(src: Path, dst: Path, reference: Runner, held_out: HeldOut) -> tuple[Path | None, dict]:
+    """(the fused graph, its record), or (None, why not): kept only where it fuses something and matches ``src``
+    within the FP32 tolerance on the held-out data."""
+    fused, record = fused_unchecked(src, dst)
+    return (fused, record) if fused and check_fused(fused, record, reference, held_out) else (None, record)
 
 
 Timer = Callable[[dict[str, Path], Feed], dict[str, float]]
@@ -374,6 +396,11 @@ def _race(candidates: Sequence[Candidate], feed: Feed, timer: Timer | None) -> N
         c.p50_ms = times[c.name]
 
 
+def _order(candidate: Candidate) -> float:
+    """Gating order: fastest first, a stand-in's p50 counted ``STAND_IN_MARGIN`` slower (it must buy its pass)."""
+    return (candidate.p50_ms or 0.0) * (1 + STAND_IN_MARGIN if candidate.stand_in else 1)
+
+
 def _gate(candidate: Candidate, job: Job) -> bool:
     """Whether ``candidate`` passes the gate against the FP32 graph (``job.reference``) on the held-out data."""
     candidate.comparisons = compare_on(job.reference, OrtRunner(candidate.path, "cpu"), job.held_out)
@@ -387,9 +414,12 @@ def choose_int8(
     recipes: Sequence[str] = (AUTO,),
     batch: int = TIME_BATCH,
     timer: Timer | None = None,
+    keep: dict[str, Path] | None = None,
 ) -> dict[str, Any]:
     """Write the fastest of ``recipes``' INT8 graphs of ``src`` that passes the gate to ``out`` (callers stage it),
     with its sidecar; return its record. Refuses, in one line naming every candidate's miss, where none passes.
+    ``keep``: candidate name -> a path its graph is copied to where it was written for real (one file): the
+    quantize-only baseline is the ``dynamic`` candidate of ``dense.onnx``, made once.
 
     Bounded: every candidate is written (seconds each; static as its stand-in, ``Recipe.stand_in``) and raced once
     at ``batch`` (``timer``; onnxruntime CPU, ``TRIAL_METHOD``), then gated fastest first until one passes: the gate
@@ -398,7 +428,8 @@ def choose_int8(
     is written for real when it comes up to be gated; where that graph's nodes differ from the stand-in's (static's
     fallbacks: smoothing, GEMMs kept float), it is raced again with the candidates left. A recipe that ``rescues``
     another (``smooth-dynamic``: its own calibration pass, minutes on a ViT) is written only where the one it rescues
-    missed the gate.
+    missed the gate. The fused FP32 graph is compared with ``src`` (``check_fused``) only when a candidate on it
+    comes up to be gated; where it misses, every candidate on it is dropped.
     """
     start = time.perf_counter()
     names = parse_recipes(",".join(recipes))
@@ -408,7 +439,7 @@ def choose_int8(
         graphs: dict[str, Path] = {"plain": src}
         fusion: dict[str, Any] = {"skipped": "no recipe that reads a fused graph was asked for"}
         if any(RECIPES[n].fusable for n in names):
-            fused, fusion = fused_graph(src, Path(tmp) / "fused.onnx", job.reference, job.held_out)
+            fused, fusion = fused_unchecked(src, Path(tmp) / "fused.onnx")
             graphs |= {"fused": fused} if fused else {}
         todo = [Candidate(n, g, Path(tmp) / f"{n}.{g}" / out.name) for n in names for g in graphs]
         todo = [c for c in todo if RECIPES[c.recipe].fusable or c.graph == "plain"]
@@ -424,9 +455,15 @@ def choose_int8(
         if len(written) > 1:
             _race(written, feed, timer)
         best = None
-        left = sorted(written, key=lambda c: c.p50_ms or 0.0)
+        left = sorted(written, key=_order)
         while left:
             c = left.pop(0)
+            unchecked = c.graph == "fused" and "cosine" not in fusion  # checked once, where a fused one may ship
+            if unchecked and not check_fused(graphs["fused"], fusion, job.reference, job.held_out):
+                for f in [c, *left]:
+                    f.error = fusion["skipped"] if f.graph == "fused" else f.error
+                left = [f for f in left if f.graph != "fused"]
+                continue
             if c.stand_in:
                 job.say(f"  INT8 candidate {c.name}: the fastest left of the race; written from all calibration data")
                 raced_nodes = _nodes(c.path)
@@ -434,7 +471,7 @@ def choose_int8(
                     continue
                 if left and _nodes(c.path) != raced_nodes:  # not the graph raced: race it with those left
                     _race([c, *left], feed, timer)
-                    left = sorted([c, *left], key=lambda c: c.p50_ms or 0.0)
+                    left = sorted([c, *left], key=_order)
                     continue
             if _gate(c, job):
                 best = c
@@ -452,7 +489,12 @@ def choose_int8(
                 f"INT8 ONNX {out.name} against {src.name} on held-out {_unit(job.held_out)}: no INT8 recipe passes "
                 f"the gate, {gate}: {tried}; if this is expected, loosen --tol-cosine/--tol-rel"
             )
+        if "fused" in fusion and "cosine" not in fusion:
+            fusion["checked"] = "no: no candidate on the fused graph came up to be gated (a faster one passed)"
         choice = _choice(best, candidates, job.tol, feed, fusion, recipes)
+        for c in [c for c in candidates if c.name in (keep or {}) and c.error is None and not c.stand_in]:
+            if len(onnx_files(c.path)) == 1:
+                shutil.copyfile(c.path, keep[c.name])
         for f in onnx_files(best.path):
             os.replace(f, out.parent / f.name)
     import onnx
@@ -487,9 +529,15 @@ def _choice(
         why += f" ({shape_of(feed)}, onnxruntime CPU, {describe_cpu(cpu)}; the slower ones not gated)"
     else:
         why = "the only candidate that passes the gate" if len(candidates) > 1 else "the only candidate asked for"
+    for c in [
+        c for c in raced if c.stand_in and best.p50_ms is not None and c.p50_ms < best.p50_ms
+    ]:  # yielded: never calibrated in full
+        why += f"; {c.name} raced {best.p50_ms / c.p50_ms - 1:.1%} faster as its stand-in, inside the "
+        why += f"{STAND_IN_MARGIN:.0%} its pass over every calibration sample must buy: not calibrated"
     if failed:
         why += "; missed the gate: " + ", ".join(f"{c.name} ({c.miss()})" for c in failed)
     timing = {"runtime": "onnxruntime CPU", "shape": shape_of(feed), "statistic": "p50 ms, median of repeats"}
+    timing |= {"stand_in_margin": STAND_IN_MARGIN}
     return {
         "chosen": best.recipe,
         "graph": best.graph,
@@ -502,12 +550,16 @@ def _choice(
     }
 
 
-def baseline_int8(src: Path, out: Path, job: Job) -> dict[str, Any]:
+def baseline_int8(src: Path, out: Path, job: Job, written: Path | None = None) -> dict[str, Any]:
     """Write the quantize-only baseline of the dense graph ``src`` to ``out`` (callers stage it): what a user gets
     from onnxruntime in one line without pruning (``BASELINE_WHAT``), the reference every pruned INT8 graph is held
-    to. Its gate figures are recorded, not enforced: it is the alternative, not an artifact of ours."""
+    to. Its gate figures are recorded, not enforced: it is the alternative, not an artifact of ours. ``written``: that
+    graph as the recipe choice already wrote it (its ``dynamic`` candidate, ``choose_int8(keep=...)``), if it did."""
     start = time.perf_counter()
-    dynamic_int8(src, out, per_channel=True, metadata=calibration(job, DYNAMIC))
+    if written is not None and written.is_file():
+        os.replace(written, out)
+    else:
+        dynamic_int8(src, out, per_channel=True, metadata=calibration(job, DYNAMIC))
     comparisons = compare_on(job.reference or OrtRunner(src, "cpu"), OrtRunner(out, "cpu"), job.held_out)
     passes = all(c.within(job.tol) for c in comparisons)
     import onnx
@@ -554,7 +606,7 @@ def quantize_graphs(
     pairs: Sequence[tuple[Path, Path]],
     source: str | Path,
     tol: Tolerance,
-    num_calib: int = 256,
+    num_calib: int = IMAGE_CALIB,
     num_verify: int = 64,
     seed: int = 0,
     method: str = "minmax",
@@ -597,11 +649,14 @@ def quantize_graphs(
         calib, held, folders = data[key]
         reference = Memo(OrtRunner(src, "cpu"))  # the recipes' gates and the baseline's read it once
         job = Job(calib, held, tol, method, info | {"folders": folders}, smooth_alpha, say, reference)
-        with staged(out, overwrite) as stage:
-            records.append(choose_int8(src, stage / out.name, job, recipes, batch, timer))
-        if dense and src.name == onnx_name("dense"):
-            with staged(dense[0], overwrite) as stage:
-                base = baseline_int8(src, stage / dense[0].name, job)
+        is_dense = bool(dense) and src.name == onnx_name("dense")
+        with tempfile.TemporaryDirectory(prefix=".baseline-", dir=out.parent) as hold:
+            keep = {"dynamic": Path(hold) / BASELINE} if is_dense else {}
+            with staged(out, overwrite) as stage:
+                records.append(choose_int8(src, stage / out.name, job, recipes, batch, timer, keep))
+            if is_dense:
+                with staged(dense[0], overwrite) as stage:
+                    base = baseline_int8(src, stage / dense[0].name, job, keep["dynamic"])
     if dense:
         records.append(base)  # last: the reference row beside dense and pruned
         int8_speed([*(src for src, _ in pairs), *(out for _, out in pairs), *dense], records, batch, timer, say)

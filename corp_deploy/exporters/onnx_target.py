@@ -24,7 +24,8 @@ LOAD = "onnxruntime.InferenceSession({p})"
 def write(job: Job) -> list[dict[str, Any]]:
     """Every model's verified FP32 graph (and FP16 copy when asked), then, with ``quantize`` in the options (the
     INT8 step bound to its calibration data: ``int8_recipes.quantize_graphs``), their INT8 graphs. Each file is
-    staged on its own, so a run that stops keeps each file that finished, whole."""
+    staged on its own, so a run that stops keeps each file that finished, whole. Each model is let go
+    (``Job.free``) once its graph is written and PyTorch's outputs are kept, before onnxruntime checks the graph."""
     from corp_deploy.exporters.pipeline import convert_verified, export_verified
 
     o, records = job.options, []
@@ -34,7 +35,7 @@ def write(job: Job) -> list[dict[str, Any]]:
             fp32 = job.out / onnx_name(stem)
             with staged(fp32) as stage:
                 written = export_verified(
-                    model, stage / fp32.name, description, o["opset"], o["simplify"], job.opts, o["rewrites"]
+                    model, stage / fp32.name, description, o["opset"], o["simplify"], job.opts, o["rewrites"], job.free
                 )
             records.append(written)
             if FP16.name in job.precisions:

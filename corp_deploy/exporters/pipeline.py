@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from corp_deploy.base.env import describe_cpu
+from corp_deploy.base.env import describe_cpu, exact_fp32
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.fsio import atomic_file, staged
 from corp_deploy.base.tables import text_table
@@ -49,11 +49,12 @@ from corp_deploy.exporters.onnx_export import (
     input_shape,
     load_onnx,
     onnx_bytes,
+    onnx_files,
     onnx_sha256,
     read_metadata,
 )
 from corp_deploy.exporters.rewrites import rewritten
-from corp_deploy.exporters.runners import OrtRunner, TorchRunner
+from corp_deploy.exporters.runners import Memo, OrtRunner, TorchRunner
 from corp_deploy.exporters.targets import ONNX, TENSORRT, Job, Target, load
 from corp_deploy.exporters.tensorrt_engine import (
     TEXT_ENGINES,
@@ -100,9 +101,15 @@ def graph_inputs(proto, seed: int = 0) -> Inputs:
     """The verification inputs of an ONNX graph: token ids with padding for a text encoder (from its
     metadata), else random images of its input shape."""
     meta = read_metadata(proto)
-    if is_text(meta):
-        return text_inputs(meta["vocab_size"], meta["max_positions"], seed)
-    return image_inputs(input_shape(proto), seed)
+    return described_inputs(meta if is_text(meta) else {"input_size": input_shape(proto)}, seed)
+
+
+def described_inputs(description: dict[str, Any], seed: int = 0) -> Inputs:
+    """``graph_inputs`` of the graph a model of ``description`` (``sources.describe``) exports to, known before the
+    graph is written: its metadata is the description."""
+    if is_text(description):
+        return text_inputs(description["vocab_size"], description["max_positions"], seed)
+    return image_inputs(tuple(description["input_size"]), seed)
 
 
 def _verified(reference, candidate, inputs: Inputs, opts: VerifyOptions, tol: Tolerance, what: str) -> dict:
@@ -119,6 +126,7 @@ def export_verified(
     simplify: bool = False,
     opts: VerifyOptions = VerifyOptions(),
     rewrites: Sequence[str] = (),
+    free: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Export ``model`` to ``path`` and check it against PyTorch on the CPU; return its record.
 
@@ -127,24 +135,34 @@ def export_verified(
     A text model (``description`` from ``sources.describe``) takes ``input_ids`` and ``attention_mask`` with
     dynamic batch and sequence (``text_onnx``: an encoder's last hidden state, a decoder's logits) and is
     checked at untraced shapes with padding.
+
+    PyTorch's outputs on the verification inputs are computed first and kept (``runners.Memo``), then the graph is
+    written, then ``free`` lets go of the model (``targets.Job.free``) before onnxruntime opens the graph: the model
+    and the session are never resident together (a 1.7B decoder's 6.8 GB twice would not fit in 10 GB). The inputs,
+    the tolerances and the record are the same as when both were held.
     """
+    text = is_text(description)
+    if text and simplify:
+        raise CorpError("--simplify is for image graphs; export text encoders without it")
+    check_opset(opset)
+    reference = Memo(TorchRunner(graph(model)[0] if text else model))
+    inputs = described_inputs(description, opts.seed)
+    with exact_fp32():
+        for batch in opts.batches:
+            reference(inputs(batch))  # kept: the check below reads these, not the model
     start = time.perf_counter()
     deployed, applied = rewritten(model, rewrites)
     metadata = {**description, "precision": "fp32", "rewrites": list(applied)}
-    if is_text(description):
-        if simplify:
-            raise CorpError("--simplify is for image graphs; export text encoders without it")
-        check_opset(opset)
+    if text:
         export_text_onnx(deployed, path, opset, metadata)
-        reference = TorchRunner(graph(model)[0])
     else:
         export_onnx(deployed, path, tuple(description["input_size"]), opset, simplify, metadata)
-        reference = TorchRunner(model)
     seconds = time.perf_counter() - start
+    del deployed  # a rewritten copy goes now; the model itself goes with ``free``
+    free()
     proto = load_onnx(path, weights=False)  # once: a traced decoder's weights are inside, seconds to parse
-    check_ = _verified(
-        reference, OrtRunner(path, "cpu"), graph_inputs(proto, opts.seed), opts, opts.fp32, f"ONNX {path.name}"
-    )
+    lean = len(onnx_files(path, proto)) > 1  # weights in a .data file: a big graph, checked at one copy
+    check_ = _verified(reference, OrtRunner(path, "cpu", lean=lean), inputs, opts, opts.fp32, f"ONNX {path.name}")
     record = {
         "file": path.name,
         "precision": "fp32",

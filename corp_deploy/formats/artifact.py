@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import _remove_duplicate_names, load_model
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import _remove_duplicate_names, load_file
 from torch import Tensor, nn
 
 from corp_deploy import families
@@ -118,18 +118,43 @@ def build(meta: dict[str, Any], folder: Path) -> nn.Module:
 
 
 def load_pruned(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
-    """Rebuild a pruned model (eval mode) from an artifact folder, without calibration data."""
+    """Rebuild a pruned model (eval mode) from an artifact folder, without calibration data.
+
+    The dense tree is built with its parameters on the meta device (``onload.meta_parameters``) and the structure
+    applied there, then the saved tensors become the parameters (``assign``): only the pruned weights are ever
+    allocated. Building the dense tree for real first held it beside the pruned weights (the 1.7B shape: 6.4 GiB
+    of random initialisation, then 5.0 GiB read, 10.7 GiB peak)."""
     meta = read_meta(path)
     try:
-        model = build(meta, Path(path))
-        families.get(meta["family"]).apply_structure(model, meta["structure"])
+        with onload.meta_parameters():
+            model = build(meta, Path(path))
+            families.get(meta["family"]).apply_structure(model, meta["structure"])
     except (RuntimeError, TypeError, ValueError, KeyError, AttributeError) as e:
         raise CorpError(
             f"{Path(path) / META_FILE} describes a model this corp-deploy cannot build ({first_line(e)}); "
             "re-run `corp-deploy prune`"
         ) from None
     try:
-        load_model(model, str(Path(path) / WEIGHTS_FILE))  # strict; ties (an LM head on the embedding) restored
+        _assign(model, Path(path) / WEIGHTS_FILE)
     except (RuntimeError, OSError, SafetensorError) as e:
         raise CorpError(f"weights in {path} do not match its {META_FILE}: {first_line(e)}") from None
     return model.to(device).eval()
+
+
+def _assign(model: nn.Module, path: Path) -> None:
+    """The file's tensors as ``model``'s parameters and buffers, strictly: every parameter filled, no tensor left
+    over. A tensor saved once under several names (an LM head tied to the embedding; the file's metadata maps each
+    name left out to the one kept, as ``safetensors.torch.save_model`` records it) becomes one parameter again."""
+    with safe_open(str(path), "pt", device="cpu") as f:
+        links = {name: kept for name, kept in (f.metadata() or {}).items() if name != "format"}
+    state = load_file(str(path))
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    if extra := sorted(set(state) - params - {name for name, _ in model.named_buffers()}):
+        raise RuntimeError(f"unexpected tensors {', '.join(extra[:3])}")
+    if missing := sorted(params - set(state) - set(links)):
+        raise RuntimeError(f"missing tensors {', '.join(missing[:3])}")
+    model.load_state_dict(state, strict=False, assign=True)
+    for name, kept in links.items():
+        if name in params:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, model.get_parameter(kept))

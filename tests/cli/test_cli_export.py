@@ -77,6 +77,30 @@ def test_export_a_prune_artifact_with_fp16(artifact, tmp_path, capsys) -> None:
     assert "m.fp16.onnx" in stdout
 
 
+def test_export_checks_its_graph_with_the_model_let_go(artifact, tmp_path, capsys, monkeypatch) -> None:
+    """Issue 49: `export` opened onnxruntime's session beside the model (a 1.7B decoder's 6.8 GB twice); the model
+    is now on the meta device when the session opens, and the graph still verifies."""
+    from corp_deploy.exporters import pipeline
+    from corp_deploy.formats import sources
+
+    loaded, resident = [], []
+    load, runner = sources.load_source, pipeline.OrtRunner
+
+    def loading(*args, **kwargs):
+        loaded.append(load(*args, **kwargs))
+        return loaded[-1]
+
+    def opening(*args, **kwargs):
+        resident.append(any(not p.is_meta for p in loaded[0][0].parameters()))
+        return runner(*args, **kwargs)
+
+    monkeypatch.setattr(sources, "load_source", loading)
+    monkeypatch.setattr(pipeline, "OrtRunner", opening)
+    code, _, stderr = run(["export", str(artifact), "--out", str(tmp_path / "m.onnx")], capsys)
+    assert code == 0, stderr
+    assert resident == [False] and json.loads((tmp_path / "m.onnx.json").read_text())["verify"]["cosine"] > 0.999
+
+
 def test_export_a_timm_model(tmp_path, capsys) -> None:
     pytest.importorskip("onnxslim", reason="--simplify needs onnxslim (in the onnx extra; absent from the GPU image)")
     out = tmp_path / "dense.onnx"

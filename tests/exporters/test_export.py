@@ -80,16 +80,110 @@ def test_a_decoder_over_the_protobuf_limit_keeps_its_weights_in_external_data(tm
     """A 1.7B decoder's logits graph (6.8 GB of FP32 weights) cannot be one protobuf message: the weights go to
     ``<graph>.data``. The limit is lowered here so that a tiny Llama takes the same path; the graph round-trips through
     onnxruntime (the verification) and carries its metadata."""
+    from corp_deploy.exporters import pipeline
+
     monkeypatch.setattr(onnx_export, "MAX_SINGLE_FILE", 1)
+    lean, runner = [], pipeline.OrtRunner
+    monkeypatch.setattr(pipeline, "OrtRunner", lambda *a, **k: lean.append(k.get("lean")) or runner(*a, **k))
     model = tiny_llama()
     path = tmp_path / "dense.onnx"
     record = export_verified(model, path, describe(model, "tiny-llama", {}, "random", 16))
+    assert lean == [True]  # checked without pre-packing: the weights stay mapped from the file (one copy)
     assert onnx_files(path) == [path, tmp_path / "dense.onnx.data"]
     weights = sum(p.numel() * 4 for p in model.parameters())
     assert (tmp_path / "dense.onnx.data").stat().st_size >= 0.9 * weights  # all but the smallest tensors
     assert record["bytes"] == onnx_bytes(path) and record["verify"]["cosine"] > FP32.min_cosine
     meta = read_metadata(load_onnx(path, weights=False))
     assert meta["precision"] == "fp32" and meta["exporter"] == text_onnx.EXPORTERS["dynamo"]  # one .data file
+
+
+def test_a_dynamo_export_lets_the_model_go_and_writes_the_optimized_graph(tmp_path, monkeypatch) -> None:
+    """Issue 49: onnxscript's rewrite rules keep the last graph they matched, whose initializers are the model's
+    tensors: after the 1.7B shape's dense export, freeing the model returned nothing (its 6.8 GB stayed beside
+    onnxruntime's session of the graph). The export now drops them; the graph is the one ``torch.onnx.export``'s
+    optimizer writes (same nodes, initializers and logits) and carries the same metadata."""
+    import gc
+
+    import onnx
+
+    monkeypatch.setattr(onnx_export, "MAX_SINGLE_FILE", 1)  # the 24-layer graphs' path: dynamo, external data
+    model, path = tiny_llama(), tmp_path / "dense.onnx"
+    export_text_onnx(model, path, metadata={"modality": "text", "vocab_size": 100})
+    ptrs = {p.data_ptr() for p in model.parameters()}
+    model.to("meta")
+    gc.collect()
+
+    def the_models(o) -> bool:
+        try:
+            return isinstance(o, torch.Tensor) and not o.is_meta and o.data_ptr() in ptrs
+        except RuntimeError:  # a fake tensor the exporter traced with: no data
+            return False
+
+    assert not [o for o in gc.get_objects() if the_models(o)]
+    fresh = tiny_llama()
+    with onnx_export._quiet():
+        program = torch.onnx.export(
+            text_onnx.CausalLM(fresh).eval(),
+            example_inputs(100, *text_onnx.EXAMPLE),
+            input_names=list(text_onnx.INPUTS),
+            output_names=[text_onnx.LOGITS],
+            opset_version=onnx_export.DEFAULT_OPSET,
+            dynamic_shapes={
+                n: {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")} for n in text_onnx.INPUTS
+            },
+            dynamo=True,
+        )
+    program.save(str(tmp_path / "optimized.onnx"), external_data=True)
+    ours, theirs = (onnx.load(str(p), load_external_data=False) for p in (path, tmp_path / "optimized.onnx"))
+    assert [n.op_type for n in ours.graph.node] == [n.op_type for n in theirs.graph.node]
+    assert sorted(i.name for i in ours.graph.initializer) == sorted(i.name for i in theirs.graph.initializer)
+    meta = read_metadata(ours)
+    assert meta["vocab_size"] == 100 and meta["exporter"] == text_onnx.EXPORTERS["dynamo"]
+    ids, mask = example_inputs(100, 3, 19, seed=4)
+    feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+    logits = [OrtRunner(g, "cpu")(feed) for g in (path, tmp_path / "optimized.onnx")]
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_each_graph_is_checked_with_its_model_let_go_and_recorded_as_when_held(tmp_path, monkeypatch) -> None:
+    """Issue 49: onnxruntime opened each graph while the caller still held its PyTorch model (the 1.7B shape's
+    dense: 6.8 GB twice, past 10 GB). PyTorch's outputs are now computed first and kept, the graph written, the model
+    let go (``Job.free``), then the session opened: no model is resident when it is, and the verification's inputs,
+    figures and record are those of a run that holds its models."""
+    from corp_deploy.exporters import pipeline
+
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(1))
+    batches = [({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, 0)]
+    config = PruneConfig(sparsity=0.5, target="mlp", round_to=2)
+    make = {"dense": tiny_llama, "pruned": lambda: pruned_copy(tiny_llama(), config, batches)[0]}
+    made: list[torch.nn.Module] = []
+
+    def reader(stem: str):
+        def read():
+            made.append(make[stem]())
+            return made[-1], describe(made[-1], "tiny-llama", {}, "random", 16)
+
+        return read
+
+    resident: list[int] = []
+    real = pipeline.OrtRunner
+
+    def opened(path, *args, **kwargs):
+        resident.append(sum(any(not p.is_meta for p in m.parameters()) for m in made))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "OrtRunner", opened)
+    for run in ("one", "held"):
+        (tmp_path / run).mkdir()
+    one = export_run(OneAtATime({s: reader(s) for s in make}), tmp_path / "one", ("fp32",), no_engines="not here")
+    assert resident == [0, 0] and len(made) == 2
+    held = {s: reader(s)() for s in make}
+    both = export_run(held, tmp_path / "held", ("fp32",), no_engines="not here")
+    assert resident == [0, 0, 2, 2]  # a plain mapping keeps its models (a timm run's)
+    assert [r["verify"] for r in one["onnx"]] == [r["verify"] for r in both["onnx"]]
+    for stem in make:
+        graphs = (load_onnx(tmp_path / run / f"{stem}.onnx", weights=False) for run in ("one", "held"))
+        assert read_metadata(next(graphs)) == read_metadata(next(graphs))
 
 
 def test_a_text_graph_under_2_gb_is_traced_and_gives_the_dynamo_graphs_logits(tmp_path, monkeypatch) -> None:

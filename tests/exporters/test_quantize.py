@@ -162,6 +162,18 @@ def test_a_graph_with_external_data_is_quantized_to_external_data(quantized, tmp
     np.testing.assert_array_equal(OrtRunner(out, "cpu")(x), OrtRunner(single, "cpu")(x))
 
 
+def test_int8_calibrates_on_64_images_by_default_and_256_text_documents() -> None:
+    """Issue 49: min-max over 256 images only widened the ranges (DINOv2-S on digits: held-out worst cosine 0.9768
+    dense, 0.9948 pruned, against 0.9867 and 0.9953 after 64) and took 3-6x as long; text keeps its 256 documents."""
+    from corp_deploy.cli.quantize_options import int8_calib, int8_quantizer
+
+    opts = {"int8_calib": None, "int8_verify": 64, "calib_method": "minmax", "smooth_alpha": 0.5}
+    opts |= {"int8_recipe": "auto", "int8_batch": 32}
+    assert int8_calib(opts, text=False) == 64 and int8_calib(opts, text=True) == 256
+    assert int8_calib(opts | {"int8_calib": 12}, text=False) == 12
+    assert int8_quantizer(opts, "synthetic", INT8, 0, 0, None).keywords["num_calib"] == 64
+
+
 def test_calibration_is_a_prefix_of_corps_sample_and_held_out_is_disjoint(tmp_path) -> None:
     files = list_images(_images(tmp_path / "im", 30))
     calib, held = split_images(files, num_calib=12, num_verify=5, seed=3)

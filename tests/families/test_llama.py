@@ -108,6 +108,39 @@ def test_pruned_llama_generates_the_same_tokens_after_the_artifact_round_trip(tm
     assert torch.equal(got, nocache)  # the V cache holds the pruned width
 
 
+def test_an_artifact_loads_without_building_the_dense_weights_and_keeps_its_tie(tmp_path: Path, monkeypatch) -> None:
+    """``load_pruned`` builds the dense tree and applies the structure with every parameter on the meta device (the
+    1.7B shape: 6.4 GiB of dense initialisation held beside the 5.0 GiB read); the saved tensors become the
+    parameters, a tied head is the embedding's one parameter again, and a file that does not match is one line."""
+    model = _pruned(tiny_llama(initializer_range=0.2, tie_word_embeddings=True), "mlp", "corp")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    save_pruned(model, tmp_path / "art", {"model": {"name": "tiny-llama", "args": {}}})
+    family, meta_at_apply = get("hf-llama"), []
+    apply = family.apply_structure
+
+    def recorded(m, entries):
+        meta_at_apply.append(all(p.is_meta for p in m.parameters()))
+        return apply(m, entries)
+
+    monkeypatch.setattr(family, "apply_structure", recorded)
+    loaded = load_pruned(tmp_path / "art")
+    assert meta_at_apply == [True] and not any(p.is_meta for p in loaded.parameters())
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids = torch.randint(len(SPECIAL), len(VOCAB), (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tmp_path / "art" / "model.safetensors"))
+    save_file({**state, "stray.weight": torch.zeros(2)}, str(tmp_path / "art" / "model.safetensors"))
+    with pytest.raises(CorpError, match="do not match its corp.json: unexpected tensors stray.weight"):
+        load_pruned(tmp_path / "art")
+    del state["model.norm.weight"]
+    save_file(state, str(tmp_path / "art" / "model.safetensors"))
+    with pytest.raises(CorpError, match="do not match its corp.json: missing tensors .*model.norm.weight"):
+        load_pruned(tmp_path / "art")
+
+
 def test_the_fit_without_a_constant_is_the_least_squares_solution_and_never_beats_the_affine_one() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(500, 6, generator=g, dtype=torch.float64) @ torch.randn(6, 6, generator=g, dtype=torch.float64)
