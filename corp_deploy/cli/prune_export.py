@@ -217,7 +217,9 @@ def prune_export(
     models = _models(run, prune_args["model"], run_dir / ARTIFACT, prune_args["seq_len"], pad_qk)
     with atomic_dir(run_dir, overwrite) as tmp:  # first, alone: a later step that stops leaves the prune
         api.save(run.result, tmp / ARTIFACT, run.name, run.args, weights=run.weights)
-    onload.release(run.result.model)  # an onloaded prune's store: the artifact holds it now (``_models`` reads it)
+    if onload.of(run.result.model) is not None:  # the artifact holds it now (``_models`` reads it from there)
+        onload.release(run.result.model)  # the store: the pruned model's float32 size on disk
+        run.result.model.to("meta")  # what stayed resident (the 1.7B shape's embedding and head: 0.8 GB)
     engines = tuple(p for p in precisions_ if p != INT4.name)
     buildable = no_engines is None and not build_missing(build)
     # an INT8 engine is built from a Q/DQ graph only (``export_run`` skips it otherwise): where another recipe may be
