@@ -29,7 +29,7 @@ RUNTIME = 750 * 2**20
 (2026-12-02, torch 2.14, transformers 5.24). Every plan holds it."""
 
 
-EXPORT_COPIES = {"fp32": 1.1, "traced": 5.0, "int4": 1.6}
+EXPORT_COPIES = {"fp32": 1.1, "traced": 5.0, "genai": 1.35, "int4": 1.2}
 """An export's peak beside the interpreter, in multiples of the larger model's float32 weights (the dense one's): the
 model held (``exporters.pipeline.OneAtATime``: one at a time) and what the exporters hold beside it.
 
@@ -41,12 +41,13 @@ model held (``exporters.pipeline.OneAtATime``: one at a time) and what the expor
 - ``traced``, weights under it: the TorchScript tracer holds its proto in memory, 5x (the 1.7B-wide shape cut to 2
   and 6 layers, 2026-12-02). A dense model at or over the limit whose pruned copy falls under it has its pruned graph
   traced: up to 5x of that copy, which this plan does not see.
-- ``int4``: the genai and INT4 steps after the ONNX graphs (an INT4 run's plan takes the larger of the two), measured
-  at 24 layers (the 1.7B shape, 6.37 GiB of float32 weights as ``safetensors_bytes`` counts them; genai55,
-  2026-12-02, loaded, docs/BENCHMARKS.md "Scale"): 10.72 GiB for the process, reached in ``load_pruned`` (it built the
-  dense-shaped model before cutting it); the genai folders 9.09 GiB (genai's builder on the dense folder: its own
-  model, memory-mapped, and the graph it writes, the torch model let go first); the INT4 step under 8.9 GiB (the
-  ranking's FP32 onnxruntime session and the activations it holds). (10.72 - 0.73) / 6.37 = 1.57."""
+- ``genai`` (a decoder's genai folders, after its ONNX graphs) and ``int4`` (its INT4 folders, after those): the
+  lead's quiet run of the 1.7B shape, ``prune-export --precision fp32,int4`` (2026-12-02, d577522, docs/BENCHMARKS.md
+  "Scale"; 6.75 GiB of float32 weights): **9.38 GiB for the process**, reached before the INT4 step (it sampled 8.40
+  at most), where genai's builder reads the dense folder (its own model memory-mapped, and the graph it writes) with
+  the torch model let go: (9.38 - 0.73) / 6.75 = 1.28, and 1.35 leaves room; the INT4 step (the ranking's FP32
+  onnxruntime session and its activations, one MatMul's weights at a time): (8.40 - 0.73) / 6.75 = 1.14. A run's
+  plan is its largest step's."""
 TRACED_BELOW = 2 * GIB
 """``exporters.onnx_export.MAX_SINGLE_FILE``: the logits graphs of smaller models are traced (``base`` imports no
 exporter)."""
@@ -150,10 +151,12 @@ class Plan:
         }
 
 
-def export_plan(weights: int, available: int | None, int4: bool = False) -> Plan:
+def export_plan(weights: int, available: int | None, int4: bool = False, decoder: bool = False) -> Plan:
     """The peak of exporting a model of ``weights`` bytes of float32 weights and its pruned copy (never larger), one
-    at a time (``EXPORT_COPIES``; ``int4``: with INT4 folders). The prune and its save before it hold less: an
-    onloaded prune's peak is its walk's (``blockwise.memory_plan``), and its save streams the pruned blocks."""
-    onnx = EXPORT_COPIES["fp32" if weights >= TRACED_BELOW else "traced"]
-    copies = max(onnx, EXPORT_COPIES["int4"]) if int4 else onnx  # INT4 after the ONNX graphs
-    return Plan({"model": weights, "exporters": round((copies - 1) * weights)}, available)
+    at a time (``EXPORT_COPIES``: the largest step's; ``decoder``: with genai folders, ``int4``: with INT4 folders).
+    The prune and its save before it hold less: an onloaded prune's peak is its walk's (``blockwise.memory_plan``), and
+    its save streams the pruned blocks."""
+    steps = [EXPORT_COPIES["fp32" if weights >= TRACED_BELOW else "traced"]]
+    steps += [EXPORT_COPIES["genai"]] if decoder else []
+    steps += [EXPORT_COPIES["int4"]] if int4 else []
+    return Plan({"model": weights, "exporters": round((max(steps) - 1) * weights)}, available)

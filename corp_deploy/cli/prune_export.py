@@ -206,7 +206,7 @@ def prune_export(
         feeds = text_int8(prune_args["model"], source, *counts, seed) if text else None
         quantize = int8_quantizer(int8_opts, source, opts.int8, seed, workers, feeds)
         data = int8_data(source, *counts, seed, workers, feeds)
-    plan = _export_plan(prune_args["model"], INT4.name in precisions_)  # before the model and data load
+    plan = _export_plan(prune_args["model"], INT4.name in precisions_, decoder)  # before the model and data load
     rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
     run = pruned(config, **prune_args, keep_dense=True, transformers=True, latency_rounds=rounds, rewrites=rewrites_)
     if run is None:
@@ -296,13 +296,13 @@ def prune_export(
     click.echo(steps.wall_time(time.perf_counter() - started, {"prune (model, data, tables, recovery)": prune_seconds}))
 
 
-def _export_plan(source: str, int4: bool) -> memory.Plan | None:
+def _export_plan(source: str, int4: bool, decoder: bool) -> memory.Plan | None:
     """The exports' predicted peak for a ``transformers`` folder (``memory.export_plan``, from its safetensors'
     headers), or the one line that says it cannot fit and what would; None for other sources (a timm model: small)."""
     if not (hub.is_source(source) and Path(source).is_dir()):
         return None
     weights = memory.safetensors_bytes(source, itemsize=4)
-    return memory.export_plan(weights, memory.available(), int4).check(
+    return memory.export_plan(weights, memory.available(), int4, decoder).check(
         "prune-export holds one model at a time in float32 and the exporters' copies beside it (an estimate from "
         "their measured multiples); run `corp-deploy prune` here (one block at a time) and export its artifact on a "
         f"machine with more memory, free memory, or set {memory.ENV}=GIB to plan with that much instead"

@@ -95,6 +95,8 @@ def test_the_export_plan_counts_one_model_and_the_exporters_copies() -> None:
     int4 = memory.export_plan(4 * memory.GIB, 100 * memory.GIB, int4=True).peak  # the larger of the ONNX step's
     assert int4 == memory.RUNTIME + round(max(copies, memory.EXPORT_COPIES["int4"]) * 4 * memory.GIB)  # and INT4's
     assert not memory.export_plan(4 * memory.GIB, 4 * memory.GIB).fits()
+    decoder = memory.export_plan(4 * memory.GIB, 100 * memory.GIB, decoder=True).peak  # its genai folders count
+    assert decoder == memory.RUNTIME + round(max(copies, memory.EXPORT_COPIES["genai"]) * 4 * memory.GIB) > plan.peak
 
 
 def test_the_17b_shapes_fp32_export_fits_this_machine_and_is_refused_where_it_cannot() -> None:
@@ -105,6 +107,8 @@ def test_the_17b_shapes_fp32_export_fits_this_machine_and_is_refused_where_it_ca
     weights = 4 * params
     assert memory.export_plan(weights, 14 * memory.GIB).fits()
     assert memory.export_plan(weights, 14 * memory.GIB).peak <= 10 * 10**9  # the issue's bound
+    whole = memory.export_plan(weights, 14 * memory.GIB, int4=True, decoder=True)  # fp32,int4 measured 9.38 GiB
+    assert whole.fits() and 9.38 * memory.GIB <= whole.peak <= 10.5 * memory.GIB
     assert not memory.export_plan(weights, 8 * memory.GIB).fits()
     small = memory.export_plan(memory.GIB, 100 * memory.GIB)  # traced: the tracer's proto in memory
     assert small.parts["exporters"] == round((memory.EXPORT_COPIES["traced"] - 1) * memory.GIB)
