@@ -44,10 +44,10 @@ model held (``exporters.pipeline.OneAtATime``: one at a time) and what the expor
 - ``genai`` (a decoder's genai folders, after its ONNX graphs) and ``int4`` (its INT4 folders, after those): the
   lead's quiet run of the 1.7B shape, ``prune-export --precision fp32,int4`` (2026-12-02, d577522, docs/BENCHMARKS.md
   "Scale"; 6.75 GiB of float32 weights): **9.38 GiB for the process**, reached before the INT4 step (it sampled 8.40
-  at most), where genai's builder reads the dense folder (its own model memory-mapped, and the graph it writes) with
-  the torch model let go: (9.38 - 0.73) / 6.75 = 1.28, and 1.35 leaves room; the INT4 step (the ranking's FP32
-  onnxruntime session and its activations, one MatMul's weights at a time): (8.40 - 0.73) / 6.75 = 1.14. A run's
-  plan is its largest step's."""
+  at most), likely where genai's builder reads the dense folder (9.09 in genai55's run: its own model and the graph it
+  writes) with the torch model let go: (9.38 - 0.73) / 6.75 = 1.28, and 1.35 leaves room; the INT4 step (the
+  ranking's FP32 onnxruntime session and its activations, one MatMul's weights at a time): (8.40 - 0.73) / 6.75 =
+  1.14. A run's plan is its largest step's."""
 TRACED_BELOW = 2 * GIB
 """``exporters.onnx_export.MAX_SINGLE_FILE``: the logits graphs of smaller models are traced (``base`` imports no
 exporter)."""
