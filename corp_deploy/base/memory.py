@@ -67,19 +67,60 @@ def _meminfo() -> int | None:
     return None
 
 
-def _cgroup_room() -> int | None:
-    """The cgroup's limit minus its usage (v2, else v1), when a limit is set."""
-    for limit, usage in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _cgroup_dirs(root: Path = CGROUP_ROOT, own: str | None = None) -> list[tuple[Path, str, str]]:
+    """(folder, limit file, usage file) of this process's memory cgroup and every ancestor up to the root, v2 and
+    v1: a limit set on a parent (a systemd slice, a container's) binds the children too. ``own``: the text of
+    ``/proc/self/cgroup`` (read when None)."""
+    if own is None:
         try:
-            cap, used = Path(limit).read_text().strip(), int(Path(usage).read_text())
+            own = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            own = ""
+    found = []
+    for line in own.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            base, files = root, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        folder = base / path.strip("/")
+        while True:
+            found.append((folder, *files))
+            if folder == base:
+                break
+            folder = folder.parent
+    v1 = (root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes")
+    return found or [(root, "memory.max", "memory.current"), v1]
+
+
+def _cgroup_room(dirs: list[tuple[Path, str, str]] | None = None) -> int | None:
+    """The tightest room (limit minus usage) over this process's memory cgroups (``_cgroup_dirs``), when one sets a
+    limit: the cgroup's own folder as a container mounts it, or its path under the hierarchy (a nested cgroup)."""
+    rooms = []
+    for folder, limit, usage in _cgroup_dirs() if dirs is None else dirs:
+        try:
+            cap, used = (folder / limit).read_text().strip(), int((folder / usage).read_text())
         except (OSError, ValueError):
             continue
         if cap.isdigit() and int(cap) < 2**60:
-            return max(0, int(cap) - used)
-    return None
+            rooms.append(max(0, int(cap) - used + _inactive_file(folder)))
+    return min(rooms, default=None)
+
+
+def _inactive_file(folder: Path) -> int:
+    """Bytes of the cgroup's usage that are page cache nobody touched lately (``memory.stat``: v1's
+    ``total_inactive_file``, v2's ``inactive_file``): the kernel reclaims them before it fails an allocation, so
+    they are room (a model read from disk leaves its file's pages charged there: 6 GiB at the 1.7B shape)."""
+    try:
+        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+    except (OSError, ValueError):
+        return 0
+    return int(stat.get("total_inactive_file", stat.get("inactive_file", 0)))
 
 
 def available() -> int | None:

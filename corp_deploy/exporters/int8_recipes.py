@@ -4,12 +4,12 @@ A user's one-line alternative to the project's INT8 is onnxruntime's own ``quant
 than the static Q/DQ graph (docs/BENCHMARKS.md, "INT8 recipes"), on a ViT it is not, and which recipe is fastest
 depends on the CPU's INT8 instructions (AVX-512 VNNI, AMX). So no recipe is chosen once for all: each is a small
 function registered by name (``RECIPES``, ``register``), and ``choose_int8`` writes every candidate, races them on
-onnxruntime's CPU provider in one short race (``TRIAL_METHOD``, interleaved, ``ort_timer``), and gates them fastest
-first against the FP32 graph on the held-out data (the existing INT8 gate, ``int8_quant.compare_on``): the first that
-passes is kept. Its cost is bounded: one short race and, in the usual case, one gate (issue 49: seven recipes timed
-at batch 32 and all gated took 608 s of a deit_small run). The choice, every candidate's timing and gate figures
-(where gated), and the CPU's features are written into the graph's metadata (``int8_recipe``) and its sidecar; one
-line per graph says what was chosen and why.
+onnxruntime's CPU provider in one race (``RACE``: successive elimination, interleaved, ``ort_timer``), and gates them
+fastest first against the FP32 graph on the held-out data (the existing INT8 gate, ``int8_quant.compare_on``): the
+first that passes is kept. Its cost is bounded: one race of three to eight calls a candidate and, in the usual case,
+one gate (issue 49: seven recipes timed at batch 32 and all gated took 608 s of a deit_small run). The choice, every
+candidate's timing and gate figures (where gated), and the CPU's features are written into the graph's metadata
+(``int8_recipe``) and its sidecar; one line per graph says what was chosen and why.
 
 Fusions: the FP32 graph is also put through onnxruntime's transformer optimizer (``fuse``: SkipLayerNormalization,
 BiasGelu; ``bert`` for text encoders, ``vit`` for images); each fusable recipe is then a candidate on both graphs,
@@ -45,7 +45,7 @@ from corp_deploy.base.env import cpu_features, describe_cpu
 from corp_deploy.base.errors import CorpError, first_line
 from corp_deploy.base.fsio import check_writable, staged
 from corp_deploy.base.steps import each
-from corp_deploy.base.timing import Method, interleaved
+from corp_deploy.base.timing import Method, Race, interleaved, race
 from corp_deploy.exporters.compare import FP32, Comparison, Feed, Runner, Tolerance
 from corp_deploy.exporters.int8_quant import (
     IMAGE_CALIB,
@@ -73,13 +73,17 @@ TIME_BATCH = 32
 TIME_METHOD = Method(warmup_iters=2, warmup_seconds=0.2, min_iters=5, min_seconds=0.5, round_iters=1)
 TIME_REPEATS = 3
 TRIAL_METHOD = Method(warmup_iters=0, warmup_seconds=0.0, min_iters=3, min_seconds=0.0, round_iters=1)
-"""The race, and ``prune-export``'s speed table: three interleaved calls per graph at the batch the graphs are timed
-at, their median the p50, after one untimed call at batch 1 (``ort_timer``: the session's lazy set-up at a
-thirty-second of a call's cost; the first full-batch call's larger buffers are the one outlier the median drops).
-Three calls where the full timing makes 21 (``TIME_METHOD`` x ``TIME_REPEATS``: ``bench`` and the studies). Raced at
-batch 4 instead, deit_small's candidates came out in another order than at batch 32 (dynamic per tensor first,
-static 12% faster at 32: docs/BENCHMARKS.md, "Scale: time to artifact")."""
+"""``prune-export``'s speed table: three interleaved calls per graph at the batch the graphs are timed at, their
+median the p50, after one untimed call at batch 1 (``ort_timer``: the session's lazy set-up at a thirty-second of a
+call's cost; the first full-batch call's larger buffers are the one outlier the median drops). Three calls where the
+full timing makes 21 (``TIME_METHOD`` x ``TIME_REPEATS``: ``bench`` and the studies)."""
 TRIAL_REPEATS = 1
+RACE = Race()
+"""The race of the candidates, at the batch the graphs are timed at, after the same untimed call: three calls each,
+up to eight for those within reach of the leader (``base.timing.Race``). Three calls each picked deit_small's pruned
+INT8 graph 4.5% slower than the exhaustive choice on the quiet Intel machine (static and dynamic raced 0.1% apart,
+4.5% apart timed in full: docs/BENCHMARKS.md, "Scale: time to artifact"). Raced at batch 4 instead, deit_small's
+candidates came out in another order than at batch 32 (dynamic per tensor first, static 12% faster at 32)."""
 BASELINE_WHAT = "onnxruntime.quantization.quantize_dynamic(dense.onnx, per_channel=True, weight_type=QInt8)"
 
 
@@ -131,12 +135,6 @@ def register(name: str, fusable: bool = True, rescues: str | None = None, stand_
 
 STAND_IN_SAMPLES = 4
 """Calibration images (text: documents) of static's stand-in in the race: its ranges are never shipped."""
-STAND_IN_MARGIN = 0.03
-"""How much faster than a candidate ready to ship a stand-in must race to be gated before it: its real graph costs a
-pass over every calibration image (deit_small's dense static, 256 images: 30-70 s, more than the rest of its choice),
-and a lead inside the 3% the pick is held to is inside what three calls resolve. On the quiet machine dense's static
-stand-in led one race by 1.5% and its calibrated graph came last of five when timed exhaustively, 6.5% behind the
-fastest (docs/BENCHMARKS.md, "Scale: time to artifact")."""
 
 
 def _static_stand_in(src: Path, out: Path, job: Job) -> None:
@@ -289,16 +287,20 @@ Timer = Callable[[dict[str, Path], Feed], dict[str, float]]
 """(graphs by name, one batch) -> each graph's p50 latency in ms, all measured in the same run."""
 
 
-def ort_timer(threads: int | None = None, method: Method = TIME_METHOD, repeats: int = TIME_REPEATS) -> Timer:
+def ort_timer(
+    threads: int | None = None, method: Method = TIME_METHOD, repeats: int = TIME_REPEATS, rule: Race | None = None
+) -> Timer:
     """onnxruntime's CPU provider: every graph run once on one sample (untimed, cheap), warmed up as ``method``
     says, then timed interleaved (``base.timing.interleaved``), ``repeats`` times; each graph's p50 is the median
-    over the repeats."""
+    over the repeats. With ``rule``: raced instead (``base.timing.race``), each p50 the median of its calls."""
 
     def time_graphs(graphs: dict[str, Path], feed: Feed) -> dict[str, float]:
         runners = {name: OrtRunner(path, "cpu", threads) for name, path in graphs.items()}
         for runner in runners.values():
             runner(head(feed, 1))
         steps = {name: _timed(runner, feed) for name, runner in runners.items()}
+        if rule is not None:
+            return {name: float(np.median(calls)) * 1e3 for name, calls in race(steps, rule).items()}
         runs = [interleaved(steps, method, warm_up=i == 0) for i in range(repeats)]
         return {name: float(np.median([np.median(r[name]) for r in runs]) * 1e3) for name in graphs}
 
@@ -389,16 +391,15 @@ def _nodes(path: Path) -> list[str]:
 
 
 def _race(candidates: Sequence[Candidate], feed: Feed, timer: Timer | None) -> None:
-    """Time ``candidates`` in one interleaved run (``timer``; onnxruntime CPU, ``TRIAL_METHOD``); set their p50s."""
-    race = timer or ort_timer(method=TRIAL_METHOD, repeats=TRIAL_REPEATS)
-    times = race({c.name: c.path for c in candidates}, feed)
+    """Race ``candidates`` in one interleaved run (``timer``; onnxruntime CPU, ``RACE``); set their p50s."""
+    times = (timer or ort_timer(rule=RACE))({c.name: c.path for c in candidates}, feed)
     for c in candidates:
         c.p50_ms = times[c.name]
 
 
 def _order(candidate: Candidate) -> float:
-    """Gating order: fastest first, a stand-in's p50 counted ``STAND_IN_MARGIN`` slower (it must buy its pass)."""
-    return (candidate.p50_ms or 0.0) * (1 + STAND_IN_MARGIN if candidate.stand_in else 1)
+    """Gating order: fastest first."""
+    return candidate.p50_ms or 0.0
 
 
 def _gate(candidate: Candidate, job: Job) -> bool:
@@ -529,15 +530,9 @@ def _choice(
         why += f" ({shape_of(feed)}, onnxruntime CPU, {describe_cpu(cpu)}; the slower ones not gated)"
     else:
         why = "the only candidate that passes the gate" if len(candidates) > 1 else "the only candidate asked for"
-    for c in [
-        c for c in raced if c.stand_in and best.p50_ms is not None and c.p50_ms < best.p50_ms
-    ]:  # yielded: never calibrated in full
-        why += f"; {c.name} raced {best.p50_ms / c.p50_ms - 1:.1%} faster as its stand-in, inside the "
-        why += f"{STAND_IN_MARGIN:.0%} its pass over every calibration sample must buy: not calibrated"
     if failed:
         why += "; missed the gate: " + ", ".join(f"{c.name} ({c.miss()})" for c in failed)
-    timing = {"runtime": "onnxruntime CPU", "shape": shape_of(feed), "statistic": "p50 ms, median of repeats"}
-    timing |= {"stand_in_margin": STAND_IN_MARGIN}
+    timing = {"runtime": "onnxruntime CPU", "shape": shape_of(feed), "statistic": "p50 ms, median of its calls"}
     return {
         "chosen": best.recipe,
         "graph": best.graph,
@@ -545,7 +540,7 @@ def _choice(
         "why": why,
         "candidates": [c.as_dict(tol) for c in candidates],
         "fusion": fusion,
-        "timing": timing | {"repeats": TRIAL_REPEATS, "interleaved": True, "method": TRIAL_METHOD.as_dict()},
+        "timing": timing | {"interleaved": True, "race": RACE.as_dict()},
         "cpu": cpu,
     }
 
@@ -579,25 +574,22 @@ def int8_speed(
     timer: Timer | None = None,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Time ``graphs`` (FP32, INT8 and the quantize-only baseline, by file) in one run and write into each INT8
-    record (by its ``file``) its p50 and its speed against the baseline and the dense FP32 graph; returns the
-    timing. The summary's speed columns read it. Timed as the race is (``TRIAL_METHOD``: three calls a graph, where
-    the full method's 21 were 105 batch-32 calls of a deit_small run's five graphs); ``bench`` times with its own."""
+    """Time ``graphs`` (the INT8 graphs and the quantize-only baseline, by file) in one run and write into each INT8
+    record (by its ``file``) its p50 and its speed against the baseline; returns the timing. The summary's speed
+    columns read it. Three calls a graph (``TRIAL_METHOD``, where the full method's 21 were 105 batch-32 calls of a
+    deit_small run's five graphs); the FP32 graphs are ``bench``'s to time (they were 11 of this table's 18 s on
+    deit_small, for one column nobody gated on), with its own method."""
     paths = {g.name: g for g in graphs}
     feed = timing_feed(load_onnx(graphs[0], weights=False), batch)
     p50 = (timer or ort_timer(method=TRIAL_METHOD, repeats=TRIAL_REPEATS))(paths, feed)
-    base, dense = p50.get(onnx_name(BASELINE, "int8")), p50.get(onnx_name("dense"))
+    base = p50.get(onnx_name(BASELINE, "int8"))
     cpu = cpu_features()
     timing = {"shape": shape_of(feed), "runtime": "onnxruntime CPU", "graphs_p50_ms": p50, "cpu": cpu}
     timing |= {"method": TRIAL_METHOD.as_dict(), "repeats": TRIAL_REPEATS, "interleaved": True}
     for r in records:
         if r["file"] in p50:
             ms = p50[r["file"]]
-            r["speed"] = timing | {
-                "p50_ms": ms,
-                "vs_baseline": base / ms if base else None,
-                "vs_dense_fp32": dense / ms if dense else None,
-            }
+            r["speed"] = timing | {"p50_ms": ms, "vs_baseline": base / ms if base else None}
     say(f"timed {len(p50)} graphs interleaved at {timing['shape']} (their p50s: in the summary)")  # said once, there
     return timing
 
@@ -659,5 +651,5 @@ def quantize_graphs(
                     base = baseline_int8(src, stage / dense[0].name, job, keep["dynamic"])
     if dense:
         records.append(base)  # last: the reference row beside dense and pruned
-        int8_speed([*(src for src, _ in pairs), *(out for _, out in pairs), *dense], records, batch, timer, say)
+        int8_speed([*(out for _, out in pairs), *dense], records, batch, timer, say)
     return records

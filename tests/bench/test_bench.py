@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import shutil
 import sys
 
+import numpy as np
 import pytest
 import torch
 from helpers import RECORD, TINY_CLI_ARGS, bench_record, pruned_copy, run, tiny_vit
 
 from corp_deploy.base.errors import CorpError
-from corp_deploy.base.timing import Method, interleaved, median_of_repeats, summarize
+from corp_deploy.base.timing import Method, Race, interleaved, median_of_repeats, race, summarize
 from corp_deploy.bench import backends, gate
 from corp_deploy.bench.backends import (
     BACKENDS,
@@ -56,6 +58,22 @@ def test_interleaved_alternates_and_meets_both_minimums() -> None:
     timed = calls[6:]
     assert timed[:8] == ["dense", "dense", "pruned", "pruned", "pruned", "pruned", "dense", "dense"]
     assert len(times["dense"]) == len(times["pruned"])  # same rounds: drift hits both
+
+
+def test_the_race_drops_the_clearly_slower_early_and_times_the_close_ones_longest() -> None:
+    """Successive elimination: a candidate whose best call is slower than the leader's median leaves after the first
+    ``min_rounds``; two within reach of each other but not tied run to ``max_rounds``; a tie ends the race."""
+
+    def fake(*calls: float):
+        cycle = itertools.cycle(calls)
+        return lambda: next(cycle)
+
+    rule = Race(min_rounds=3, max_rounds=8, tie=0.01)
+    times = race({"slow": fake(1.2, 1.25, 1.22), "fast": fake(1.0, 1.03, 0.99), "close": fake(0.998, 1.05, 1.04)}, rule)
+    assert len(times["slow"]) == 3 and len(times["fast"]) == len(times["close"]) == 8
+    assert np.median(times["fast"]) < np.median(times["close"])
+    tied = race({"a": fake(1.0, 1.01, 1.0), "b": fake(1.005, 1.0, 1.0)}, rule)
+    assert len(tied["a"]) == len(tied["b"]) == 3  # within the tie after the first rounds: as fast, stop
 
 
 def test_pairs_give_pruned_over_dense_ratios() -> None:

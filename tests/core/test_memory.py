@@ -138,3 +138,31 @@ def test_a_prune_export_whose_exports_cannot_fit_is_refused_in_one_line_before_l
 
 def _never(*args, **kwargs):
     raise AssertionError("the model was loaded before the plan was checked")
+
+
+GIB = memory.GIB
+
+
+def _cgroup(folder, limit: int | None, usage: int, inactive: int, v1: bool = True) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    names = ("memory.limit_in_bytes", "memory.usage_in_bytes") if v1 else ("memory.max", "memory.current")
+    (folder / names[0]).write_text("9223372036854771712\n" if limit is None and v1 else f"{limit or 'max'}\n")
+    (folder / names[1]).write_text(f"{usage}\n")
+    (folder / "memory.stat").write_text(f"{'total_' if v1 else ''}inactive_file {inactive}\ncache 1\n")
+
+
+def test_the_room_is_the_tightest_cgroup_on_the_process_path_less_its_active_usage(tmp_path) -> None:
+    """A nested cgroup's limit binds though the hierarchy's root has none (a cgroup made for one run, a systemd
+    slice), a parent's tighter limit binds its children, and page cache nobody touched lately is room."""
+    root = tmp_path / "memory"
+    _cgroup(root, None, 50 * GIB, 0)
+    _cgroup(root / "jobs", 12 * GIB, 6 * GIB, GIB)
+    _cgroup(root / "jobs" / "run", 10 * GIB, 5 * GIB, 3 * GIB)
+    dirs = memory._cgroup_dirs(tmp_path, own="4:memory:/jobs/run\n3:cpu:/\n")
+    assert [d[0] for d in dirs] == [root / "jobs" / "run", root / "jobs", root]
+    assert memory._cgroup_room(dirs) == 7 * GIB  # jobs: 12 - (6 - 1); run: 10 - (5 - 3) = 8
+    v2 = tmp_path / "unified"
+    _cgroup(v2, None, 3 * GIB, 0, v1=False)
+    _cgroup(v2 / "box", 4 * GIB, 3 * GIB, 0, v1=False)
+    assert memory._cgroup_room(memory._cgroup_dirs(v2, own="0::/box\n")) == GIB
+    assert memory._cgroup_room(memory._cgroup_dirs(v2, own="0::/\n")) is None  # no limit anywhere: MemAvailable's

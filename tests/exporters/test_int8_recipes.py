@@ -192,9 +192,7 @@ def test_the_choice_races_once_and_gates_only_until_one_passes(vits, tmp_path) -
     assert len(timer.timed) == 1 and len(timer.timed[0]) == len(candidates) == 5 and timer.batches == [32]
     assert "smooth-dynamic" not in {c["recipe"] for c in candidates}  # dynamic passed: nothing to rescue
     assert [c["recipe"] for c in candidates if "cosine" in c] == ["dynamic"]  # the fastest, passing: the only gate
-    assert (
-        record["int8_recipe"]["timing"]["method"]["min_iters"] == 3 and record["int8_recipe"]["timing"]["repeats"] == 1
-    )
+    assert record["int8_recipe"]["timing"]["race"] == int8_recipes.RACE.as_dict()
     assert job.reference.runs == 2  # one sample and all held-out: the fused check and the gate read the same outputs
     progress = [line for line in lines if "INT8 candidate" in line]
     assert len(progress) == 5 and progress[0].startswith("  INT8 candidate 1/5: static (")
@@ -216,20 +214,22 @@ class CountingRunner(OrtRunner):
         return super().__call__(feed)
 
 
-def test_the_race_and_the_speed_table_make_three_calls_a_graph_at_the_timing_batch(vits, tmp_path, monkeypatch):
+def test_the_race_and_the_speed_table_make_few_calls_a_graph_at_the_timing_batch(vits, tmp_path, monkeypatch):
     """Issue 49: a deit_small run's INT8 step was batch-32 calls (1.3 s each, quiet): 4 a candidate in the race and 21
-    a graph in the speed table (5 graphs). Now three a graph in both, after one untimed call of one sample."""
+    a graph in the speed table (5 graphs). Now the race makes three to eight a candidate (``RACE``) and the table
+    three an INT8 graph (the FP32 graphs are bench's), each after one untimed call of one sample."""
     monkeypatch.setattr(int8_recipes, "OrtRunner", CountingRunner)
     monkeypatch.setattr(CountingRunner, "calls", {})
     src = _copy(vits["pruned"], tmp_path)
     choose_int8(src, tmp_path / "pruned.int8.onnx", _job(), ("dynamic", "dynamic-per-tensor"), 32)
-    raced = {name: n for (name, batch), n in CountingRunner.calls.items() if batch == 32}
-    assert list(raced.values()) == [3] * 4 and all(CountingRunner.calls[name, 1] >= 1 for name in raced)
+    raced = {name: n for (name, batch), n in CountingRunner.calls.items() if batch == 32 and name.name != src.name}
+    assert len(raced) == 4 and all(CountingRunner.calls[name, 1] >= 1 for name in raced)
+    assert all(int8_recipes.RACE.min_rounds <= n <= int8_recipes.RACE.max_rounds for n in raced.values()), raced
     monkeypatch.setattr(CountingRunner, "calls", {})
     records = [{"file": "pruned.int8.onnx"}]
-    timing = int8_speed([src, tmp_path / "pruned.int8.onnx"], records, 32, say=lambda line: None)
+    timing = int8_speed([tmp_path / "pruned.int8.onnx"], records, 32, say=lambda line: None)
     timed = {path.name: n for (path, batch), n in CountingRunner.calls.items() if batch == 32}
-    assert timed == {"pruned.onnx": 3, "pruned.int8.onnx": 3}
+    assert timed == {"pruned.int8.onnx": 3}
     assert timing["method"]["min_iters"] == 3 and records[0]["speed"]["p50_ms"] > 0
 
 
@@ -292,12 +292,12 @@ def test_the_baseline_row_appears_in_the_summary_beside_dense_and_pruned(vits, t
     baseline = records[-1]
     assert baseline["int8_baseline"]["what"].startswith("onnxruntime.quantization.quantize_dynamic(dense.onnx")
     assert baseline["speed"]["vs_baseline"] == 1.0 and records[1]["speed"]["vs_baseline"] == 2.0
-    assert records[1]["speed"]["vs_dense_fp32"] == 4.0
+    assert "vs_dense_fp32" not in records[1]["speed"]  # FP32 graphs are bench's to time
     summary = format_summary({"onnx": records, "engines": [], "engines_skipped": None})
     assert "baseline.int8.onnx (quantize-only baseline)" in summary and "vs quantize-only" in summary
     pruned_row = next(line for line in summary.splitlines() if line.startswith("pruned.int8.onnx"))
     assert pruned_row.split()[-2:] == ["10.0", "2.00x"]
-    assert "dense.onnx 40.0 ms" in summary.splitlines()[-1]
+    assert "baseline.int8.onnx 20.0 ms" in summary.splitlines()[-1] and "dense.onnx" not in summary.splitlines()[-1]
     flipped = [r | {"verify": r["verify"] | {"top1": 0.0}} if r["file"] == "pruned.int8.onnx" else r for r in records]
     summary = format_summary({"onnx": flipped, "engines": [], "engines_skipped": None})  # issue 50, item 11
     assert "top-1 below 1.00 (pruned.int8.onnx): " in summary and "reported, never gated" in summary
@@ -479,29 +479,21 @@ def test_static_races_as_its_stand_in_and_calibrates_on_everything_only_when_gat
         assert choice["chosen"] == "dynamic" and static["passed"] is None and full == []  # never calibrated in full
 
 
-@pytest.mark.parametrize("static_ms", [9.8, 9.0])
-def test_a_stand_in_is_calibrated_in_full_only_where_it_leads_a_ready_candidate_by_more_than_the_margin(
-    vits, tmp_path, monkeypatch, static_ms
-):
-    """Issue 49: dense deit_small's static stand-in led the race by 1.5%; its 256-image calibration then ran (the INT8
-    step's longest part) and its graph came last of five when timed exhaustively. A lead inside
-    ``STAND_IN_MARGIN`` goes to the candidate ready to ship; a larger one still buys the calibration."""
+def test_a_stand_in_that_leads_the_race_by_any_margin_is_calibrated_in_full_and_chosen(vits, tmp_path, monkeypatch):
+    """A stand-in 2% ahead is calibrated and gated first: the race (``RACE``) resolves what three calls could not,
+    and holding static to a 3% lead (the old ``STAND_IN_MARGIN``) picked deit_small's pruned INT8 4.5% slower than
+    the exhaustive choice on the quiet Intel machine."""
     full = []
     monkeypatch.setattr(
         int8_recipes, "quantize_verified", lambda *a, **k: full.append(a[2]) or quantize_verified(*a, **k)
     )
     src = _copy(vits["pruned"], tmp_path)
-    timer = FakeTimer({"static": static_ms, "dynamic": 10.0, "dynamic (fused)": 20.0})
+    timer = FakeTimer({"static": 9.8, "dynamic": 10.0, "dynamic (fused)": 20.0})
     record = choose_int8(src, tmp_path / "pruned.int8.onnx", _job(), ("static", "dynamic"), 4, timer)
     choice = record["int8_recipe"]
     static = next(c for c in choice["candidates"] if c["recipe"] == "static")
-    assert choice["timing"]["stand_in_margin"] == int8_recipes.STAND_IN_MARGIN == 0.03
-    if static_ms == 9.8:  # 2.0% faster: inside the margin
-        assert choice["chosen"] == "dynamic" and static["passed"] is None and full == []
-        assert "static raced 2.0% faster as its stand-in, inside the 3%" in choice["why"]
-    else:  # 11% faster
-        assert choice["chosen"] == "static" and static["passed"] and len(full) == 1
-        assert "as its stand-in" not in choice["why"]
+    assert choice["chosen"] == "static" and static["passed"] and len(full) == 1
+    assert "stand_in_margin" not in choice["timing"] and "as its stand-in" not in choice["why"]
 
 
 def test_a_stand_in_whose_real_graph_differs_is_raced_again_with_the_candidates_left(vits, tmp_path, monkeypatch):
