@@ -58,7 +58,7 @@ def prune(out: str | None, overwrite: bool, **kwargs: Any) -> None:
     started = time.perf_counter()
     config = prune_config(kwargs.pop("pruning"), kwargs["latency"])
     out = out_path(out, kwargs["model"], config, overwrite)
-    run = pruned(config, **kwargs, transformers=True)
+    run = pruned(config, **kwargs, transformers=True, out=out)
     if run is None:  # a data-parallel rank other than 0: its shard is merged, rank 0 writes
         return
     path = api.save(run.result, out, run.name, run.args, weights=run.weights, overwrite=overwrite)
@@ -97,6 +97,7 @@ def pruned(
     transformers: bool = False,
     latency_rounds: int | None = None,
     rewrites: tuple[str, ...] | None = None,
+    out: str | Path | None = None,
     **flags: Any,
 ) -> Pruned | None:
     """Validate the flags, then build, calibrate, prune ``config`` (``options.prune_config``; its calibration step
@@ -130,6 +131,8 @@ def pruned(
     got = inputs(
         **flags, dist_timeout=dist_timeout, hold_out=config.heldout_images, transformers=transformers, onload=on is None
     )
+    if out is not None and got.world.is_main and (short := onload.disk_shortfall(got.net, out)):
+        say(short)
     table = (
         None
         if on is None

@@ -208,7 +208,9 @@ def prune_export(
         data = int8_data(source, *counts, seed, workers, feeds)
     plan = _export_plan(prune_args["model"], INT4.name in precisions_, decoder)  # before the model and data load
     rounds = latency_rounds if prune_args["latency"]["latency_on"] is not None else None
-    run = pruned(config, **prune_args, keep_dense=True, transformers=True, latency_rounds=rounds, rewrites=rewrites_)
+    run = pruned(
+        config, **prune_args, keep_dense=True, transformers=True, latency_rounds=rounds, rewrites=rewrites_, out=out
+    )
     if run is None:
         return
     prune_seconds = time.perf_counter() - started  # the model, the data, any latency table, the prune, a recovery

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import tempfile
 import weakref
 from collections.abc import Iterator
@@ -29,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from corp_deploy.base.errors import CorpError
+from corp_deploy.base.memory import gib
 from corp_deploy.families.registry import adapter_for
 
 _ONLOADERS: weakref.WeakKeyDictionary[nn.Module, Onloader] = weakref.WeakKeyDictionary()
@@ -221,6 +224,35 @@ def release(model: nn.Module) -> None:
     onloader = of(model)
     if onloader is not None:
         onloader.release()
+
+
+def disk_shortfall(model: nn.Module, out: str | Path) -> str | None:
+    """The one line to say before the walk when the disks may not take what an onloaded ``model``'s prune writes
+    (None when they will, or when nothing is onloaded): its pruned blocks, kept in the store (``TMPDIR``) until the
+    save, then the artifact beside them under ``out``, each at most the dense model's float32 size (pruning only
+    shrinks them; by how much is known after the walk), both at once where they share a disk. A warning, not a
+    refusal: the bound is the dense size, and a full disk later is still one line (``drop``, ``fsio.staged``)."""
+    onloader = of(model)
+    if onloader is None:
+        return None
+    size = torch.empty((), dtype=onloader.dtype).element_size()
+    store = sum(p.numel() for block in onloader.blocks for p in block.parameters()) * size
+    artifact = store + onloader.held_bytes() - onloader.block_bytes()  # the blocks and everything outside them
+    tmp, dest = Path(tempfile.gettempdir()), Path(out).absolute()
+    while not dest.exists():
+        dest = dest.parent
+    same = os.stat(tmp).st_dev == os.stat(dest).st_dev
+    needs = {tmp: store + artifact} if same else {tmp: store, dest: artifact}
+    short = {where: (need, shutil.disk_usage(where).free) for where, need in needs.items()}
+    short = {where: (need, free) for where, (need, free) in short.items() if free < need}
+    if not short:
+        return None
+    room = "; ".join(f"{where}: up to {gib(need)} needed, {gib(free)} free" for where, (need, free) in short.items())
+    return (
+        f"disk: the pruned blocks wait in {tmp} (TMPDIR, up to {gib(store)}) until the artifact is written to "
+        f"{dest} (up to {gib(artifact)}): {room}; the prune may run out of disk: free space, set TMPDIR to a disk "
+        "with room or choose another --out"
+    )
 
 
 def _checkpoint_names(model: nn.Module, tied: set[str], files: dict[str, Path]) -> dict[str, str]:

@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="text models need transformers (pip install '.[text]')")
 
-from helpers import padded_batches, run, tiny_bert, tiny_text_folder, token_batches  # noqa: E402
+from helpers import padded_batches, run, tiny_bert, tiny_llama_folder, tiny_text_folder, token_batches  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from corp_deploy import api  # noqa: E402
@@ -331,3 +331,32 @@ def test_a_hub_name_is_onloaded_from_its_snapshot_and_refused_by_size_before_loa
     with pytest.raises(api.CorpError, match="this run needs about .* of host memory") as info:
         hub.load(name, onload=True)
     assert "\n" not in str(info.value)
+
+
+def test_a_disk_that_may_not_take_the_store_and_the_artifact_is_said_before_the_walk(tmp_path: Path, monkeypatch):
+    """The 7B shape's prune writes ~22 GB of pruned blocks to TMPDIR and as much again as its artifact, after half an
+    hour of work: where the disks have less than the dense float32 bound free, one line says so before the walk
+    (and a prune that then fills the disk still ends in one line)."""
+    folder = FOLDERS["llama"](tmp_path)
+    model, _ = hub.load(str(folder), onload=True)
+    loader = onload.of(model)
+    store = sum(p.numel() * 4 for block in loader.blocks for p in block.parameters())
+    artifact = store + loader.held_bytes() - loader.block_bytes()
+    assert artifact == sum(p.numel() * 4 for n, p in model.named_parameters() if n not in loader.tied)
+    free = {"bytes": store + artifact}
+    monkeypatch.setattr(onload, "shutil", SimpleNamespace(disk_usage=lambda where: SimpleNamespace(free=free["bytes"])))
+    assert onload.disk_shortfall(model, tmp_path / "out") is None  # room for both on one disk
+    free["bytes"] -= 1
+    line = onload.disk_shortfall(model, tmp_path / "out")
+    assert line.startswith("disk: the pruned blocks wait in ") and f"up to {memory.gib(store)})" in line
+    assert "may run out of disk" in line and "TMPDIR" in line and "\n" not in line
+    assert onload.disk_shortfall(hub.load(str(folder))[0], tmp_path / "out") is None  # resident: nothing to store
+
+
+def test_the_prune_command_says_the_disk_shortfall_and_still_prunes(tmp_path: Path, monkeypatch, capsys) -> None:
+    folder, text = tiny_llama_folder(tmp_path / "src")
+    monkeypatch.setattr(onload, "shutil", SimpleNamespace(disk_usage=lambda where: SimpleNamespace(free=1)))
+    args = ["prune", str(folder), "--calib-dir", str(text), "--num-calib", "8", "--seq-len", "16", "--sparsity", "0.5"]
+    code, out, err = run([*args, "--target", "mlp", "--out", str(tmp_path / "p")], capsys)
+    assert code == 0, err
+    assert "disk: the pruned blocks wait in" in out and (tmp_path / "p" / "corp.json").is_file()
